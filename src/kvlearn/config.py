@@ -1,0 +1,112 @@
+"""Dataclass configs, validated on creation.
+
+Every config raises :class:`kvlearn.errors.KVLearnError` with a one-line message naming the bad value and the
+valid range, so bad input never reaches torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import check
+
+
+def _check_int(name: str, value, low: int, high: float = math.inf, hint: str = "") -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+    bound = f">= {low}" if high == math.inf else f"in [{low}, {int(high)}]"
+    check(ok, f"{name}={value!r} is invalid: expected an integer {bound}{hint}")
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """StreamingLLM: keep ``sinks`` first tokens and a window of the ``budget - sinks`` most recent ones.
+
+    ``context`` (optional) is the evaluation context; when given, the budget must be below it (else nothing
+    is compressed).
+    """
+
+    budget: int
+    sinks: int = 4
+    context: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("sinks", self.sinks, 0)
+        _check_int("budget", self.budget, self.sinks + 1, hint=f" (budget must exceed sinks={self.sinks} so the window is non-empty)")
+        if self.context is not None:
+            _check_int("context", self.context, 1)
+            check(
+                self.budget < self.context,
+                f"budget={self.budget} is invalid: expected sinks + 1 = {self.sinks + 1} <= budget < context = {self.context}",
+            )
+
+    @property
+    def window(self) -> int:
+        """Number of most recent tokens kept (the query itself included)."""
+        return self.budget - self.sinks
+
+
+@dataclass(frozen=True)
+class KVpopConfig:
+    """KVpop retention: ``sinks`` + protected ``window`` + learned ``topk`` older tokens per KV head.
+
+    budget ``B = sinks + window + topk``. ``decay_min``/``decay_max`` bound the learned per-head decay
+    ``gamma_h`` (Eq. 21 of the KVpop paper): ``0 < decay_min <= decay_max < 1``. ``decay_step`` is the step
+    size ``n`` of Eq. 5; only ``n = 1`` gives static priorities (appendix B.3) and is supported by the cache.
+    """
+
+    sinks: int = 4
+    window: int = 256
+    topk: int = 2016
+    decay_min: float = 0.999
+    decay_max: float = 0.999999
+    decay_step: int = 1
+    scorer: str = "mlstm"
+    delayed_readout: bool = True
+    target_eps: float = 1e-6
+    target_aggregation: str = "max"
+    target_count_normalize: bool = True
+    loss_temperature: float = 1.0
+    margin_weighting: bool = True
+    margin_min_weight: float = 0.1
+    margin_temperature: float = 1.0
+    balance: bool = True
+    balance_clip: tuple[float, float] = (0.2, 5.0)
+
+    SCORERS = ("linear", "mlp", "mlstm")
+    AGGREGATIONS = ("max", "mean")
+
+    def __post_init__(self) -> None:
+        _check_int("sinks", self.sinks, 0)
+        _check_int("window", self.window, 1, hint=" (the protected window must hold at least the query itself)")
+        _check_int("topk", self.topk, 0)
+        _check_int("decay_step", self.decay_step, 1)
+        for name in ("decay_min", "decay_max"):
+            v = getattr(self, name)
+            check(
+                isinstance(v, (int, float)) and 0.0 < float(v) < 1.0,
+                f"{name}={v!r} is invalid: expected a decay factor in the open interval (0, 1)",
+            )
+        check(
+            self.decay_min <= self.decay_max,
+            f"decay_min={self.decay_min} > decay_max={self.decay_max}: expected 0 < decay_min <= decay_max < 1",
+        )
+        check(self.scorer in self.SCORERS, f"scorer={self.scorer!r} is unknown: expected one of {', '.join(self.SCORERS)}")
+        check(
+            self.target_aggregation in self.AGGREGATIONS,
+            f"target_aggregation={self.target_aggregation!r} is unknown: expected one of {', '.join(self.AGGREGATIONS)}",
+        )
+        check(self.target_eps > 0, f"target_eps={self.target_eps!r} is invalid: expected > 0")
+        check(self.loss_temperature > 0, f"loss_temperature={self.loss_temperature!r} is invalid: expected > 0")
+        check(
+            0.0 <= self.margin_min_weight <= 1.0,
+            f"margin_min_weight={self.margin_min_weight!r} is invalid: expected a weight in [0, 1]",
+        )
+        check(self.margin_temperature > 0, f"margin_temperature={self.margin_temperature!r} is invalid: expected > 0")
+        lo, hi = self.balance_clip
+        check(0 < lo <= hi, f"balance_clip={self.balance_clip!r} is invalid: expected 0 < c_min <= c_max")
+
+    @property
+    def budget(self) -> int:
+        """Per-head KV budget ``B = s + w + k``."""
+        return self.sinks + self.window + self.topk

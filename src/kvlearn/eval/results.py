@@ -1,0 +1,73 @@
+"""Results files (schema ``kvlearn.results.v1``): every number in the docs comes from one of these."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+SCHEMA = "kvlearn.results.v1"
+
+
+def git_commit(cwd: str | os.PathLike | None = None) -> str:
+    """The checked-out commit, with ``+dirty`` when tracked files differ from it; ``"unknown"`` outside git."""
+    cwd = cwd or Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("KVLEARN_COMMIT", "unknown")
+
+
+def device_name(device: str | None = None) -> str:
+    """A human-readable device description, e.g. ``"NVIDIA H200"`` or ``"cpu (x86_64, 2 threads)"``."""
+    import torch
+
+    if (device is None or str(device).startswith("cuda")) and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def command_line() -> str:
+    """The command that is running, as typed (``kvlearn ...`` or ``python script.py ...``)."""
+    prog = os.path.basename(sys.argv[0])
+    if prog in ("kvlearn", "__main__.py"):
+        prog = "kvlearn"
+    else:
+        prog = "python " + sys.argv[0]
+    return " ".join([prog] + [shlex.quote(a) for a in sys.argv[1:]])
+
+
+def make_results(kind: str, rows: list[dict], device: str | None = None, command: str | None = None, **fields) -> dict:
+    """Assemble a results dict with the provenance fields every file carries."""
+    return {
+        "schema": SCHEMA,
+        "kind": kind,
+        "command": command or command_line(),
+        "commit": fields.pop("commit", None) or git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": device_name(device),
+        **fields,
+        "rows": rows,
+    }
+
+
+def write_results(path: str | os.PathLike, results: dict) -> Path:
+    """Write ``results`` as indented JSON (creating parent folders); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return path
+
+
+def read_results(path: str | os.PathLike) -> dict:
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {data.get('schema')!r} is not {SCHEMA!r}")
+    return data

@@ -1,0 +1,133 @@
+"""What every method shares to sit inside a Hugging Face model.
+
+- :data:`SUPPORTED_MODEL_TYPES`: the decoder families whose attention calls ``past_key_values.update`` then the
+  registered attention function with ``[batch, heads, seq, head_dim]`` tensors (Qwen3, Qwen2, Llama, Mistral).
+- :func:`attach`: registers the ``"kvlearn"`` attention function with transformers' ``AttentionInterface`` (and a
+  mask function with ``AttentionMaskInterface``), switches the model to it and adds one forward pre-hook to the
+  top-level model. Nothing is patched globally and nothing is stored on modules between calls: the hook only hands
+  the padding mask of each forward to the kvlearn cache passed in ``past_key_values`` and passes that cache on to
+  the attention function as the keyword ``kvlearn_cache``.
+- :func:`kvlearn_attention`: with a kvlearn cache it attends over the keys the cache returned under the cache's
+  visibility mask; without one (training, dense evaluation, a plain ``DynamicCache``) it is transformers' SDPA
+  attention unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from .cache import CompactCache
+from .errors import KVLearnError, check
+
+ATTENTION_NAME = "kvlearn"
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+
+
+def check_supported(model) -> None:
+    """Raise a one-line error unless ``model`` is a decoder of a supported family with full attention only."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    check(
+        model_type in SUPPORTED_MODEL_TYPES,
+        f"model type {model_type!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}",
+    )
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    other = sorted(set(layer_types) - {"full_attention"})
+    check(not other, f"layer types {other} are not supported: kvlearn compresses full-attention layers only")
+
+
+def register_attention() -> None:
+    """Register the ``"kvlearn"`` attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, kvlearn_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _route_cache_hook(module, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, CompactCache):
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    ref = ids if ids is not None else embeds
+    check(ref is not None, "a kvlearn cache needs input_ids or inputs_embeds passed by keyword")
+    cache.begin_forward(kwargs.get("attention_mask"), ref.shape[0], ref.shape[1], ref.device)
+    kwargs = dict(kwargs)
+    kwargs["kvlearn_cache"] = cache
+    return args, kwargs
+
+
+def attach(model):
+    """Make ``model`` able to run with kvlearn caches (and keep running normally without them). Returns ``model``."""
+    check_supported(model)
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    if not any(h is _route_cache_hook for h in model._forward_pre_hooks.values()):
+        model.register_forward_pre_hook(_route_cache_hook, with_kwargs=True)
+    return model
+
+
+def kvlearn_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    kvlearn_cache: CompactCache | None = None,
+    **kwargs,
+):
+    """Attention over a compact cache.
+
+    Args:
+        query: ``[batch, q_heads, q, head_dim]`` (after RoPE).
+        key, value: ``[batch, kv_heads, kv, head_dim]`` as returned by the cache's ``update``.
+        attention_mask: transformers' mask, used only without a kvlearn cache.
+    Returns:
+        ``(out [batch, q, q_heads, head_dim], None)``.
+    """
+    if kvlearn_cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    step = kvlearn_cache.step
+    layer = kvlearn_cache.layers[module.layer_idx]
+    mask = layer.visibility_mask(step.positions)  # [batch, P, q, kv]
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    if mask.shape[1] == 1:  # one mask for every head: expand K/V to the query heads (keeps the fused masked kernel)
+        g = hq // hkv
+        if g > 1:
+            key = key[:, :, None].expand(b, hkv, g, *key.shape[2:]).reshape(b, hq, *key.shape[2:])
+            value = value[:, :, None].expand(b, hkv, g, *value.shape[2:]).reshape(b, hq, *value.shape[2:])
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    else:  # per-KV-head masks: fold each group's query heads into the query axis
+        g = hq // hkv
+        qf = query.reshape(b, hkv, g * q, d)
+        mf = mask[:, :, None].expand(b, hkv, g, q, mask.shape[-1]).reshape(b, hkv, g * q, mask.shape[-1])
+        out = F.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scaling).reshape(b, hq, q, -1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """Load a causal LM checkpoint from a local directory, with clear errors for a missing path or a bad family."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.fspath(path)
+    check(os.path.isdir(path), f"model path {path!r} does not exist or is not a directory: expected a checkpoint folder")
+    check(
+        os.path.isfile(os.path.join(path, "config.json")),
+        f"model path {path!r} has no config.json: expected a transformers checkpoint folder",
+    )
+    config = AutoConfig.from_pretrained(path)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise KVLearnError(
+            f"model type {model_type!r} at {path!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
+    return model.to(device).eval()

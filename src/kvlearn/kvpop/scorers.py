@@ -1,0 +1,366 @@
+"""KVpop importance scorers: one small learned model per KV head, fed with the cached key and value of a token.
+
+Every scorer sees ``x_t = [k_t; v_t]`` (``[B, Hkv, T, 2D]``), *detached* from the backbone and cast to float32,
+and returns raw scores ``[B, Hkv, T]`` in float32. Parameters are per KV head and are also used in float32
+whatever dtype the module was cast to.
+
+Contract shared by all scorers (what the cache and the training loop rely on):
+
+- ``forward(key, value) -> scores [B, H, T]``: training / full-sequence scoring.
+- ``readout_delay``: ``u = t - readout_delay`` is the token whose score becomes *final* when token ``t`` arrives.
+  0 for the stateless scorers and for the immediate mLSTM readout, ``window`` for the delayed mLSTM readout.
+- ``prefill(key, value) -> (scores [B, H, T], state)``: the same scores as ``forward``; the last
+  ``readout_delay`` of them are *provisional* (see :class:`MLSTMScorer`). ``state`` continues into ``step``.
+- ``init_state(batch, device)``: the state before any token (``None`` for stateless scorers).
+- ``step(key_t, value_t, key_u=None, value_u=None, state=None) -> (score_u [B, H] | None, state)``: token ``t``
+  arrives; returns the final score of ``u = t - readout_delay``. With ``readout_delay > 0`` the caller passes
+  the cached key/value of ``u`` (still inside the protected window), or ``None`` while ``u < 0`` (then the
+  score is ``None``). With ``readout_delay == 0`` ``key_u``/``value_u`` must be ``None``: ``u`` is ``t``.
+- ``num_parameters_per_head()`` and ``state_bytes_per_head()`` for the overhead accounting.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvlearn.errors import check
+from kvlearn.ops.mlstm import MLSTMState, mlstm_chunkwise, mlstm_readout, mlstm_step, mlstm_zero_state
+
+__all__ = ["KVScorer", "LinearScorer", "MLPScorer", "MLSTMScorer", "hedgehog"]
+
+
+def _check_pos_int(name: str, value, low: int = 1) -> None:
+    check(
+        isinstance(value, int) and not isinstance(value, bool) and value >= low,
+        f"{name}={value!r} is invalid: expected an integer >= {low}",
+    )
+
+
+def hedgehog(y: Tensor) -> Tensor:
+    """Hedgehog feature map ``φ(y) = [softmax(y); softmax(-y)]`` over the last dim: ``[..., d] -> [..., 2d]``."""
+    return torch.cat([torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)], dim=-1)
+
+
+class KVScorer(nn.Module):
+    """Base class: input validation, ``x = [k; v]`` in float32 (detached), and the stateless decode contract."""
+
+    readout_delay: int = 0
+
+    def __init__(self, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        _check_pos_int("num_kv_heads", num_kv_heads)
+        _check_pos_int("head_dim", head_dim)
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    # -- inputs ---------------------------------------------------------------------------------------------
+    def _x(self, key: Tensor, value: Tensor, ndim: int = 4, names: tuple[str, str] = ("key", "value")) -> Tensor:
+        """``[B,H,T,D]`` (or ``[B,H,D]`` with ndim=3) key and value -> detached float32 ``x = [k; v]``."""
+        layout = "[batch, kv_heads, seq, head_dim]" if ndim == 4 else "[batch, kv_heads, head_dim]"
+        for name, t in zip(names, (key, value)):
+            check(isinstance(t, Tensor), f"{name} is {type(t).__name__}: expected a torch.Tensor {layout}")
+            check(t.is_floating_point(), f"{name}.dtype={t.dtype} is invalid: expected a floating-point tensor")
+            check(t.dim() == ndim, f"{name}.shape={tuple(t.shape)} is invalid: expected {layout}")
+            check(
+                t.shape[1] == self.num_kv_heads and t.shape[-1] == self.head_dim,
+                f"{name}.shape={tuple(t.shape)} is invalid: expected kv_heads={self.num_kv_heads} and "
+                f"head_dim={self.head_dim} in {layout}",
+            )
+        check(
+            key.shape == value.shape,
+            f"{names[1]}.shape={tuple(value.shape)} differs from {names[0]}.shape={tuple(key.shape)}: expected equal shapes",
+        )
+        check(value.device == key.device, f"{names[1]}.device={value.device} differs from {names[0]}.device={key.device}")
+        if ndim == 4:
+            check(key.shape[2] >= 1, f"{names[0]}.shape={tuple(key.shape)} has seq=0: expected at least one token")
+        return torch.cat([key.detach(), value.detach()], dim=-1).float()
+
+    def _param(self, p: Tensor) -> Tensor:
+        return p.float()
+
+    # -- decode contract (stateless default) ----------------------------------------------------------------
+    @property
+    def stateful(self) -> bool:
+        return False
+
+    def init_state(self, batch: int, device: torch.device | str | None = None):
+        """State before the first token (``None``: stateless)."""
+        _check_pos_int("batch", batch)
+        return None
+
+    def prefill(self, key: Tensor, value: Tensor):
+        """Scores of a prompt ``[B, H, T]`` and the state after it (``None``: stateless)."""
+        return self(key, value), None
+
+    def step(self, key_t: Tensor, value_t: Tensor, key_u: Tensor | None = None, value_u: Tensor | None = None, state=None):
+        """Token ``t`` (``[B, H, D]``) arrives; a stateless scorer scores it at once: returns ``(score_t [B,H], None)``."""
+        check(
+            key_u is None and value_u is None,
+            "key_u/value_u given to a scorer with readout_delay=0: expected None (the scored token is t itself)",
+        )
+        x = self._x(key_t, value_t, ndim=3, names=("key_t", "value_t"))
+        return self._score_x(x.unsqueeze(2)).squeeze(2), None
+
+    def forward(self, key: Tensor, value: Tensor) -> Tensor:
+        """Raw scores ``[B, H, T]`` float32 of key/value ``[B, H, T, D]`` (inputs detached)."""
+        return self._score_x(self._x(key, value))
+
+    def _score_x(self, x: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- accounting -----------------------------------------------------------------------------------------
+    def num_parameters_per_head(self) -> int:
+        """Learned parameters per KV head (all parameters are per head)."""
+        return sum(p.numel() for p in self.parameters()) // self.num_kv_heads
+
+    def state_bytes_per_head(self) -> int:
+        """Bytes of decode-time state per KV head and sequence (beyond the KV cache itself)."""
+        return 0
+
+
+class LinearScorer(KVScorer):
+    """``r̂_{h,t} = w_hᵀ [k_t; v_t] + b_h``: weight ``[H, 2D]``, bias ``[H]``.
+
+    ``zero_init=True`` (default) starts from a neutral ranking (all scores 0); otherwise the weight is drawn
+    like ``nn.Linear`` (uniform ±1/sqrt(2D)).
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, zero_init: bool = True) -> None:
+        super().__init__(num_kv_heads, head_dim)
+        self.weight = nn.Parameter(torch.zeros(num_kv_heads, 2 * head_dim))
+        self.bias = nn.Parameter(torch.zeros(num_kv_heads))
+        if not zero_init:
+            bound = 1.0 / math.sqrt(2 * head_dim)
+            nn.init.uniform_(self.weight, -bound, bound)
+
+    def _score_x(self, x: Tensor) -> Tensor:
+        return torch.einsum("bhtc,hc->bht", x, self._param(self.weight)) + self._param(self.bias)[:, None]
+
+
+class MLPScorer(KVScorer):
+    """Per-head two-layer MLP ``r̂ = w2ᵀ SiLU(W1ᵀ x + b1) + b2`` with ``x = [k; v]``.
+
+    ``hidden`` defaults to ``2 * head_dim`` (as wide as the input). ``W1 [H, 2D, hidden]`` is drawn like
+    ``nn.Linear``; the output layer ``w2 [H, hidden]``, ``b2 [H]`` is zero (neutral ranking at start) unless
+    ``zero_init=False``.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, hidden: int | None = None, zero_init: bool = True) -> None:
+        super().__init__(num_kv_heads, head_dim)
+        hidden = 2 * head_dim if hidden is None else hidden
+        _check_pos_int("hidden", hidden)
+        self.hidden = hidden
+        bound1 = 1.0 / math.sqrt(2 * head_dim)
+        self.w1 = nn.Parameter(torch.empty(num_kv_heads, 2 * head_dim, hidden).uniform_(-bound1, bound1))
+        self.b1 = nn.Parameter(torch.empty(num_kv_heads, hidden).uniform_(-bound1, bound1))
+        self.w2 = nn.Parameter(torch.zeros(num_kv_heads, hidden))
+        self.b2 = nn.Parameter(torch.zeros(num_kv_heads))
+        if not zero_init:
+            bound2 = 1.0 / math.sqrt(hidden)
+            nn.init.uniform_(self.w2, -bound2, bound2)
+
+    def _score_x(self, x: Tensor) -> Tensor:
+        hid = torch.einsum("bhtc,hcd->bhtd", x, self._param(self.w1)) + self._param(self.b1)[:, None]
+        return torch.einsum("bhtd,hd->bht", F.silu(hid), self._param(self.w2)) + self._param(self.b2)[:, None]
+
+
+def _fold_identity(d_in: int, d_out: int) -> Tensor:
+    """``[d_in, d_out]`` with ``W[j, j mod d_out] = 1``, columns scaled to unit norm (identity when equal)."""
+    w = torch.zeros(d_in, d_out)
+    w[torch.arange(d_in), torch.arange(d_in) % d_out] = 1.0
+    return w / w.norm(dim=0, keepdim=True).clamp_min(1.0)
+
+
+class MLSTMScorer(KVScorer):
+    """Stateful scorer: one mLSTM cell per KV head with a delayed readout.
+
+    Per head ``h`` and token ``t`` with ``x_t = [k_t; v_t]`` (``2D``):
+
+    - ``q̃_t = φ(W_q x_t)``, ``k̃_t = φ(W_k x_t)`` with ``W_q, W_k [2D, D/2]`` and the Hedgehog map φ
+      (so ``q̃, k̃`` have dim ``D``); ``ṽ_t = W_v x_t`` with ``W_v [2D, Dv]``, ``Dv = value_dim`` (default ``D/2``).
+    - gates ``ĩ_t = cap(x_t·w_i + b_i)``, ``f̃_t = cap(x_t·w_f + b_f)``, ``cap(z) = c·tanh(z/c)`` with
+      ``c = gate_softcap`` (``None``: no cap); ``i = exp(ĩ)``, ``f = σ(f̃)``; stabilised mLSTM state in float32.
+    - readout ``h_{u|q} = q̃_uᵀ C_q / max(|q̃_uᵀ n_q|, exp(-m_q))`` and score
+      ``r̂_u = aᵀ SiLU(Norm(h_{u|q})) + b``; Norm is a per-head RMSNorm when ``use_norm``.
+
+    ``delayed_readout=True`` reads token ``u`` at ``q = u + window`` (the state after token ``q``); tokens
+    ``u > T-1-window`` have no such state inside the sequence and are read from the final state at ``T-1``
+    (causal; they are still in the protected window at the end of the sequence, so those scores are
+    *provisional* and are replaced in decoding by ``step`` once token ``u + window`` arrives).
+    ``delayed_readout=False`` reads ``u`` at ``q = u`` (the ablation).
+
+    Initialisation (appendix E.5): ``W_q = W_k`` copy the key half of ``x`` folded to ``D/2`` dims
+    (``W[j, j mod D/2] = 1/sqrt(2)`` for the key rows, 0 for the value rows); ``W_v`` does the same from the value
+    half; ``w_i = w_f = 0``, ``b_i = 0`` (every token written with weight 1), ``b_f`` = linspace(3, 6) over heads
+    (``σ(3) = 0.95`` ... ``σ(6) = 0.9975``: memories of ~20 to ~400 tokens, kept early); ``a = 0``, ``b = 0``
+    (neutral ranking at start); RMSNorm weight 1.
+    """
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        window: int,
+        delayed_readout: bool = True,
+        use_norm: bool = False,
+        chunk_size: int = 64,
+        value_dim: int | None = None,
+        gate_softcap: float | None = 15.0,
+        forget_bias_range: tuple[float, float] = (3.0, 6.0),
+    ) -> None:
+        super().__init__(num_kv_heads, head_dim)
+        check(
+            head_dim % 2 == 0,
+            f"head_dim={head_dim} is invalid for MLSTMScorer: expected an even head_dim (Hedgehog halves it)",
+        )
+        _check_pos_int("window", window)
+        _check_pos_int("chunk_size", chunk_size)
+        check(isinstance(delayed_readout, bool), f"delayed_readout={delayed_readout!r} is invalid: expected True or False")
+        check(isinstance(use_norm, bool), f"use_norm={use_norm!r} is invalid: expected True or False")
+        value_dim = head_dim // 2 if value_dim is None else value_dim
+        _check_pos_int("value_dim", value_dim)
+        check(
+            gate_softcap is None or (isinstance(gate_softcap, (int, float)) and gate_softcap > 0),
+            f"gate_softcap={gate_softcap!r} is invalid: expected None or a number > 0",
+        )
+        lo, hi = forget_bias_range
+        check(lo <= hi, f"forget_bias_range={forget_bias_range!r} is invalid: expected (low, high) with low <= high")
+
+        self.window = window
+        self.delayed_readout = delayed_readout
+        self.readout_delay = window if delayed_readout else 0
+        self.use_norm = use_norm
+        self.chunk_size = chunk_size
+        self.value_dim = value_dim
+        self.gate_softcap = None if gate_softcap is None else float(gate_softcap)
+        self.feature_dim = head_dim  # Hedgehog doubles the D/2 projection
+        self.eps = 1e-6  # mLSTM readout eps (stabilised scale)
+        self.norm_eps = 1e-6
+
+        h, d, half = num_kv_heads, head_dim, head_dim // 2
+        w_qk = torch.zeros(2 * d, half)
+        w_qk[:d] = _fold_identity(d, half)
+        w_v = torch.zeros(2 * d, value_dim)
+        w_v[d:] = _fold_identity(d, value_dim)
+        self.w_q = nn.Parameter(w_qk.expand(h, -1, -1).clone())
+        self.w_k = nn.Parameter(w_qk.expand(h, -1, -1).clone())
+        self.w_v = nn.Parameter(w_v.expand(h, -1, -1).clone())
+        self.w_i = nn.Parameter(torch.zeros(h, 2 * d))
+        self.b_i = nn.Parameter(torch.zeros(h))
+        self.w_f = nn.Parameter(torch.zeros(h, 2 * d))
+        self.b_f = nn.Parameter(torch.linspace(float(lo), float(hi), h) if h > 1 else torch.full((1,), (lo + hi) / 2))
+        self.norm_weight = nn.Parameter(torch.ones(h, value_dim)) if use_norm else None
+        self.a = nn.Parameter(torch.zeros(h, value_dim))
+        self.b = nn.Parameter(torch.zeros(h))
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, window={self.window}, "
+            f"delayed_readout={self.delayed_readout}, use_norm={self.use_norm}, value_dim={self.value_dim}, "
+            f"gate_softcap={self.gate_softcap}, chunk_size={self.chunk_size}"
+        )
+
+    # -- pieces ---------------------------------------------------------------------------------------------
+    def _cap(self, z: Tensor) -> Tensor:
+        if self.gate_softcap is None:
+            return z
+        return self.gate_softcap * torch.tanh(z / self.gate_softcap)
+
+    def _query(self, x: Tensor) -> Tensor:
+        """``x [B,H,...,2D]`` -> ``q̃ [B,H,...,D]``."""
+        return hedgehog(torch.einsum("bh...c,hcd->bh...d", x, self._param(self.w_q)))
+
+    def _write(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``x [B,H,...,2D]`` -> ``k̃ [..,D]``, ``ṽ [..,Dv]``, ``ĩ [..]``, ``f̃ [..]``."""
+        k = hedgehog(torch.einsum("bh...c,hcd->bh...d", x, self._param(self.w_k)))
+        v = torch.einsum("bh...c,hcd->bh...d", x, self._param(self.w_v))
+        extra = x.dim() - 3
+        shape = (self.num_kv_heads,) + (1,) * extra
+        ig = torch.einsum("bh...c,hc->bh...", x, self._param(self.w_i)) + self._param(self.b_i).view(shape)
+        fg = torch.einsum("bh...c,hc->bh...", x, self._param(self.w_f)) + self._param(self.b_f).view(shape)
+        return k, v, self._cap(ig), self._cap(fg)
+
+    def _head(self, h: Tensor) -> Tensor:
+        """Readout ``h [B,H,...,Dv]`` -> score ``[B,H,...]``: ``aᵀ SiLU(Norm(h)) + b``."""
+        extra = h.dim() - 3
+        if self.use_norm:
+            h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.norm_eps)
+            h = h * self._param(self.norm_weight).view((self.num_kv_heads,) + (1,) * extra + (self.value_dim,))
+        shape = (self.num_kv_heads,) + (1,) * extra
+        return torch.einsum("bh...d,hd->bh...", F.silu(h), self._param(self.a)) + self._param(self.b).view(shape)
+
+    # -- full sequence --------------------------------------------------------------------------------------
+    def _run(self, key: Tensor, value: Tensor) -> tuple[Tensor, MLSTMState]:
+        x = self._x(key, value)
+        q, (k, v, ig, fg) = self._query(x), self._write(x)
+        t, w = x.shape[2], self.readout_delay
+        if w == 0:
+            h, state = mlstm_chunkwise(q, k, v, ig, fg, chunk_size=self.chunk_size, eps=self.eps)
+            return self._head(h), state
+        # delayed: the readout at time s uses q̃_{s-w} (zeros for s < w: nothing to read yet, discarded)
+        shift = min(w, t)
+        q_read = torch.cat([q.new_zeros(q.shape[:2] + (shift, q.shape[3])), q[:, :, : t - shift]], dim=2)
+        h_seq, state = mlstm_chunkwise(q_read, k, v, ig, fg, chunk_size=self.chunk_size, eps=self.eps)
+        h_final = h_seq[:, :, shift:]  # tokens u = 0 .. T-1-w, read at u + w
+        h_prov = mlstm_readout(q[:, :, t - shift :], state, eps=self.eps)  # u = T-w .. T-1, read at T-1
+        return self._head(torch.cat([h_final, h_prov], dim=2)), state
+
+    def forward(self, key: Tensor, value: Tensor) -> Tensor:
+        """Scores ``[B, H, T]`` float32; with the delayed readout the last ``window`` are provisional."""
+        return self._run(key, value)[0]
+
+    def prefill(self, key: Tensor, value: Tensor) -> tuple[Tensor, MLSTMState]:
+        """``forward``'s scores and the mLSTM state after the last token (to continue with ``step``)."""
+        return self._run(key, value)
+
+    # -- decoding -------------------------------------------------------------------------------------------
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def init_state(self, batch: int, device: torch.device | str | None = None) -> MLSTMState:
+        """Empty state: ``C [B,H,D,Dv]``, ``n [B,H,D]``, ``m [B,H]`` zeros (float32)."""
+        _check_pos_int("batch", batch)
+        return mlstm_zero_state(batch, self.num_kv_heads, self.feature_dim, self.value_dim, device)
+
+    def step(
+        self,
+        key_t: Tensor,
+        value_t: Tensor,
+        key_u: Tensor | None = None,
+        value_u: Tensor | None = None,
+        state: MLSTMState | None = None,
+    ) -> tuple[Tensor | None, MLSTMState]:
+        """Token ``t`` (``[B, H, D]``) updates the state; returns the final score ``[B, H]`` of ``u = t - readout_delay``.
+
+        Delayed readout: pass the cached key/value of ``u = t - window`` (``None`` while ``u < 0``: the score is
+        then ``None``). Immediate readout: ``key_u``/``value_u`` must be ``None`` (``u = t``).
+        ``state=None`` means the empty state.
+        """
+        x_t = self._x(key_t, value_t, ndim=3, names=("key_t", "value_t"))
+        if state is None:
+            state = self.init_state(x_t.shape[0], x_t.device)
+        if self.readout_delay == 0:
+            check(
+                key_u is None and value_u is None,
+                "key_u/value_u given with delayed_readout=False: expected None (the scored token is t itself)",
+            )
+            q = self._query(x_t)
+        elif key_u is None or value_u is None:
+            check(key_u is None and value_u is None, "only one of key_u/value_u given: expected both or neither")
+            q = None
+        else:
+            x_u = self._x(key_u, value_u, ndim=3, names=("key_u", "value_u"))
+            check(x_u.shape == x_t.shape, f"key_u.shape={tuple(key_u.shape)} differs from key_t.shape={tuple(key_t.shape)}")
+            q = self._query(x_u)
+        k, v, ig, fg = self._write(x_t)
+        h, new_state = mlstm_step(q if q is not None else torch.zeros_like(k), k, v, ig, fg, state, eps=self.eps)
+        return (self._head(h) if q is not None else None), new_state
+
+    def state_bytes_per_head(self) -> int:
+        """float32 ``C [D, Dv]`` + ``n [D]`` + ``m``: ``4·(D·Dv + D + 1)`` bytes per KV head and sequence."""
+        return 4 * (self.feature_dim * self.value_dim + self.feature_dim + 1)

@@ -1,0 +1,312 @@
+"""Future-attention target of KVpop by a transposed attention pass (paper Sec. 3.2, Eq. 2-3, 8-9; appendix D).
+
+For KV head ``h``, query head ``g`` of its group and token ``t`` the target is built from the mean future attention
+mass that ``t`` receives once it has left the protected window of ``w`` recent tokens::
+
+    log m̄[h,g,t] = LSE_{d : t + w <= d < S} ( ℓ[h,g](d, t) - LSE[h,g,d] )          (Eq. 31)
+    m[h,g,t]     = m̄[h,g,t] / N_t,   N_t = max(1, S - (t + w))                        (Eq. 2 / 16)
+    r[h,t]       = log(eps + Agg_g m[h,g,t])                                          (Eq. 3, 14, 15)
+
+where ``ℓ(d, t) = scale * <q_d, k_t>`` and ``LSE[h,g,d]`` is the log-normaliser of original query ``d`` (the dense
+causal one of Eq. 28 from :func:`causal_lse` gives the exact target; the sparse one of Eq. 9 returned by the
+student's sparse attention pass gives the approximate target of appendix D.3).
+
+The column-wise reduction of Eq. 31 is computed as attention with the roles swapped: the original keys are the
+queries, the original queries are the keys, a ``score_mod`` subtracts ``LSE[h,g,d]`` and a block mask keeps
+``d >= t + w``; the kernel's log-sum-exp output is ``log m̄``. The ``S x S`` probability matrix is never stored on
+the GPU path (compiled FlexAttention); the CPU path reduces in query chunks with plain float32 matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..errors import check
+
+__all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS"]
+
+BACKENDS = ("auto", "flex", "torch")
+AGGREGATIONS = ("max", "mean")
+
+# Bytes of float32 scores one chunk of the torch backend may hold at a time.
+_CHUNK_BYTES = 1 << 26
+
+try:  # torch >= 2.9 (both 2.11 and 2.13 have it); return_lse=True is the deprecated spelling
+    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    _AuxRequest = None
+
+_compiled_flex: Callable | None = None
+_block_mask_cache: "OrderedDict[tuple, object]" = OrderedDict()
+_BLOCK_MASK_CACHE_SIZE = 8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FlexAttention plumbing
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _flex_fn(device: torch.device) -> Callable:
+    """FlexAttention: compiled on CUDA (fused, nothing ``S x S`` stored), eager elsewhere (CPU has no fused kernel)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex_lse(query: Tensor, key: Tensor, value: Tensor, *, score_mod=None, block_mask=None, scale=None,
+             enable_gqa: bool = False) -> Tensor:
+    """Natural-log log-sum-exp of a FlexAttention call, float32 ``[batch, q_heads, q_len]``.
+
+    Works with both ways torch returns it: ``return_aux=AuxRequest(lse=True)`` (torch >= 2.9, used when present)
+    and the deprecated ``return_lse=True``. Both are natural logarithms in torch 2.11 and 2.13 (the kernels work
+    in base 2 and FlexAttention rescales by ``ln 2`` before returning). Rows with no unmasked key give ``-inf``.
+    """
+    fn = _flex_fn(query.device)
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    with warnings.catch_warnings():
+        # eager (CPU) flex warns that it is unfused; that is expected off-GPU
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")
+        if _AuxRequest is not None:
+            _, aux = fn(query, key, value, return_aux=_AuxRequest(lse=True), **kwargs)
+            lse = aux.lse
+        else:  # pragma: no cover - older torch
+            _, lse = fn(query, key, value, return_lse=True, **kwargs)
+    return lse.float()
+
+
+def _block_mask(kind: str, seq_len: int, window: int, device: torch.device):
+    """The (batch- and head-independent) BlockMask of the causal pass or of the transposed pass, cached."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (kind, seq_len, window, str(device))
+    if key in _block_mask_cache:
+        _block_mask_cache.move_to_end(key)
+        return _block_mask_cache[key]
+    if kind == "causal":
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+    else:  # transposed pass: transposed query t (original key) sees transposed key d (original query) iff d >= t + w
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx >= q_idx + window
+
+    mask = create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
+    _block_mask_cache[key] = mask
+    while len(_block_mask_cache) > _BLOCK_MASK_CACHE_SIZE:
+        _block_mask_cache.popitem(last=False)
+    return mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    check(backend in BACKENDS, f"backend={backend!r} is unknown: expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "torch"
+    return backend
+
+
+def _check_qk(query, key) -> tuple[int, int, int, int, int]:
+    check(isinstance(query, Tensor) and query.dim() == 4,
+          f"query shape={tuple(getattr(query, 'shape', ()))} is invalid: expected [batch, q_heads, seq, head_dim]")
+    check(isinstance(key, Tensor) and key.dim() == 4,
+          f"key shape={tuple(getattr(key, 'shape', ()))} is invalid: expected [batch, kv_heads, seq, head_dim]")
+    check(query.is_floating_point() and key.is_floating_point(),
+          f"query/key dtype={query.dtype}/{key.dtype} is invalid: expected floating point tensors")
+    check(query.device == key.device, f"key device={key.device} differs from query device={query.device}")
+    b, hq, s, d = query.shape
+    check(key.shape[0] == b and key.shape[2] == s and key.shape[3] == d,
+          f"key shape={tuple(key.shape)} does not match query shape={tuple(query.shape)}: "
+          "expected the same batch, seq and head_dim")
+    hkv = key.shape[1]
+    check(hkv >= 1 and hq % hkv == 0,
+          f"q_heads={hq} is invalid for kv_heads={hkv}: expected a multiple of kv_heads (grouped-query attention)")
+    check(s >= 1, f"seq={s} is invalid: expected >= 1")
+    return b, hq, hkv, s, d
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
+          f"scale={scale!r} is invalid: expected a finite float > 0 (or None for 1/sqrt(head_dim))")
+    return float(scale)
+
+
+def _work_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _chunk(batch: int, heads: int, seq: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * batch * heads * seq))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Causal LSE (Eq. 28)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def causal_lse(query: Tensor, key: Tensor, scale: float | None = None, *, backend: str = "auto") -> Tensor:
+    """Exact dense causal log-normaliser ``LSE[b, i, d] = log sum_{t <= d} exp(scale * <q_d, k_t>)`` (Eq. 28).
+
+    Args:
+        query: ``[batch, q_heads, seq, head_dim]`` (post-RoPE, as used by attention).
+        key: ``[batch, kv_heads, seq, head_dim]``; query head ``i`` uses kv head ``i // (q_heads // kv_heads)``.
+        scale: logit scale, default ``1 / sqrt(head_dim)``.
+        backend: ``"auto"`` (compiled FlexAttention on CUDA, chunked matmul elsewhere), ``"flex"`` or ``"torch"``.
+
+    Returns:
+        ``[batch, q_heads, seq]`` float32, natural log. Computed without autograd.
+    """
+    b, hq, hkv, s, d = _check_qk(query, key)
+    scale = _check_scale(scale, d)
+    backend = _resolve_backend(backend, query.device)
+    with torch.no_grad():
+        if backend == "flex":
+            mask = _block_mask("causal", s, 0, query.device)
+            return flex_lse(query, key, key, block_mask=mask, scale=scale, enable_gqa=hkv != hq)
+        g = hq // hkv
+        dt = _work_dtype(query)
+        q = query.to(dt).reshape(b, hkv, g, s, d)
+        k = key.to(dt)
+        out = torch.empty(b, hkv, g, s, dtype=torch.float32, device=query.device)
+        pos = torch.arange(s, device=query.device)
+        step = _chunk(b, hq, s)
+        for lo in range(0, s, step):
+            hi = min(s, lo + step)
+            logits = torch.einsum("bhgcd,bhtd->bhgct", q[:, :, :, lo:hi], k[:, :, :hi]) * scale
+            keep = pos[:hi][None, :] <= pos[lo:hi][:, None]  # [chunk, hi]
+            logits = logits.masked_fill(~keep, -math.inf)
+            out[..., lo:hi] = torch.logsumexp(logits, dim=-1).float()
+        return out.reshape(b, hq, s)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Future-attention target (Eq. 2-3, 8, 13-17, 31-33)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _future_log_mass_flex(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float) -> Tensor:
+    """``log m̄`` per query head by the transposed FlexAttention pass, ``[batch, q_heads, seq]`` float32."""
+    b, hq, s, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    # Transposed queries: the original keys, one copy per query head of the group (head i <- kv head i // g).
+    t_query = key.unsqueeze(2).expand(b, hkv, g, s, d).reshape(b, hq, s, d)
+    t_key = query.contiguous()
+    lse32 = lse.contiguous()
+
+    def score_mod(score, bi, hi, q_idx, kv_idx):
+        # score = scale * <k_t, q_d> = ℓ(d, t); subtract the original query's normaliser (Eq. 33)
+        return score - lse32[bi, hi, kv_idx]
+
+    mask = _block_mask("future", s, window, query.device)
+    # The value output is unused: pass the transposed keys themselves (no extra memory).
+    return flex_lse(t_query, t_key, t_key, score_mod=score_mod, block_mask=mask, scale=scale)
+
+
+def _future_log_mass_torch(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float) -> Tensor:
+    """Same as :func:`_future_log_mass_flex` by chunked matmuls over original keys (memory ``O(chunk * S)``)."""
+    b, hq, s, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    dt = _work_dtype(query)
+    q = query.to(dt).reshape(b, hkv, g, s, d)
+    k = key.to(dt)
+    norm = lse.to(dt).reshape(b, hkv, g, 1, s)
+    out = torch.full((b, hkv, g, s), -math.inf, dtype=torch.float32, device=query.device)
+    pos = torch.arange(s, device=query.device)
+    last = s - window  # tokens t >= last have no future query d >= t + w
+    step = _chunk(b, hq, s)
+    for lo in range(0, max(last, 0), step):
+        hi = min(last, lo + step)
+        logits = torch.einsum("bhtd,bhgsd->bhgts", k[:, :, lo:hi], q) * scale - norm  # [b, hkv, g, chunk, S]
+        keep = pos[None, :] >= pos[lo:hi, None] + window
+        logits = logits.masked_fill(~keep, -math.inf)
+        out[..., lo:hi] = torch.logsumexp(logits, dim=-1).float()
+    return out.reshape(b, hq, s)
+
+
+def future_attention_target(
+    query: Tensor,
+    key: Tensor,
+    lse: Tensor,
+    window: int,
+    eps: float = 1e-6,
+    aggregation: str = "max",
+    count_normalize: bool = True,
+    scale: float | None = None,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    """KVpop future-attention target ``r[b, h, t] = log(eps + Agg_g m[b, h, g, t])`` (Eq. 2-3, appendix B/D).
+
+    Args:
+        query: ``[batch, q_heads, seq, head_dim]`` the attention queries (post-RoPE), any float dtype (bf16 on GPU).
+        key: ``[batch, kv_heads, seq, head_dim]`` the attention keys; query head ``i`` belongs to kv head
+            ``i // (q_heads // kv_heads)``.
+        lse: ``[batch, q_heads, seq]`` float32 natural-log normaliser of each original query: the dense causal one
+            (:func:`causal_lse`, exact target) or the sparse one of the student's attention pass (Eq. 9/34,
+            approximate target). Every entry must be finite.
+        window: protected window ``w >= 1``: token ``t`` is counted from query ``d = t + w`` on.
+        eps: ``> 0``, added inside the log after count normalisation and aggregation.
+        aggregation: ``"max"`` (Eq. 14, paper default) or ``"mean"`` (probability-space mean, Eq. 15) over the
+            ``G = q_heads // kv_heads`` query heads sharing a KV head.
+        count_normalize: divide the mass by ``N_t = max(1, S - (t + w))`` (appendix B.2).
+        scale: logit scale, default ``1 / sqrt(head_dim)`` (pass the model's attention scaling).
+        backend: ``"auto"`` (compiled FlexAttention on CUDA, chunked matmul elsewhere), ``"flex"`` (compiled on
+            CUDA, eager on CPU) or ``"torch"`` (chunked matmul on any device).
+
+    Returns:
+        ``[batch, kv_heads, seq]`` float32, detached (a supervision target). Tokens with no future query
+        (``t > S - 1 - w``) get ``log(eps)``. Positions are ``0 .. seq-1`` of one (possibly packed) sequence.
+    """
+    b, hq, hkv, s, d = _check_qk(query, key)
+    check(isinstance(window, int) and not isinstance(window, bool) and window >= 1,
+          f"window={window!r} is invalid: expected an integer >= 1")
+    check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0,
+          f"eps={eps!r} is invalid: expected a finite float > 0")
+    check(aggregation in AGGREGATIONS, f"aggregation={aggregation!r} is unknown: expected one of {', '.join(AGGREGATIONS)}")
+    check(isinstance(lse, Tensor) and tuple(lse.shape) == (b, hq, s),
+          f"lse shape={tuple(getattr(lse, 'shape', ()))} is invalid: expected [batch, q_heads, seq] = {(b, hq, s)}")
+    check(lse.dtype == torch.float32, f"lse dtype={lse.dtype} is invalid: expected torch.float32")
+    check(lse.device == query.device, f"lse device={lse.device} differs from query device={query.device}")
+    scale = _check_scale(scale, d)
+    backend = _resolve_backend(backend, query.device)
+
+    with torch.no_grad():
+        if backend == "flex":
+            log_mass = _future_log_mass_flex(query, key, lse, window, scale)
+        else:
+            log_mass = _future_log_mass_torch(query, key, lse, window, scale)
+        pos = torch.arange(s, device=query.device)
+        # Rows without any future query are -inf whatever the kernel returns for fully masked rows.
+        has_future = (pos + window) < s
+        log_mass = torch.where(has_future, log_mass.float(), torch.full_like(log_mass, -math.inf, dtype=torch.float32))
+        if count_normalize:
+            count = torch.clamp(s - (pos + window), min=1).to(torch.float32)
+            log_mass = log_mass - torch.log(count)
+        grouped = log_mass.reshape(b, hkv, hq // hkv, s)
+        if aggregation == "max":
+            agg = grouped.amax(dim=2)
+        else:
+            agg = torch.logsumexp(grouped, dim=2) - math.log(hq // hkv)
+        log_eps = torch.full_like(agg, math.log(eps))
+        return torch.logaddexp(agg, log_eps)

@@ -1,0 +1,73 @@
+"""Measured properties of the testbed: oracle token counts, window-cache coverage, generation speed.
+
+``python -m kvlearn.testbed.stats [--length 4096] [--n 200]`` prints the markdown tables quoted in
+``docs/TESTBED.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from .data import measure_throughput
+from .tasks import FAMILIES, VARIANTS, example_seed, generate, informative_positions, needed_positions
+
+
+def oracle_rows(length: int = 4096, n: int = 200, sinks: int = 4, window_budget: int = 1024) -> list[dict]:
+    """Per family/variant over ``n`` eval examples: needed / informative prompt tokens (mean, max), answer
+    length (mean, max), and how a sinks + recent-window cache of ``window_budget`` tokens fares: the mean
+    fraction of needed item tokens it loses and the fraction of examples where it keeps them all."""
+    rows = []
+    for family in FAMILIES:
+        for variant in VARIANTS[family]:
+            need, info, ans, lost, kept_all = [], [], [], [], 0
+            for i in range(n):
+                e = generate(family, example_seed(family, "eval", i), length, variant)
+                positions = needed_positions(e)
+                need.append(len(positions))
+                info.append(len(informative_positions(e)))
+                ans.append(len(e.answer_ids))
+                question_start = e.needed_spans[-1][0]
+                items = [p for p in positions if 0 < p < question_start]
+                kept = [p for p in items if p < sinks or p >= length - (window_budget - sinks)]
+                lost.append(1 - len(kept) / len(items))
+                kept_all += len(kept) == len(items)
+            rows.append(
+                {
+                    "family": family,
+                    "variant": variant,
+                    "needed_mean": statistics.mean(need),
+                    "needed_max": max(need),
+                    "informative_mean": statistics.mean(info),
+                    "informative_max": max(info),
+                    "answer_mean": statistics.mean(ans),
+                    "answer_max": max(ans),
+                    "window_lost": statistics.mean(lost),
+                    "window_keeps_all": kept_all / n,
+                }
+            )
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--n", type=int, default=200)
+    args = parser.parse_args(argv)
+    print(f"length {args.length}, {args.n} eval examples per row; window cache = 4 sinks + {1024 - 4} recent tokens\n")
+    print("| family | variant | needed tokens mean / max | informative mean / max | answer tokens mean / max "
+          "| window loses (mean share of needed items) | window keeps all |")
+    print("|---|---|---|---|---|---|---|")
+    for r in oracle_rows(args.length, args.n):
+        print(
+            f"| {r['family']} | {r['variant']} | {r['needed_mean']:.0f} / {r['needed_max']} "
+            f"| {r['informative_mean']:.0f} / {r['informative_max']} | {r['answer_mean']:.0f} / {r['answer_max']} "
+            f"| {r['window_lost']:.2f} | {r['window_keeps_all']:.2f} |"
+        )
+    t = measure_throughput(length=args.length, batch_size=16, n_batches=16)
+    print(f"\ntraining_batch throughput, one process, length {args.length}: {t['tokens_per_s']:,} tokens/s "
+          f"({t['ms_per_example']} ms per example)")
+
+
+if __name__ == "__main__":
+    main()

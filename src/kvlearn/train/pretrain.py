@@ -1,0 +1,271 @@
+"""Train the testbed teacher: a small ``Qwen3ForCausalLM`` from scratch on the task mixture, with a length curriculum.
+
+Read top to bottom: config, model, data, schedule, loop. One GPU (``kvlearn pretrain``) or several with DDP
+(``torchrun --nproc_per_node N -m kvlearn.cli pretrain ...``). The budget is wall-clock minutes: the curriculum
+stages and the cosine learning-rate schedule are functions of the elapsed fraction of it, so a run of any length
+follows the same recipe. At the end of every stage the teacher-forced answer accuracy of each family is measured at
+that stage's length, so a recipe that does not learn retrieval shows it at 256 tokens, not after 20 minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from ..errors import check
+from ..testbed import tasks as testbed_tasks
+from ..testbed.data import TestbedStream
+from ..testbed.tokenizer import build_tokenizer, save_tokenizer
+
+
+@dataclass
+class PretrainConfig:
+    out: str = "checkpoints/testbed-teacher"
+    minutes: float = 15.0
+    # model
+    hidden_size: int = 256
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 768
+    context: int = 4096
+    rope_theta: float = 20000.0
+    # curriculum: example length per stage, and the fraction of the time budget each stage gets
+    stages: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    stage_fractions: tuple[float, ...] = (0.12, 0.13, 0.2, 0.2, 0.35)
+    tokens_per_step: int = 131072
+    # optimisation
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = 1.0
+    seed: int = 0
+    # checks and plumbing
+    eval_n: int = 32
+    num_workers: int = 6
+    resume: str | None = None
+    device: str = "cuda"
+    log_every: int = 50
+
+    def __post_init__(self) -> None:
+        check(self.minutes > 0, f"minutes={self.minutes} is invalid: expected > 0")
+        check(len(self.stages) == len(self.stage_fractions) and len(self.stages) > 0,
+              f"stages {self.stages} and stage_fractions {self.stage_fractions} must have the same non-zero length")
+        check(abs(sum(self.stage_fractions) - 1.0) < 1e-6, f"stage_fractions {self.stage_fractions} must sum to 1")
+        check(all(256 <= s <= self.context for s in self.stages), f"stages {self.stages} must lie in [256, context={self.context}]")
+        check(self.num_heads % self.num_kv_heads == 0 and self.num_heads // self.num_kv_heads >= 2 and self.num_kv_heads >= 2,
+              f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}: expected >= 2 KV heads and >= 2 query heads per KV head")
+        check(self.tokens_per_step % max(self.stages) == 0, f"tokens_per_step={self.tokens_per_step} must be a multiple of the longest stage {max(self.stages)}")
+
+
+def build_model(config: PretrainConfig, tokenizer) -> Qwen3ForCausalLM:
+    """A fresh GQA ``Qwen3ForCausalLM`` sized by ``config`` for the testbed vocabulary."""
+    model_config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=2 * config.context,
+        rope_theta=config.rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attn_implementation="sdpa",
+    )
+    return Qwen3ForCausalLM(model_config)
+
+
+def stage_at(config: PretrainConfig, fraction: float) -> int:
+    """Index of the curriculum stage at this elapsed fraction of the time budget."""
+    edge = 0.0
+    for i, f in enumerate(config.stage_fractions):
+        edge += f
+        if fraction < edge:
+            return i
+    return len(config.stages) - 1
+
+
+def lr_at(config: PretrainConfig, step: int, fraction: float) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay over the elapsed time fraction."""
+    warm = min(1.0, (step + 1) / config.warmup_steps)
+    cos = config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction)))
+    return config.lr * warm * cos
+
+
+def checked_answer_positions(example) -> list[int]:
+    """Answer positions checked by the teacher-forced accuracy: the whole answer, except for ``trace`` the
+    free "thinking" sentences between steps (only the step lines and the final answer are determined)."""
+    if example.family != "trace":
+        return list(range(len(example.answer_ids)))
+    from ..testbed.tokenizer import WORD_TO_ID
+
+    starts, dot = {WORD_TO_ID["step"], WORD_TO_ID["answer"]}, WORD_TO_ID["."]
+    checked, inside = [], False
+    for j, tok in enumerate(example.answer_ids):
+        inside = inside or tok in starts
+        if inside:
+            checked.append(j)
+            if tok == dot:
+                inside = False
+    checked.append(len(example.answer_ids) - 1)  # <eos>
+    return sorted(set(checked))
+
+
+@torch.no_grad()
+def answer_accuracy(model, length: int, n: int, device, families=testbed_tasks.FAMILIES, batch_size: int = 16) -> dict:
+    """Teacher-forced accuracy of each family at ``length``: an example counts when every checked answer token is
+    the argmax (for ``trace`` the checked tokens are the final answer, for the others the whole answer)."""
+    model.eval()
+    acc = {}
+    for family in families:
+        correct = 0
+        examples = [testbed_tasks.generate(family, testbed_tasks.example_seed(family, "eval", 10_000 + i), length) for i in range(n)]
+        for s in range(0, n, batch_size):
+            batch = examples[s : s + batch_size]
+            seqs = [ex.prompt_ids + ex.answer_ids for ex in batch]
+            ids = torch.tensor(seqs, dtype=torch.long, device=device)  # every example has exactly `length` tokens
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                pred = model(input_ids=ids).logits.argmax(-1)
+            for i, ex in enumerate(batch):
+                p = len(ex.prompt_ids)
+                checked = checked_answer_positions(ex)
+                got = [int(pred[i, p + j - 1]) for j in checked]
+                want = [ex.answer_ids[j] for j in checked]
+                correct += got == want
+        acc[family] = correct / n
+    model.train()
+    return acc
+
+
+def save_checkpoint(model, tokenizer, out: str | Path, log: dict) -> None:
+    """bf16 safetensors + tokenizer + training log, loadable with ``AutoModelForCausalLM.from_pretrained``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in model.state_dict().items()}
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(out, state_dict=state, safe_serialization=True)
+    save_tokenizer(out)
+    (out / "pretrain_log.json").write_text(json.dumps(log, indent=2) + "\n")
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _init_distributed() -> _Dist:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _Dist()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    d = _Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(d.local_rank)
+    return d
+
+
+def pretrain(config: PretrainConfig) -> dict:
+    """Run the time-budgeted curriculum; returns the training log (also written next to the checkpoint)."""
+    d = _init_distributed()
+    device = torch.device(config.device if config.device == "cpu" else f"cuda:{d.local_rank}")
+    torch.manual_seed(config.seed)
+    tokenizer = build_tokenizer()
+    if config.resume:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(config.resume, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        model = build_model(config, tokenizer)
+    model.to(device).train()
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr, betas=config.betas, fused=device.type == "cuda",
+    )
+    ddp_model = model
+    if d.world > 1:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if device.type == "cuda" else None)
+
+    def loader(length: int):
+        rows = config.tokens_per_step // length // d.world
+        stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world)
+        return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
+                                                pin_memory=device.type == "cuda", persistent_workers=False,
+                                                prefetch_factor=4 if config.num_workers else None))
+
+    log = {"config": asdict(config), "parameters": n_params, "stages": [], "world_size": d.world}
+    budget_s = config.minutes * 60
+    t0 = time.time()
+    step, tokens, stage, batches = 0, 0, -1, None
+    loss_ema = None
+    while True:
+        fraction = (time.time() - t0) / budget_s
+        if d.world > 1:  # every rank follows rank 0's clock, so stage changes and the end happen in lockstep
+            f = torch.tensor([fraction], device=device)
+            dist.broadcast(f, 0)
+            fraction = float(f)
+        new_stage = stage_at(config, fraction) if fraction < 1 else None
+        if new_stage != stage:
+            if stage >= 0:  # close the finished stage with an accuracy check
+                acc = answer_accuracy(model, config.stages[stage], config.eval_n, device) if d.main else {}
+                entry = {"stage": stage, "length": config.stages[stage], "end_step": step, "tokens": tokens * d.world,
+                         "minutes": round((time.time() - t0) / 60, 2), "loss": loss_ema, "accuracy": acc}
+                log["stages"].append(entry)
+                if d.main:
+                    print(json.dumps(entry), flush=True)
+                    save_checkpoint(model, tokenizer, config.out, log)
+            if new_stage is None:
+                break
+            stage = new_stage
+            batches = loader(config.stages[stage])
+        input_ids, labels = next(batches)
+        input_ids = input_ids.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        lr = lr_at(config, step, fraction)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = ddp_model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens += input_ids.numel()
+        if step % config.log_every == 0:
+            value = float(loss.detach())
+            loss_ema = value if loss_ema is None else 0.9 * loss_ema + 0.1 * value
+            if d.main:
+                elapsed = time.time() - t0
+                print(f"step {step:6d} stage {stage} len {config.stages[stage]:5d} loss {value:.4f} lr {lr:.2e} "
+                      f"tok/s {tokens * d.world / elapsed:,.0f} elapsed {elapsed / 60:.2f} min", flush=True)
+    log["steps"] = step
+    log["tokens"] = tokens * d.world
+    log["minutes"] = round((time.time() - t0) / 60, 2)
+    if d.main:
+        save_checkpoint(model, tokenizer, config.out, log)
+    if d.world > 1:
+        dist.destroy_process_group()
+    return log

@@ -1,0 +1,134 @@
+"""KVpop sparse attention vs a dense masked softmax in float64 (output, natural-log LSE, gradients), with GQA."""
+
+import math
+
+import pytest
+import torch
+
+from kvlearn.errors import KVLearnError
+from kvlearn.kvpop.attention import block_sparsity, sparse_retention_attention
+from kvlearn.ops.fenwick import running_topk_cutoff
+from kvlearn.ops.masks import retention_block_mask, retention_mask_dense
+
+
+def make_inputs(seed, B, Hkv, G, T, D, sinks, window, topk, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, T, D, generator=g).to(device, dtype)
+    k = torch.randn(B, Hkv, T, D, generator=g).to(device, dtype)
+    v = torch.randn(B, Hkv, T, D, generator=g).to(device, dtype)
+    priorities = torch.randn(B, Hkv, T, generator=g).to(device)
+    ranks, cutoffs = running_topk_cutoff(priorities, sinks, window, topk)
+    return q, k, v, ranks, cutoffs
+
+
+def dense_reference(q, k, v, ranks, cutoffs, sinks, window, scale=None):
+    """float64 masked softmax; query head h reads KV head h // G."""
+    G = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mask = retention_mask_dense(ranks.cpu(), cutoffs.cpu(), sinks, window).repeat_interleave(G, dim=1)
+    kd = k.double().repeat_interleave(G, dim=1)
+    vd = v.double().repeat_interleave(G, dim=1)
+    logits = (q.double() @ kd.transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~mask.to(q.device), -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.softmax(logits, dim=-1) @ vd, lse
+
+
+CASES = [
+    # seed, B, Hkv, G, T, D, sinks, window, topk
+    (0, 2, 2, 2, 96, 16, 4, 8, 16),
+    (1, 1, 2, 2, 200, 8, 2, 16, 24),
+    (2, 2, 2, 2, 64, 16, 0, 1, 5),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"seed{c[0]}" for c in CASES])
+def test_flex_output_and_lse_match_dense_float64(case):
+    seed, B, Hkv, G, T, D, sinks, window, topk = case
+    q, k, v, ranks, cutoffs = make_inputs(seed, B, Hkv, G, T, D, sinks, window, topk)
+    with torch.no_grad():  # eager flex path (CPU flex has no backward)
+        out, lse = sparse_retention_attention(q, k, v, ranks, cutoffs, sinks, window)
+    ref_out, ref_lse = dense_reference(q, k, v, ranks, cutoffs, sinks, window)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)  # natural log, not log2
+
+
+def test_custom_scale_and_no_lse():
+    q, k, v, ranks, cutoffs = make_inputs(3, 1, 2, 2, 80, 16, 2, 8, 10)
+    with torch.no_grad():
+        out, lse = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 8, scale=0.7, return_lse=False)
+    ref_out, _ = dense_reference(q, k, v, ranks, cutoffs, 2, 8, scale=0.7)
+    assert lse is None
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=[f"seed{c[0]}" for c in CASES[:2]])
+def test_gradients_match_dense_float64(case):
+    seed, B, Hkv, G, T, D, sinks, window, topk = case
+    q, k, v, ranks, cutoffs = make_inputs(seed, B, Hkv, G, T, D, sinks, window, topk)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    g = torch.Generator().manual_seed(seed + 100)
+    grad_out = torch.randn(q.shape, generator=g)
+    grad_lse = torch.randn(q.shape[:3], generator=g)
+    out, lse = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window)
+    ref_out, ref_lse = dense_reference(*ref_leaves, ranks, cutoffs, sinks, window)
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-5, rtol=1e-5)
+    ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
+    ((ref_out * grad_out.double()).sum() + (ref_lse * grad_lse.double()).sum()).backward()
+    for got, ref in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), ref.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_block_sparsity_counts_skipped_tiles():
+    B, Hkv, G, T, sinks, window, topk = 1, 2, 2, 128, 2, 8, 8
+    _, _, _, ranks, cutoffs = make_inputs(4, B, Hkv, G, T, 8, sinks, window, topk)
+    bm = retention_block_mask(ranks, cutoffs, sinks, window, G, block_size=16)
+    dense = retention_mask_dense(ranks, cutoffs, sinks, window)
+    tiles = dense.reshape(B, Hkv, T // 16, 16, T // 16, 16).any(dim=(3, 5))
+    expected = 1.0 - tiles.float().mean().item()
+    assert block_sparsity(bm) == pytest.approx(expected, abs=1e-9)
+    assert 0.3 < block_sparsity(bm) < 1.0  # causal alone would skip 7/16 of the tiles; the budget skips more
+
+
+def test_attention_bad_inputs_raise():
+    q, k, v, ranks, cutoffs = make_inputs(5, 1, 2, 2, 32, 8, 1, 4, 4)
+    with pytest.raises(KVLearnError, match="kv_heads=2"):
+        sparse_retention_attention(q[:, :3], k, v, ranks, cutoffs, 1, 4)
+    with pytest.raises(KVLearnError, match="ranks with shape"):
+        sparse_retention_attention(q, k, v, ranks[:, :1], cutoffs, 1, 4)
+    with pytest.raises(KVLearnError, match="value shape"):
+        sparse_retention_attention(q, k, v[..., :4], ranks, cutoffs, 1, 4)
+    with pytest.raises(KVLearnError, match="query with shape"):
+        sparse_retention_attention(q[0], k, v, ranks, cutoffs, 1, 4)
+    with pytest.raises(KVLearnError, match="zero window"):
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 1, 0)
+    with pytest.raises(KVLearnError, match="block_mask"):
+        block_sparsity("not a mask")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_flex_on_cuda_matches_dense(dtype):
+    pytest.importorskip("triton")
+    B, Hkv, G, T, D, sinks, window, topk = 2, 2, 2, 1024, 64, 4, 64, 128
+    q, k, v, ranks, cutoffs = make_inputs(11, B, Hkv, G, T, D, sinks, window, topk, device="cuda", dtype=dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    out, lse = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window)
+    ref_out, ref_lse = dense_reference(*ref_leaves, ranks, cutoffs, sinks, window)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-2, rtol=2e-2)
+    grad_out = torch.randn(q.shape, device="cuda")
+    (out.float() * grad_out).sum().backward()
+    (ref_out * grad_out.double()).sum().backward()
+    for got, ref in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), ref.grad, atol=5e-2, rtol=5e-2)
+    bm = retention_block_mask(ranks, cutoffs, sinks, window, G)
+    dense = retention_mask_dense(ranks, cutoffs, sinks, window)
+    tiles = dense.reshape(B, Hkv, T // 128, 128, T // 128, 128).any(dim=(3, 5))
+    assert block_sparsity(bm) == pytest.approx(1.0 - tiles.float().mean().item(), abs=1e-9)

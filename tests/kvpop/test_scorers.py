@@ -1,0 +1,294 @@
+"""KVpop scorers: shapes, detaching, hand-written references, and the mLSTM delayed-readout semantics checked
+against a brute-force float64 computation of the true-scale (unstabilised) memory."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlearn.errors import KVLearnError
+from kvlearn.kvpop.scorers import LinearScorer, MLPScorer, MLSTMScorer
+
+
+def _kv(seed, b=2, h=2, t=40, d=8, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, h, t, d, generator=g)
+    v = torch.randn(b, h, t, d, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+def _randomize(module, seed, scale=0.3):
+    """Perturb every parameter (so that tests do not depend on the structured init)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return module
+
+
+def _mlstm(h=2, d=8, window=5, seed=0, **kw):
+    return _randomize(MLSTMScorer(h, d, window=window, **kw), seed)
+
+
+def _ref_mlstm_scores(s: MLSTMScorer, key, value):
+    """Brute force, float64, true scale: C_p = Σ_{j<=p} (Π_{j<r<=p} σ(f̃_r)) exp(ĩ_j) k̃_j ṽ_jᵀ, n_p likewise;
+    h_{u|p} = q̃_uᵀC_p / max(|q̃_uᵀ n_p|, 1); p = min(u + w, T-1) (delayed) or u (immediate)."""
+    x = torch.cat([key, value], -1).double()
+    bsz, heads, t, _ = x.shape
+    out = torch.empty(bsz, heads, t, dtype=torch.float64)
+    cap = (lambda z: s.gate_softcap * torch.tanh(z / s.gate_softcap)) if s.gate_softcap else (lambda z: z)
+    for hh in range(heads):
+        p64 = {n: (p[hh].double() if p is not None else None) for n, p in s.named_parameters()}
+        xh = x[:, hh]  # [B,T,2D]
+
+        def phi(y):
+            e1, e2 = torch.exp(y - y.max(-1, keepdim=True).values), torch.exp(-y - (-y).max(-1, keepdim=True).values)
+            return torch.cat([e1 / e1.sum(-1, keepdim=True), e2 / e2.sum(-1, keepdim=True)], -1)
+
+        q, k, v = phi(xh @ p64["w_q"]), phi(xh @ p64["w_k"]), xh @ p64["w_v"]
+        ig = cap(xh @ p64["w_i"] + p64["b_i"])
+        logf = F.logsigmoid(cap(xh @ p64["w_f"] + p64["b_f"]))
+        for bb in range(bsz):
+            for u in range(t):
+                p = min(u + s.window, t - 1) if s.delayed_readout else u
+                c = torch.zeros(k.shape[-1], v.shape[-1], dtype=torch.float64)
+                n = torch.zeros(k.shape[-1], dtype=torch.float64)
+                for j in range(p + 1):
+                    wgt = torch.exp(logf[bb, j + 1 : p + 1].sum() + ig[bb, j])
+                    c = c + wgt * torch.outer(k[bb, j], v[bb, j])
+                    n = n + wgt * k[bb, j]
+                hvec = (q[bb, u] @ c) / torch.clamp((q[bb, u] @ n).abs(), min=1.0)
+                if s.use_norm:
+                    hvec = hvec / torch.sqrt((hvec**2).mean() + s.norm_eps) * p64["norm_weight"]
+                out[bb, hh, u] = (F.silu(hvec) * p64["a"]).sum() + p64["b"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# all scorers
+
+
+def _all_scorers(h=2, d=8):
+    return [
+        _randomize(LinearScorer(h, d), 1),
+        _randomize(MLPScorer(h, d), 2),
+        _mlstm(h, d, window=5, seed=3, chunk_size=16),
+        _mlstm(h, d, window=5, seed=4, delayed_readout=False, use_norm=True, chunk_size=16),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shapes_dtypes_and_low_precision_inputs(dtype):
+    k, v = _kv(0, t=37, dtype=dtype)
+    for s in _all_scorers():
+        r = s(k, v)
+        assert r.shape == (2, 2, 37) and r.dtype == torch.float32 and torch.isfinite(r).all()
+        # computed in float32: equal to feeding the same values already in float32
+        assert torch.allclose(r, s(k.float(), v.float()), rtol=0, atol=0)
+
+
+def test_detached_inputs_and_gradient_to_all_parameters():
+    for s in _all_scorers():
+        k, v = _kv(1, t=30)
+        k.requires_grad_()
+        v.requires_grad_()
+        loss = (s(k, v) * torch.randn(2, 2, 30)).sum()
+        loss.backward()
+        assert k.grad is None and v.grad is None
+        for name, p in s.named_parameters():
+            assert p.grad is not None and p.grad.abs().sum() > 0, (type(s).__name__, name)
+
+
+def test_bf16_module_parameters_still_compute_in_float32():
+    s = _mlstm(seed=5)
+    k, v = _kv(2)
+    ref = s(k, v)
+    s16 = s.to(torch.bfloat16)
+    r = s16(k, v)
+    assert r.dtype == torch.float32
+    assert (r - ref).abs().max() < 0.1 * ref.abs().max()  # only the parameter rounding differs
+
+
+def test_linear_matches_einsum():
+    for seed in range(3):
+        s = _randomize(LinearScorer(3, 8, zero_init=False), seed)
+        k, v = _kv(seed, b=2, h=3, t=11)
+        x = torch.cat([k, v], -1).double()
+        ref = torch.einsum("bhtc,hc->bht", x, s.weight.double()) + s.bias.double()[None, :, None]
+        assert torch.allclose(s(k, v).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_matches_per_head_loop():
+    s = _randomize(MLPScorer(3, 8, hidden=12, zero_init=False), 7)
+    k, v = _kv(3, b=2, h=3, t=9)
+    x = torch.cat([k, v], -1).double()
+    ref = torch.empty(2, 3, 9, dtype=torch.float64)
+    for h in range(3):
+        hid = F.silu(x[:, h] @ s.w1[h].double() + s.b1[h].double())
+        ref[:, h] = hid @ s.w2[h].double() + s.b2[h].double()
+    assert torch.allclose(s(k, v).double(), ref, rtol=1e-5, atol=1e-5)
+    assert MLPScorer(3, 8).hidden == 16
+
+
+def test_zero_init_gives_constant_scores():
+    k, v = _kv(4, t=33)
+    for s in (LinearScorer(2, 8), MLPScorer(2, 8), MLSTMScorer(2, 8, window=4), MLSTMScorer(2, 8, window=4, use_norm=True)):
+        r = s(k, v)
+        assert torch.equal(r, torch.zeros_like(r)), type(s).__name__
+    s = MLSTMScorer(2, 8, window=4)
+    with torch.no_grad():
+        s.b.copy_(torch.tensor([0.5, -1.5]))
+    r = s(k, v)
+    assert torch.equal(r, s.b.detach()[None, :, None].expand_as(r))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mLSTM scorer semantics
+
+
+@pytest.mark.parametrize(
+    "t,window,chunk,delayed,use_norm",
+    [(23, 5, 8, True, False), (23, 5, 8, False, True), (9, 12, 4, True, True), (17, 1, 16, True, False), (20, 6, 64, True, True)],
+)
+def test_mlstm_scores_match_bruteforce_float64(t, window, chunk, delayed, use_norm):
+    s = _mlstm(window=window, seed=t + window, chunk_size=chunk, delayed_readout=delayed, use_norm=use_norm)
+    with torch.no_grad():  # make the gates vary a lot across tokens
+        s.w_i.mul_(10.0)
+        s.w_f.mul_(10.0)
+    s.eps = 0.0
+    k, v = _kv(t, b=1, t=t)
+    assert torch.allclose(s(k, v).double(), _ref_mlstm_scores(s, k, v), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_delayed_readout_uses_no_later_token(seed):
+    w, t = 6, 40
+    s = _mlstm(window=w, seed=seed, chunk_size=8)
+    k, v = _kv(seed, t=t)
+    base = s(k, v)
+    for p in (10, 17, 31):  # perturb every token after p: scores of u <= p - w must not move
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, p + 1 :] += torch.randn_like(k2[:, :, p + 1 :])
+        v2[:, :, p + 1 :] += torch.randn_like(v2[:, :, p + 1 :])
+        r = s(k2, v2)
+        assert torch.allclose(r[:, :, : p - w + 1], base[:, :, : p - w + 1], rtol=0, atol=1e-6)
+        assert not torch.allclose(r[:, :, p - w + 1 :], base[:, :, p - w + 1 :])
+        # perturbing exactly token p = u + w changes the score of u (a != 0), and leaves u' < u alone
+        k3 = k.clone()
+        k3[:, :, p] += 1.0
+        r3 = s(k3, v)
+        assert (r3[:, :, p - w] - base[:, :, p - w]).abs().min() > 1e-6
+        assert torch.allclose(r3[:, :, : p - w], base[:, :, : p - w], rtol=0, atol=1e-6)
+
+
+def test_immediate_readout_differs_and_is_causal_at_u():
+    k, v = _kv(5, t=30)
+    delayed = _mlstm(window=4, seed=9, chunk_size=8)
+    immediate = _mlstm(window=4, seed=9, chunk_size=8, delayed_readout=False)
+    assert immediate.readout_delay == 0 and delayed.readout_delay == 4
+    rd, ri = delayed(k, v), immediate(k, v)
+    assert (rd - ri).abs().max() > 1e-3
+    # the last token reads the same state (T-1) with the same query in both modes
+    assert torch.allclose(rd[:, :, -1], ri[:, :, -1], rtol=1e-6, atol=1e-6)
+    k2 = k.clone()
+    k2[:, :, 11:] += 1.0
+    assert torch.allclose(immediate(k2, v)[:, :, :11], ri[:, :, :11], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "t0,t,window,delayed,use_norm",
+    [(20, 45, 6, True, False), (3, 30, 6, True, True), (1, 41, 30, True, False), (17, 40, 1, True, True), (10, 33, 5, False, False)],
+)
+def test_prefill_then_steps_reproduce_forward(t0, t, window, delayed, use_norm):
+    s = _mlstm(window=window, seed=t0, chunk_size=8, delayed_readout=delayed, use_norm=use_norm)
+    k, v = _kv(t0 + t, t=t)
+    full = s(k, v)
+    scores, state = s.prefill(k[:, :, :t0], v[:, :, :t0])
+    assert torch.equal(scores, s(k[:, :, :t0], v[:, :, :t0]))
+    d = s.readout_delay
+    final = torch.full_like(full, float("nan"))
+    final[:, :, : max(t0 - d, 0)] = scores[:, :, : max(t0 - d, 0)]
+    for step in range(t0, t):
+        u = step - d
+        if d == 0:
+            r, state = s.step(k[:, :, step], v[:, :, step], state=state)
+        elif u < 0:
+            r, state = s.step(k[:, :, step], v[:, :, step], None, None, state)
+            assert r is None
+            continue
+        else:
+            r, state = s.step(k[:, :, step], v[:, :, step], k[:, :, u], v[:, :, u], state)
+        assert r.shape == (2, 2) and r.dtype == torch.float32
+        final[:, :, u] = r
+    n_final = t - d
+    assert torch.allclose(final[:, :, :n_final], full[:, :, :n_final], rtol=1e-5, atol=1e-5)
+    # the decode state equals the prefill state of the whole sequence
+    _, state_full = s.prefill(k, v)
+    for a, b in zip(state, state_full):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_step_from_empty_state_and_init_state():
+    s = _mlstm(window=3, seed=1)
+    k, v = _kv(6, t=10)
+    st0 = s.init_state(2)
+    assert st0.C.shape == (2, 2, 8, 4) and st0.n.shape == (2, 2, 8) and st0.m.shape == (2, 2)
+    r1, a = s.step(k[:, :, 0], v[:, :, 0], state=None)
+    r2, b = s.step(k[:, :, 0], v[:, :, 0], state=st0)
+    assert r1 is None and r2 is None
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_stateless_step_equals_forward():
+    for s in (_randomize(LinearScorer(2, 8), 1), _randomize(MLPScorer(2, 8), 2)):
+        k, v = _kv(7, t=5)
+        assert s.init_state(2) is None and s.readout_delay == 0 and not s.stateful
+        full, st = s.prefill(k, v)
+        assert st is None
+        for t in range(5):
+            r, st = s.step(k[:, :, t], v[:, :, t], state=st)
+            assert torch.allclose(r, full[:, :, t], rtol=1e-6, atol=1e-6)
+
+
+def test_parameter_counts_and_state_bytes_d128():
+    assert LinearScorer(8, 128).num_parameters_per_head() == 2 * 128 + 1
+    assert MLPScorer(8, 128).num_parameters_per_head() == 256 * 256 + 256 + 256 + 1
+    s = MLSTMScorer(8, 128, window=256)
+    # W_q, W_k, W_v [256, 64]; w_i, w_f [256]; b_i, b_f; a [64]; b
+    assert s.num_parameters_per_head() == 3 * 256 * 64 + 2 * 256 + 2 + 64 + 1 == 49731
+    assert MLSTMScorer(8, 128, window=256, use_norm=True).num_parameters_per_head() == 49731 + 64
+    assert s.state_bytes_per_head() == 4 * (128 * 64 + 128 + 1) == 33284
+    assert LinearScorer(8, 128).state_bytes_per_head() == 0
+
+
+def test_initialisation_follows_appendix_e5():
+    s = MLSTMScorer(4, 8, window=3)
+    # q/k from the key half only, v from the value half only, orthonormal folded identity
+    assert torch.equal(s.w_q, s.w_k)
+    assert s.w_q[:, 8:].abs().sum() == 0 and s.w_v[:, :8].abs().sum() == 0
+    wq = s.w_q[0, :8]
+    assert torch.allclose(wq.T @ wq, torch.eye(4), atol=1e-6)
+    assert torch.allclose(s.b_f, torch.tensor([3.0, 4.0, 5.0, 6.0]))
+    assert s.a.abs().sum() == 0 and s.w_i.abs().sum() == 0 and s.b_i.abs().sum() == 0
+
+
+def test_bad_inputs_raise():
+    s = MLSTMScorer(2, 8, window=3)
+    k, v = _kv(0, t=5)
+    with pytest.raises(KVLearnError, match="head_dim=7"):
+        MLSTMScorer(2, 7, window=3)
+    with pytest.raises(KVLearnError, match="window=0"):
+        MLSTMScorer(2, 8, window=0)
+    with pytest.raises(KVLearnError, match="key.shape"):
+        s(k[:, :1], v[:, :1])
+    with pytest.raises(KVLearnError, match="value.shape"):
+        s(k, v[:, :, :4])
+    with pytest.raises(KVLearnError, match="key.dtype"):
+        s(k.long(), v)
+    with pytest.raises(KVLearnError, match="key_t.shape"):
+        s.step(k, v)
+    with pytest.raises(KVLearnError, match="delayed_readout=False"):
+        MLSTMScorer(2, 8, window=3, delayed_readout=False).step(k[:, :, 0], v[:, :, 0], k[:, :, 0], v[:, :, 0])
+    with pytest.raises(KVLearnError, match="readout_delay=0"):
+        LinearScorer(2, 8).step(k[:, :, 0], v[:, :, 0], k[:, :, 0], v[:, :, 0])
+    with pytest.raises(KVLearnError, match="num_kv_heads=0"):
+        LinearScorer(0, 8)

@@ -1,0 +1,228 @@
+"""mLSTM cell: chunkwise == recurrent == step loop, against an independent float64 loop over the *unstabilised*
+recurrence (true-scale C, n with plain exp/sigmoid gates), and gradients against float64 autograd."""
+
+import pytest
+import torch
+
+from kvlearn.errors import KVLearnError
+from kvlearn.ops.mlstm import (
+    MLSTMState,
+    mlstm_chunkwise,
+    mlstm_readout,
+    mlstm_recurrent,
+    mlstm_step,
+    mlstm_zero_state,
+)
+
+
+def _inputs(seed, b=2, h=3, t=50, dk=8, dv=6, gate_scale=20.0, dtype=torch.float32, positive=False):
+    """Random q, k, v and gate preactivations ~ N(0, gate_scale²).
+
+    ``positive=True`` gives non-negative q, k (softmax features, as the KVpop scorer's Hedgehog map produces): then
+    qᵀn is a sum of positive terms and float32 is well conditioned even with ±20 gates. With signed q, k the
+    normaliser qᵀn can cancel, which amplifies float32 rounding of *any* evaluation order (the float64 test
+    below checks the algebra exactly in that regime).
+    """
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, t, dk, generator=g, dtype=torch.float64)
+    k = torch.randn(b, h, t, dk, generator=g, dtype=torch.float64)
+    if positive:
+        q, k = q.softmax(-1), k.softmax(-1)
+    v = torch.randn(b, h, t, dv, generator=g, dtype=torch.float64)
+    i = torch.randn(b, h, t, generator=g, dtype=torch.float64) * gate_scale
+    f = torch.randn(b, h, t, generator=g, dtype=torch.float64) * gate_scale
+    return [x.to(dtype) for x in (q, k, v, i, f)]
+
+
+def _naive(q, k, v, i, f, c0=None, n0=None, eps=0.0):
+    """Unstabilised float64 recurrence in true scale: h = qᵀC / max(|qᵀn|, 1). Moderate gates only."""
+    q, k, v, i, f = (x.double() for x in (q, k, v, i, f))
+    b, h, t, dk = q.shape
+    c = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float64) if c0 is None else c0.double()
+    n = torch.zeros(b, h, dk, dtype=torch.float64) if n0 is None else n0.double()
+    out = []
+    for s in range(t):
+        fg = torch.sigmoid(f[:, :, s])[..., None]
+        ig = torch.exp(i[:, :, s])[..., None]
+        c = fg[..., None] * c + ig[..., None] * k[:, :, s, :, None] * v[:, :, s, None, :]
+        n = fg * n + ig * k[:, :, s]
+        num = torch.einsum("bhk,bhkv->bhv", q[:, :, s], c)
+        den = torch.einsum("bhk,bhk->bh", q[:, :, s], n).abs().clamp_min(1.0)
+        out.append(num / den[..., None])
+    return torch.stack(out, 2), c, n
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recurrent_matches_unstabilised_float64(seed):
+    # moderate gates so that the unstabilised recurrence does not overflow; eps=0 makes them identical in theory
+    q, k, v, i, f = _inputs(seed, t=40, gate_scale=3.0)
+    ref, c, n = _naive(q, k, v, i, f)
+    h, st = mlstm_recurrent(q, k, v, i, f, eps=0.0)
+    assert h.dtype == torch.float32 and h.shape == (2, 3, 40, 6)
+    assert _rel(h, ref) < 1e-5
+    assert _rel(st.C * st.m.exp()[..., None, None], c) < 1e-5
+    assert _rel(st.n * st.m.exp()[..., None], n) < 1e-5
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("t,chunk", [(5, 16), (16, 16), (37, 16), (100, 32), (130, 64), (1, 64)])
+def test_chunkwise_equals_recurrent(seed, t, chunk):
+    # float32, non-negative features, gates ~ ±20 (exercises the stabiliser)
+    q, k, v, i, f = _inputs(seed, t=t, positive=True)
+    h_r, s_r = mlstm_recurrent(q, k, v, i, f)
+    h_c, s_c = mlstm_chunkwise(q, k, v, i, f, chunk_size=chunk)
+    assert h_c.shape == h_r.shape and h_c.dtype == torch.float32
+    assert _rel(h_c, h_r) < 1e-4
+    for a, b in zip(s_c, s_r):
+        assert _rel(a, b) < 1e-4
+    h64, _ = mlstm_recurrent(*(x.double() for x in (q, k, v, i, f)))
+    assert _rel(h_c, h64) < 1e-4
+    # signed q, k with ±20 gates: the algebra is exact (float64 to rounding)
+    x64 = [x.double() for x in _inputs(seed, t=t)]
+    h_r64, s_r64 = mlstm_recurrent(*x64)
+    h_c64, s_c64 = mlstm_chunkwise(*x64, chunk_size=chunk)
+    assert h_c64.dtype == torch.float64
+    assert _rel(h_c64, h_r64) < 1e-9
+    for a, b in zip(s_c64, s_r64):
+        assert _rel(a, b) < 1e-9
+    # signed q, k with moderate gates in float32 against float64
+    q, k, v, i, f = _inputs(seed, t=t, gate_scale=3.0)
+    h_c, _ = mlstm_chunkwise(q, k, v, i, f, chunk_size=chunk)
+    h64, _ = mlstm_recurrent(*(x.double() for x in (q, k, v, i, f)))
+    assert _rel(h_c, h64) < 1e-4
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_chunkwise_against_naive_float64(seed):
+    q, k, v, i, f = _inputs(seed, t=77, gate_scale=2.0)
+    ref, _, _ = _naive(q, k, v, i, f)
+    h, _ = mlstm_chunkwise(q, k, v, i, f, chunk_size=16, eps=0.0)
+    assert _rel(h, ref) < 1e-5
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+@pytest.mark.parametrize("split,chunk", [(23, 16), (32, 16), (50, 64), (1, 32)])
+def test_state_continuation(seed, split, chunk):
+    q, k, v, i, f = _inputs(seed, t=90, positive=True)
+    h_all, s_all = mlstm_chunkwise(q, k, v, i, f, chunk_size=chunk)
+    h1, s1 = mlstm_chunkwise(*(x[:, :, :split] for x in (q, k, v, i, f)), chunk_size=chunk)
+    h2, s2 = mlstm_chunkwise(*(x[:, :, split:] for x in (q, k, v, i, f)), chunk_size=chunk, state=s1)
+    assert _rel(torch.cat([h1, h2], 2), h_all) < 1e-4
+    for a, b in zip(s2, s_all):
+        assert _rel(a, b) < 1e-4
+    # a non-empty initial state: chunkwise == recurrent from the same state
+    h2r, s2r = mlstm_recurrent(*(x[:, :, split:] for x in (q, k, v, i, f)), state=s1)
+    assert _rel(h2, h2r) < 1e-4
+    # the naive true-scale float64 recurrence, started from the true-scale state exp(m)·(C, n), agrees
+    xs = _inputs(seed, t=90, gate_scale=2.0)
+    _, s_mid = mlstm_recurrent(*(x[:, :, :split] for x in xs))
+    scale = s_mid.m.double().exp()
+    ref, _, _ = _naive(*(x[:, :, split:] for x in xs), s_mid.C.double() * scale[..., None, None], s_mid.n.double() * scale[..., None])
+    h_cont, _ = mlstm_chunkwise(*(x[:, :, split:] for x in xs), chunk_size=chunk, state=s_mid, eps=0.0)
+    assert _rel(h_cont, ref) < 1e-5
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_step_sequence_equals_recurrent(seed):
+    q, k, v, i, f = _inputs(seed, t=33, positive=seed == 0)
+    h_r, s_r = mlstm_recurrent(q, k, v, i, f)
+    state, hs = None, []
+    for t in range(33):
+        h_t, state = mlstm_step(q[:, :, t], k[:, :, t], v[:, :, t], i[:, :, t], f[:, :, t], state)
+        hs.append(h_t)
+    assert torch.equal(torch.stack(hs, 2), h_r)
+    # readout of the final state with a query from a different time equals the step formula
+    h_read = mlstm_readout(q[:, :, :5], state)
+    manual = torch.stack([mlstm_readout(q[:, :, j], state) for j in range(5)], 2)
+    assert torch.allclose(h_read, manual, rtol=1e-6, atol=1e-7)
+    assert _rel(mlstm_readout(q[:, :, -1], state), h_r[:, :, -1]) < 1e-6
+
+
+def test_zero_state_and_bf16_inputs():
+    q, k, v, i, f = _inputs(0, t=20, positive=True)
+    st = mlstm_zero_state(2, 3, 8, 6)
+    h0, _ = mlstm_chunkwise(q, k, v, i, f, state=st)
+    h1, _ = mlstm_chunkwise(q, k, v, i, f)
+    assert torch.equal(h0, h1)
+    hb, sb = mlstm_chunkwise(*(x.bfloat16() for x in (q, k, v, i, f)), chunk_size=8)
+    hr, _ = mlstm_recurrent(*(x.bfloat16().float() for x in (q, k, v, i, f)))
+    assert hb.dtype == torch.float32 and sb.C.dtype == torch.float32
+    assert _rel(hb, hr) < 1e-4
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("t,chunk", [(29, 8), (40, 16)])
+@pytest.mark.parametrize("gate_scale,positive", [(20.0, True), (3.0, False)])
+def test_chunkwise_gradients_match_float64_recurrent(seed, t, chunk, gate_scale, positive):
+    x32 = [x.requires_grad_() for x in _inputs(seed, t=t, gate_scale=gate_scale, positive=positive)]
+    x64 = [x.detach().double().requires_grad_() for x in x32]
+    g = torch.Generator().manual_seed(100 + seed)
+    w = torch.randn(2, 3, t, 6, generator=g)
+    init = MLSTMState(
+        torch.randn(2, 3, 8, 6, generator=g), torch.randn(2, 3, 8, generator=g).abs(), torch.randn(2, 3, generator=g)
+    )
+    h32, s32 = mlstm_chunkwise(*x32, chunk_size=chunk, state=init)
+    h64, s64 = mlstm_recurrent(*x64, state=MLSTMState(*(s.double() for s in init)))
+    loss32 = (h32 * w).sum() + s32.C.sum() * 0.1
+    loss64 = (h64 * w.double()).sum() + s64.C.sum() * 0.1
+    g32 = torch.autograd.grad(loss32, x32)
+    g64 = torch.autograd.grad(loss64, x64)
+    for name, a, b in zip("q k v igate fgate".split(), g32, g64):
+        assert _rel(a, b) < 1e-4, name
+
+
+def test_gradcheck_float64():
+    # T=7 with chunk 3: two full chunks and a remainder of one, from a non-empty state
+    x = [t.double().requires_grad_() for t in _inputs(7, b=1, h=1, t=7, dk=3, dv=2, gate_scale=2.0)]
+    init = mlstm_zero_state(1, 1, 3, 2, dtype=torch.float64)
+    init = MLSTMState(init.C + 0.3, init.n + 0.2, init.m - 0.5)
+
+    def fn(q, k, v, i, f):
+        h, st = mlstm_chunkwise(q, k, v, i, f, chunk_size=3, state=init)
+        return h, st.C, st.n
+
+    assert torch.autograd.gradcheck(fn, x, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_large_preactivations_stay_finite():
+    q, k, v, i, f = _inputs(11, t=70, gate_scale=60.0, positive=True)
+    h, st = mlstm_chunkwise(q, k, v, i, f, chunk_size=16)
+    h_r, _ = mlstm_recurrent(q, k, v, i, f)
+    assert torch.isfinite(h).all() and all(torch.isfinite(s).all() for s in st)
+    assert _rel(h, h_r) < 1e-4
+
+
+def test_bad_inputs_raise():
+    q, k, v, i, f = _inputs(0, t=10)
+    with pytest.raises(KVLearnError, match="chunk_size=0"):
+        mlstm_chunkwise(q, k, v, i, f, chunk_size=0)
+    with pytest.raises(KVLearnError, match="k.shape"):
+        mlstm_chunkwise(q, k[..., :5], v, i, f)
+    with pytest.raises(KVLearnError, match="igate.shape"):
+        mlstm_recurrent(q, k, v, i[:, :, :5], f)
+    with pytest.raises(KVLearnError, match="state.C.shape"):
+        mlstm_chunkwise(q, k, v, i, f, state=mlstm_zero_state(2, 3, 8, 7))
+    with pytest.raises(KVLearnError, match="q.dtype"):
+        mlstm_step(q[:, :, 0].long(), k[:, :, 0], v[:, :, 0], i[:, :, 0], f[:, :, 0])
+    with pytest.raises(KVLearnError, match="q.shape"):
+        mlstm_chunkwise(q[0], k, v, i, f)
+
+
+@pytest.mark.gpu
+def test_chunkwise_on_cuda_matches_float64_cpu():
+    q, k, v, i, f = _inputs(21, b=2, h=4, t=300, dk=16, dv=8, positive=True)
+    ref, ref_state = mlstm_recurrent(*(x.double() for x in (q, k, v, i, f)))
+    h, st = mlstm_chunkwise(*(x.cuda() for x in (q, k, v, i, f)), chunk_size=64)
+    assert h.is_cuda and h.dtype == torch.float32
+    assert _rel(h.cpu(), ref) < 1e-4
+    for a, b in zip(st, ref_state):
+        assert _rel(a.cpu(), b) < 1e-4
+    x = [t.cuda().requires_grad_() for t in (q, k, v, i, f)]
+    h, _ = mlstm_chunkwise(*x, chunk_size=32)
+    h.square().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in x)

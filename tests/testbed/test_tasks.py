@@ -1,0 +1,229 @@
+"""Generators: exact lengths, determinism, seed splits, loss masks, filler purity, oracle budgets, scoring."""
+
+import random
+import re
+import statistics
+import time
+
+import pytest
+import torch
+
+from kvlearn.errors import KVLearnError
+from kvlearn.testbed import vocab as V
+from kvlearn.testbed.checkers import solve
+from kvlearn.testbed.tasks import (
+    FAMILIES,
+    MIN_LENGTH,
+    VARIANTS,
+    example_seed,
+    generate,
+    informative_positions,
+    needed_positions,
+    score,
+    seed_split,
+)
+from kvlearn.testbed.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, VOCAB, WORD_TO_ID, ids_to_text
+
+ALL = [(f, v) for f in FAMILIES for v in VARIANTS[f]]
+FILLER_IDS = {WORD_TO_ID[w] for w in V.FILLER_WORDS}
+
+
+def _text(ids, positions):
+    return " ".join(VOCAB[ids[p]] for p in positions)
+
+
+@pytest.mark.parametrize("family,variant", ALL)
+def test_exact_lengths_and_framing(family, variant):
+    rng = random.Random(hash((family, variant)) % 1000)
+    lengths = [MIN_LENGTH, MIN_LENGTH + 1, 256, 257, 1000, 4096, 8192] + [rng.randint(MIN_LENGTH, 8192) for _ in range(6)]
+    for i, length in enumerate(lengths):
+        for dense in (False, True):
+            e = generate(family, 1000 * i + 7, length, variant, dense=dense)
+            assert len(e.prompt_ids) + len(e.answer_ids) == length == e.length
+            assert e.prompt_ids[0] == BOS_ID and BOS_ID not in e.prompt_ids[1:]
+            assert e.answer_ids[-1] == EOS_ID and EOS_ID not in e.prompt_ids + e.answer_ids[:-1]
+            assert PAD_ID not in e.input_ids and UNK_ID not in e.input_ids
+            assert len(e.loss_mask_prompt) == len(e.prompt_ids)
+            assert (e.family, e.variant, e.dense) == (family, variant, dense)
+            assert e.prompt_text.endswith("answer :" if family != "trace" else "think :")
+
+
+@pytest.mark.parametrize("family,variant", ALL)
+def test_deterministic_per_seed(family, variant):
+    for seed in (0, 1, 12345, 2**40 + 3):
+        a = generate(family, seed, 2048, variant, dense=True)
+        b = generate(family, seed, 2048, variant, dense=True)
+        assert a == b
+    others = {tuple(generate(family, s, 2048, variant).prompt_ids) for s in range(8)}
+    assert len(others) == 8  # different seeds give different prompts
+
+
+def test_variant_drawn_from_seed():
+    drawn = [generate("niah", example_seed("niah", "eval", i), 256).variant for i in range(80)]
+    assert set(drawn) == set(VARIANTS["niah"])
+    assert drawn == [generate("niah", example_seed("niah", "eval", i), 256).variant for i in range(80)]
+
+
+def test_seed_splits_are_disjoint():
+    seen = {}
+    for fam in FAMILIES:
+        for split in ("train", "eval"):
+            for i in list(range(2000)) + [2**50 + 5, 10**12]:
+                s = example_seed(fam, split, i)
+                assert s not in seen, (fam, split, i, seen.get(s))
+                seen[s] = (fam, split, i)
+                assert seed_split(s) == split
+    with pytest.raises(KVLearnError, match="split"):
+        example_seed("niah", "test", 0)
+    with pytest.raises(KVLearnError, match="index"):
+        example_seed("niah", "train", -1)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(KVLearnError, match="family='bogus'"):
+        generate("bogus", 0, 1024)
+    with pytest.raises(KVLearnError, match="variant='multikey'"):
+        generate("vt", 0, 1024, "multikey")
+    with pytest.raises(KVLearnError, match="length=64"):
+        generate("niah", 0, 64)
+    with pytest.raises(KVLearnError, match="seed=-1"):
+        generate("niah", -1, 1024)
+
+
+def _runs(mask):
+    runs, start = [], None
+    for i, m in enumerate(list(mask) + [False]):
+        if m and start is None:
+            start = i
+        if not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+@pytest.mark.parametrize("family,variant", ALL)
+def test_in_context_answers_are_correct_and_only_answers(family, variant):
+    for i in range(6):
+        e = generate(family, example_seed(family, "train", i), 2048, variant, dense=True)
+        runs = _runs(e.loss_mask_prompt)
+        if family == "trace":
+            assert runs == []  # the generated trace is the dense part
+            continue
+        assert len(runs) >= 3
+        for a, b in runs:
+            before = ids_to_text(e.prompt_ids[:a])
+            assert before.endswith("? answer :")
+            # the supervised span is exactly the checker's answer to that in-context question, then "."
+            assert ids_to_text(e.prompt_ids[a:b]) == solve(family, before) + " ."
+        assert not any(generate(family, example_seed(family, "eval", i), 2048, variant).loss_mask_prompt)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_filler_is_pure(family):
+    """Outside the items and the final question, the prompt holds only filler words, in whole sentences."""
+    for i in range(4):
+        e = generate(family, i, 4096, dense=False)
+        covered = set(informative_positions(e))
+        rest = [p for p in range(len(e.prompt_ids)) if p not in covered]
+        assert all(e.prompt_ids[p] in FILLER_IDS or VOCAB[e.prompt_ids[p]] == "." for p in rest)
+        # no digit, key, variable name or keyword anywhere but the covered positions
+        text = _text(e.prompt_ids, rest)
+        assert not re.search(r"\d", text)
+        words = set(text.split())
+        assert not words & (set(V.KEYS) | set(V.VT_NAMES) | set(V.TRACE_NAMES) | set(V.KEYWORDS))
+
+
+def test_trace_thinking_sentences_come_from_the_fixed_set():
+    sentences = {" ".join(s) for s in V.THINK_SENTENCES}
+    for i in range(10):
+        e = generate("trace", i, 4096)
+        body = e.answer_text
+        parts = re.split(r"step \d : \S+ = \S+ [+-] \S+ ; \d [+-] \d = \d ; \S+ = \d \. ?", body)
+        assert parts[0] == "" and parts[-1].startswith("answer : ")
+        assert all(p.strip() in sentences for p in parts[1:-1])
+
+
+@pytest.mark.parametrize("family,variant", ALL)
+def test_oracle_budget_at_4096(family, variant):
+    """Keeping exactly needed_positions solves the task and fits in 512 tokens (CR 88% at 4096)."""
+    for i in range(25):
+        e = generate(family, example_seed(family, "eval", i), 4096, variant)
+        needed = needed_positions(e)
+        assert len(needed) <= 512 and needed == sorted(set(needed)) and needed[0] == 0
+        assert len(informative_positions(e)) <= 512  # also a query-agnostic policy can fit everything
+        assert set(needed) <= set(informative_positions(e))
+        answer = ids_to_text(e.answer_ids[:-1])
+        expected = answer.split()[-1] if family == "trace" else answer
+        assert solve(family, _text(e.prompt_ids, needed)) == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_needed_items_are_spread_so_a_window_cache_fails(family):
+    """Sinks 4 + recent window 1020 at context 4096 keeps few needed items (uniform random depths)."""
+    lost, all_kept = [], 0
+    n = 60
+    for i in range(n):
+        e = generate(family, example_seed(family, "eval", i), 4096)
+        question_start = e.needed_spans[-1][0]
+        items = [p for p in needed_positions(e) if 0 < p < question_start]
+        kept = [p for p in items if p < 4 or p >= 4096 - 1020]
+        lost.append(1 - len(kept) / len(items))
+        all_kept += len(kept) == len(items)
+        depths = [p / question_start for p in items]
+        assert 0 <= min(depths) and max(depths) <= 1
+    assert statistics.mean(lost) > 0.6, statistics.mean(lost)
+    assert all_kept / n < 0.25, all_kept / n  # niah single/multikey: ~1/4 of needles sit in the window
+
+
+def test_trace_definitions_sit_in_the_first_half():
+    for i in range(20):
+        e = generate("trace", i, 4096)
+        defs = [a for a, b in e.item_spans[:-1]]
+        assert defs and max(defs) < len(e.prompt_ids) / 2 + 20
+
+
+def test_scaling_with_length():
+    def count(family, length, pattern):
+        return statistics.mean(len(re.findall(pattern, generate(family, i, length).prompt_text)) for i in range(10))
+
+    assert count("recall", 256, r" : \d \d \d \.") < count("recall", 1024, r" : \d \d \d \.") < count("recall", 4096, r" : \d \d \d \.")
+    assert 32 <= count("recall", 4096, r" : \d \d \d \.") <= 64
+    assert count("trace", 256, r"step \d :") < count("trace", 4096, r"step \d :") <= 8
+
+
+@pytest.mark.parametrize("family,variant", ALL)
+def test_score(family, variant):
+    for i in range(5):
+        e = generate(family, i, 512, variant)
+        ans = list(e.answer_ids)
+        assert score(e, ans)
+        assert score(e, torch.tensor(ans))
+        assert score(e, ans + [WORD_TO_ID["the"]] * 3)  # anything after <eos> is ignored
+        wrong = list(ans)
+        if family == "vt":
+            wrong[0] = WORD_TO_ID["zulu" if VOCAB[ans[0]] != "zulu" else "alpha"]
+        else:
+            digit_at = max(j for j, t in enumerate(ans) if VOCAB[t].isdigit())
+            wrong[digit_at] = WORD_TO_ID[str((int(VOCAB[ans[digit_at]]) + 1) % 10)]
+        assert not score(e, wrong)
+        assert not score(e, [])
+        if family == "trace":
+            # only the value after "answer :" counts
+            junk = [WORD_TO_ID[w] for w in "answer :".split()] + [ans[-2], EOS_ID]
+            assert score(e, junk)
+        else:
+            assert not score(e, ans[:-2] + [EOS_ID])  # truncated answer
+            assert not score(e, ans[:-1] + [WORD_TO_ID[","], EOS_ID])  # extra tokens before <eos>
+
+
+def test_generation_is_fast():
+    for fam in FAMILIES:
+        generate(fam, 0, 4096, dense=True)
+    start = time.perf_counter()
+    n = 0
+    for i in range(10):
+        for fam in FAMILIES:
+            generate(fam, i, 4096, dense=True)
+            n += 1
+    per_example = (time.perf_counter() - start) / n
+    assert per_example < 0.010, f"{per_example * 1e3:.1f} ms per 4096-token example"
