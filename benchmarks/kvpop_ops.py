@@ -96,21 +96,29 @@ def main() -> int:
     common = {"batch": B, "seq": T, "kv_heads": H, "q_heads": H * G, "head_dim": D, "sinks": s, "window": w, "topk": k}
 
     # ---- running top-k cutoff ----
+    # The torch Fenwick reference is a Python loop over T with ~190 small tensor ops per step; on the CPU a step
+    # costs microseconds, on the GPU a kernel launch each (~30 s per call at T = 16384), so it runs on the CPU,
+    # once, timed with a wall clock; the Triton kernel is checked against it bit for bit at the full size.
+    import time
+
     prio = priorities(B, H, T, True, dev)
-    ranks_ref, cut_ref = running_topk_cutoff(prio, s, w, k, backend="torch")
+    t0 = time.perf_counter()
+    ranks_ref, cut_ref = running_topk_cutoff(prio.cpu(), s, w, k, backend="torch")
+    ref_ms = (time.perf_counter() - t0) * 1e3
     ranks_tri, cut_tri = running_topk_cutoff(prio, s, w, k, backend=tri)
-    checks["cutoff_triton_equals_reference"] = bool(torch.equal(cut_ref, cut_tri) and torch.equal(ranks_ref, ranks_tri))
-    for trial in range(3):  # fresh draws, ties included
-        p = priorities(B, H, T, trial % 2 == 0, dev)
+    checks["cutoff_triton_equals_reference"] = bool(torch.equal(cut_ref, cut_tri.cpu()) and torch.equal(ranks_ref, ranks_tri.cpu()))
+    for trial in range(3):  # fresh draws at a smaller size, ties included
+        n = min(T, 2048)
+        p = priorities(B, H, n, trial % 2 == 0, dev)
         if trial == 2:
-            p = torch.randint(0, 50, (B, H, T), device=dev).float()
+            p = torch.randint(0, 50, (B, H, n), device=dev).float()
         r = static_ranks(p)
-        checks[f"cutoff_equal_draw{trial}"] = bool(torch.equal(running_cutoff(r, s, w, k, backend="torch"), running_cutoff(r, s, w, k, backend=tri)))
+        checks[f"cutoff_equal_draw{trial}"] = bool(torch.equal(running_cutoff(r.cpu(), s, w, min(k, n // 4), backend="torch"),
+                                                               running_cutoff(r, s, w, min(k, n // 4), backend=tri).cpu()))
     ranks = ranks_tri
     rows.append({"name": "cutoff_triton", "ms": bench(lambda: running_topk_cutoff(prio, s, w, k, backend=tri)), "includes": "static_ranks (torch.sort) + cutoff", **common})
     rows.append({"name": "cutoff_triton_only", "ms": bench(lambda: running_cutoff(ranks, s, w, k, backend=tri)), "includes": "cutoff from precomputed ranks", **common})
-    rows.append({"name": "cutoff_reference", "ms": bench(lambda: running_topk_cutoff(prio, s, w, k, backend="torch"), warmup=1, rep=1),
-                 "includes": "torch Fenwick reference (median of few runs)", **common})
+    rows.append({"name": "cutoff_reference", "ms": ref_ms, "includes": "torch Fenwick reference on the host CPU, one run, wall clock", **common})
 
     # ---- attention: sparse (flex, block mask) vs dense causal SDPA ----
     q = torch.randn(B, H * G, T, D, device=dev, dtype=dtype, requires_grad=True)

@@ -135,3 +135,29 @@ def test_bad_budget_and_missing_attach():
     cache = StreamingCache(StreamingConfig(budget=8), 2)
     with pytest.raises(KVLearnError, match="attach"):
         model(input_ids=torch.ones(1, 3, dtype=torch.long), past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_other_supported_families_decode_like_dense_mask(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(4)
+    cfg = AutoConfig.for_model(family, vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=256, attn_implementation="sdpa")
+    model = attach(AutoModelForCausalLM.from_config(cfg).eval())
+    sc = StreamingConfig(budget=7, sinks=2)
+    ids = torch.randint(1, 97, (2, 24))
+    ref = dense_logits(model, ids, torch.ones_like(ids, dtype=torch.bool), sc.sinks, sc.window)
+    cache = StreamingCache(sc, 2)
+    with torch.no_grad():
+        got = [model(input_ids=ids[:, :10], past_key_values=cache, use_cache=True).logits]
+        got += [model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(10, 24)]
+    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_unsupported_family_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(KVLearnError, match="model type 'gpt2' is not supported"):
+        attach(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))

@@ -132,3 +132,18 @@ def test_compiled_flex_on_cuda_matches_dense(dtype):
     dense = retention_mask_dense(ranks, cutoffs, sinks, window)
     tiles = dense.reshape(B, Hkv, T // 128, 128, T // 128, 128).any(dim=(3, 5))
     assert block_sparsity(bm) == pytest.approx(1.0 - tiles.float().mean().item(), abs=1e-9)
+
+
+def test_no_grad_call_with_grad_requiring_inputs_uses_flex_path_on_cpu():
+    """Inputs that require grad, called under no_grad (evaluation of a training model), must not raise."""
+    torch.manual_seed(5)
+    B, Hkv, G, T, D = 1, 2, 2, 40, 8
+    q = torch.randn(B, Hkv * G, T, D, requires_grad=True)
+    k = torch.randn(B, Hkv, T, D, requires_grad=True)
+    v = torch.randn(B, Hkv, T, D, requires_grad=True)
+    ranks, cutoffs = running_topk_cutoff(torch.randn(B, Hkv, T), 2, 4, 6)
+    with torch.no_grad():
+        out, lse = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4)
+    ref, ref_lse = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4)  # dense twin (grad path)
+    torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse.detach(), atol=1e-5, rtol=1e-5)

@@ -13,48 +13,16 @@ gives the same output, LSE and gradients up to float rounding.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-from torch.nn.attention import flex_attention as _flex_module
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from kvlearn.errors import check
+from kvlearn.ops.flex import flex_attention_lse
 from kvlearn.ops.masks import retention_block_mask, retention_mask_dense
 
-# torch >= 2.9 asks for the LSE with return_aux=AuxRequest(lse=True); older ones with return_lse=True.
-_AuxRequest = getattr(_flex_module, "AuxRequest", None)
-
-_COMPILED_FLEX = None
-
-
-def _flex_fn(device: torch.device):
-    """``flex_attention``: compiled once per process on CUDA, eager elsewhere."""
-    global _COMPILED_FLEX
-    if device.type != "cuda":
-        return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention)
-    return _COMPILED_FLEX
-
-
 def _call_flex(query, key, value, block_mask, scale, return_lse):
-    if query.device.type != "cuda":
-        with warnings.catch_warnings():  # eager flex on purpose (no compiled CPU path): silence its advice
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return _call_flex_fn(flex_attention, query, key, value, block_mask, scale, return_lse)
-    return _call_flex_fn(_flex_fn(query.device), query, key, value, block_mask, scale, return_lse)
-
-
-def _call_flex_fn(fn, query, key, value, block_mask, scale, return_lse):
-    if not return_lse:
-        return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True), None
-    if _AuxRequest is not None:
-        out, aux = fn(
-            query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=_AuxRequest(lse=True)
-        )
-        return out, aux.lse
-    return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
+    return flex_attention_lse(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True,
+                              return_lse=return_lse)
 
 
 def _check_attention_inputs(query, key, value, ranks, cutoffs) -> None:
@@ -127,8 +95,11 @@ def sparse_retention_attention(
     if scale is None:
         scale = query.shape[-1] ** -0.5
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if needs_grad and query.device.type == "cpu":
-        return _dense_attention(query, key, value, ranks, cutoffs, sinks, window, scale, return_lse)
+    if query.device.type == "cpu":
+        if needs_grad:  # eager FlexAttention has no backward on the CPU
+            return _dense_attention(query, key, value, ranks, cutoffs, sinks, window, scale, return_lse)
+        # eager flex refuses inputs that require grad even under no_grad
+        query, key, value = query.detach(), key.detach(), value.detach()
     if block_mask is None:
         block_mask = retention_block_mask(ranks, cutoffs, sinks, window, group, block_size=block_size)
     else:

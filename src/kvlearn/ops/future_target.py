@@ -20,14 +20,13 @@ the GPU path (compiled FlexAttention); the CPU path reduces in query chunks with
 from __future__ import annotations
 
 import math
-import warnings
 from collections import OrderedDict
-from typing import Callable
 
 import torch
 from torch import Tensor
 
 from ..errors import check
+from .flex import flex_attention_lse
 
 __all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS"]
 
@@ -37,12 +36,6 @@ AGGREGATIONS = ("max", "mean")
 # Bytes of float32 scores one chunk of the torch backend may hold at a time.
 _CHUNK_BYTES = 1 << 26
 
-try:  # torch >= 2.9 (both 2.11 and 2.13 have it); return_lse=True is the deprecated spelling
-    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
-except ImportError:  # pragma: no cover - older torch
-    _AuxRequest = None
-
-_compiled_flex: Callable | None = None
 _block_mask_cache: "OrderedDict[tuple, object]" = OrderedDict()
 _BLOCK_MASK_CACHE_SIZE = 8
 
@@ -52,38 +45,12 @@ _BLOCK_MASK_CACHE_SIZE = 8
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _flex_fn(device: torch.device) -> Callable:
-    """FlexAttention: compiled on CUDA (fused, nothing ``S x S`` stored), eager elsewhere (CPU has no fused kernel)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if device.type != "cuda":
-        return flex_attention
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
-
-
 def flex_lse(query: Tensor, key: Tensor, value: Tensor, *, score_mod=None, block_mask=None, scale=None,
              enable_gqa: bool = False) -> Tensor:
-    """Natural-log log-sum-exp of a FlexAttention call, float32 ``[batch, q_heads, q_len]``.
-
-    Works with both ways torch returns it: ``return_aux=AuxRequest(lse=True)`` (torch >= 2.9, used when present)
-    and the deprecated ``return_lse=True``. Both are natural logarithms in torch 2.11 and 2.13 (the kernels work
-    in base 2 and FlexAttention rescales by ``ln 2`` before returning). Rows with no unmasked key give ``-inf``.
-    """
-    fn = _flex_fn(query.device)
-    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-    with warnings.catch_warnings():
-        # eager (CPU) flex warns that it is unfused; that is expected off-GPU
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")
-        if _AuxRequest is not None:
-            _, aux = fn(query, key, value, return_aux=_AuxRequest(lse=True), **kwargs)
-            lse = aux.lse
-        else:  # pragma: no cover - older torch
-            _, lse = fn(query, key, value, return_lse=True, **kwargs)
-    return lse.float()
+    """Natural-log log-sum-exp of a FlexAttention call, float32 ``[batch, q_heads, q_len]`` (``-inf`` for rows
+    with no unmasked key); see :func:`kvlearn.ops.flex.flex_attention_lse`."""
+    return flex_attention_lse(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                              enable_gqa=enable_gqa)[1]
 
 
 def _block_mask(kind: str, seq_len: int, window: int, device: torch.device):

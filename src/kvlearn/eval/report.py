@@ -1,0 +1,91 @@
+"""Build ``docs/RESULTS.md`` from the committed results files, so every number in it comes from one of them.
+
+    python -m kvlearn.eval.report            # rewrites docs/RESULTS.md from results/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .results import SCHEMA
+
+ROOT = Path(__file__).resolve().parents[3]
+
+INTRO = """# Results
+
+Built by `python -m kvlearn.eval.report` from the files in `results/` (schema `kvlearn.results.v1`); do not edit
+by hand. Each section names its file, the command that produced it, the commit, the date and the device.
+"""
+
+
+def _provenance(name: str, data: dict) -> str:
+    lines = [
+        f"File `results/{name}` | device: {data['device']} | date: {data['date']} | commit: `{str(data['commit'])[:12]}`",
+        "",
+        f"Command: `{data['command']}`",
+    ]
+    if data.get("note"):
+        lines += ["", f"Note: {data['note']}"]
+    return "\n".join(lines)
+
+
+def accuracy_section(name: str, data: dict) -> str:
+    rows = data["rows"]
+    out = [f"## Accuracy: {name.removesuffix('.json')} (context {data.get('context')})", "", _provenance(name, data), ""]
+    out.append("| method | budget | CR | task | accuracy | n | kv_bytes (mean per example) | kv_bytes / dense |")
+    out.append("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    dense = {r["task"]: r["kv_bytes"] for r in rows if r["method"] == "dense"}
+    for r in rows:
+        ratio = f"{r['kv_bytes'] / dense[r['task']]:.3f}" if dense.get(r["task"]) else ""
+        out.append(
+            f"| {r['method']} | {r['budget']} | {r['compression']:.0%} | {r['task']} | {r['accuracy']:.3f} | {r['n']} | "
+            f"{r['kv_bytes']:,} | {ratio} |"
+        )
+    variants = [(r["method"], r["task"], k, v) for r in rows for k, v in r.get("variants", {}).items() if len(r.get("variants", {})) > 1]
+    if variants:
+        out += ["", "Per variant:", "", "| method | task | variant | accuracy | n |", "| --- | --- | --- | ---: | ---: |"]
+        out += [f"| {m} | {t} | {k} | {v['accuracy']:.3f} | {v['n']} |" for m, t, k, v in variants]
+    return "\n".join(out)
+
+
+def ops_section(name: str, data: dict) -> str:
+    out = [f"## GPU ops: {name.removesuffix('.json')}", "", _provenance(name, data), ""]
+    out.append("| name | median ms | block sparsity | notes |")
+    out.append("| --- | ---: | ---: | --- |")
+    for r in data["rows"]:
+        sp = f"{r['block_sparsity']:.3f}" if "block_sparsity" in r else ""
+        note = r.get("priorities", r.get("includes", ""))
+        out.append(f"| {r['name']} | {r['ms']:.3f} | {sp} | {note} |")
+    for key in ("checks", "summary"):
+        if data.get(key):
+            out += ["", f"{key.capitalize()}:", "", "```", json.dumps(data[key], indent=1), "```"]
+    return "\n".join(out)
+
+
+def build(results_dir: Path) -> str:
+    sections = [INTRO]
+    for path in sorted(results_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        if data.get("schema") != SCHEMA:
+            continue
+        if data.get("kind") == "accuracy":
+            sections.append(accuracy_section(path.name, data))
+        elif data.get("kind") == "ops":
+            sections.append(ops_section(path.name, data))
+    return "\n\n".join(sections) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--results", default=str(ROOT / "results"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "RESULTS.md"))
+    args = ap.parse_args(argv)
+    Path(args.out).write_text(build(Path(args.results)))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

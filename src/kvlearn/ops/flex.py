@@ -1,0 +1,58 @@
+"""FlexAttention plumbing shared by every kvlearn kernel call (sparse attention, causal LSE, transposed target).
+
+- :func:`flex_fn`: one ``torch.compile(flex_attention, dynamic=False)`` per process on CUDA (the fused kernel);
+  plain eager ``flex_attention`` elsewhere (CPU flex runs eager only: it materialises the scores, small sizes).
+- :func:`flex_attention_lse`: one call returning ``(out, lse)`` with the log-sum-exp requested the way the
+  installed torch wants it (``return_aux=AuxRequest(lse=True)`` from torch 2.9, the deprecated
+  ``return_lse=True`` before). The LSE is a natural log in torch 2.11 and 2.13 (the kernels work in base 2
+  and FlexAttention rescales by ``ln 2`` before returning); rows with no unmasked key give ``-inf``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import flex_attention
+
+try:  # torch >= 2.9 (2.11 and 2.13 have it)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    AuxRequest = None
+
+_compiled: Callable | None = None
+
+
+def flex_fn(device: torch.device) -> Callable:
+    """``flex_attention`` compiled once per process on CUDA, eager elsewhere."""
+    global _compiled
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+def flex_attention_lse(query: Tensor, key: Tensor, value: Tensor, *, score_mod=None, block_mask=None, scale=None,
+                       enable_gqa: bool = False, return_lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """FlexAttention ``out [B, Hq, L, Dv]`` and, when asked, ``lse [B, Hq, L]`` float32 (natural log)."""
+    fn = flex_fn(query.device)
+    if query.device.type != "cuda" and value is key:
+        # eager (CPU) flex runs under dynamo; torch 2.13 crashes while explaining a recompile when the same tensor
+        # is passed as key and value after calls where it was not (a guard bug), so give it a distinct value
+        value = key.clone()
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    with warnings.catch_warnings():
+        # eager (CPU) flex warns that it is unfused; that is expected off-GPU
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")
+        if not return_lse:
+            return fn(query, key, value, **kwargs), None
+        if AuxRequest is not None:
+            out, aux = fn(query, key, value, return_aux=AuxRequest(lse=True), **kwargs)
+            lse = aux.lse
+        else:  # pragma: no cover - older torch
+            out, lse = fn(query, key, value, return_lse=True, **kwargs)
+    return out, lse.float()

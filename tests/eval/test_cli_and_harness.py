@@ -1,0 +1,113 @@
+"""The evaluation harness, the CLI's one-line errors and the shipped teacher."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, Qwen3Config, Qwen3ForCausalLM
+
+from kvlearn.cli import DEFAULT_MODEL, main
+from kvlearn.eval.accuracy import EvalConfig, evaluate
+from kvlearn.eval.plots import plot_accuracy
+from kvlearn.eval.results import SCHEMA, make_results, write_results
+from kvlearn.testbed import tasks
+from kvlearn.testbed.tokenizer import build_tokenizer
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["eval", "--method", "bogus"], "method='bogus' is unknown: expected one of dense, streaming"),
+        (["eval", "--method", "dense", "--tasks", "niah,poems"], "unknown task(s) poems"),
+        (["eval", "--method", "streaming", "--budget", "4", "--sinks", "4"], "budget=4 is invalid"),
+        (["eval", "--method", "streaming", "--budget", "4096", "--context", "4096"], "budget=4096 is invalid"),
+        (["eval", "--method", "streaming"], "needs a budget"),
+        (["eval", "--method", "dense", "--n-per-task", "0"], "n_per_task=0 is invalid"),
+    ],
+)
+def test_bad_arguments_give_one_line_errors(capsys, tmp_path, argv, needle):
+    code, err = run_cli(capsys, *argv, "--model", str(tmp_path), "--device", "cpu")
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("kvlearn: error:")
+    assert needle in err
+
+
+def test_missing_checkpoint_and_unsupported_architecture(capsys, tmp_path):
+    code, err = run_cli(capsys, "eval", "--method", "dense", "--model", str(tmp_path / "nope"), "--device", "cpu")
+    assert code == 2 and "does not exist" in err and "nope" in err and len(err.splitlines()) == 1
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
+    code, err = run_cli(capsys, "eval", "--method", "dense", "--model", str(tmp_path / "gpt2"), "--device", "cpu")
+    assert code == 2 and "'gpt2' " in err and "qwen3, qwen2, llama, mistral" in err
+
+
+def tiny_testbed_model():
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                      attn_implementation="sdpa")
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def test_harness_rows_schema_and_real_memory_saving(tmp_path):
+    model = tiny_testbed_model()
+    rows = []
+    for method, budget in (("dense", None), ("streaming", 64)):
+        rows += evaluate(model, EvalConfig(method=method, budget=budget, tasks=("niah", "recall"), n_per_task=2,
+                                           context=256, batch_size=2), progress=False)
+    assert [(r["method"], r["task"]) for r in rows] == [("dense", "niah"), ("dense", "recall"), ("streaming", "niah"), ("streaming", "recall")]
+    for r in rows:
+        assert set(r) >= {"method", "budget", "compression", "task", "accuracy", "n", "kv_bytes"}
+        assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0
+    dense = {r["task"]: r["kv_bytes"] for r in rows if r["method"] == "dense"}
+    for r in rows:
+        if r["method"] == "streaming":
+            assert r["compression"] == pytest.approx(0.75)
+            # at most budget/context of the dense bytes (+5% for slot positions and the generated tokens)
+            assert r["kv_bytes"] <= 64 / 256 * dense[r["task"]] * 1.05
+    path = write_results(tmp_path / "r.json", make_results("accuracy", rows, device="cpu", model="tiny", context=256))
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA and data["kind"] == "accuracy" and data["context"] == 256
+    assert {"command", "commit", "date", "device", "model", "rows"} <= set(data)
+    assert plot_accuracy(rows, tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_greedy_harness_matches_hand_scoring():
+    """The harness's accuracy equals scoring the same greedy generations by hand (dense, batch 1)."""
+    model = tiny_testbed_model()
+    rows = evaluate(model, EvalConfig(method="dense", tasks=("recall",), n_per_task=3, context=256, batch_size=3), progress=False)
+    correct = 0
+    for i in range(3):
+        ex = tasks.generate("recall", tasks.example_seed("recall", "eval", i), 256)
+        ids = torch.tensor([ex.prompt_ids])
+        out = model.generate(input_ids=ids, max_new_tokens=len(ex.answer_ids), do_sample=False, pad_token_id=0,
+                             eos_token_id=model.config.eos_token_id)
+        correct += tasks.score(ex, out[0, ids.shape[1]:].tolist())
+    assert rows[0]["accuracy"] == pytest.approx(correct / 3)
+
+
+@pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded teacher in this checkout")
+def test_shipped_teacher_loads_plainly_and_answers_a_sample():
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    assert model.config.model_type == "qwen3"
+    assert model.config.num_key_value_heads >= 2 and model.config.num_attention_heads // model.config.num_key_value_heads >= 2
+    assert sum(p.numel() for p in model.parameters()) * 2 <= 16 * 2**20
+    solved = 0
+    for family in ("vt", "recall"):
+        ex = tasks.generate(family, tasks.example_seed(family, "eval", 0), 4096)  # the teacher's context
+        assert tok.decode(ex.prompt_ids).split()[0] == "<bos>"
+        ids = torch.tensor([ex.prompt_ids])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, max_new_tokens=len(ex.answer_ids), do_sample=False,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        solved += tasks.score(ex, out[0, ids.shape[1]:].tolist())
+    assert solved == 2
