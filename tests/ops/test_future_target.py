@@ -171,3 +171,31 @@ def test_cuda_compiled_path_matches_dense_reference():
         # the chunked torch backend on the GPU agrees too
         alt = future_attention_target(q, k, lse, window, aggregation=aggregation, backend="torch")
         torch.testing.assert_close(alt, got, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("lookahead", [0, 3, 20, 500])
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+def test_finite_lookahead_matches_dense_band(lookahead, backend):
+    """Appendix B.2: only queries t + w <= d <= t + w + L count, and N_t is clipped to L + 1."""
+    g = torch.Generator().manual_seed(7)
+    b, hq, hkv, s, d, w = 2, 4, 2, 70, 16, 6
+    q = torch.randn(b, hq, s, d, generator=g)
+    k = torch.randn(b, hkv, s, d, generator=g)
+    scale = 1 / math.sqrt(d)
+    lse = _dense_causal_lse(q, k, scale).float()
+    logits = _dense_logits(q, k, scale)
+    prob = torch.exp(logits - lse.double()[..., None])
+    dd = torch.arange(s)[:, None]
+    tt = torch.arange(s)[None, :]
+    prob = prob * ((dd >= tt + w) & (dd <= tt + w + lookahead))
+    count = torch.clamp(torch.clamp(s - (torch.arange(s) + w), min=1), max=lookahead + 1).double()
+    mass = (prob.sum(dim=-2) / count).reshape(b, hkv, hq // hkv, s).amax(2)
+    ref = torch.log(1e-6 + mass)
+    got = future_attention_target(q, k, lse, w, eps=1e-6, backend=backend, lookahead=lookahead)
+    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_lookahead_validation():
+    q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 1, 8, 4)
+    with pytest.raises(KVLearnError, match="lookahead=-1 is invalid"):
+        future_attention_target(q, k, torch.zeros(1, 2, 8), 2, lookahead=-1)

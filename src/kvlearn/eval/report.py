@@ -66,7 +66,8 @@ def ops_section(name: str, data: dict) -> str:
 
 def build(results_dir: Path) -> str:
     sections = [INTRO]
-    for path in sorted(results_dir.glob("*.json")):
+    first = ("testbed_teacher.json", "kvpop_ops_h200.json")  # the acceptance files first, then the rest by name
+    for path in sorted(results_dir.glob("*.json"), key=lambda p: (first.index(p.name) if p.name in first else len(first), p.name)):
         data = json.loads(path.read_text())
         if data.get("schema") != SCHEMA:
             continue

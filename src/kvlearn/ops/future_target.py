@@ -53,11 +53,11 @@ def flex_lse(query: Tensor, key: Tensor, value: Tensor, *, score_mod=None, block
                               enable_gqa=enable_gqa)[1]
 
 
-def _block_mask(kind: str, seq_len: int, window: int, device: torch.device):
+def _block_mask(kind: str, seq_len: int, window: int, device: torch.device, lookahead: int | None = None):
     """The (batch- and head-independent) BlockMask of the causal pass or of the transposed pass, cached."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = (kind, seq_len, window, str(device))
+    key = (kind, seq_len, window, str(device), lookahead)
     if key in _block_mask_cache:
         _block_mask_cache.move_to_end(key)
         return _block_mask_cache[key]
@@ -69,7 +69,10 @@ def _block_mask(kind: str, seq_len: int, window: int, device: torch.device):
     else:  # transposed pass: transposed query t (original key) sees transposed key d (original query) iff d >= t + w
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx >= q_idx + window
+            future = kv_idx >= q_idx + window
+            if lookahead is None:
+                return future
+            return future & (kv_idx <= q_idx + window + lookahead)
 
     mask = create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
     _block_mask_cache[key] = mask
@@ -170,7 +173,8 @@ def causal_lse(query: Tensor, key: Tensor, scale: float | None = None, *, backen
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _future_log_mass_flex(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float) -> Tensor:
+def _future_log_mass_flex(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float,
+                          lookahead: int | None = None) -> Tensor:
     """``log m̄`` per query head by the transposed FlexAttention pass, ``[batch, q_heads, seq]`` float32."""
     b, hq, s, d = query.shape
     hkv = key.shape[1]
@@ -184,12 +188,14 @@ def _future_log_mass_flex(query: Tensor, key: Tensor, lse: Tensor, window: int, 
         # score = scale * <k_t, q_d> = ℓ(d, t); subtract the original query's normaliser (Eq. 33)
         return score - lse32[bi, hi, kv_idx]
 
-    mask = _block_mask("future", s, window, query.device)
-    # The value output is unused: pass the transposed keys themselves (no extra memory).
-    return flex_lse(t_query, t_key, t_key, score_mod=score_mod, block_mask=mask, scale=scale)
+    mask = _block_mask("future", s, window, query.device, lookahead)
+    # Only the LSE is used: a 16-wide value keeps the P @ V half of the kernel's work (and its memory) small.
+    t_value = t_key[..., : min(d, 16)].contiguous()
+    return flex_lse(t_query, t_key, t_value, score_mod=score_mod, block_mask=mask, scale=scale)
 
 
-def _future_log_mass_torch(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float) -> Tensor:
+def _future_log_mass_torch(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float,
+                           lookahead: int | None = None) -> Tensor:
     """Same as :func:`_future_log_mass_flex` by chunked matmuls over original keys (memory ``O(chunk * S)``)."""
     b, hq, s, d = query.shape
     hkv = key.shape[1]
@@ -206,6 +212,8 @@ def _future_log_mass_torch(query: Tensor, key: Tensor, lse: Tensor, window: int,
         hi = min(last, lo + step)
         logits = torch.einsum("bhtd,bhgsd->bhgts", k[:, :, lo:hi], q) * scale - norm  # [b, hkv, g, chunk, S]
         keep = pos[None, :] >= pos[lo:hi, None] + window
+        if lookahead is not None:
+            keep = keep & (pos[None, :] <= pos[lo:hi, None] + window + lookahead)
         logits = logits.masked_fill(~keep, -math.inf)
         out[..., lo:hi] = torch.logsumexp(logits, dim=-1).float()
     return out.reshape(b, hq, s)
@@ -222,6 +230,7 @@ def future_attention_target(
     scale: float | None = None,
     *,
     backend: str = "auto",
+    lookahead: int | None = None,
 ) -> Tensor:
     """KVpop future-attention target ``r[b, h, t] = log(eps + Agg_g m[b, h, g, t])`` (Eq. 2-3, appendix B/D).
 
@@ -238,6 +247,9 @@ def future_attention_target(
             ``G = q_heads // kv_heads`` query heads sharing a KV head.
         count_normalize: divide the mass by ``N_t = max(1, S - (t + w))`` (appendix B.2).
         scale: logit scale, default ``1 / sqrt(head_dim)`` (pass the model's attention scaling).
+        lookahead: ``None`` (default: every future query, as in the paper's main experiments) or ``L >= 0``:
+            only queries ``t + w <= d <= t + w + L`` count and ``N_t`` is clipped to ``L + 1`` (appendix B.2).
+            The transposed pass is then a band, so its cost grows with ``L`` instead of ``S``.
         backend: ``"auto"`` (compiled FlexAttention on CUDA, chunked matmul elsewhere), ``"flex"`` (compiled on
             CUDA, eager on CPU) or ``"torch"`` (chunked matmul on any device).
 
@@ -257,18 +269,23 @@ def future_attention_target(
     check(lse.device == query.device, f"lse device={lse.device} differs from query device={query.device}")
     scale = _check_scale(scale, d)
     backend = _resolve_backend(backend, query.device)
+    check(lookahead is None or (isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead >= 0),
+          f"lookahead={lookahead!r} is invalid: expected None or an integer >= 0")
 
     with torch.no_grad():
         if backend == "flex":
-            log_mass = _future_log_mass_flex(query, key, lse, window, scale)
+            log_mass = _future_log_mass_flex(query, key, lse, window, scale, lookahead)
         else:
-            log_mass = _future_log_mass_torch(query, key, lse, window, scale)
+            log_mass = _future_log_mass_torch(query, key, lse, window, scale, lookahead)
         pos = torch.arange(s, device=query.device)
         # Rows without any future query are -inf whatever the kernel returns for fully masked rows.
         has_future = (pos + window) < s
         log_mass = torch.where(has_future, log_mass.float(), torch.full_like(log_mass, -math.inf, dtype=torch.float32))
         if count_normalize:
-            count = torch.clamp(s - (pos + window), min=1).to(torch.float32)
+            count = torch.clamp(s - (pos + window), min=1)
+            if lookahead is not None:  # appendix B.2: the count is clipped to the L + 1 queries of the lookahead
+                count = torch.clamp(count, max=lookahead + 1)
+            count = count.to(torch.float32)
             log_mass = log_mass - torch.log(count)
         grouped = log_mass.reshape(b, hkv, hq // hkv, s)
         if aggregation == "max":
