@@ -60,7 +60,9 @@ class SlotPlan:
     Attributes:
         write_slots: ``[batch, P, q]`` int64 slot for each new token that survives this forward, ``-1`` otherwise.
         old_end: ``[batch, P, capacity]`` int64 first query position at which each buffered token is evicted
-            (``NEVER`` if it survives this forward). Only used when ``q > 1``.
+            (``NEVER`` if it survives this forward), or ``None`` when this forward evicts no buffered token except
+            by overwriting its slot (then nothing needs freeing). Required when ``q > 1``. Slots whose token is
+            evicted by the end of the forward and not overwritten are freed (position ``-1``).
         new_end: ``[batch, P, q]`` int64 the same for the new tokens.
     """
 
@@ -120,7 +122,9 @@ class CompactLayer(CacheLayerMixin):
         check(q == step.query_length, f"{q} new keys but the forward step announced {step.query_length} tokens")
         plan = self.plan(step)
         new_pos = step.positions.to(torch.int32)[:, None, :].expand(b, plan.new_end.shape[1], q)
+        last = step.positions.max(dim=1).values[:, None, None]  # [batch, 1, 1] last real position of this forward
         if q == 1:
+            self._free(plan.old_end, last)
             self._write(key_states, value_states, plan.write_slots, new_pos)
             keys, values = self.keys, self.values
             start = self.slot_positions
@@ -131,11 +135,17 @@ class CompactLayer(CacheLayerMixin):
             values = torch.cat([self.values, value_states], dim=2)
             start = torch.cat([self.slot_positions, new_pos], dim=2)
             end = torch.cat([plan.old_end, plan.new_end], dim=2)
+            self._free(plan.old_end, last)
             self._write(key_states, value_states, plan.write_slots, new_pos)
             query_key_offset = self.capacity
         self._visible = (start, end, query_key_offset)
         self.seen += q
         return keys, values
+
+    def _free(self, old_end: torch.Tensor | None, last: torch.Tensor) -> None:
+        """Mark slots whose token is evicted by position ``last`` (``[batch, 1, 1]``) as empty."""
+        if old_end is not None:
+            self.slot_positions.masked_fill_(old_end <= last, -1)
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, write_slots: torch.Tensor, new_pos: torch.Tensor) -> None:
         """Scatter surviving new tokens into their slots (in place)."""

@@ -41,7 +41,7 @@ class PretrainConfig:
     rope_theta: float = 20000.0
     # curriculum: example length per stage, and the fraction of the time budget each stage gets
     stages: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
-    stage_fractions: tuple[float, ...] = (0.12, 0.13, 0.2, 0.2, 0.35)
+    stage_fractions: tuple[float, ...] = (0.08, 0.1, 0.12, 0.2, 0.5)  # run 1 gave 4096 only 35%: too little (docs/TESTBED.md)
     tokens_per_step: int = 131072
     # optimisation
     lr: float = 2e-3
