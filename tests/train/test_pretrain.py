@@ -1,0 +1,58 @@
+"""The teacher trainer: schedule functions and a tiny end-to-end run on the CPU that saves a loadable checkpoint."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvlearn import KVLearnError
+from kvlearn.testbed import tasks
+from kvlearn.testbed.tokenizer import WORD_TO_ID
+from kvlearn.train.pretrain import PretrainConfig, checked_answer_positions, lr_at, pretrain, stage_at
+
+
+def test_stage_and_lr_schedule():
+    cfg = PretrainConfig(stages=(256, 512, 1024), stage_fractions=(0.25, 0.25, 0.5), context=1024,
+                         tokens_per_step=4096, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    assert [stage_at(cfg, f) for f in (0.0, 0.24, 0.25, 0.49, 0.5, 0.99, 1.5)] == [0, 0, 1, 1, 2, 2, 2]
+    assert lr_at(cfg, 0, 0.0) == pytest.approx(1e-4)  # warm-up step 1 of 10
+    assert lr_at(cfg, 100, 0.0) == pytest.approx(1e-3)
+    assert lr_at(cfg, 100, 0.5) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))
+    assert lr_at(cfg, 100, 1.0) == pytest.approx(1e-4)
+
+
+def test_config_validation():
+    with pytest.raises(KVLearnError, match="must sum to 1"):
+        PretrainConfig(stage_fractions=(0.5, 0.5, 0.5, 0.5, 0.5))
+    with pytest.raises(KVLearnError, match="num_kv_heads=1"):
+        PretrainConfig(num_kv_heads=1)
+
+
+def test_trace_checks_step_lines_and_answer_but_not_thinking():
+    ex = tasks.generate("trace", tasks.example_seed("trace", "eval", 0), 400)
+    checked = checked_answer_positions(ex)
+    words = [next(w for w, i in WORD_TO_ID.items() if i == t) for t in ex.answer_ids]
+    text = " ".join(words[j] for j in checked)
+    assert text.startswith("step 1 :") and text.endswith("answer : " + words[-2] + " <eos>")
+    skipped = [words[j] for j in range(len(words)) if j not in checked]
+    assert skipped and "step" not in skipped and "=" not in skipped  # only the free sentences are skipped
+    ex = tasks.generate("recall", tasks.example_seed("recall", "eval", 0), 400)
+    assert checked_answer_positions(ex) == list(range(len(ex.answer_ids)))
+
+
+def test_tiny_cpu_run_saves_a_plain_loadable_checkpoint(tmp_path):
+    cfg = PretrainConfig(out=str(tmp_path / "t"), minutes=0.04, device="cpu", hidden_size=32, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, context=256,
+                         stages=(256,), stage_fractions=(1.0,), tokens_per_step=1024, num_workers=0, eval_n=2,
+                         log_every=1000, warmup_steps=2)
+    log = pretrain(cfg)
+    assert log["steps"] >= 1 and log["stages"][0]["accuracy"].keys() == set(tasks.FAMILIES)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "t")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "t")
+    assert model.config.num_key_value_heads == 2 and len(tok) == model.config.vocab_size
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "t" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # committed checkpoints are bf16
+    assert json.loads((tmp_path / "t" / "pretrain_log.json").read_text())["steps"] == log["steps"]
