@@ -227,3 +227,15 @@ def test_generation_is_fast():
             n += 1
     per_example = (time.perf_counter() - start) / n
     assert per_example < 0.010, f"{per_example * 1e3:.1f} ms per 4096-token example"
+
+
+def test_recall_in_context_questions_never_ask_a_single_key():
+    """A one-key recall question ends like a niah question ("KEY ? answer :"); training must not pair that
+    ending with recall's answer format."""
+    question = WORD_TO_ID["question"]
+    for i in range(30):
+        e = generate("recall", example_seed("recall", "train", i), 1024, dense=True)
+        for a, _ in _runs(e.loss_mask_prompt):
+            start = max(j for j in range(a) if e.prompt_ids[j] == question)
+            asked = e.prompt_ids[start + 2 : a - 3]  # between "question :" and "? answer :"
+            assert len(asked) >= 2, ids_to_text(e.prompt_ids[start:a])

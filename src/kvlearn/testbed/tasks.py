@@ -286,13 +286,15 @@ def _recall(rng: random.Random, length: int, variant: str, dense: bool, seed: in
     queried = rng.sample(keys, n_query)
     qset = set(queried)
     items = [_Item([k, _COLON] + value_of[k] + [_DOT], f, needed=k in qset) for k, f in zip(keys, fracs)]
-    if dense:  # in-context questions about 1-3 pairs seen earlier
+    if dense:  # in-context questions about 2-3 pairs seen earlier
         for _ in range(max(1, length // 256)):
             f = rng.random()
             seen = [k for k, kf in zip(keys, fracs) if kf < f]
-            if not seen:
+            if len(seen) < 2:
                 continue
-            ask = rng.sample(seen, min(len(seen), rng.randint(1, 3)))
+            # never a single key: "question : KEY ? answer :" ends like a niah question, and the first teacher
+            # answered single-needle niah questions in recall's format ("KEY : D D D") - docs/TESTBED.md
+            ask = rng.sample(seen, min(len(seen), rng.randint(2, 3)))
             head = _QUESTION + ask + _ANSWER
             qa = head + _recall_answer(ask, value_of) + [_DOT]
             items.append(_Item(qa, f, mask=_answer_mask(len(head), len(qa)), informative=False))
