@@ -239,24 +239,33 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     a = log_d[..., -1, :]  # [B,H,NC,L] log weight of token s in the end-of-chunk state (before m)
     a_max = a.max(dim=-1).values  # [B,H,NC]
 
-    # 1) inter-chunk recurrence over chunk states (sequential, NC steps): state at the start of every chunk.
-    c_starts, n_starts, m_starts = [], [], []
-    c, n, m = c0, n0, m0
-    for j in range(nc):
-        c_starts.append(c)
-        n_starts.append(n)
-        m_starts.append(m)
-        m_new = torch.maximum(g[:, :, j] + m, a_max[:, :, j])
-        fw = torch.exp(g[:, :, j] + m - m_new)  # [B,H]
-        w = torch.exp(a[:, :, j] - m_new.unsqueeze(-1))  # [B,H,L]
-        kw = k[:, :, j] * w.unsqueeze(-1)  # [B,H,L,Dk]
-        c = fw[..., None, None] * c + kw.transpose(-1, -2) @ v[:, :, j]
-        n = fw[..., None] * n + kw.sum(dim=-2)
-        m = m_new
-    final = MLSTMState(c, n, m)
-    c_s = torch.stack(c_starts, dim=2)  # [B,H,NC,Dk,Dv]
-    n_s = torch.stack(n_starts, dim=2)  # [B,H,NC,Dk]
-    m_s = torch.stack(m_starts, dim=2)  # [B,H,NC]
+    # 1) the state at the start of every chunk, all chunks at once (no loop over chunks). Chunk i adds
+    #    U_i = sum_s exp(a[i,s] - A_i) k_s v_s^T with A_i = max_s a[i,s]; at the start of chunk j it has decayed
+    #    by seg[j,i] = sum_{i<l<j} g_l, so its log weight there is L[j,i] = A_i + seg[j,i] (i < j). The
+    #    stabiliser of the state at the start of chunk j is M_j = max(max_i L[j,i], m0 + sum_{l<j} g_l): exactly
+    #    the recurrent m at that point. Rows j = 0..NC (row NC is the final state).
+    wk = torch.exp(a - a_max.unsqueeze(-1))  # [B,H,NC,L]
+    kw = k * wk.unsqueeze(-1)
+    u = kw.transpose(-1, -2) @ v  # [B,H,NC,Dk,Dv]
+    un = kw.sum(dim=-2)  # [B,H,NC,Dk]
+    rows = torch.arange(nc + 1, device=q.device)
+    cols = torch.arange(nc, device=q.device)
+    # seg[j, i] = sum over l with i < l < j of g_l: a cumsum over l of g_l masked to l > i, shifted down one
+    # row (summed directly, never as a difference of two large cumsums, which cancels in float32)
+    after = cols[:, None] > cols[None, :]  # [l, i]
+    cum = (g.unsqueeze(-1) * after).cumsum(dim=-2)  # [B,H,NC(l),NC(i)] = sum_{i < l' <= l} g_l'
+    seg = torch.cat([torch.zeros_like(cum[..., :1, :]), cum], dim=-2)  # [B,H,NC+1,NC]
+    before = cols[None, :] < rows[:, None]  # [j, i]: chunk i is complete at the start of chunk j
+    log_w = (a_max.unsqueeze(-2) + seg).masked_fill(~before, float("-inf"))  # [B,H,NC+1,NC]
+    g_before = (g.unsqueeze(-2) * before).sum(dim=-1)  # [B,H,NC+1] sum_{l<j} g_l
+    log_w0 = m0.unsqueeze(-1) + g_before
+    m_all = torch.maximum(log_w.max(dim=-1).values, log_w0)  # [B,H,NC+1]
+    w = torch.exp(log_w - m_all.unsqueeze(-1))
+    w0 = torch.exp(log_w0 - m_all)
+    c_all = torch.einsum("bhji,bhide->bhjde", w, u) + w0[..., None, None] * c0.unsqueeze(2)
+    n_all = torch.einsum("bhji,bhid->bhjd", w, un) + w0[..., None] * n0.unsqueeze(2)
+    final = MLSTMState(c_all[:, :, -1], n_all[:, :, -1], m_all[:, :, -1])
+    c_s, n_s, m_s = c_all[:, :, :-1], n_all[:, :, :-1], m_all[:, :, :-1]
 
     # 2) outputs of all chunks in parallel: intra-chunk quadratic part + contribution of the chunk's start state.
     log_inter = b + m_s.unsqueeze(-1)  # [B,H,NC,L] = b_t + m_start
