@@ -64,6 +64,21 @@ def ops_section(name: str, data: dict) -> str:
     return "\n".join(out)
 
 
+def testbed_section(name: str, data: dict) -> str:
+    out = [f"## Testbed: oracle token counts at {data.get('context')}", "", _provenance(name, data), ""]
+    out.append("| family | variant | needed mean / max | informative mean / max | answer mean / max | "
+               "window cache loses (share of needed items) | window cache keeps all |")
+    out.append("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in data["rows"]:
+        out.append(f"| {r['family']} | {r['variant']} | {r['needed_mean']:.0f} / {r['needed_max']} | "
+                   f"{r['informative_mean']:.0f} / {r['informative_max']} | {r['answer_mean']:.0f} / {r['answer_max']} | "
+                   f"{r['window_lost']:.2f} | {r['window_keeps_all']:.2f} |")
+    t = data.get("throughput")
+    if t:
+        out += ["", f"Generation throughput (one process): {t['tokens_per_s']:,} tokens/s at length {t['length']}."]
+    return "\n".join(out)
+
+
 def build(results_dir: Path) -> str:
     sections = [INTRO]
     first = ("testbed_teacher.json", "kvpop_ops_h200.json")  # the acceptance files first, then the rest by name
@@ -75,6 +90,8 @@ def build(results_dir: Path) -> str:
             sections.append(accuracy_section(path.name, data))
         elif data.get("kind") == "ops":
             sections.append(ops_section(path.name, data))
+        elif data.get("kind") == "testbed":
+            sections.append(testbed_section(path.name, data))
     return "\n\n".join(sections) + "\n"
 
 

@@ -1,7 +1,7 @@
 """Measured properties of the testbed: oracle token counts, window-cache coverage, generation speed.
 
-``python -m kvlearn.testbed.stats [--length 4096] [--n 200]`` prints the markdown tables quoted in
-``docs/TESTBED.md``.
+``python -m kvlearn.testbed.stats [--length 4096] [--n 200] [--out results/testbed_stats.json]`` prints the
+markdown tables quoted in ``docs/TESTBED.md`` and writes them as a results file.
 """
 
 from __future__ import annotations
@@ -53,12 +53,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--out", default=None, help="also write a kvlearn.results.v1 file (kind 'testbed')")
     args = parser.parse_args(argv)
     print(f"length {args.length}, {args.n} eval examples per row; window cache = 4 sinks + {1024 - 4} recent tokens\n")
     print("| family | variant | needed tokens mean / max | informative mean / max | answer tokens mean / max "
           "| window loses (mean share of needed items) | window keeps all |")
     print("|---|---|---|---|---|---|---|")
-    for r in oracle_rows(args.length, args.n):
+    rows = oracle_rows(args.length, args.n)
+    for r in rows:
         print(
             f"| {r['family']} | {r['variant']} | {r['needed_mean']:.0f} / {r['needed_max']} "
             f"| {r['informative_mean']:.0f} / {r['informative_max']} | {r['answer_mean']:.0f} / {r['answer_max']} "
@@ -67,6 +69,12 @@ def main(argv=None) -> None:
     t = measure_throughput(length=args.length, batch_size=16, n_batches=16)
     print(f"\ntraining_batch throughput, one process, length {args.length}: {t['tokens_per_s']:,} tokens/s "
           f"({t['ms_per_example']} ms per example)")
+    if args.out:
+        from ..eval.results import make_results, write_results
+
+        results = make_results("testbed", rows, device="cpu", context=args.length, n_per_row=args.n,
+                               window_cache={"sinks": 4, "budget": 1024}, throughput=t)
+        print(f"wrote {write_results(args.out, results)}")
 
 
 if __name__ == "__main__":
