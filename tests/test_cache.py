@@ -28,7 +28,7 @@ class KeepSetLayer(CompactLayer):
         kept = torch.gather(self.keep, 2, pos.clamp(min=0))
         return torch.where(kept, torch.full_like(pos, NEVER), pos + self.window)
 
-    def plan(self, step: ForwardStep) -> SlotPlan:
+    def plan(self, step: ForwardStep, key_states=None, value_states=None) -> SlotPlan:
         b, q = step.positions.shape
         h = self.keep.shape[1]
         pos = step.positions[:, None, :].expand(b, h, q)

@@ -91,8 +91,14 @@ class CompactLayer(CacheLayerMixin):
         self._visible: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     # ----- the eviction rule -----
-    def plan(self, step: ForwardStep) -> SlotPlan:  # pragma: no cover - abstract
+    def plan(self, step: ForwardStep, key_states: torch.Tensor, value_states: torch.Tensor) -> SlotPlan:
+        """The eviction rule for the new tokens (``key_states, value_states: [batch, kv_heads, q, head_dim]``, which
+        a learned policy scores)."""  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _write_extra(self, bi: torch.Tensor, hi: torch.Tensor | None, si: torch.Tensor, ti: torch.Tensor) -> None:
+        """Per-slot state a subclass keeps beside K/V (e.g. priorities): new token ``ti`` of row ``bi`` (head
+        ``hi``, ``None`` = all heads) went to slot ``si``."""
 
     # ----- transformers' CacheLayerMixin contract -----
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -120,7 +126,7 @@ class CompactLayer(CacheLayerMixin):
             f"cache batch/heads {tuple(self.keys.shape[:2])} do not match the new keys {(b, h)}: one cache per batch",
         )
         check(q == step.query_length, f"{q} new keys but the forward step announced {step.query_length} tokens")
-        plan = self.plan(step)
+        plan = self.plan(step, key_states, value_states)
         new_pos = step.positions.to(torch.int32)[:, None, :].expand(b, plan.new_end.shape[1], q)
         last = step.positions.max(dim=1).values[:, None, None]  # [batch, 1, 1] last real position of this forward
         if q == 1:
@@ -156,12 +162,14 @@ class CompactLayer(CacheLayerMixin):
             self.keys[bi, :, si] = k[bi, :, ti]
             self.values[bi, :, si] = v[bi, :, ti]
             self.slot_positions[bi, 0, si] = new_pos[bi, 0, ti]
+            self._write_extra(bi, None, si, ti)
         else:
             bi, hi, ti = torch.nonzero(write_slots >= 0, as_tuple=True)
             si = write_slots[bi, hi, ti]
             self.keys[bi, hi, si] = k[bi, hi, ti]
             self.values[bi, hi, si] = v[bi, hi, ti]
             self.slot_positions[bi, hi, si] = new_pos[bi, hi, ti]
+            self._write_extra(bi, hi, si, ti)
 
     def visibility_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
         """Boolean mask ``[batch, P, q, kv]`` of the keys returned by the last :meth:`update`.

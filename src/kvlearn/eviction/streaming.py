@@ -34,7 +34,7 @@ class StreamingLayer(CompactLayer):
         s, w = self.config.sinks, self.config.window
         return torch.where(positions < s, torch.full_like(positions, NEVER), positions + w)
 
-    def plan(self, step: ForwardStep) -> SlotPlan:
+    def plan(self, step: ForwardStep, key_states=None, value_states=None) -> SlotPlan:
         pos = step.positions  # [batch, q]
         w = self.config.window
         survives = (pos >= 0) & ((pos < self.config.sinks) | (pos >= step.real_after[:, None] - w))

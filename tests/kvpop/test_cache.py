@@ -1,0 +1,113 @@
+"""Rule 4: the KVpop training mask (sinks, window, rank <= running cutoff over the full sequence) and the
+decode-time KVpop cache implement the same function: full-sequence masked logits == prefill + token-by-token
+decoding through the bounded cache."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, Qwen3Config, Qwen3ForCausalLM
+
+from kvlearn import KVLearnError, KVpopConfig
+from kvlearn.hf import attach
+from kvlearn.kvpop.cache import KVpopCache
+from kvlearn.kvpop.policy import LearnedDecay
+from kvlearn.kvpop.scorers import LinearScorer, MLPScorer, MLSTMScorer
+from kvlearn.ops.fenwick import running_topk_cutoff
+from kvlearn.ops.masks import retention_mask_dense
+
+LAYERS = 2
+
+
+def make(seed, scorer_cls=LinearScorer):
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=71, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(cfg).eval()
+    scorers = [scorer_cls(2, 16) for _ in range(LAYERS)]
+    for sc in scorers:
+        for prm in sc.parameters():
+            torch.nn.init.normal_(prm, std=1.0)
+    decays = [LearnedDecay(2, 0.6, 0.95) for _ in range(LAYERS)]
+    for dc in decays:
+        torch.nn.init.normal_(dc.alpha, std=1.0)
+    return model, scorers, decays
+
+
+def reference_logits(model, scorers, decays, kv: KVpopConfig, ids):
+    """Full forward; each layer's mask = the ops retention mask from priorities of that layer's keys/values."""
+
+    def kvpop_reference_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        i = module.layer_idx
+        with torch.no_grad():
+            raw = scorers[i](key, value)
+            t = torch.arange(key.shape[2], dtype=torch.float32)
+            prio = (raw - t * decays[i]()[None, :, None]).float().contiguous()
+        ranks, cutoffs = running_topk_cutoff(prio, kv.sinks, kv.window, kv.topk, backend="torch")
+        g = query.shape[1] // key.shape[1]
+        mask = retention_mask_dense(ranks, cutoffs, kv.sinks, kv.window).repeat_interleave(g, dim=1)
+        out = F.scaled_dot_product_attention(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1),
+                                             attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("kvpop_reference_test", kvpop_reference_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvpop_reference_test")
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@pytest.mark.parametrize("sinks, window, topk, prefill", [(2, 3, 4, 12), (0, 1, 3, 5), (1, 4, 0, 9), (2, 2, 30, 20)])
+def test_decode_through_bounded_cache_equals_full_sequence_mask(sinks, window, topk, prefill):
+    model, scorers, decays = make(sinks + window + topk)
+    kv = KVpopConfig(sinks=sinks, window=window, topk=topk, decay_min=0.6, decay_max=0.95)
+    ids = torch.randint(1, 71, (2, 40))
+    ref = reference_logits(model, scorers, decays, kv, ids)
+    attach(model)
+    cache = KVpopCache(kv, scorers, decays)
+    with torch.no_grad():
+        got = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+        got += [model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(prefill, 40)]
+    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-5, rtol=1e-4)
+    layer = cache.layers[0]
+    assert layer.keys.shape[2] == kv.budget  # bounded: the buffer is the budget, whatever the length
+    held = (layer.slot_positions >= 0).sum(-1)
+    assert bool((held == min(40, kv.budget)).all())  # saturated: exactly s + w + k tokens per head
+
+
+def test_left_padded_batch_matches_rows_alone():
+    model, scorers, decays = make(3, MLPScorer)
+    attach(model)
+    kv = KVpopConfig(sinks=1, window=3, topk=5, decay_min=0.6, decay_max=0.95)
+    rows = [torch.randint(1, 71, (n,)) for n in (25, 14)]
+    ids = torch.zeros(2, 25, dtype=torch.long)
+    am = torch.zeros(2, 25, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, 25 - len(r):] = r
+        am[i, 25 - len(r):] = 1
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, attention_mask=am, past_key_values=KVpopCache(kv, scorers, decays),
+                             max_new_tokens=10, do_sample=False, pad_token_id=0)
+        for i, r in enumerate(rows):
+            solo = model.generate(input_ids=r[None], past_key_values=KVpopCache(kv, scorers, decays),
+                                  max_new_tokens=10, do_sample=False, pad_token_id=0)
+            assert gen[i, 25:].tolist() == solo[0, len(r):].tolist()
+
+
+def test_unsupported_uses_are_refused():
+    model, scorers, decays = make(0)
+    attach(model)
+    kv = KVpopConfig(sinks=1, window=2, topk=3)
+    cache = KVpopCache(kv, scorers, decays)
+    ids = torch.randint(1, 71, (1, 12))
+    with torch.no_grad():
+        model(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
+        with pytest.raises(KVLearnError, match="chunked prefill"):
+            model(input_ids=ids[:, 6:9], past_key_values=cache, use_cache=True)
+    with pytest.raises(KVLearnError, match="stateful"):
+        KVpopCache(kv, [MLSTMScorer(2, 16, window=2)] * LAYERS, decays)
+    with pytest.raises(KVLearnError, match="decay_step=2"):
+        KVpopCache(KVpopConfig(decay_step=2), scorers, decays)
