@@ -18,16 +18,16 @@ from kvlearn.ops.masks import retention_mask_dense
 LAYERS = 2
 
 
-def make(seed, scorer_cls=LinearScorer):
+def make(seed, scorer_cls=LinearScorer, **scorer_kwargs):
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=71, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                       attn_implementation="sdpa")
     model = Qwen3ForCausalLM(cfg).eval()
-    scorers = [scorer_cls(2, 16) for _ in range(LAYERS)]
+    scorers = [scorer_cls(2, 16, **scorer_kwargs) for _ in range(LAYERS)]
     for sc in scorers:
         for prm in sc.parameters():
-            torch.nn.init.normal_(prm, std=1.0)
+            torch.nn.init.normal_(prm, std=0.5 if scorer_cls is MLSTMScorer else 1.0)
     decays = [LearnedDecay(2, 0.6, 0.95) for _ in range(LAYERS)]
     for dc in decays:
         torch.nn.init.normal_(dc.alpha, std=1.0)
@@ -107,7 +107,67 @@ def test_unsupported_uses_are_refused():
         model(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
         with pytest.raises(KVLearnError, match="chunked prefill"):
             model(input_ids=ids[:, 6:9], past_key_values=cache, use_cache=True)
-    with pytest.raises(KVLearnError, match="stateful"):
-        KVpopCache(kv, [MLSTMScorer(2, 16, window=2)] * LAYERS, decays)
+    with pytest.raises(KVLearnError, match="readout delay 5 is invalid"):
+        KVpopCache(kv, [MLSTMScorer(2, 16, window=5)] * LAYERS, decays)
     with pytest.raises(KVLearnError, match="decay_step=2"):
         KVpopCache(KVpopConfig(decay_step=2), scorers, decays)
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+@pytest.mark.parametrize("sinks, window, topk, prefill", [(2, 3, 4, 12), (1, 5, 6, 3), (0, 2, 2, 30)])
+def test_mlstm_scorer_decode_equals_full_sequence_mask(delayed, sinks, window, topk, prefill):
+    """The stateful scorer: its delayed score of token u is read when u + w arrives, in decoding exactly as in
+    the full-sequence (training) pass, so the bounded cache still reproduces the training mask."""
+    model, scorers, decays = make(7 + prefill, MLSTMScorer, window=window, delayed_readout=delayed, chunk_size=8)
+    kv = KVpopConfig(sinks=sinks, window=window, topk=topk, decay_min=0.6, decay_max=0.95)
+    ids = torch.randint(1, 71, (2, 40))
+    ref = reference_logits(model, scorers, decays, kv, ids)
+    attach(model)
+    cache = KVpopCache(kv, scorers, decays)
+    with torch.no_grad():
+        got = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+        got += [model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(prefill, 40)]
+    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-5, rtol=1e-4)
+    layer = cache.layers[1]
+    assert layer.allocated_state_bytes() == 2 * 2 * scorers[1].state_bytes_per_head()  # batch x kv heads
+
+
+def test_mlstm_left_padded_batch_matches_rows_alone():
+    model, scorers, decays = make(11, MLSTMScorer, window=3, chunk_size=8)
+    attach(model)
+    kv = KVpopConfig(sinks=1, window=3, topk=4, decay_min=0.6, decay_max=0.95)
+    rows = [torch.randint(1, 71, (n,)) for n in (22, 13)]
+    ids = torch.zeros(2, 22, dtype=torch.long)
+    am = torch.zeros(2, 22, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, 22 - len(r):] = r
+        am[i, 22 - len(r):] = 1
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, attention_mask=am, past_key_values=KVpopCache(kv, scorers, decays),
+                             max_new_tokens=10, do_sample=False, pad_token_id=0)
+        for i, r in enumerate(rows):
+            solo = model.generate(input_ids=r[None], past_key_values=KVpopCache(kv, scorers, decays),
+                                  max_new_tokens=10, do_sample=False, pad_token_id=0)
+            assert gen[i, 22:].tolist() == solo[0, len(r):].tolist()
+
+
+def test_mlstm_padding_leaves_the_scorer_memory_untouched():
+    """After a left-padded prefill every row's mLSTM memory equals that row's memory run alone."""
+    model, scorers, decays = make(13, MLSTMScorer, window=3, chunk_size=8)
+    attach(model)
+    kv = KVpopConfig(sinks=1, window=3, topk=4, decay_min=0.6, decay_max=0.95)
+    rows = [torch.randint(1, 71, (n,)) for n in (19, 8)]
+    ids = torch.zeros(2, 19, dtype=torch.long)
+    am = torch.zeros(2, 19, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, 19 - len(r):] = r
+        am[i, 19 - len(r):] = 1
+    batch_cache = KVpopCache(kv, scorers, decays)
+    with torch.no_grad():
+        pos = (am.cumsum(-1) - 1).clamp(min=0)  # what generate passes for left padding
+        model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=batch_cache, use_cache=True)
+        for i, r in enumerate(rows):
+            solo = KVpopCache(kv, scorers, decays)
+            model(input_ids=r[None], past_key_values=solo, use_cache=True)
+            for got, want in zip(batch_cache.layers[1].scorer_state, solo.layers[1].scorer_state):
+                torch.testing.assert_close(got[i], want[0], atol=1e-5, rtol=1e-5)

@@ -292,3 +292,18 @@ def test_bad_inputs_raise():
         LinearScorer(2, 8).step(k[:, :, 0], v[:, :, 0], k[:, :, 0], v[:, :, 0])
     with pytest.raises(KVLearnError, match="num_kv_heads=0"):
         LinearScorer(0, 8)
+
+
+def test_mlstm_prefill_ignores_left_padding_marked_invalid():
+    torch.manual_seed(21)
+    sc = MLSTMScorer(2, 16, window=3, chunk_size=8)
+    for prm in sc.parameters():
+        torch.nn.init.normal_(prm, std=0.5)
+    k, v = torch.randn(1, 2, 19, 16), torch.randn(1, 2, 19, 16)
+    valid = torch.zeros(1, 19, dtype=torch.bool)
+    valid[:, 11:] = True
+    scores_pad, state_pad = sc.prefill(k, v, valid=valid)
+    scores_solo, state_solo = sc.prefill(k[:, :, 11:], v[:, :, 11:])
+    torch.testing.assert_close(scores_pad[:, :, 11:], scores_solo, atol=1e-5, rtol=1e-5)
+    for a, b in zip(state_pad, state_solo):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

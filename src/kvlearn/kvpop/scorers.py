@@ -294,9 +294,15 @@ class MLSTMScorer(KVScorer):
         return torch.einsum("bh...d,hd->bh...", F.silu(h), self._param(self.a)) + self._param(self.b).view(shape)
 
     # -- full sequence --------------------------------------------------------------------------------------
-    def _run(self, key: Tensor, value: Tensor) -> tuple[Tensor, MLSTMState]:
+    def _run(self, key: Tensor, value: Tensor, valid: Tensor | None = None) -> tuple[Tensor, MLSTMState]:
         x = self._x(key, value)
         q, (k, v, ig, fg) = self._query(x), self._write(x)
+        if valid is not None:  # padding neither writes (input gate -> 0) nor decays (forget gate -> 1) the memory
+            check(tuple(valid.shape) == (x.shape[0], x.shape[2]),
+                  f"valid shape {tuple(valid.shape)} is invalid: expected [batch, seq] = {(x.shape[0], x.shape[2])}")
+            keep = valid[:, None, :].to(torch.bool)
+            ig = torch.where(keep, ig, torch.full_like(ig, -1e4))
+            fg = torch.where(keep, fg, torch.full_like(fg, 1e4))
         t, w = x.shape[2], self.readout_delay
         if w == 0:
             h, state = mlstm_chunkwise(q, k, v, ig, fg, chunk_size=self.chunk_size, eps=self.eps)
@@ -313,9 +319,13 @@ class MLSTMScorer(KVScorer):
         """Scores ``[B, H, T]`` float32; with the delayed readout the last ``window`` are provisional."""
         return self._run(key, value)[0]
 
-    def prefill(self, key: Tensor, value: Tensor) -> tuple[Tensor, MLSTMState]:
-        """``forward``'s scores and the mLSTM state after the last token (to continue with ``step``)."""
-        return self._run(key, value)
+    def prefill(self, key: Tensor, value: Tensor, valid: Tensor | None = None) -> tuple[Tensor, MLSTMState]:
+        """``forward``'s scores and the mLSTM state after the last token (to continue with ``step``).
+
+        ``valid``: optional ``[B, T]`` bool; padding (``False``) leaves the memory untouched. With the delayed
+        readout the padding must be a prefix of each row (left padding), so that the readout ``window`` columns
+        later is ``window`` real tokens later."""
+        return self._run(key, value, valid)
 
     # -- decoding -------------------------------------------------------------------------------------------
     @property
