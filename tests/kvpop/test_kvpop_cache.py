@@ -60,6 +60,37 @@ def reference_logits(model, scorers, decays, kv: KVpopConfig, ids):
         model.set_attn_implementation(previous)
 
 
+def decode_logits(model, cache, ids, prefill):
+    """Prefill ``prefill`` tokens, then decode the rest one token per forward; all logits."""
+    with torch.no_grad():
+        got = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+        got += [model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+                for t in range(prefill, ids.shape[1])]
+    return torch.cat(got, 1)
+
+
+def left_padded(lengths):
+    rows = [torch.randint(1, 71, (n,)) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    am = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        am[i, width - len(r):] = 1
+    return rows, ids, am
+
+
+def assert_batch_generates_like_rows_alone(model, kv, scorers, decays, lengths):
+    rows, ids, am = left_padded(lengths)
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids, attention_mask=am, past_key_values=KVpopCache(kv, scorers, decays),
+                             max_new_tokens=10, do_sample=False, pad_token_id=0)
+        for i, r in enumerate(rows):
+            solo = model.generate(input_ids=r[None], past_key_values=KVpopCache(kv, scorers, decays),
+                                  max_new_tokens=10, do_sample=False, pad_token_id=0)
+            assert gen[i, ids.shape[1]:].tolist() == solo[0, len(r):].tolist()
+
+
 @pytest.mark.parametrize("sinks, window, topk, prefill", [(2, 3, 4, 12), (0, 1, 3, 5), (1, 4, 0, 9), (2, 2, 30, 20)])
 def test_decode_through_bounded_cache_equals_full_sequence_mask(sinks, window, topk, prefill):
     model, scorers, decays = make(sinks + window + topk)
@@ -68,10 +99,7 @@ def test_decode_through_bounded_cache_equals_full_sequence_mask(sinks, window, t
     ref = reference_logits(model, scorers, decays, kv, ids)
     attach(model)
     cache = KVpopCache(kv, scorers, decays)
-    with torch.no_grad():
-        got = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
-        got += [model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(prefill, 40)]
-    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(decode_logits(model, cache, ids, prefill), ref, atol=1e-5, rtol=1e-4)
     layer = cache.layers[0]
     assert layer.keys.shape[2] == kv.budget  # bounded: the buffer is the budget, whatever the length
     held = (layer.slot_positions >= 0).sum(-1)
@@ -82,19 +110,7 @@ def test_left_padded_batch_matches_rows_alone():
     model, scorers, decays = make(3, MLPScorer)
     attach(model)
     kv = KVpopConfig(sinks=1, window=3, topk=5, decay_min=0.6, decay_max=0.95)
-    rows = [torch.randint(1, 71, (n,)) for n in (25, 14)]
-    ids = torch.zeros(2, 25, dtype=torch.long)
-    am = torch.zeros(2, 25, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, 25 - len(r):] = r
-        am[i, 25 - len(r):] = 1
-    with torch.no_grad():
-        gen = model.generate(input_ids=ids, attention_mask=am, past_key_values=KVpopCache(kv, scorers, decays),
-                             max_new_tokens=10, do_sample=False, pad_token_id=0)
-        for i, r in enumerate(rows):
-            solo = model.generate(input_ids=r[None], past_key_values=KVpopCache(kv, scorers, decays),
-                                  max_new_tokens=10, do_sample=False, pad_token_id=0)
-            assert gen[i, 25:].tolist() == solo[0, len(r):].tolist()
+    assert_batch_generates_like_rows_alone(model, kv, scorers, decays, (25, 14))
 
 
 def test_unsupported_uses_are_refused():
@@ -124,10 +140,7 @@ def test_mlstm_scorer_decode_equals_full_sequence_mask(delayed, sinks, window, t
     ref = reference_logits(model, scorers, decays, kv, ids)
     attach(model)
     cache = KVpopCache(kv, scorers, decays)
-    with torch.no_grad():
-        got = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
-        got += [model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(prefill, 40)]
-    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(decode_logits(model, cache, ids, prefill), ref, atol=1e-5, rtol=1e-4)
     layer = cache.layers[1]
     assert layer.allocated_state_bytes() == 2 * 2 * scorers[1].state_bytes_per_head()  # batch x kv heads
 
@@ -136,19 +149,7 @@ def test_mlstm_left_padded_batch_matches_rows_alone():
     model, scorers, decays = make(11, MLSTMScorer, window=3, chunk_size=8)
     attach(model)
     kv = KVpopConfig(sinks=1, window=3, topk=4, decay_min=0.6, decay_max=0.95)
-    rows = [torch.randint(1, 71, (n,)) for n in (22, 13)]
-    ids = torch.zeros(2, 22, dtype=torch.long)
-    am = torch.zeros(2, 22, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, 22 - len(r):] = r
-        am[i, 22 - len(r):] = 1
-    with torch.no_grad():
-        gen = model.generate(input_ids=ids, attention_mask=am, past_key_values=KVpopCache(kv, scorers, decays),
-                             max_new_tokens=10, do_sample=False, pad_token_id=0)
-        for i, r in enumerate(rows):
-            solo = model.generate(input_ids=r[None], past_key_values=KVpopCache(kv, scorers, decays),
-                                  max_new_tokens=10, do_sample=False, pad_token_id=0)
-            assert gen[i, 22:].tolist() == solo[0, len(r):].tolist()
+    assert_batch_generates_like_rows_alone(model, kv, scorers, decays, (22, 13))
 
 
 def test_mlstm_padding_leaves_the_scorer_memory_untouched():
@@ -156,12 +157,7 @@ def test_mlstm_padding_leaves_the_scorer_memory_untouched():
     model, scorers, decays = make(13, MLSTMScorer, window=3, chunk_size=8)
     attach(model)
     kv = KVpopConfig(sinks=1, window=3, topk=4, decay_min=0.6, decay_max=0.95)
-    rows = [torch.randint(1, 71, (n,)) for n in (19, 8)]
-    ids = torch.zeros(2, 19, dtype=torch.long)
-    am = torch.zeros(2, 19, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, 19 - len(r):] = r
-        am[i, 19 - len(r):] = 1
+    rows, ids, am = left_padded((19, 8))
     batch_cache = KVpopCache(kv, scorers, decays)
     with torch.no_grad():
         pos = (am.cumsum(-1) - 1).clamp(min=0)  # what generate passes for left padding
