@@ -88,7 +88,7 @@ class CompactLayer(CacheLayerMixin):
         self.capacity = capacity
         self.seen = 0
         self.slot_positions: torch.Tensor | None = None
-        self._visible: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._visible: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
 
     # ----- the eviction rule -----
     def plan(self, step: ForwardStep, key_states: torch.Tensor, value_states: torch.Tensor) -> SlotPlan:
@@ -134,7 +134,7 @@ class CompactLayer(CacheLayerMixin):
             self._write(key_states, value_states, plan.write_slots, new_pos)
             keys, values = self.keys, self.values
             start = self.slot_positions
-            end = torch.full_like(start, NEVER)
+            end = None  # every buffered token is retained at this query
             query_key_offset = -1
         else:
             keys = torch.cat([self.keys, key_states], dim=2)
@@ -181,8 +181,9 @@ class CompactLayer(CacheLayerMixin):
         start, end, offset = self._visible
         qp = query_positions.to(torch.int64)[:, None, :, None]
         s = start.to(torch.int64)[:, :, None, :]
-        e = end.to(torch.int64)[:, :, None, :]
-        mask = (s >= 0) & (s <= qp) & (qp < e)
+        mask = (s >= 0) & (s <= qp)
+        if end is not None:
+            mask = mask & (qp < end.to(torch.int64)[:, :, None, :])
         pad = query_positions < 0
         if bool(pad.any()):
             if offset >= 0:  # prefill: a padding query sees its own (returned) key
