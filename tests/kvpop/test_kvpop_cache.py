@@ -91,19 +91,25 @@ def assert_batch_generates_like_rows_alone(model, kv, scorers, decays, lengths):
             assert gen[i, ids.shape[1]:].tolist() == solo[0, len(r):].tolist()
 
 
-@pytest.mark.parametrize("sinks, window, topk, prefill", [(2, 3, 4, 12), (0, 1, 3, 5), (1, 4, 0, 9), (2, 2, 30, 20)])
-def test_decode_through_bounded_cache_equals_full_sequence_mask(sinks, window, topk, prefill):
-    model, scorers, decays = make(sinks + window + topk)
+def assert_decode_equals_training_mask(model, scorers, decays, sinks, window, topk, prefill):
+    """Rule 4 for one budget: prefill + token-by-token logits through the cache == the full masked forward."""
     kv = KVpopConfig(sinks=sinks, window=window, topk=topk, decay_min=0.6, decay_max=0.95)
     ids = torch.randint(1, 71, (2, 40))
     ref = reference_logits(model, scorers, decays, kv, ids)
     attach(model)
     cache = KVpopCache(kv, scorers, decays)
     torch.testing.assert_close(decode_logits(model, cache, ids, prefill), ref, atol=1e-5, rtol=1e-4)
-    layer = cache.layers[0]
-    assert layer.keys.shape[2] == kv.budget  # bounded: the buffer is the budget, whatever the length
+    return cache
+
+
+@pytest.mark.parametrize("sinks, window, topk, prefill", [(2, 3, 4, 12), (0, 1, 3, 5), (1, 4, 0, 9), (2, 2, 30, 20)])
+def test_decode_through_bounded_cache_equals_full_sequence_mask(sinks, window, topk, prefill):
+    model, scorers, decays = make(sinks + window + topk)
+    cache = assert_decode_equals_training_mask(model, scorers, decays, sinks, window, topk, prefill)
+    layer, budget = cache.layers[0], sinks + window + topk
+    assert layer.keys.shape[2] == budget  # bounded: the buffer is the budget, whatever the length
     held = (layer.slot_positions >= 0).sum(-1)
-    assert bool((held == min(40, kv.budget)).all())  # saturated: exactly s + w + k tokens per head
+    assert bool((held == min(40, budget)).all())  # saturated: exactly s + w + k tokens per head
 
 
 def test_left_padded_batch_matches_rows_alone():
@@ -135,12 +141,7 @@ def test_mlstm_scorer_decode_equals_full_sequence_mask(delayed, sinks, window, t
     """The stateful scorer: its delayed score of token u is read when u + w arrives, in decoding exactly as in
     the full-sequence (training) pass, so the bounded cache still reproduces the training mask."""
     model, scorers, decays = make(7 + prefill, MLSTMScorer, window=window, delayed_readout=delayed, chunk_size=8)
-    kv = KVpopConfig(sinks=sinks, window=window, topk=topk, decay_min=0.6, decay_max=0.95)
-    ids = torch.randint(1, 71, (2, 40))
-    ref = reference_logits(model, scorers, decays, kv, ids)
-    attach(model)
-    cache = KVpopCache(kv, scorers, decays)
-    torch.testing.assert_close(decode_logits(model, cache, ids, prefill), ref, atol=1e-5, rtol=1e-4)
+    cache = assert_decode_equals_training_mask(model, scorers, decays, sinks, window, topk, prefill)
     layer = cache.layers[1]
     assert layer.allocated_state_bytes() == 2 * 2 * scorers[1].state_bytes_per_head()  # batch x kv heads
 
