@@ -20,11 +20,6 @@ from kvlearn.errors import check
 from kvlearn.ops.flex import flex_attention_lse
 from kvlearn.ops.masks import retention_block_mask, retention_mask_dense
 
-def _call_flex(query, key, value, block_mask, scale, return_lse):
-    return flex_attention_lse(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True,
-                              return_lse=return_lse)
-
-
 def _check_attention_inputs(query, key, value, ranks, cutoffs) -> None:
     for name, x in (("query", query), ("key", key), ("value", value)):
         check(isinstance(x, torch.Tensor), f"{name} of type {type(x).__name__} is invalid: expected a torch.Tensor")
@@ -104,7 +99,8 @@ def sparse_retention_attention(
         block_mask = retention_block_mask(ranks, cutoffs, sinks, window, group, block_size=block_size)
     else:
         check(isinstance(block_mask, BlockMask), f"block_mask of type {type(block_mask).__name__} is invalid: expected a BlockMask")
-    out, lse = _call_flex(query, key, value, block_mask, scale, return_lse)
+    out, lse = flex_attention_lse(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True,
+                                  return_lse=return_lse)
     if lse is not None:
         lse = lse.float()
     return out, lse

@@ -6,6 +6,8 @@
   installed torch wants it (``return_aux=AuxRequest(lse=True)`` from torch 2.9, the deprecated
   ``return_lse=True`` before). The LSE is a natural log in torch 2.11 and 2.13 (the kernels work in base 2
   and FlexAttention rescales by ``ln 2`` before returning); rows with no unmasked key give ``-inf``.
+- Pass distinct key and value tensors: eager (CPU) flex runs under dynamo, and torch 2.13 crashes while
+  explaining a recompile when one tensor is both key and value after calls where it was not (a guard bug).
 """
 
 from __future__ import annotations
@@ -39,10 +41,6 @@ def flex_attention_lse(query: Tensor, key: Tensor, value: Tensor, *, score_mod=N
                        enable_gqa: bool = False, return_lse: bool = True) -> tuple[Tensor, Tensor | None]:
     """FlexAttention ``out [B, Hq, L, Dv]`` and, when asked, ``lse [B, Hq, L]`` float32 (natural log)."""
     fn = flex_fn(query.device)
-    if query.device.type != "cuda" and value is key:
-        # eager (CPU) flex runs under dynamo; torch 2.13 crashes while explaining a recompile when the same tensor
-        # is passed as key and value after calls where it was not (a guard bug), so give it a distinct value
-        value = key.clone()
     kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
     with warnings.catch_warnings():
         # eager (CPU) flex warns that it is unfused; that is expected off-GPU

@@ -45,10 +45,12 @@ _BLOCK_MASK_CACHE_SIZE = 8
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def flex_lse(query: Tensor, key: Tensor, value: Tensor, *, score_mod=None, block_mask=None, scale=None,
+def flex_lse(query: Tensor, key: Tensor, *, score_mod=None, block_mask=None, scale=None,
              enable_gqa: bool = False) -> Tensor:
     """Natural-log log-sum-exp of a FlexAttention call, float32 ``[batch, q_heads, q_len]`` (``-inf`` for rows
-    with no unmasked key); see :func:`kvlearn.ops.flex.flex_attention_lse`."""
+    with no unmasked key); see :func:`kvlearn.ops.flex.flex_attention_lse`. Only the LSE is wanted, so the value
+    is the first 16 channels of the keys: the ``P @ V`` half of the kernel shrinks from ``head_dim`` to 16."""
+    value = key[..., : min(key.shape[-1], 16)].contiguous()
     return flex_attention_lse(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
                               enable_gqa=enable_gqa)[1]
 
@@ -151,7 +153,7 @@ def causal_lse(query: Tensor, key: Tensor, scale: float | None = None, *, backen
     with torch.no_grad():
         if backend == "flex":
             mask = _block_mask("causal", s, 0, query.device)
-            return flex_lse(query, key, key, block_mask=mask, scale=scale, enable_gqa=hkv != hq)
+            return flex_lse(query, key, block_mask=mask, scale=scale, enable_gqa=hkv != hq)
         g = hq // hkv
         dt = _work_dtype(query)
         q = query.to(dt).reshape(b, hkv, g, s, d)
@@ -189,9 +191,7 @@ def _future_log_mass_flex(query: Tensor, key: Tensor, lse: Tensor, window: int, 
         return score - lse32[bi, hi, kv_idx]
 
     mask = _block_mask("future", s, window, query.device, lookahead)
-    # Only the LSE is used: a 16-wide value keeps the P @ V half of the kernel's work (and its memory) small.
-    t_value = t_key[..., : min(d, 16)].contiguous()
-    return flex_lse(t_query, t_key, t_value, score_mod=score_mod, block_mask=mask, scale=scale)
+    return flex_lse(t_query, t_key, score_mod=score_mod, block_mask=mask, scale=scale)
 
 
 def _future_log_mass_torch(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float,
