@@ -61,8 +61,9 @@ class SlotPlan:
         write_slots: ``[batch, P, q]`` int64 slot for each new token that survives this forward, ``-1`` otherwise.
         old_end: ``[batch, P, capacity]`` int64 first query position at which each buffered token is evicted
             (``NEVER`` if it survives this forward), or ``None`` when this forward evicts no buffered token except
-            by overwriting its slot (then nothing needs freeing). Required when ``q > 1``. Slots whose token is
-            evicted by the end of the forward and not overwritten are freed (position ``-1``).
+            by overwriting its slot (nothing to free; with ``q > 1`` every buffered token stays visible to the
+            forward's queries). Slots whose token is evicted by the end of the forward and not overwritten are
+            freed (position ``-1``).
         new_end: ``[batch, P, q]`` int64 the same for the new tokens.
     """
 
@@ -140,7 +141,8 @@ class CompactLayer(CacheLayerMixin):
             keys = torch.cat([self.keys, key_states], dim=2)
             values = torch.cat([self.values, value_states], dim=2)
             start = torch.cat([self.slot_positions, new_pos], dim=2)
-            end = torch.cat([plan.old_end, plan.new_end], dim=2)
+            old_end = plan.old_end if plan.old_end is not None else torch.full_like(self.slot_positions, NEVER, dtype=torch.long)
+            end = torch.cat([old_end, plan.new_end], dim=2)
             self._free(plan.old_end, last)
             self._write(key_states, value_states, plan.write_slots, new_pos)
             query_key_offset = self.capacity

@@ -108,8 +108,7 @@ class KVpopLayer(CompactLayer):
         new_end = torch.gather(end, 2, inverse)
         write_slots = torch.gather(slot, 2, inverse)
         valid = pos[:, None, :] >= 0
-        empty = torch.zeros_like(self.slot_positions, dtype=torch.long)  # the buffer is empty: nothing to evict
-        return SlotPlan(write_slots=torch.where(valid, write_slots, -1), old_end=empty,
+        return SlotPlan(write_slots=torch.where(valid, write_slots, -1), old_end=None,  # the buffer is empty
                         new_end=torch.where(valid, new_end, torch.zeros_like(new_end)))
 
     def _score_decode(self, p: torch.Tensor, key_states, value_states) -> torch.Tensor:
