@@ -96,7 +96,7 @@ def cmd_pretrain(args) -> int:
 
     config = PretrainConfig(out=args.out, minutes=args.minutes, device=_device(args.device), seed=args.seed,
                             resume=args.resume, num_workers=args.num_workers, eval_n=args.eval_n,
-                            tokens_per_step=args.tokens_per_step, lr=args.lr,
+                            tokens_per_step=args.tokens_per_step, lr=args.lr, dense_fraction=args.dense_fraction,
                             **({"stages": tuple(int(s) for s in args.stages.split(","))} if args.stages else {}),
                             **({"stage_fractions": tuple(float(s) for s in args.stage_fractions.split(","))} if args.stage_fractions else {}),
                             **({"warmup_steps": args.warmup_steps} if args.warmup_steps is not None else {}))
@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tokens-per-step", type=int, default=131072)
     sp.add_argument("--lr", type=float, default=2e-3)
     sp.add_argument("--warmup-steps", type=int, default=None)
+    sp.add_argument("--dense-fraction", type=float, default=0.75,
+                    help="share of training rows with in-context question/answer pairs (the rest: evaluation format)")
     sp.add_argument("--stages", default=None, help="comma list of example lengths, e.g. 256,512,1024,2048,4096")
     sp.add_argument("--stage-fractions", default=None, help="comma list of time fractions, summing to 1")
     sp.set_defaults(func=cmd_pretrain)

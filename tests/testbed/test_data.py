@@ -38,6 +38,25 @@ def test_training_batch_rows_and_labels():
             assert sup[:p].sum() > 0  # dense in-context answers
 
 
+def test_dense_share_mixes_training_and_evaluation_format_rows():
+    mixed = batch_examples(400, 256, seed=5, dense=0.75)
+    share = sum(e.dense for e in mixed) / len(mixed)
+    assert 0.68 < share < 0.82
+    # the same batch seed draws the same families and example seeds whatever the share: only the format differs
+    for a, b in zip(mixed, batch_examples(400, 256, seed=5, dense=True)):
+        assert (a.family, a.seed) == (b.family, b.seed)
+        assert a.input_ids == (b.input_ids if a.dense else generate(a.family, a.seed, 256, dense=False).input_ids)
+    ids, labels = training_batch(16, 256, seed=5, dense=0.0)
+    for row, e in enumerate(batch_examples(16, 256, seed=5, dense=False)):
+        assert not e.dense and ids[row].tolist() == e.input_ids
+        assert (labels[row, : len(e.prompt_ids)] == IGNORE_INDEX).all()  # only the final answer is supervised
+    for bad in (1.5, -0.1, "half"):
+        with pytest.raises(KVLearnError, match=f"dense={bad!r} is invalid"):
+            training_batch(2, 256, 0, dense=bad)
+        with pytest.raises(KVLearnError, match="dense="):
+            TestbedStream(256, 2, dense=bad)
+
+
 def test_training_batch_determinism_and_disjoint_seeds():
     a = training_batch(4, 256, seed=11)
     b = training_batch(4, 256, seed=11)

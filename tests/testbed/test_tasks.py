@@ -41,7 +41,11 @@ def test_exact_lengths_and_framing(family, variant):
             e = generate(family, 1000 * i + 7, length, variant, dense=dense)
             assert len(e.prompt_ids) + len(e.answer_ids) == length == e.length
             assert e.prompt_ids[0] == BOS_ID and BOS_ID not in e.prompt_ids[1:]
-            assert e.answer_ids[-1] == EOS_ID and EOS_ID not in e.prompt_ids + e.answer_ids[:-1]
+            assert e.answer_ids[-1] == EOS_ID and EOS_ID not in e.answer_ids[:-1]
+            # <eos> ends every answer: in the prompt only as the last token of a supervised in-context answer
+            eos_at = [p for p, t in enumerate(e.prompt_ids) if t == EOS_ID]
+            assert all(e.loss_mask_prompt[p] and not e.loss_mask_prompt[p + 1] for p in eos_at)
+            assert dense or not eos_at
             assert PAD_ID not in e.input_ids and UNK_ID not in e.input_ids
             assert len(e.loss_mask_prompt) == len(e.prompt_ids)
             assert (e.family, e.variant, e.dense) == (family, variant, dense)
@@ -113,8 +117,8 @@ def test_in_context_answers_are_correct_and_only_answers(family, variant):
         for a, b in runs:
             before = ids_to_text(e.prompt_ids[:a])
             assert before.endswith("? answer :")
-            # the supervised span is exactly the checker's answer to that in-context question, then "."
-            assert ids_to_text(e.prompt_ids[a:b]) == solve(family, before) + " ."
+            # the supervised span is exactly the checker's answer to that in-context question, then <eos>
+            assert ids_to_text(e.prompt_ids[a:b]) == solve(family, before) + " <eos>"
         assert not any(generate(family, example_seed(family, "eval", i), 2048, variant).loss_mask_prompt)
 
 

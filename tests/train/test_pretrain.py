@@ -27,6 +27,8 @@ def test_config_validation():
         PretrainConfig(stage_fractions=(0.5, 0.5, 0.5, 0.5, 0.5))
     with pytest.raises(KVLearnError, match="num_kv_heads=1"):
         PretrainConfig(num_kv_heads=1)
+    with pytest.raises(KVLearnError, match="dense_fraction=1.2 is invalid"):
+        PretrainConfig(dense_fraction=1.2)
 
 
 def test_trace_checks_step_lines_and_answer_but_not_thinking():

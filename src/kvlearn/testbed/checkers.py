@@ -5,8 +5,9 @@ expressions, and a tiny interpreter for the trace program), so a generator bug s
 between ``solve(family, decode(prompt_ids))`` and the generator's ``answer_ids``.
 
 Only the final question counts: it is the last "question :" of the prompt. In-context question/answer
-pairs of dense training prompts restate values that agree with the items, and the item patterns below are
-anchored so that those restatements are not read as items.
+pairs of dense training prompts (each answer ends with ``<eos>``, like the final one) restate values that
+agree with the items, and the item patterns below are anchored at a sentence start (after ``.``, ``<bos>`` or
+an in-context answer's ``<eos>``) so that those restatements are not read as items.
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ from ..errors import KVLearnError, check
 
 _FAMILIES = ("trace", "niah", "vt", "recall")
 
-_NEEDLE = re.compile(r"(?:^|(?<=\. )|(?<=<bos> ))the special number for (\S+) is (\d \d \d \d) \.")
+_NEEDLE = re.compile(r"(?:^|(?<=\. )|(?<=<bos> )|(?<=<eos> ))the special number for (\S+) is (\d \d \d \d) \.")
 _Q_NIAH_ONE = re.compile(r"what is the special number for (\S+) \? answer :$")
 _Q_NIAH_MANY = re.compile(r"what are the special numbers for (\S+(?: , \S+)*) \? answer :$")
 
-_VT_STATEMENT = re.compile(r"(?:^|(?<=\. )|(?<=<bos> ))var (\S+) = (?:(\d \d \d \d \d)|var (\S+)) \.")
+_VT_STATEMENT = re.compile(r"(?:^|(?<=\. )|(?<=<bos> )|(?<=<eos> ))var (\S+) = (?:(\d \d \d \d \d)|var (\S+)) \.")
 _Q_VT = re.compile(r"which variables hold (\d \d \d \d \d) \? answer :$")
 
-_PAIR = re.compile(r"(?:^|(?<=\. )|(?<=<bos> ))(\S+) : (\d \d \d) \.")
+_PAIR = re.compile(r"(?:^|(?<=\. )|(?<=<bos> )|(?<=<eos> ))(\S+) : (\d \d \d) \.")
 _Q_RECALL = re.compile(r"(\S+(?: \S+)*) \? answer :$")
 
-_DEF = re.compile(r"(?:^|(?<=\. )|(?<=<bos> ))let (\S+) = (\d) \.")
+_DEF = re.compile(r"(?:^|(?<=\. )|(?<=<bos> )|(?<=<eos> ))let (\S+) = (\d) \.")
 _PROGRAM = re.compile(r"program : (.*) question : what is (\S+) \? think :$")
 _STEP = re.compile(r"step (\d) : (\S+) = (\S+) ([+-]) (\S+)")
 

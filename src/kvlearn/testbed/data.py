@@ -49,28 +49,44 @@ def _check_mixture(families, weights) -> tuple[tuple[str, ...], list[float]]:
     return families, weights
 
 
+def _dense_share(dense) -> float:
+    """``dense`` as the share of rows drawn in the dense training format: True -> 1, False -> 0, or a number."""
+    ok = isinstance(dense, bool) or (isinstance(dense, (int, float)) and 0.0 <= float(dense) <= 1.0)
+    check(ok, f"dense={dense!r} is invalid: expected True, False or a share of dense rows in [0, 1]")
+    return float(dense)
+
+
 def batch_examples(
-    batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None, dense: bool = True
+    batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None,
+    dense: bool | float = True,
 ) -> list[Example]:
     """The examples of training batch ``seed``: row ``j`` is train example ``(seed << 12) | j`` of a family
-    drawn from ``families`` with probabilities proportional to ``weights`` (uniform when None)."""
+    drawn from ``families`` with probabilities proportional to ``weights`` (uniform when None).
+
+    ``dense``: True (every row in the dense training format), False (every row in the evaluation format, only
+    the final answer supervised) or the share in [0, 1] of dense rows, each row drawn independently."""
     check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
     check(_is_int(seed) and seed >= 0, f"seed={seed!r} is invalid: expected an integer >= 0")
     families, weights = _check_mixture(families, weights)
+    share = _dense_share(dense)
     rng = random.Random(f"kvlearn-batch:{seed}")
     chosen = rng.choices(families, weights=weights, k=batch_size)
+    is_dense = [rng.random() < share for _ in range(batch_size)]  # share 1 -> all, 0 -> none
     return [
-        generate(fam, example_seed(fam, "train", (seed << 12) | j), length, dense=dense) for j, fam in enumerate(chosen)
+        generate(fam, example_seed(fam, "train", (seed << 12) | j), length, dense=d)
+        for j, (fam, d) in enumerate(zip(chosen, is_dense))
     ]
 
 
 def training_batch(
-    batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None, dense: bool = True
+    batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None,
+    dense: bool | float = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, both ``LongTensor [batch_size, length]``: one whole example per row.
 
-    ``dense=True`` (default) draws the training format with in-context question/answer pairs. Different
-    ``seed`` values give disjoint train examples; no eval example is ever drawn.
+    ``dense=True`` (default) draws the training format with in-context question/answer pairs; a number in
+    [0, 1] is the share of such rows (the others are in the evaluation format). Different ``seed`` values give
+    disjoint train examples; no eval example is ever drawn.
     """
     examples = batch_examples(batch_size, length, seed, families, weights, dense)
     input_ids = torch.tensor([e.input_ids for e in examples], dtype=torch.long)
@@ -172,7 +188,7 @@ class TestbedStream(IterableDataset):
         weights=None,
         rank: int = 0,
         world_size: int = 1,
-        dense: bool = True,
+        dense: bool | float = True,
         start_batch: int = 0,
     ) -> None:
         super().__init__()
@@ -182,6 +198,7 @@ class TestbedStream(IterableDataset):
         check(_is_int(start_batch) and start_batch >= 0, f"start_batch={start_batch!r} is invalid: expected an integer >= 0")
         check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
         self.families, self.weights = _check_mixture(families, weights)
+        _dense_share(dense)
         generate(self.families[0], 0, length)  # validates length early, in the main process
         self.length, self.batch_size, self.seed = length, batch_size, seed
         self.rank, self.world_size, self.dense, self.start_batch = rank, world_size, dense, start_batch

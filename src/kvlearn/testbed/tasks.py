@@ -229,7 +229,7 @@ def _niah(rng: random.Random, length: int, variant: str, dense: bool, seed: int)
         f = rng.random() * 0.95
         items.append(_Item(_needle(k, v), f))
         head = _Q_SINGLE + [k] + _ANSWER
-        qa = head + _niah_answer([(k, v)]) + [_DOT]
+        qa = head + _niah_answer([(k, v)]) + [EOS_ID]
         items.append(_Item(qa, f + (1.0 - f) * rng.random(), mask=_answer_mask(len(head), len(qa)), informative=False))
     return _assemble(rng, "niah", variant, seed, length, dense, items, tail, answer)
 
@@ -260,7 +260,7 @@ def _vt(rng: random.Random, length: int, variant: str, dense: bool, seed: int) -
         for a, b, f in zip(chain, chain[1:], fracs[1:]):
             items.append(_Item([_VAR, b, _EQ, _VAR, a, _DOT], f, needed=needed))
         if dense and c > 0:  # in-context question about a finished distractor chain
-            qa = _Q_VT + values[c] + _ANSWER + chain + [_DOT]
+            qa = _Q_VT + values[c] + _ANSWER + chain + [EOS_ID]
             f = fracs[-1] + (1.0 - fracs[-1]) * rng.random()
             items.append(_Item(qa, f, mask=_answer_mask(len(qa) - size - 1, len(qa)), informative=False))
     tail = _Q_VT + values[0] + _ANSWER
@@ -296,7 +296,7 @@ def _recall(rng: random.Random, length: int, variant: str, dense: bool, seed: in
             # answered single-needle niah questions in recall's format ("KEY : D D D") - docs/TESTBED.md
             ask = rng.sample(seen, min(len(seen), rng.randint(2, 3)))
             head = _QUESTION + ask + _ANSWER
-            qa = head + _recall_answer(ask, value_of) + [_DOT]
+            qa = head + _recall_answer(ask, value_of) + [EOS_ID]
             items.append(_Item(qa, f, mask=_answer_mask(len(head), len(qa)), informative=False))
     tail = _QUESTION + queried + _ANSWER
     answer = _recall_answer(queried, value_of) + [EOS_ID]

@@ -43,6 +43,9 @@ class PretrainConfig:
     stages: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     stage_fractions: tuple[float, ...] = (0.08, 0.1, 0.12, 0.2, 0.5)  # run 1 gave 4096 only 35%: too little (docs/TESTBED.md)
     tokens_per_step: int = 131072
+    # share of rows in the dense training format (in-context Q/A pairs); the rest are in the evaluation format, so
+    # the teacher also answers prompts with no earlier answer to copy the format from (docs/TESTBED.md)
+    dense_fraction: float = 0.75
     # optimisation
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
@@ -66,6 +69,8 @@ class PretrainConfig:
         check(all(256 <= s <= self.context for s in self.stages), f"stages {self.stages} must lie in [256, context={self.context}]")
         check(self.num_heads % self.num_kv_heads == 0 and self.num_heads // self.num_kv_heads >= 2 and self.num_kv_heads >= 2,
               f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}: expected >= 2 KV heads and >= 2 query heads per KV head")
+        check(isinstance(self.dense_fraction, (int, float)) and 0.0 <= self.dense_fraction <= 1.0,
+              f"dense_fraction={self.dense_fraction!r} is invalid: expected a number in [0, 1]")
         check(self.tokens_per_step % max(self.stages) == 0, f"tokens_per_step={self.tokens_per_step} must be a multiple of the longest stage {max(self.stages)}")
 
 
@@ -210,7 +215,8 @@ def pretrain(config: PretrainConfig) -> dict:
 
     def loader(length: int):
         rows = config.tokens_per_step // length // d.world
-        stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world)
+        stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world,
+                              dense=float(config.dense_fraction))
         return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                 pin_memory=device.type == "cuda", persistent_workers=False,
                                                 prefetch_factor=4 if config.num_workers else None))
