@@ -117,3 +117,13 @@ def test_shipped_teacher_loads_plainly_and_answers_a_sample():
                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         solved += tasks.score(ex, out[0, ids.shape[1]:].tolist())
     assert solved == 2
+
+
+def test_results_commit_comes_from_the_environment_when_given(monkeypatch):
+    from kvlearn.eval.results import git_commit, make_results
+
+    monkeypatch.setenv("KVLEARN_COMMIT", "abc1234")
+    assert git_commit() == "abc1234" and make_results("ops", [])["commit"] == "abc1234"
+    monkeypatch.delenv("KVLEARN_COMMIT")
+    head = git_commit()
+    assert head == "unknown" or len(head.split("+")[0]) == 40

@@ -15,14 +15,19 @@ SCHEMA = "kvlearn.results.v1"
 
 
 def git_commit(cwd: str | os.PathLike | None = None) -> str:
-    """The checked-out commit, with ``+dirty`` when tracked files differ from it; ``"unknown"`` outside git."""
+    """The checked-out commit, with ``+dirty`` when tracked files differ from it; ``"unknown"`` outside git.
+
+    ``KVLEARN_COMMIT`` in the environment wins: the device machine receives a copy of the working tree whose
+    ``.git`` need not match it, so device scripts pass the commit they were sent from."""
+    if os.environ.get("KVLEARN_COMMIT"):
+        return os.environ["KVLEARN_COMMIT"]
     cwd = cwd or Path(__file__).resolve().parents[3]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("KVLEARN_COMMIT", "unknown")
+        return "unknown"
 
 
 def device_name(device: str | None = None) -> str:
