@@ -1,4 +1,5 @@
-"""KVpop sparse attention vs a dense masked softmax in float64 (output, natural-log LSE, gradients), with GQA."""
+"""KVpop sparse attention vs a dense masked softmax in float64 (output, natural-log LSE, gradients), with GQA,
+on both layouts (the interval-gathered default and the [T, T] block mask)."""
 
 import math
 
@@ -6,7 +7,12 @@ import pytest
 import torch
 
 from kvlearn.errors import KVLearnError
-from kvlearn.kvpop.attention import block_sparsity, sparse_retention_attention
+from kvlearn.kvpop.attention import (
+    block_sparsity,
+    gathered_plan,
+    gathered_tile_fraction,
+    sparse_retention_attention,
+)
 from kvlearn.ops.fenwick import running_topk_cutoff
 from kvlearn.ops.masks import retention_block_mask, retention_mask_dense
 
@@ -42,12 +48,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("layout", ["gathered", "blockmask"])
 @pytest.mark.parametrize("case", CASES, ids=[f"seed{c[0]}" for c in CASES])
-def test_flex_output_and_lse_match_dense_float64(case):
+def test_flex_output_and_lse_match_dense_float64(case, layout):
     seed, B, Hkv, G, T, D, sinks, window, topk = case
     q, k, v, ranks, cutoffs = make_inputs(seed, B, Hkv, G, T, D, sinks, window, topk)
     with torch.no_grad():  # eager flex path (CPU flex has no backward)
-        out, lse = sparse_retention_attention(q, k, v, ranks, cutoffs, sinks, window)
+        out, lse = sparse_retention_attention(q, k, v, ranks, cutoffs, sinks, window, layout=layout)
     ref_out, ref_lse = dense_reference(q, k, v, ranks, cutoffs, sinks, window)
     assert out.shape == q.shape and out.dtype == torch.float32
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
@@ -64,8 +71,9 @@ def test_custom_scale_and_no_lse():
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["gathered", "blockmask"])
 @pytest.mark.parametrize("case", CASES[:2], ids=[f"seed{c[0]}" for c in CASES[:2]])
-def test_gradients_match_dense_float64(case):
+def test_gradients_match_dense_float64(case, layout):
     seed, B, Hkv, G, T, D, sinks, window, topk = case
     q, k, v, ranks, cutoffs = make_inputs(seed, B, Hkv, G, T, D, sinks, window, topk)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -73,7 +81,7 @@ def test_gradients_match_dense_float64(case):
     g = torch.Generator().manual_seed(seed + 100)
     grad_out = torch.randn(q.shape, generator=g)
     grad_lse = torch.randn(q.shape[:3], generator=g)
-    out, lse = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window)
+    out, lse = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window, layout=layout)
     ref_out, ref_lse = dense_reference(*ref_leaves, ranks, cutoffs, sinks, window)
     torch.testing.assert_close(out.double(), ref_out.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-5, rtol=1e-5)
@@ -108,17 +116,33 @@ def test_attention_bad_inputs_raise():
         sparse_retention_attention(q, k, v, ranks, cutoffs, 1, 0)
     with pytest.raises(KVLearnError, match="block_mask"):
         block_sparsity("not a mask")
+    with pytest.raises(KVLearnError, match="layout='dense' is invalid"):
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 1, 4, layout="dense")
+    with pytest.raises(KVLearnError, match="block_mask is invalid with layout='gathered'"):
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 1, 4, block_mask=retention_block_mask(ranks, cutoffs, 1, 4, 2))
+    with pytest.raises(KVLearnError, match="topk=-2"):
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 1, 4, topk=-2)
+    with pytest.raises(KVLearnError, match="block_size=0"):
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 1, 4, block_size=0)
+    plan = gathered_plan(ranks, cutoffs, 1, 4, 2, topk=4, block_size=8)
+    with pytest.raises(KVLearnError, match="plan is invalid with layout='blockmask'"):
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 1, 4, layout="blockmask", plan=plan)
+    with pytest.raises(KVLearnError, match="plan for"):
+        sparse_retention_attention(q[:, :2], k[:, :1], v[:, :1], ranks[:, :1], cutoffs[:, :1], 1, 4, plan=plan)
+    with pytest.raises(KVLearnError, match="plan of type"):
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 1, 4, plan="plan")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["gathered", "blockmask"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_compiled_flex_on_cuda_matches_dense(dtype):
+def test_compiled_flex_on_cuda_matches_dense(dtype, layout):
     pytest.importorskip("triton")
     B, Hkv, G, T, D, sinks, window, topk = 2, 2, 2, 1024, 64, 4, 64, 128
     q, k, v, ranks, cutoffs = make_inputs(11, B, Hkv, G, T, D, sinks, window, topk, device="cuda", dtype=dtype)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    out, lse = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window)
+    out, lse = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window, layout=layout)
     ref_out, ref_lse = dense_reference(*ref_leaves, ranks, cutoffs, sinks, window)
     assert out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-2, rtol=2e-2)
@@ -147,3 +171,104 @@ def test_no_grad_call_with_grad_requiring_inputs_uses_flex_path_on_cpu():
     ref, ref_lse = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4)  # dense twin (grad path)
     torch.testing.assert_close(out, ref.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse.detach(), atol=1e-5, rtol=1e-5)
+
+
+# ---- the interval-gathered layout (default) ----
+
+GATHERED_CASES = [
+    # seed, B, Hkv, G, T, D, sinks, window, topk, block_size: T never a multiple of the block size
+    (20, 2, 2, 2, 100, 16, 4, 8, 16, 16),  # saturates at q = 27
+    (21, 1, 2, 2, 77, 8, 0, 1, 5, 8),  # no sinks, window 1
+    (22, 2, 2, 2, 90, 8, 2, 6, 200, 16),  # budget never binds (k > T)
+    (23, 1, 2, 2, 60, 8, 3, 4, 0, 16),  # k = 0: sinks + window only
+    (24, 1, 2, 2, 40, 8, 1, 50, 3, 16),  # window >= T
+    (25, 1, 2, 2, 150, 8, 2, 16, 24, 128),  # the default block size, two blocks, the second one partial
+]
+
+
+@pytest.mark.parametrize("topk_arg", ["given", "none"])
+@pytest.mark.parametrize("case", GATHERED_CASES, ids=[f"seed{c[0]}" for c in GATHERED_CASES])
+def test_gathered_output_lse_and_gradients_match_dense_float64(case, topk_arg):
+    seed, B, Hkv, G, T, D, sinks, window, topk, bs = case
+    q, k, v, ranks, cutoffs = make_inputs(seed, B, Hkv, G, T, D, sinks, window, topk)
+    kw = dict(layout="gathered", block_size=bs, topk=topk if topk_arg == "given" else None)
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = dense_reference(*ref_leaves, ranks, cutoffs, sinks, window)
+    with torch.no_grad():  # eager flex on the gathered layout (its BlockMask and mask_mod)
+        out, lse = sparse_retention_attention(q, k, v, ranks, cutoffs, sinks, window, **kw)
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-5, rtol=1e-5)
+    # with gradients: the dense twin on the same gathered layout (gather forward, index_put backward)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window, **kw)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(seed + 100)
+    grad_out = torch.randn(q.shape, generator=g)
+    grad_lse = torch.randn(q.shape[:3], generator=g)
+    ((out * grad_out).sum() + (lse * grad_lse).sum()).backward()
+    ((ref_out * grad_out.double()).sum() + (ref_lse * grad_lse.double()).sum()).backward()
+    for got, ref in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), ref.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_gathered_prebuilt_plan_and_float64_inputs():
+    seed, B, Hkv, G, T, D, sinks, window, topk, bs = GATHERED_CASES[0]
+    q, k, v, ranks, cutoffs = make_inputs(seed, B, Hkv, G, T, D, sinks, window, topk, dtype=torch.float64)
+    plan = gathered_plan(ranks, cutoffs, sinks, window, G, topk=topk, block_size=bs)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window, scale=0.3, plan=plan)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = dense_reference(*ref_leaves, ranks, cutoffs, sinks, window, scale=0.3)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    out.square().sum().backward()
+    ref_out.square().sum().backward()
+    for got, ref in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad, ref.grad, atol=1e-10, rtol=1e-10)
+
+
+def test_gathered_tile_fraction_counts_computed_tiles():
+    B, Hkv, G, T, sinks, window, topk, bs = 1, 2, 2, 256, 2, 8, 8, 16
+    _, _, _, ranks, cutoffs = make_inputs(4, B, Hkv, G, T, 8, sinks, window, topk)
+    plan = gathered_plan(ranks, cutoffs, sinks, window, G, topk=topk, block_size=bs)
+    lay = plan.layout
+    nQ = T // bs
+    expected = ((lay.num_used + bs - 1) // bs).sum().item() / (B * Hkv * nQ * nQ)
+    assert gathered_tile_fraction(plan) == pytest.approx(expected, abs=1e-12)
+    # at most ceil((s + w + k + bs - 1) / bs) tiles per query block, however scattered the kept keys are
+    assert gathered_tile_fraction(plan) <= lay.capacity // bs / nQ
+    bm = retention_block_mask(ranks, cutoffs, sinks, window, G, block_size=bs)
+    assert gathered_tile_fraction(plan) < 1.0 - block_sparsity(bm)  # scattered random keys: fewer tiles
+
+
+@pytest.mark.gpu
+def test_gathered_compiled_cuda_bf16_matches_float64():
+    pytest.importorskip("triton")
+    B, Hkv, G, T, D, sinks, window, topk = 1, 2, 2, 4096, 64, 4, 256, 480
+    q, k, v, ranks, cutoffs = make_inputs(12, B, Hkv, G, T, D, sinks, window, topk, device="cuda",
+                                          dtype=torch.bfloat16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    out, lse = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window, topk=topk)
+    ref_out, ref_lse = dense_reference(*ref_leaves, ranks, cutoffs, sinks, window)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-2, rtol=2e-2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grad_out = torch.randn(q.shape, device="cuda", generator=g)
+    grad_lse = torch.randn(q.shape[:3], device="cuda", generator=g)
+    ((out.float() * grad_out).sum() + (lse * grad_lse).sum()).backward()
+    ((ref_out * grad_out.double()).sum() + (ref_lse * grad_lse.double()).sum()).backward()
+    for got, ref in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), ref.grad, atol=5e-2, rtol=5e-2)
+    # the layout sized from the data (one sync, possibly another compile) gives the same result
+    with torch.no_grad():
+        out2, lse2 = sparse_retention_attention(q, k, v, ranks, cutoffs, sinks, window)
+    torch.testing.assert_close(out2, out.detach(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse2, lse.detach(), atol=1e-3, rtol=1e-3)
+    plan = gathered_plan(ranks, cutoffs, sinks, window, G, topk=topk)
+    assert bool((plan.layout.num_used <= plan.layout.capacity).all())
+    assert gathered_tile_fraction(plan) <= plan.layout.capacity // 128 / (T // 128)

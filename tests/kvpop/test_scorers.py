@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlearn.errors import KVLearnError
+from kvlearn.kvpop import scorers as scorers_mod
 from kvlearn.kvpop.scorers import LinearScorer, MLPScorer, MLSTMScorer
 
 
@@ -292,6 +293,11 @@ def test_bad_inputs_raise():
         LinearScorer(2, 8).step(k[:, :, 0], v[:, :, 0], k[:, :, 0], v[:, :, 0])
     with pytest.raises(KVLearnError, match="num_kv_heads=0"):
         LinearScorer(0, 8)
+    with pytest.raises(KVLearnError, match="compile='yes'") as err:
+        MLSTMScorer(2, 8, window=3, compile="yes")
+    assert "\n" not in str(err.value)
+    with pytest.raises(KVLearnError, match="compile=1 is invalid"):
+        MLSTMScorer(2, 8, window=3, compile=1)
 
 
 def test_mlstm_prefill_ignores_left_padding_marked_invalid():
@@ -307,3 +313,99 @@ def test_mlstm_prefill_ignores_left_padding_marked_invalid():
     torch.testing.assert_close(scores_pad[:, :, 11:], scores_solo, atol=1e-5, rtol=1e-5)
     for a, b in zip(state_pad, state_solo):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compiled path (CUDA by default; here traced on the CPU)
+
+
+def _scores_args(s, k, v, valid=None):
+    return (k, v, valid, s._params(), s.readout_delay, s.chunk_size, s.gate_softcap, s.eps, s.norm_eps)
+
+
+def _compare_compiled(compiled, s, k, v, valid=None, tol=1e-5):
+    outs = []
+    for fn in (compiled, scorers_mod._mlstm_scores):
+        out = fn(*_scores_args(s, k, v, valid))
+        loss = (out[0] * torch.linspace(-1, 1, out[0].numel()).view_as(out[0])).sum() + out[1].sum() + out[2].sum()
+        outs.append((out, torch.autograd.grad(loss, list(s.parameters()))))
+    (oc, gc), (oe, ge) = outs
+    for a, b in zip(oc, oe):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    for (name, _), a, b in zip(s.named_parameters(), gc, ge):
+        assert ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() < tol, name
+
+
+@pytest.mark.parametrize("delayed,use_norm,padded", [(True, False, False), (False, True, False), (True, True, True)])
+def test_compiled_scores_equal_eager_in_one_graph(delayed, use_norm, padded):
+    # fullgraph=True: the function traces without graph breaks; aot_eager runs the traced forward and backward
+    compiled = torch.compile(scorers_mod._mlstm_scores, dynamic=False, fullgraph=True, backend="aot_eager")
+    s = _mlstm(window=5, seed=11, chunk_size=8, delayed_readout=delayed, use_norm=use_norm)
+    k, v = _kv(12, t=77, dtype=torch.bfloat16)  # 9 full chunks + a remainder of 5
+    valid = None
+    if padded:
+        valid = torch.ones(2, 77, dtype=torch.bool)
+        valid[1, :6] = False
+    _compare_compiled(compiled, s, k, v, valid)
+
+
+def test_scorer_with_compile_runs_the_compiled_function(monkeypatch):
+    # pretend the CPU is a compile device (aot_eager backend): forward, backward, prefill + step as in eager
+    monkeypatch.setattr(scorers_mod, "_COMPILE_DEVICES", ("cpu",))
+    monkeypatch.setattr(scorers_mod, "_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(scorers_mod, "_COMPILED", {})
+    s = _mlstm(window=4, seed=13, chunk_size=8)
+    eager = _mlstm(window=4, seed=13, chunk_size=8, compile=False)
+    k, v = _kv(14, t=30)
+    r = s(k, v)
+    assert "aot_eager" in scorers_mod._COMPILED
+    torch.testing.assert_close(r, eager(k, v), rtol=1e-5, atol=1e-5)
+    r.square().sum().backward()
+    eager(k, v).square().sum().backward()
+    for (name, a), b in zip(s.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # a compiled prefill continues into eager steps exactly as the eager prefill does
+    scores, state = s.prefill(k[:, :, :20], v[:, :, :20])
+    for t in range(20, 30):
+        out, state = s.step(k[:, :, t], v[:, :, t], k[:, :, t - 4], v[:, :, t - 4], state)
+        torch.testing.assert_close(out, r[:, :, t - 4], rtol=1e-5, atol=1e-5)
+    # compile=False never compiles, nor does a call without autograd
+    monkeypatch.setattr(scorers_mod, "_COMPILED", {})
+    eager(k, v)
+    with torch.no_grad():
+        torch.testing.assert_close(s(k, v), r.detach(), rtol=1e-5, atol=1e-5)
+    assert scorers_mod._COMPILED == {}
+
+
+def _have_cxx() -> bool:
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have_cxx(), reason="inductor on the CPU needs a C++ compiler")
+def test_inductor_compiled_scores_equal_eager_on_cpu():
+    compiled = torch.compile(scorers_mod._mlstm_scores, dynamic=False, backend="inductor")
+    s = _mlstm(window=5, seed=15, chunk_size=8, use_norm=True)
+    k, v = _kv(16, t=77, dtype=torch.bfloat16)
+    _compare_compiled(compiled, s, k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [32, 64, 128])
+def test_compiled_scorer_on_cuda_equals_eager(chunk):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    s = _mlstm(h=4, d=32, window=64, seed=17, chunk_size=chunk).cuda()
+    eager = _mlstm(h=4, d=32, window=64, seed=17, chunk_size=chunk, compile=False).cuda()
+    k, v = (x.cuda() for x in _kv(18, b=1, h=4, t=1000, d=32, dtype=torch.bfloat16))
+    r, st = s.prefill(k, v)
+    r_e, st_e = eager.prefill(k, v)
+    torch.testing.assert_close(r, r_e, rtol=1e-5, atol=1e-5)
+    for a, b in zip(st, st_e):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    r.square().mean().backward()
+    r_e.square().mean().backward()
+    for (name, a), b in zip(s.named_parameters(), eager.parameters()):
+        assert ((a.grad - b.grad).abs().max() / b.grad.abs().max()).item() < 1e-4, name

@@ -189,6 +189,64 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, x, eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def t300_case():
+    """T = 300 inputs (float32 non-negative features; float64 signed) with their recurrent references."""
+    x = _inputs(31, b=1, h=2, t=300, positive=True)
+    init = MLSTMState(torch.rand(1, 2, 8, 6), torch.rand(1, 2, 8), torch.randn(1, 2))
+    x64 = [y.double() for y in _inputs(32, b=1, h=2, t=300)]
+    return x, init, mlstm_recurrent(*x), mlstm_recurrent(*x, state=init), x64, mlstm_recurrent(*x64)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 8, 16, 32, 64, 128])
+def test_every_chunk_size_equals_recurrent(chunk, t300_case):
+    # T = 300: chunk counts 300, 150, 100, 75, 37 (+ remainders, 37 is prime), 18, 9, 4, 2: the chunk start
+    # states run through every two-level grouping (groups of G chunks, G | NC), G = 1 included
+    x, init, (h_r0, s_r0), (h_r, s_r), x64, (h_r64, s_r64) = t300_case
+    h_c, s_c = mlstm_chunkwise(*x, chunk_size=chunk)
+    assert _rel(h_c, h_r0) < 1e-4
+    assert all(_rel(a, b) < 1e-4 for a, b in zip(s_c, s_r0))
+    h_c, s_c = mlstm_chunkwise(*x, chunk_size=chunk, state=init)
+    assert _rel(h_c, h_r) < 1e-4
+    assert all(_rel(a, b) < 1e-4 for a, b in zip(s_c, s_r))
+    # the algebra is exact: float64 with signed q, k and ±20 gates
+    h_c64, s_c64 = mlstm_chunkwise(*x64, chunk_size=chunk)
+    assert _rel(h_c64, h_r64) < 1e-9
+    assert all(_rel(a, b) < 1e-9 for a, b in zip(s_c64, s_r64))
+
+
+@pytest.mark.parametrize("t,chunk", [(96, 4), (120, 5)])
+def test_grouped_chunk_states_gradients_match_float64(t, chunk):
+    # 24 chunks (groups of 4) and 24 chunks of 5: gradients through the two-level chunk start states
+    x32 = [x.requires_grad_() for x in _inputs(41, b=1, h=2, t=t, positive=True)]
+    x64 = [x.detach().double().requires_grad_() for x in x32]
+    init = MLSTMState(torch.rand(1, 2, 8, 6), torch.rand(1, 2, 8), torch.randn(1, 2))
+    w = torch.randn(1, 2, t, 6, generator=torch.Generator().manual_seed(5))
+    h32, s32 = mlstm_chunkwise(*x32, chunk_size=chunk, state=init)
+    h64, s64 = mlstm_recurrent(*x64, state=MLSTMState(*(s.double() for s in init)))
+    g32 = torch.autograd.grad((h32 * w).sum() + s32.C.sum() * 0.1, x32)
+    g64 = torch.autograd.grad((h64 * w.double()).sum() + s64.C.sum() * 0.1, x64)
+    for name, a, b in zip("q k v igate fgate".split(), g32, g64):
+        assert _rel(a, b) < 1e-4, name
+
+
+def test_grouped_chunk_states_as_accurate_as_float64_at_many_chunks():
+    # 512 chunks of 2 (groups of 16) with ±20 gates: the two-level start states keep float32 error at ~1e-6
+    x = _inputs(7, b=1, h=2, t=1024, positive=True)
+    ref, s_ref = mlstm_recurrent(*(y.double() for y in x))
+    h, st = mlstm_chunkwise(*x, chunk_size=2)
+    assert _rel(h, ref) < 1e-5
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(st, s_ref))
+
+
+def test_group_size_is_a_divisor_near_sqrt():
+    from kvlearn.ops.mlstm import _group_size
+
+    assert [_group_size(n) for n in (1, 2, 3, 4, 7, 64, 256, 512)] == [1, 1, 1, 2, 1, 8, 16, 16]
+    for n in range(1, 200):
+        assert n % _group_size(n) == 0
+
+
 def test_large_preactivations_stay_finite():
     q, k, v, i, f = _inputs(11, t=70, gate_scale=60.0, positive=True)
     h, st = mlstm_chunkwise(q, k, v, i, f, chunk_size=16)

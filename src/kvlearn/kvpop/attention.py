@@ -1,24 +1,88 @@
 """KVpop sparse attention over the retained keys (sinks, window, running top-k), with its log-normalizer.
 
-The attention itself is FlexAttention with the retention ``BlockMask`` of :mod:`kvlearn.ops.masks` and GQA
-(``enable_gqa=True``: query head ``h`` reads KV head ``h // (Hq // Hkv)``). The per-query LSE it returns
-(natural log, float32) is the sparse normalizer that the future-attention target reuses (Eq. 9 of the paper).
+The attention itself is FlexAttention with GQA (``enable_gqa=True``: query head ``h`` reads KV head
+``h // (Hq // Hkv)``), on one of two layouts (``layout=``):
+
+* ``"gathered"`` (default): every key has a visibility interval ``[t, end_t)``
+  (:func:`kvlearn.ops.masks.eviction_positions`); per query block of ``block_size`` queries the keys any of its
+  queries sees are gathered into ``capacity <= round_up(s + w + k + block_size - 1, block_size)`` slots
+  (:func:`kvlearn.ops.masks.gathered_layout`), and FlexAttention runs with the queries as
+  ``[batch * blocks, Hq, block_size, D]`` against the gathered keys ``[batch * blocks, Hkv, capacity, D]``. The
+  gather is plain advanced indexing, so autograd scatters the key/value gradients back.
+* ``"blockmask"``: the ``[T, T]`` retention ``BlockMask`` of :func:`kvlearn.ops.masks.retention_block_mask`.
+
+The per-query LSE it returns (natural log, float32) is the sparse normalizer that the future-attention target
+reuses (Eq. 9 of the paper).
 
 On CUDA the call goes through one ``torch.compile(flex_attention)`` per process (the fused sparse kernel).
 Elsewhere FlexAttention runs eagerly (it materialises the scores: small T only), and eager FlexAttention has
 no backward on the CPU: when a gradient is needed there (CPU tests, tiny CPU training runs) the call falls
-back to a dense masked softmax with the same mask (:func:`kvlearn.ops.masks.retention_mask_dense`), which
-gives the same output, LSE and gradients up to float rounding.
+back to a dense masked softmax with the same mask (on the gathered layout for ``"gathered"``, so the gather and
+its gradient scatter are the ones the GPU runs; :func:`kvlearn.ops.masks.retention_mask_dense` for
+``"blockmask"``), which gives the same output, LSE and gradients up to float rounding.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from kvlearn.errors import check
 from kvlearn.ops.flex import flex_attention_lse
-from kvlearn.ops.masks import retention_block_mask, retention_mask_dense
+from kvlearn.ops.masks import (
+    GatheredLayout,
+    _relative_intervals,
+    gathered_block_mask,
+    gathered_layout,
+    retention_block_mask,
+    retention_mask_dense,
+)
+
+LAYOUTS = ("gathered", "blockmask")
+
+
+class GatheredPlan(NamedTuple):
+    """Everything the gathered attention needs besides q/k/v; build it once with :func:`gathered_plan`.
+
+    ``layout``: the :class:`~kvlearn.ops.masks.GatheredLayout`. ``block_mask``: its FlexAttention BlockMask
+    (:func:`~kvlearn.ops.masks.gathered_block_mask`). ``flat_index``: int64 ``[batch * blocks * kv_heads *
+    capacity]`` rows of ``key.reshape(batch * kv_heads * T, D)`` to gather. ``rel_pos``/``rel_end``: int32
+    ``[batch * blocks, kv_heads, capacity]`` slot intervals relative to the block start (the mask_mod's tensors).
+    """
+
+    layout: GatheredLayout
+    block_mask: BlockMask
+    flat_index: torch.Tensor
+    rel_pos: torch.Tensor
+    rel_end: torch.Tensor
+    query_heads_per_kv: int
+
+
+def gathered_plan(
+    ranks: torch.Tensor,
+    cutoffs: torch.Tensor,
+    sinks: int,
+    window: int,
+    query_heads_per_kv: int,
+    topk: int | None = None,
+    block_size: int = 128,
+) -> GatheredPlan:
+    """Eviction positions, gathered layout, its BlockMask and gather index (see :class:`GatheredPlan`).
+
+    ``topk``: the budget the cutoffs were computed with (no host sync); None sizes the layout from the data
+    (one host sync). See :func:`kvlearn.ops.masks.gathered_layout`.
+    """
+    layout = gathered_layout(ranks, cutoffs, sinks, window, topk=topk, block_size=block_size)
+    block_mask = gathered_block_mask(layout, query_heads_per_kv)
+    B, H, nQ, C = layout.index.shape
+    T = layout.seq_len
+    rows = (torch.arange(B * H, device=ranks.device, dtype=torch.int64) * T).view(B, H, 1, 1)
+    flat_index = (rows + layout.index).transpose(1, 2).reshape(-1)  # [B, nQ, H, C] order
+    rel_pos, rel_end = _relative_intervals(layout)
+    return GatheredPlan(layout, block_mask, flat_index, rel_pos, rel_end, query_heads_per_kv)
 
 def _check_attention_inputs(query, key, value, ranks, cutoffs) -> None:
     for name, x in (("query", query), ("key", key), ("value", value)):
@@ -67,6 +131,10 @@ def sparse_retention_attention(
     return_lse: bool = True,
     block_mask: BlockMask | None = None,
     block_size: int = 128,
+    *,
+    layout: str = "gathered",
+    topk: int | None = None,
+    plan: GatheredPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention restricted to the KVpop retained keys.
 
@@ -77,19 +145,35 @@ def sparse_retention_attention(
         sinks: >= 0. window: >= 1.
         scale: logit scale, default ``1 / sqrt(head_dim)``.
         return_lse: also return the log-sum-exp of the masked, scaled logits.
-        block_mask: a prebuilt :func:`kvlearn.ops.masks.retention_block_mask` for these inputs (built here
-            when None).
-        block_size: block size used when the block mask is built here.
+        block_mask: ``layout="blockmask"`` only: a prebuilt :func:`kvlearn.ops.masks.retention_block_mask` for
+            these inputs (built here when None).
+        block_size: query block / key tile size of the mask or layout built here (128 for the CUDA kernel).
+        layout: ``"gathered"`` (default: the interval-gathered layout) or ``"blockmask"`` (the ``[T, T]``
+            retention BlockMask).
+        topk: ``layout="gathered"`` only: the budget the cutoffs were computed with; sizes the layout without a
+            host sync (None: sized from the data, one sync). Must be the real budget (see
+            :func:`kvlearn.ops.masks.gathered_layout`).
+        plan: ``layout="gathered"`` only: a prebuilt :func:`gathered_plan` for these inputs (built here when
+            None; then ``topk`` and ``block_size`` are the plan's).
 
     Returns:
         ``(out [batch, q_heads, T, head_dim] in the query dtype, lse [batch, q_heads, T] float32 natural-log
         or None when return_lse is False)``.
     """
     _check_attention_inputs(query, key, value, ranks, cutoffs)
+    check(layout in LAYOUTS, f"layout={layout!r} is invalid: expected one of {LAYOUTS}")
     group = query.shape[1] // key.shape[1]
     if scale is None:
         scale = query.shape[-1] ** -0.5
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if layout == "gathered":
+        check(block_mask is None, "block_mask is invalid with layout='gathered': expected None (pass plan= instead)")
+        if plan is None:
+            plan = gathered_plan(ranks, cutoffs, sinks, window, group, topk=topk, block_size=block_size)
+        else:
+            _check_plan(plan, ranks, group)
+        return _gathered_attention(query, key, value, plan, scale, return_lse, needs_grad)
+    check(plan is None, "plan is invalid with layout='blockmask': expected None (pass block_mask= instead)")
     if query.device.type == "cpu":
         if needs_grad:  # eager FlexAttention has no backward on the CPU
             return _dense_attention(query, key, value, ranks, cutoffs, sinks, window, scale, return_lse)
@@ -104,6 +188,58 @@ def sparse_retention_attention(
     if lse is not None:
         lse = lse.float()
     return out, lse
+
+
+def _check_plan(plan, ranks, group: int) -> None:
+    check(isinstance(plan, GatheredPlan), f"plan of type {type(plan).__name__} is invalid: expected a GatheredPlan")
+    B, H, T = ranks.shape
+    lay = plan.layout
+    got = (lay.index.shape[0], lay.index.shape[1], lay.seq_len, plan.query_heads_per_kv, lay.index.device)
+    want = (B, H, T, group, ranks.device)
+    check(got == want, f"plan for (batch, kv_heads, seq, group, device)={got} is invalid: expected {want}")
+
+
+def _gathered_attention(query, key, value, plan: GatheredPlan, scale, return_lse, needs_grad):
+    """Attention on the gathered layout: flex (or its dense CPU twin), then back to ``[B, Hq, T]``."""
+    lay = plan.layout
+    B, Hq, T, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    BS, nQ, C = lay.block_size, lay.num_blocks, lay.capacity
+    Tp = nQ * BS
+    qp = F.pad(query, (0, 0, 0, Tp - T)) if Tp > T else query  # padded rows are zeros, dropped below
+    qg = qp.reshape(B, Hq, nQ, BS, D).transpose(1, 2).reshape(B * nQ, Hq, BS, D)
+    kg = key.reshape(B * Hkv * T, D)[plan.flat_index].view(B * nQ, Hkv, C, D)  # backward: index_put accumulate
+    vg = value.reshape(B * Hkv * T, D)[plan.flat_index].view(B * nQ, Hkv, C, D)
+    if query.device.type == "cpu" and needs_grad:  # eager FlexAttention has no backward on the CPU
+        out, lse = _dense_gathered(qg, kg, vg, plan.rel_pos, plan.rel_end, G, scale, return_lse)
+    else:
+        if query.device.type == "cpu":  # eager flex refuses inputs that require grad even under no_grad
+            qg, kg, vg = qg.detach(), kg.detach(), vg.detach()
+        out, lse = flex_attention_lse(qg, kg, vg, block_mask=plan.block_mask, scale=scale, enable_gqa=True,
+                                      return_lse=return_lse)
+    out = out.view(B, nQ, Hq, BS, D).transpose(1, 2).reshape(B, Hq, Tp, D)
+    if Tp > T:
+        out = out[:, :, :T].contiguous()
+    if lse is not None:
+        lse = lse.float().view(B, nQ, Hq, BS).transpose(1, 2).reshape(B, Hq, Tp)[:, :, :T].contiguous()
+    return out, lse
+
+
+def _dense_gathered(qg, kg, vg, rel_pos, rel_end, group, scale, return_lse):
+    """Dense masked softmax on the gathered layout (CPU autograd twin of the flex call, same shapes/dtypes)."""
+    BS = qg.shape[2]
+    qi = torch.arange(BS, device=qg.device, dtype=torch.int32)[:, None]  # [BS, 1]
+    mask = (rel_pos[:, :, None, :] <= qi) & (qi < rel_end[:, :, None, :])  # [B*nQ, Hkv, BS, C]
+    mask = mask.repeat_interleave(group, dim=1)
+    compute = torch.float32 if qg.dtype in (torch.float16, torch.bfloat16) else qg.dtype
+    k = kg.to(compute).repeat_interleave(group, dim=1)
+    v = vg.to(compute).repeat_interleave(group, dim=1)
+    logits = (qg.to(compute) @ k.transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))  # every row (padded ones too) keeps at least one key
+    lse = torch.logsumexp(logits, dim=-1)
+    out = (torch.exp(logits - lse[..., None]) @ v).to(qg.dtype)
+    return out, (lse.float() if return_lse else None)
 
 
 def _dense_attention(query, key, value, ranks, cutoffs, sinks, window, scale, return_lse):
@@ -126,4 +262,20 @@ def block_sparsity(block_mask: BlockMask) -> float:
     return float(block_mask.sparsity()) / 100.0
 
 
-__all__ = ["block_sparsity", "sparse_retention_attention"]
+def gathered_tile_fraction(plan: GatheredPlan | GatheredLayout) -> float:
+    """Fraction in ``[0, 1]`` of the ``T x T`` grid's (query block, key block) tiles the gathered kernel computes
+    (one host sync); ``1 -`` this is the gathered layout's counterpart of :func:`block_sparsity`."""
+    lay = plan.layout if isinstance(plan, GatheredPlan) else plan
+    check(isinstance(lay, GatheredLayout), f"plan of type {type(plan).__name__} is invalid: expected a GatheredPlan")
+    B, H, nQ, _ = lay.index.shape
+    return float(lay.tiles_computed()) / float(B * H * nQ * nQ)
+
+
+__all__ = [
+    "LAYOUTS",
+    "GatheredPlan",
+    "block_sparsity",
+    "gathered_plan",
+    "gathered_tile_fraction",
+    "sparse_retention_attention",
+]

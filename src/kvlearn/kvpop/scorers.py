@@ -22,13 +22,14 @@ Contract shared by all scorers (what the cache and the training loop rely on):
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvlearn.errors import check
-from kvlearn.ops.mlstm import MLSTMState, mlstm_chunkwise, mlstm_readout, mlstm_step, mlstm_zero_state
+from kvlearn.ops.mlstm import MLSTMState, _chunkwise, _readout, mlstm_step, mlstm_zero_state
 
 __all__ = ["KVScorer", "LinearScorer", "MLPScorer", "MLSTMScorer", "hedgehog"]
 
@@ -38,6 +39,11 @@ def _check_pos_int(name: str, value, low: int = 1) -> None:
         isinstance(value, int) and not isinstance(value, bool) and value >= low,
         f"{name}={value!r} is invalid: expected an integer >= {low}",
     )
+
+
+def _cat_kv(key: Tensor, value: Tensor) -> Tensor:
+    """Detached float32 ``x = [k; v]`` over the last dim."""
+    return torch.cat([key.detach(), value.detach()], dim=-1).float()
 
 
 def hedgehog(y: Tensor) -> Tensor:
@@ -60,6 +66,11 @@ class KVScorer(nn.Module):
     # -- inputs ---------------------------------------------------------------------------------------------
     def _x(self, key: Tensor, value: Tensor, ndim: int = 4, names: tuple[str, str] = ("key", "value")) -> Tensor:
         """``[B,H,T,D]`` (or ``[B,H,D]`` with ndim=3) key and value -> detached float32 ``x = [k; v]``."""
+        self._check_kv(key, value, ndim, names)
+        return _cat_kv(key, value)
+
+    def _check_kv(self, key: Tensor, value: Tensor, ndim: int = 4, names: tuple[str, str] = ("key", "value")) -> None:
+        """Validate ``[B,H,T,D]`` (or ``[B,H,D]`` with ndim=3) key and value (one-line KVLearnError)."""
         layout = "[batch, kv_heads, seq, head_dim]" if ndim == 4 else "[batch, kv_heads, head_dim]"
         for name, t in zip(names, (key, value)):
             check(isinstance(t, Tensor), f"{name} is {type(t).__name__}: expected a torch.Tensor {layout}")
@@ -77,7 +88,6 @@ class KVScorer(nn.Module):
         check(value.device == key.device, f"{names[1]}.device={value.device} differs from {names[0]}.device={key.device}")
         if ndim == 4:
             check(key.shape[2] >= 1, f"{names[0]}.shape={tuple(key.shape)} has seq=0: expected at least one token")
-        return torch.cat([key.detach(), value.detach()], dim=-1).float()
 
     def _param(self, p: Tensor) -> Tensor:
         return p.float()
@@ -175,6 +185,92 @@ def _fold_identity(d_in: int, d_out: int) -> Tensor:
     return w / w.norm(dim=0, keepdim=True).clamp_min(1.0)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# mLSTM scorer as pure functions of tensors and Python constants: the eager path, the decode step and the
+# torch.compile'd path (CUDA) all run this code. No validation in here (it is done before), no Python reads of
+# tensor values, so that the compiled region traces as one graph.
+
+
+def _cap(z: Tensor, softcap: float | None) -> Tensor:
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def _project(x: Tensor, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap: float | None):
+    """``x [B,H,T,2D]`` (or ``[B,H,2D]``) -> ``q̃, k̃ [..,D]``, ``ṽ [..,Dv]``, ``ĩ, f̃ [..]`` (float32).
+
+    The five per-head projections are one matmul with the weights concatenated ``[H, 2D, D/2 + D/2 + Dv + 2]``:
+    ``x`` is read once (and once in the backward) instead of five times."""
+    half, dv = w_q.shape[-1], w_v.shape[-1]
+    w = torch.cat([w_q.float(), w_k.float(), w_v.float(), w_i.float().unsqueeze(-1), w_f.float().unsqueeze(-1)], dim=-1)
+    seq = x.dim() == 4
+    y = x @ w if seq else (x.unsqueeze(-2) @ w).squeeze(-2)  # [B,H,(T,)N]
+    yq, yk, v, ig, fg = y.split([half, half, dv, 1, 1], dim=-1)
+    shape = (w.shape[0],) + (1,) * (x.dim() - 3)
+    ig = ig.squeeze(-1) + b_i.float().view(shape)
+    fg = fg.squeeze(-1) + b_f.float().view(shape)
+    return hedgehog(yq), hedgehog(yk), v, _cap(ig, softcap), _cap(fg, softcap)
+
+
+def _score_head(h: Tensor, a: Tensor, b: Tensor, norm_weight: Tensor | None, norm_eps: float) -> Tensor:
+    """Readout ``h [B,H,...,Dv]`` -> score ``[B,H,...]``: ``aᵀ SiLU(Norm(h)) + b``."""
+    heads, extra = a.shape[0], h.dim() - 3
+    if norm_weight is not None:
+        h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + norm_eps)
+        h = h * norm_weight.float().view((heads,) + (1,) * extra + (h.shape[-1],))
+    return torch.einsum("bh...d,hd->bh...", F.silu(h), a.float()) + b.float().view((heads,) + (1,) * extra)
+
+
+def _mlstm_scores(
+    key: Tensor,
+    value: Tensor,
+    valid: Tensor | None,
+    params: tuple,
+    delay: int,
+    chunk_size: int,
+    softcap: float | None,
+    eps: float,
+    norm_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Scores ``[B,H,T]`` and the final state ``(C, n, m)`` of a full sequence (validated key/value ``[B,H,T,D]``).
+
+    ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b)``; ``delay`` is the readout delay.
+    """
+    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b = params
+    x = _cat_kv(key, value)
+    q, k, v, ig, fg = _project(x, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)
+    if valid is not None:  # padding neither writes (input gate -> 0) nor decays (forget gate -> 1) the memory
+        keep = valid[:, None, :].to(torch.bool)
+        ig = torch.where(keep, ig, -1e4)
+        fg = torch.where(keep, fg, 1e4)
+    t = x.shape[2]
+    if delay == 0:
+        h, state = _chunkwise(q, k, v, ig, fg, None, chunk_size, eps)
+    else:
+        # delayed: the readout at time s uses q̃_{s-w} (zeros for s < w: nothing to read yet, discarded)
+        shift = min(delay, t)
+        q_read = F.pad(q[:, :, : t - shift], (0, 0, shift, 0))
+        h_seq, state = _chunkwise(q_read, k, v, ig, fg, None, chunk_size, eps)
+        h_prov = _readout(q[:, :, t - shift :], *state, eps)  # u = T-w .. T-1, read at T-1
+        h = torch.cat([h_seq[:, :, shift:], h_prov], dim=2)  # u = 0 .. T-1-w read at u + w, then provisional
+    return (_score_head(h, a, b, norm_weight, norm_eps), *state)
+
+
+_COMPILED: dict[str, Callable] = {}
+_COMPILE_DEVICES = ("cuda",)  # device types on which MLSTMScorer(compile=True) runs the compiled function
+_COMPILE_BACKEND = "inductor"
+
+
+def _compiled_scores(backend: str = "inductor") -> Callable:
+    """``torch.compile(_mlstm_scores, dynamic=False)``, created on first use (one per backend).
+
+    ``dynamic=False``: one graph per input shape (sequence length, chunk count) and per set of Python constants
+    (readout delay, chunk size, ...); a training run with a fixed sequence length compiles once."""
+    fn = _COMPILED.get(backend)
+    if fn is None:
+        fn = _COMPILED[backend] = torch.compile(_mlstm_scores, dynamic=False, backend=backend)
+    return fn
+
+
 class MLSTMScorer(KVScorer):
     """Stateful scorer: one mLSTM cell per KV head with a delayed readout.
 
@@ -198,6 +294,12 @@ class MLSTMScorer(KVScorer):
     half; ``w_i = w_f = 0``, ``b_i = 0`` (every token written with weight 1), ``b_f`` = linspace(3, 6) over heads
     (``σ(3) = 0.95`` ... ``σ(6) = 0.9975``: memories of ~20 to ~400 tokens, kept early); ``a = 0``, ``b = 0``
     (neutral ranking at start); RMSNorm weight 1.
+
+    ``compile=True`` (default) runs the full-sequence forward (``forward``/``prefill``) through
+    ``torch.compile(dynamic=False)`` when the inputs are on CUDA and autograd is on (training; the first call per
+    input shape compiles); without autograd (``no_grad``/``inference_mode``), on other devices and with
+    ``compile=False`` it runs eagerly. Both run the same code (same results to float32 rounding); ``step`` is
+    always eager.
     """
 
     def __init__(
@@ -211,6 +313,7 @@ class MLSTMScorer(KVScorer):
         value_dim: int | None = None,
         gate_softcap: float | None = 15.0,
         forget_bias_range: tuple[float, float] = (3.0, 6.0),
+        compile: bool = True,
     ) -> None:
         super().__init__(num_kv_heads, head_dim)
         check(
@@ -221,6 +324,7 @@ class MLSTMScorer(KVScorer):
         _check_pos_int("chunk_size", chunk_size)
         check(isinstance(delayed_readout, bool), f"delayed_readout={delayed_readout!r} is invalid: expected True or False")
         check(isinstance(use_norm, bool), f"use_norm={use_norm!r} is invalid: expected True or False")
+        check(isinstance(compile, bool), f"compile={compile!r} is invalid: expected True or False")
         value_dim = head_dim // 2 if value_dim is None else value_dim
         _check_pos_int("value_dim", value_dim)
         check(
@@ -235,6 +339,7 @@ class MLSTMScorer(KVScorer):
         self.readout_delay = window if delayed_readout else 0
         self.use_norm = use_norm
         self.chunk_size = chunk_size
+        self.compile = compile
         self.value_dim = value_dim
         self.gate_softcap = None if gate_softcap is None else float(gate_softcap)
         self.feature_dim = head_dim  # Hedgehog doubles the D/2 projection
@@ -261,59 +366,36 @@ class MLSTMScorer(KVScorer):
         return (
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, window={self.window}, "
             f"delayed_readout={self.delayed_readout}, use_norm={self.use_norm}, value_dim={self.value_dim}, "
-            f"gate_softcap={self.gate_softcap}, chunk_size={self.chunk_size}"
+            f"gate_softcap={self.gate_softcap}, chunk_size={self.chunk_size}, compile={self.compile}"
         )
 
     # -- pieces ---------------------------------------------------------------------------------------------
-    def _cap(self, z: Tensor) -> Tensor:
-        if self.gate_softcap is None:
-            return z
-        return self.gate_softcap * torch.tanh(z / self.gate_softcap)
+    def _params(self) -> tuple:
+        return (self.w_q, self.w_k, self.w_v, self.w_i, self.b_i, self.w_f, self.b_f, self.norm_weight, self.a, self.b)
 
-    def _query(self, x: Tensor) -> Tensor:
-        """``x [B,H,...,2D]`` -> ``q̃ [B,H,...,D]``."""
-        return hedgehog(torch.einsum("bh...c,hcd->bh...d", x, self._param(self.w_q)))
-
-    def _write(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``x [B,H,...,2D]`` -> ``k̃ [..,D]``, ``ṽ [..,Dv]``, ``ĩ [..]``, ``f̃ [..]``."""
-        k = hedgehog(torch.einsum("bh...c,hcd->bh...d", x, self._param(self.w_k)))
-        v = torch.einsum("bh...c,hcd->bh...d", x, self._param(self.w_v))
-        extra = x.dim() - 3
-        shape = (self.num_kv_heads,) + (1,) * extra
-        ig = torch.einsum("bh...c,hc->bh...", x, self._param(self.w_i)) + self._param(self.b_i).view(shape)
-        fg = torch.einsum("bh...c,hc->bh...", x, self._param(self.w_f)) + self._param(self.b_f).view(shape)
-        return k, v, self._cap(ig), self._cap(fg)
+    def _features(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``x [B,H,...,2D]`` -> ``q̃ [..,D]``, ``k̃ [..,D]``, ``ṽ [..,Dv]``, ``ĩ [..]``, ``f̃ [..]``."""
+        return _project(x, self.w_q, self.w_k, self.w_v, self.w_i, self.b_i, self.w_f, self.b_f, self.gate_softcap)
 
     def _head(self, h: Tensor) -> Tensor:
         """Readout ``h [B,H,...,Dv]`` -> score ``[B,H,...]``: ``aᵀ SiLU(Norm(h)) + b``."""
-        extra = h.dim() - 3
-        if self.use_norm:
-            h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.norm_eps)
-            h = h * self._param(self.norm_weight).view((self.num_kv_heads,) + (1,) * extra + (self.value_dim,))
-        shape = (self.num_kv_heads,) + (1,) * extra
-        return torch.einsum("bh...d,hd->bh...", F.silu(h), self._param(self.a)) + self._param(self.b).view(shape)
+        return _score_head(h, self.a, self.b, self.norm_weight, self.norm_eps)
 
     # -- full sequence --------------------------------------------------------------------------------------
     def _run(self, key: Tensor, value: Tensor, valid: Tensor | None = None) -> tuple[Tensor, MLSTMState]:
-        x = self._x(key, value)
-        q, (k, v, ig, fg) = self._query(x), self._write(x)
-        if valid is not None:  # padding neither writes (input gate -> 0) nor decays (forget gate -> 1) the memory
-            check(tuple(valid.shape) == (x.shape[0], x.shape[2]),
-                  f"valid shape {tuple(valid.shape)} is invalid: expected [batch, seq] = {(x.shape[0], x.shape[2])}")
-            keep = valid[:, None, :].to(torch.bool)
-            ig = torch.where(keep, ig, torch.full_like(ig, -1e4))
-            fg = torch.where(keep, fg, torch.full_like(fg, 1e4))
-        t, w = x.shape[2], self.readout_delay
-        if w == 0:
-            h, state = mlstm_chunkwise(q, k, v, ig, fg, chunk_size=self.chunk_size, eps=self.eps)
-            return self._head(h), state
-        # delayed: the readout at time s uses q̃_{s-w} (zeros for s < w: nothing to read yet, discarded)
-        shift = min(w, t)
-        q_read = torch.cat([q.new_zeros(q.shape[:2] + (shift, q.shape[3])), q[:, :, : t - shift]], dim=2)
-        h_seq, state = mlstm_chunkwise(q_read, k, v, ig, fg, chunk_size=self.chunk_size, eps=self.eps)
-        h_final = h_seq[:, :, shift:]  # tokens u = 0 .. T-1-w, read at u + w
-        h_prov = mlstm_readout(q[:, :, t - shift :], state, eps=self.eps)  # u = T-w .. T-1, read at T-1
-        return self._head(torch.cat([h_final, h_prov], dim=2)), state
+        self._check_kv(key, value)
+        if valid is not None:
+            check(isinstance(valid, Tensor) and tuple(valid.shape) == (key.shape[0], key.shape[2]),
+                  f"valid shape {tuple(getattr(valid, 'shape', ()))} is invalid: expected [batch, seq] = "
+                  f"{(key.shape[0], key.shape[2])}")
+        # compiled for training on CUDA (fuses the elementwise work on [B,H,NC,L,L] and the feature maps in forward
+        # and backward); eager without autograd (prefill of prompts of many lengths: one compile per length would
+        # cost more than it saves) and on other devices
+        use_compiled = self.compile and torch.is_grad_enabled() and key.device.type in _COMPILE_DEVICES
+        fn = _compiled_scores(_COMPILE_BACKEND) if use_compiled else _mlstm_scores
+        scores, c, n, m = fn(key, value, valid, self._params(), self.readout_delay, self.chunk_size,
+                             self.gate_softcap, self.eps, self.norm_eps)
+        return scores, MLSTMState(c, n, m)
 
     def forward(self, key: Tensor, value: Tensor) -> Tensor:
         """Scores ``[B, H, T]`` float32; with the delayed readout the last ``window`` are provisional."""
@@ -359,15 +441,15 @@ class MLSTMScorer(KVScorer):
                 key_u is None and value_u is None,
                 "key_u/value_u given with delayed_readout=False: expected None (the scored token is t itself)",
             )
-            q = self._query(x_t)
+            q = self._features(x_t)[0]
         elif key_u is None or value_u is None:
             check(key_u is None and value_u is None, "only one of key_u/value_u given: expected both or neither")
             q = None
         else:
             x_u = self._x(key_u, value_u, ndim=3, names=("key_u", "value_u"))
             check(x_u.shape == x_t.shape, f"key_u.shape={tuple(key_u.shape)} differs from key_t.shape={tuple(key_t.shape)}")
-            q = self._query(x_u)
-        k, v, ig, fg = self._write(x_t)
+            q = self._features(x_u)[0]
+        _, k, v, ig, fg = self._features(x_t)
         h, new_state = mlstm_step(q if q is not None else torch.zeros_like(k), k, v, ig, fg, state, eps=self.eps)
         return (self._head(h) if q is not None else None), new_state
 

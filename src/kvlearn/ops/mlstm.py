@@ -220,22 +220,36 @@ def mlstm_recurrent(
 # chunkwise-parallel form
 
 
+def _group_size(nc: int) -> int:
+    """Divisor ``G`` of ``nc`` minimising the chunk-state work ``(nc/G + 1)·nc + nc·G`` (``G`` near ``sqrt(nc)``)."""
+    best, best_cost = 1, None
+    for gsz in range(1, nc + 1):
+        if nc % gsz == 0:
+            cost = (nc // gsz + 1) * nc + nc * gsz
+            if best_cost is None or cost < best_cost:
+                best, best_cost = gsz, cost
+    return best
+
+
 def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     """Process ``NC`` consecutive chunks of length ``L``.
 
     Shapes: q, k ``[B,H,NC,L,Dk]``, v ``[B,H,NC,L,Dv]``, igate, logf ``[B,H,NC,L]``; start state ``c0 [B,H,Dk,Dv]``,
-    ``n0 [B,H,Dk]``, ``m0 [B,H]``. Returns ``h [B,H,NC,L,Dv]`` and the state after the last chunk.
+    ``n0 [B,H,Dk]``, ``m0 [B,H]`` (``c0 = n0 = None``: zero ``C`` and ``n``, nothing to add). Returns
+    ``h [B,H,NC,L,Dv]`` and the state after the last chunk. No validation and no Python reads of tensor values
+    (it runs inside ``torch.compile``).
     """
-    nc, length = q.shape[2], q.shape[3]
+    bsz, heads, nc, length, dk = q.shape
+    dv = v.shape[-1]
     b = torch.cumsum(logf, dim=-1)  # [B,H,NC,L] log decay from the chunk start through token t (inclusive)
     g = b[..., -1]  # [B,H,NC] log decay over the whole chunk
     # Segment sums seg[t, s] = sum_{s < r <= t} log f_r, summed directly (not as b_t - b_s, which cancels
     # catastrophically in float32 when |b| is large).
-    ones = torch.ones(length, length, dtype=torch.bool, device=q.device)
-    causal = ones.tril()  # t >= s
-    strict = ones.tril(-1)  # t > s
-    seg = logf.unsqueeze(-1).expand(*logf.shape, length).masked_fill(~strict, 0.0).cumsum(dim=-2)
-    log_d = (seg + igate.unsqueeze(-2)).masked_fill(~causal, float("-inf"))  # [B,H,NC,L(t),L(s)]
+    idx = torch.arange(length, device=q.device)
+    causal = idx[:, None] >= idx[None, :]  # t >= s
+    strict = idx[:, None] > idx[None, :]  # r > s
+    seg = torch.where(strict, logf.unsqueeze(-1), 0.0).cumsum(dim=-2)  # [B,H,NC,L(t),L(s)]
+    log_d = torch.where(causal, seg + igate.unsqueeze(-2), float("-inf"))  # [B,H,NC,L(t),L(s)]
     a = log_d[..., -1, :]  # [B,H,NC,L] log weight of token s in the end-of-chunk state (before m)
     a_max = a.max(dim=-1).values  # [B,H,NC]
 
@@ -246,7 +260,7 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     #    the recurrent m at that point. Rows j = 0..NC (row NC is the final state).
     wk = torch.exp(a - a_max.unsqueeze(-1))  # [B,H,NC,L]
     kw = k * wk.unsqueeze(-1)
-    u = kw.transpose(-1, -2) @ v  # [B,H,NC,Dk,Dv]
+    u = (kw.transpose(-1, -2) @ v).reshape(bsz, heads, nc, dk * dv)  # [B,H,NC,Dk*Dv]
     un = kw.sum(dim=-2)  # [B,H,NC,Dk]
     rows = torch.arange(nc + 1, device=q.device)
     cols = torch.arange(nc, device=q.device)
@@ -254,18 +268,44 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     # row (summed directly, never as a difference of two large cumsums, which cancels in float32)
     after = cols[:, None] > cols[None, :]  # [l, i]
     cum = (g.unsqueeze(-1) * after).cumsum(dim=-2)  # [B,H,NC(l),NC(i)] = sum_{i < l' <= l} g_l'
-    seg = torch.cat([torch.zeros_like(cum[..., :1, :]), cum], dim=-2)  # [B,H,NC+1,NC]
+    seg_c = torch.cat([torch.zeros_like(cum[..., :1, :]), cum], dim=-2)  # [B,H,NC+1,NC]
     before = cols[None, :] < rows[:, None]  # [j, i]: chunk i is complete at the start of chunk j
-    log_w = (a_max.unsqueeze(-2) + seg).masked_fill(~before, float("-inf"))  # [B,H,NC+1,NC]
+    log_w = torch.where(before, a_max.unsqueeze(-2) + seg_c, float("-inf"))  # [B,H,NC+1,NC]
     g_before = (g.unsqueeze(-2) * before).sum(dim=-1)  # [B,H,NC+1] sum_{l<j} g_l
     log_w0 = m0.unsqueeze(-1) + g_before
     m_all = torch.maximum(log_w.max(dim=-1).values, log_w0)  # [B,H,NC+1]
-    w = torch.exp(log_w - m_all.unsqueeze(-1))
-    w0 = torch.exp(log_w0 - m_all)
-    c_all = torch.einsum("bhji,bhide->bhjde", w, u) + w0[..., None, None] * c0.unsqueeze(2)
-    n_all = torch.einsum("bhji,bhid->bhjd", w, un) + w0[..., None] * n0.unsqueeze(2)
-    final = MLSTMState(c_all[:, :, -1], n_all[:, :, -1], m_all[:, :, -1])
-    c_s, n_s, m_s = c_all[:, :, :-1], n_all[:, :, :-1], m_all[:, :, :-1]
+
+    # The weighted sum C_j = sum_{i<j} exp(L[j,i] - M_j) U_i (+ the c0 term) over all (j, i) is a dense
+    # (NC+1) x NC matmul, O(NC^2 Dk Dv). It is evaluated in two levels with groups of G chunks (G | NC, about
+    # sqrt(NC)): (a) the exact formula above, but only for the group starts j = 0, G, 2G, ..., NC (the last row
+    # is the final state); (b) inside a group, C_j = exp(M_s + sum_{s<=l<j} g_l - M_j) C_s + sum over the
+    # group's chunks i < j of exp(L[j,i] - M_j) U_i, with s the group start. The (j, i) entries used in (b) are
+    # those of the same log_w matrix; the carried exponent is <= 0 (M_j is the max over all terms), and every
+    # partial sum of the g_l <= 0 is bounded by the full one, so nothing cancels. O((NC/G + G) NC Dk Dv).
+    gsz = _group_size(nc)
+    ngr = nc // gsz
+    m_out = m_all[..., ::gsz]  # [B,H,NG+1] rows 0, G, ..., NC
+    w_out = torch.exp(log_w[..., ::gsz, :] - m_out.unsqueeze(-1))  # [B,H,NG+1,NC]
+    c_out = w_out @ u  # [B,H,NG+1,Dk*Dv]
+    n_out = w_out @ un  # [B,H,NG+1,Dk]
+    if c0 is not None:
+        w0 = torch.exp(log_w0[..., ::gsz] - m_out)  # [B,H,NG+1]
+        c_out = c_out + w0.unsqueeze(-1) * c0.reshape(bsz, heads, 1, dk * dv)
+        n_out = n_out + w0.unsqueeze(-1) * n0.unsqueeze(2)
+    final = MLSTMState(c_out[:, :, -1].reshape(bsz, heads, dk, dv), n_out[:, :, -1], m_all[:, :, -1])
+    m_s = m_all[:, :, :-1]  # [B,H,NC] stabiliser at every chunk start
+    if gsz == 1:
+        c_s, n_s = c_out[:, :, :-1], n_out[:, :, :-1]
+    else:
+        blk = log_w[:, :, :-1].reshape(bsz, heads, ngr, gsz, ngr, gsz).diagonal(dim1=2, dim2=4)  # [B,H,G,G,NG]
+        m_grp = m_s.reshape(bsz, heads, ngr, gsz)
+        w_in = torch.exp(blk.permute(0, 1, 4, 2, 3) - m_grp.unsqueeze(-1))  # [B,H,NG,G(j),G(i)], 0 for i >= j
+        g_in = F.pad(g.reshape(bsz, heads, ngr, gsz)[..., :-1], (1, 0)).cumsum(dim=-1)  # sum_{s<=l<j} g_l, direct
+        carry = torch.exp(m_out[..., :-1].unsqueeze(-1) + g_in - m_grp).unsqueeze(-1)  # [B,H,NG,G,1]
+        c_s = w_in @ u.reshape(bsz, heads, ngr, gsz, dk * dv) + carry * c_out[:, :, :-1].unsqueeze(3)
+        n_s = w_in @ un.reshape(bsz, heads, ngr, gsz, dk) + carry * n_out[:, :, :-1].unsqueeze(3)
+    c_s = c_s.reshape(bsz, heads, nc, dk, dv)
+    n_s = n_s.reshape(bsz, heads, nc, dk, 1)
 
     # 2) outputs of all chunks in parallel: intra-chunk quadratic part + contribution of the chunk's start state.
     log_inter = b + m_s.unsqueeze(-1)  # [B,H,NC,L] = b_t + m_start
@@ -274,9 +314,36 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     w_inter = torch.exp(log_inter - m_row)  # [B,H,NC,L]
     s = (q @ k.transpose(-1, -2)) * w_intra  # [B,H,NC,L,L]
     num = s @ v + w_inter.unsqueeze(-1) * (q @ c_s)
-    qn = s.sum(dim=-1) + w_inter * (q @ n_s.unsqueeze(-1)).squeeze(-1)
+    qn = s.sum(dim=-1) + w_inter * (q @ n_s).squeeze(-1)
     den = torch.maximum(qn.abs(), torch.exp(-m_row)) + eps
     return num / den.unsqueeze(-1), final
+
+
+def _chunkwise(q, k, v, igate, fgate, state, chunk_size: int, eps: float) -> tuple[Tensor, MLSTMState]:
+    """:func:`mlstm_chunkwise` without validation (also the body that the scorer runs under ``torch.compile``)."""
+    dt = _compute_dtype(q, k, v, igate, fgate, *(state if state is not None else ()))
+    q, k, v, igate, fgate = (x.to(dt) for x in (q, k, v, igate, fgate))
+    bsz, heads, t, _ = q.shape
+    dv = v.shape[-1]
+    if state is None:  # empty state: C = n = 0 add nothing (no [B,H,NC+1,Dk,Dv] term), m = 0
+        c0, n0, m0 = None, None, torch.zeros(bsz, heads, device=q.device, dtype=dt)
+    else:
+        c0, n0, m0 = _cast_state(state, dt)
+    logf = F.logsigmoid(fgate)
+
+    outs = []
+    full = (t // chunk_size) * chunk_size
+    for lo, hi, length in ((0, full, chunk_size), (full, t, t - full)):
+        if hi == lo:
+            continue
+        nc = (hi - lo) // length
+
+        def split(x: Tensor) -> Tensor:
+            return x[:, :, lo:hi].reshape(bsz, heads, nc, length, *x.shape[3:])
+
+        h, (c0, n0, m0) = _chunks(split(q), split(k), split(v), split(igate), split(logf), c0, n0, m0, eps)
+        outs.append(h.reshape(bsz, heads, hi - lo, dv))
+    return (torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]), MLSTMState(c0, n0, m0)
 
 
 def mlstm_chunkwise(
@@ -308,26 +375,4 @@ def mlstm_chunkwise(
         f"chunk_size={chunk_size!r} is invalid: expected an integer >= 1",
     )
     _check_sequence_inputs(q, k, v, igate, fgate, state)
-    dt = _compute_dtype(q, k, v, igate, fgate, *(state if state is not None else ()))
-    q, k, v, igate, fgate = (x.to(dt) for x in (q, k, v, igate, fgate))
-    bsz, heads, t, dk = q.shape
-    dv = v.shape[-1]
-    if state is None:
-        state = mlstm_zero_state(bsz, heads, dk, dv, q.device, dt)
-    state = _cast_state(state, dt)
-    logf = F.logsigmoid(fgate)
-
-    outs = []
-    full = (t // chunk_size) * chunk_size
-    for lo, hi, length in ((0, full, chunk_size), (full, t, t - full)):
-        if hi == lo:
-            continue
-        nc = (hi - lo) // length
-
-        def split(x: Tensor) -> Tensor:
-            return x[:, :, lo:hi].reshape(bsz, heads, nc, length, *x.shape[3:])
-
-        h, state = _chunks(split(q), split(k), split(v), split(igate), split(logf), *state, eps)
-        outs.append(h.reshape(bsz, heads, hi - lo, dv))
-    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0], state
-
+    return _chunkwise(q, k, v, igate, fgate, state, chunk_size, eps)
