@@ -79,6 +79,8 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--topk", type=int, default=2016)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (checks the script, times nothing)")
+    ap.add_argument("--quick", action="store_true",
+                    help="acceptance rows only (no host Fenwick reference, block-mask rows, no-decay rows or mLSTM variants)")
     args = ap.parse_args()
     global SMOKE
     SMOKE = args.smoke
@@ -115,11 +117,12 @@ def main() -> int:
     import time
 
     prio = priorities(B, H, T, True, dev)
-    t0 = time.perf_counter()
-    ranks_ref, cut_ref = running_topk_cutoff(prio.cpu(), s, w, k, backend="torch")
-    ref_ms = (time.perf_counter() - t0) * 1e3
     ranks_tri, cut_tri = running_topk_cutoff(prio, s, w, k, backend=tri)
-    checks["cutoff_triton_equals_reference"] = bool(torch.equal(cut_ref, cut_tri.cpu()) and torch.equal(ranks_ref, ranks_tri.cpu()))
+    if not args.quick:
+        t0 = time.perf_counter()
+        ranks_ref, cut_ref = running_topk_cutoff(prio.cpu(), s, w, k, backend="torch")
+        ref_ms = (time.perf_counter() - t0) * 1e3
+        checks["cutoff_triton_equals_reference"] = bool(torch.equal(cut_ref, cut_tri.cpu()) and torch.equal(ranks_ref, ranks_tri.cpu()))
     for trial in range(3):  # fresh draws at a smaller size, ties included
         n = min(T, 2048)
         p = priorities(B, H, n, trial % 2 == 0, dev)
@@ -131,7 +134,8 @@ def main() -> int:
     ranks = ranks_tri
     rows.append({"name": "cutoff_triton", "ms": bench(lambda: running_topk_cutoff(prio, s, w, k, backend=tri)), "includes": "static_ranks (torch.sort) + cutoff", **common})
     rows.append({"name": "cutoff_triton_only", "ms": bench(lambda: running_cutoff(ranks, s, w, k, backend=tri)), "includes": "cutoff from precomputed ranks", **common})
-    rows.append({"name": "cutoff_reference", "ms": ref_ms, "includes": "torch Fenwick reference on the host CPU, one run, wall clock", **common})
+    if not args.quick:
+        rows.append({"name": "cutoff_reference", "ms": ref_ms, "includes": "torch Fenwick reference on the host CPU, one run, wall clock", **common})
 
     # ---- attention: sparse (flex: gathered layout, default; [T, T] block mask) vs dense causal SDPA ----
     q = torch.randn(B, H * G, T, D, device=dev, dtype=dtype, requires_grad=True)
@@ -200,7 +204,8 @@ def main() -> int:
             lse_of[label] = sparse_fwd(plan=plan)[1]
 
         guarded(f"gathered{label}", gathered_rows)
-        guarded(f"blockmask{label}", blockmask_rows)
+        if not args.quick:
+            guarded(f"blockmask{label}", blockmask_rows)
         return p
 
     # the rows the acceptance needs come first (the call may be cut off): main sparse variant, target, scorers
@@ -215,7 +220,7 @@ def main() -> int:
             m = retention_mask_dense(rr, cc, s, w).repeat_interleave(G, dim=1)
             out_d = F.scaled_dot_product_attention(qn.float(), kn.float().repeat_interleave(G, 1),
                                                    vn.float().repeat_interleave(G, 1), attn_mask=m)
-            for name, kw in (("", dict(topk=k)), ("_blockmask", dict(layout="blockmask"))):
+            for name, kw in (("", dict(topk=k)), ("_blockmask", dict(layout="blockmask")))[: 1 if args.quick else 2]:
                 out_s, _ = sparse_retention_attention(qn, kn, vn, rr, cc, s, w, **kw)
                 checks[f"sparse{name}_attention_rel_err_vs_dense_masked"] = ((out_s.float() - out_d).norm() / out_d.norm()).item()
 
@@ -260,7 +265,7 @@ def main() -> int:
     # mLSTM variants (the row above is the scorer with its default arguments): eager vs torch.compile, chunk size.
     # The compiled path only runs on CUDA, so the compiled rows are skipped in --smoke (CPU).
     ref_scores = None
-    for compiled in (False, True):
+    for compiled in (False, True) if not args.quick else ():
         if compiled and SMOKE:
             print("scorer_mlstm_fwd_bwd_compiled_*: skipped (--smoke runs on the CPU, where the scorer is eager)")
             continue
@@ -292,7 +297,8 @@ def main() -> int:
             del scorer
 
     # ---- secondary rows: worst-case sparsity (no decay: retained keys scattered uniformly) ----
-    guarded("sparse_nodecay", lambda: measure_sparse("_nodecay", False, k))
+    if not args.quick:
+        guarded("sparse_nodecay", lambda: measure_sparse("_nodecay", False, k))
 
     ms = {r["name"]: r["ms"] for r in rows}
     look_name = f"target_pass_lookahead{look}"
@@ -325,7 +331,7 @@ def main() -> int:
         "kvpop_additions_with_lookahead_le_half_dense_fwd_bwd": (
             None if additions_look is None else additions_look / dense_ms <= 0.5),
     }
-    results = make_results("ops", rows, device=str(dev), checks=checks, summary=summary,
+    results = make_results("ops", rows, device=str(dev), checks=checks, summary=summary, quick=args.quick,
                            torch=torch.__version__)
     write_results(args.out, results)
     print(f"{'name':<34} {'ms':>9}  extra")

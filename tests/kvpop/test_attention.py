@@ -272,3 +272,24 @@ def test_gathered_compiled_cuda_bf16_matches_float64():
     plan = gathered_plan(ranks, cutoffs, sinks, window, G, topk=topk)
     assert bool((plan.layout.num_used <= plan.layout.capacity).all())
     assert gathered_tile_fraction(plan) <= plan.layout.capacity // 128 / (T // 128)
+
+
+def test_flex_calls_run_with_a_recompile_limit_for_every_kernel(monkeypatch):
+    """Past dynamo's recompile limit a compiled flex silently runs eager: every call widens the limit, scoped."""
+    import torch._dynamo
+
+    from kvlearn.ops import flex
+
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    before = getattr(torch._dynamo.config, name)
+    seen = []
+
+    def spy(query, key, value, **kwargs):
+        seen.append(getattr(torch._dynamo.config, name))
+        return torch.zeros_like(query), None
+
+    monkeypatch.setattr(flex, "flex_fn", lambda device: spy)
+    q = torch.randn(1, 2, 8, 16)
+    flex.flex_attention_lse(q, q.clone(), q.clone(), return_lse=False)
+    assert seen == [max(before, flex.RECOMPILE_LIMIT)] and seen[0] >= 64
+    assert getattr(torch._dynamo.config, name) == before  # restored after the call

@@ -209,8 +209,10 @@ def _gathered_attention(query, key, value, plan: GatheredPlan, scale, return_lse
     Tp = nQ * BS
     qp = F.pad(query, (0, 0, 0, Tp - T)) if Tp > T else query  # padded rows are zeros, dropped below
     qg = qp.reshape(B, Hq, nQ, BS, D).transpose(1, 2).reshape(B * nQ, Hq, BS, D)
-    kg = key.reshape(B * Hkv * T, D)[plan.flat_index].view(B * nQ, Hkv, C, D)  # backward: index_put accumulate
-    vg = value.reshape(B * Hkv * T, D)[plan.flat_index].view(B * nQ, Hkv, C, D)
+    # index_select: its backward is index_add_ (atomic adds), not advanced indexing's sort-based index_put_
+    # (results/raw/kvpop_ops_h200_run2.json measured the gathered backward with advanced indexing at ~58 ms)
+    kg = key.reshape(B * Hkv * T, D).index_select(0, plan.flat_index).view(B * nQ, Hkv, C, D)
+    vg = value.reshape(B * Hkv * T, D).index_select(0, plan.flat_index).view(B * nQ, Hkv, C, D)
     if query.device.type == "cpu" and needs_grad:  # eager FlexAttention has no backward on the CPU
         out, lse = _dense_gathered(qg, kg, vg, plan.rel_pos, plan.rel_end, G, scale, return_lse)
     else:

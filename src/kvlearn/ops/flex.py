@@ -2,6 +2,7 @@
 
 - :func:`flex_fn`: one ``torch.compile(flex_attention, dynamic=False)`` per process on CUDA (the fused kernel);
   plain eager ``flex_attention`` elsewhere (CPU flex runs eager only: it materialises the scores, small sizes).
+  Calls run in :func:`compile_scope`, which allows enough specialisations for every kvlearn kernel.
 - :func:`flex_attention_lse`: one call returning ``(out, lse)`` with the log-sum-exp requested the way the
   installed torch wants it (``return_aux=AuxRequest(lse=True)`` from torch 2.9, the deprecated
   ``return_lse=True`` before). The LSE is a natural log in torch 2.11 and 2.13 (the kernels work in base 2
@@ -26,6 +27,19 @@ except ImportError:  # pragma: no cover - older torch
 
 _compiled: Callable | None = None
 
+# Every kvlearn kernel is its own specialisation of the one compiled flex_attention: the sparse attention on two
+# layouts, the causal LSE, the transposed target with and without a lookahead, with and without autograd, one
+# per sequence length. Dynamo's default of 8 per code object is too small: past it calls silently run EAGER flex
+# (results/raw/kvpop_ops_h200_run2.json: attn_sparse_fwd_k1792 63 ms against 4.6 ms compiled at k=2016).
+RECOMPILE_LIMIT = 64
+
+
+def compile_scope():
+    """Context in which dynamo allows :data:`RECOMPILE_LIMIT` specialisations per code object (never lowers it)."""
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{name: max(getattr(cfg, name), RECOMPILE_LIMIT)})
+
 
 def flex_fn(device: torch.device) -> Callable:
     """``flex_attention`` compiled once per process on CUDA, eager elsewhere."""
@@ -42,7 +56,7 @@ def flex_attention_lse(query: Tensor, key: Tensor, value: Tensor, *, score_mod=N
     """FlexAttention ``out [B, Hq, L, Dv]`` and, when asked, ``lse [B, Hq, L]`` float32 (natural log)."""
     fn = flex_fn(query.device)
     kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), compile_scope():
         # eager (CPU) flex warns that it is unfused; that is expected off-GPU
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")
