@@ -52,12 +52,13 @@ def accuracy_section(name: str, data: dict) -> str:
 
 def ops_section(name: str, data: dict) -> str:
     out = [f"## GPU ops: {name.removesuffix('.json')}", "", _provenance(name, data), ""]
-    out.append("| name | median ms | block sparsity | notes |")
-    out.append("| --- | ---: | ---: | --- |")
+    out.append("| name | median ms | / dense SDPA (same pass, same run) | block sparsity | notes |")
+    out.append("| --- | ---: | ---: | ---: | --- |")
     for r in data["rows"]:
         sp = f"{r['block_sparsity']:.3f}" if "block_sparsity" in r else ""
-        note = r.get("priorities", r.get("includes", ""))
-        out.append(f"| {r['name']} | {r['ms']:.3f} | {sp} | {note} |")
+        ratio = f"{r['over_dense']:.2f}" if isinstance(r.get("over_dense"), (int, float)) else ""
+        note = "; ".join(str(r[k]) for k in ("layout", "priorities", "includes") if r.get(k))
+        out.append(f"| {r['name']} | {r['ms']:.3f} | {ratio} | {sp} | {note} |")
     for key in ("checks", "summary"):
         if data.get(key):
             out += ["", f"{key.capitalize()}:", "", "```", json.dumps(data[key], indent=1), "```"]
