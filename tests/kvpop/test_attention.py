@@ -14,6 +14,7 @@ from kvlearn.kvpop.attention import (
     sparse_retention_attention,
 )
 from kvlearn.ops.fenwick import running_topk_cutoff
+from kvlearn.ops.future_target import future_attention_target
 from kvlearn.ops.masks import retention_block_mask, retention_mask_dense
 
 
@@ -293,3 +294,19 @@ def test_flex_calls_run_with_a_recompile_limit_for_every_kernel(monkeypatch):
     flex.flex_attention_lse(q, q.clone(), q.clone(), return_lse=False)
     assert seen == [max(before, flex.RECOMPILE_LIMIT)] and seen[0] >= 64
     assert getattr(torch._dynamo.config, name) == before  # restored after the call
+
+
+def test_kernel_options_pass_through_and_bad_ones_are_named():
+    torch.manual_seed(3)
+    B, Hkv, G, T, D = 1, 2, 2, 40, 16
+    q = torch.randn(B, Hkv * G, T, D)
+    k, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    ranks, cutoffs = running_topk_cutoff(torch.randn(B, Hkv, T), 2, 4, 6)
+    want = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, topk=6, block_size=16)
+    got = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, topk=6, block_size=16,
+                                     kernel_options={"num_warps": 4, "BLOCK_N": 16})
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])  # eager CPU flex ignores tuning options
+    with pytest.raises(KVLearnError, match=r"kernel_options keys \['BLOCK_Q'\] are invalid"):
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, topk=6, kernel_options={"BLOCK_Q": 64})
+    with pytest.raises(KVLearnError, match="kernel_options of type list is invalid"):
+        future_attention_target(q, k, torch.zeros(B, Hkv * G, T), 4, kernel_options=[("num_warps", 4)])

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from kvlearn.errors import check
-from kvlearn.ops.flex import flex_attention_lse
+from kvlearn.ops.flex import check_kernel_options, flex_attention_lse
 from kvlearn.ops.masks import (
     GatheredLayout,
     _relative_intervals,
@@ -135,6 +135,7 @@ def sparse_retention_attention(
     layout: str = "gathered",
     topk: int | None = None,
     plan: GatheredPlan | None = None,
+    kernel_options: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention restricted to the KVpop retained keys.
 
@@ -155,6 +156,8 @@ def sparse_retention_attention(
             :func:`kvlearn.ops.masks.gathered_layout`).
         plan: ``layout="gathered"`` only: a prebuilt :func:`gathered_plan` for these inputs (built here when
             None; then ``topk`` and ``block_size`` are the plan's).
+        kernel_options: FlexAttention kernel options for the compiled kernel (tile sizes, warps, stages; see
+            :func:`kvlearn.ops.flex.check_kernel_options`), None for flex's defaults.
 
     Returns:
         ``(out [batch, q_heads, T, head_dim] in the query dtype, lse [batch, q_heads, T] float32 natural-log
@@ -162,6 +165,7 @@ def sparse_retention_attention(
     """
     _check_attention_inputs(query, key, value, ranks, cutoffs)
     check(layout in LAYOUTS, f"layout={layout!r} is invalid: expected one of {LAYOUTS}")
+    kernel_options = check_kernel_options(kernel_options)
     group = query.shape[1] // key.shape[1]
     if scale is None:
         scale = query.shape[-1] ** -0.5
@@ -172,7 +176,7 @@ def sparse_retention_attention(
             plan = gathered_plan(ranks, cutoffs, sinks, window, group, topk=topk, block_size=block_size)
         else:
             _check_plan(plan, ranks, group)
-        return _gathered_attention(query, key, value, plan, scale, return_lse, needs_grad)
+        return _gathered_attention(query, key, value, plan, scale, return_lse, needs_grad, kernel_options)
     check(plan is None, "plan is invalid with layout='blockmask': expected None (pass block_mask= instead)")
     if query.device.type == "cpu":
         if needs_grad:  # eager FlexAttention has no backward on the CPU
@@ -184,7 +188,7 @@ def sparse_retention_attention(
     else:
         check(isinstance(block_mask, BlockMask), f"block_mask of type {type(block_mask).__name__} is invalid: expected a BlockMask")
     out, lse = flex_attention_lse(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True,
-                                  return_lse=return_lse)
+                                  return_lse=return_lse, kernel_options=kernel_options)
     if lse is not None:
         lse = lse.float()
     return out, lse
@@ -199,7 +203,7 @@ def _check_plan(plan, ranks, group: int) -> None:
     check(got == want, f"plan for (batch, kv_heads, seq, group, device)={got} is invalid: expected {want}")
 
 
-def _gathered_attention(query, key, value, plan: GatheredPlan, scale, return_lse, needs_grad):
+def _gathered_attention(query, key, value, plan: GatheredPlan, scale, return_lse, needs_grad, kernel_options=None):
     """Attention on the gathered layout: flex (or its dense CPU twin), then back to ``[B, Hq, T]``."""
     lay = plan.layout
     B, Hq, T, D = query.shape
@@ -219,7 +223,7 @@ def _gathered_attention(query, key, value, plan: GatheredPlan, scale, return_lse
         if query.device.type == "cpu":  # eager flex refuses inputs that require grad even under no_grad
             qg, kg, vg = qg.detach(), kg.detach(), vg.detach()
         out, lse = flex_attention_lse(qg, kg, vg, block_mask=plan.block_mask, scale=scale, enable_gqa=True,
-                                      return_lse=return_lse)
+                                      return_lse=return_lse, kernel_options=kernel_options)
     out = out.view(B, nQ, Hq, BS, D).transpose(1, 2).reshape(B, Hq, Tp, D)
     if Tp > T:
         out = out[:, :, :T].contiguous()

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
+from kvlearn.errors import check
+
 try:  # torch >= 2.9 (2.11 and 2.13 have it)
     from torch.nn.attention.flex_attention import AuxRequest
 except ImportError:  # pragma: no cover - older torch
@@ -51,11 +53,33 @@ def flex_fn(device: torch.device) -> Callable:
     return _compiled
 
 
+def check_kernel_options(kernel_options) -> dict | None:
+    """``None`` or a dict of FlexAttention kernel options (``num_warps``, ``num_stages``, ``BLOCK_M``, ``BLOCK_N``,
+    ...: the keys of ``torch.nn.attention.flex_attention.FlexKernelOptions``); a one-line error otherwise."""
+    if kernel_options is None:
+        return None
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    valid = tuple(FlexKernelOptions.__annotations__)
+    check(isinstance(kernel_options, dict),
+          f"kernel_options of type {type(kernel_options).__name__} is invalid: expected None or a dict with keys from {valid}")
+    bad = [k for k in kernel_options if k not in valid]
+    check(not bad, f"kernel_options keys {bad} are invalid: expected keys from {valid}")
+    return dict(kernel_options)
+
+
 def flex_attention_lse(query: Tensor, key: Tensor, value: Tensor, *, score_mod=None, block_mask=None, scale=None,
-                       enable_gqa: bool = False, return_lse: bool = True) -> tuple[Tensor, Tensor | None]:
-    """FlexAttention ``out [B, Hq, L, Dv]`` and, when asked, ``lse [B, Hq, L]`` float32 (natural log)."""
+                       enable_gqa: bool = False, return_lse: bool = True,
+                       kernel_options: dict | None = None) -> tuple[Tensor, Tensor | None]:
+    """FlexAttention ``out [B, Hq, L, Dv]`` and, when asked, ``lse [B, Hq, L]`` float32 (natural log).
+
+    ``kernel_options``: optional tile sizes / warps / stages for the compiled kernel (:func:`check_kernel_options`);
+    each distinct dict is a separate compilation. Eager (CPU) flex accepts and ignores them."""
     fn = flex_fn(query.device)
     kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    kernel_options = check_kernel_options(kernel_options)
+    if kernel_options:
+        kwargs["kernel_options"] = kernel_options
     with warnings.catch_warnings(), compile_scope():
         # eager (CPU) flex warns that it is unfused; that is expected off-GPU
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..errors import check
-from .flex import flex_attention_lse
+from .flex import check_kernel_options, flex_attention_lse
 
 __all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS"]
 
@@ -46,13 +46,13 @@ _BLOCK_MASK_CACHE_SIZE = 8
 
 
 def flex_lse(query: Tensor, key: Tensor, *, score_mod=None, block_mask=None, scale=None,
-             enable_gqa: bool = False) -> Tensor:
+             enable_gqa: bool = False, kernel_options: dict | None = None) -> Tensor:
     """Natural-log log-sum-exp of a FlexAttention call, float32 ``[batch, q_heads, q_len]`` (``-inf`` for rows
     with no unmasked key); see :func:`kvlearn.ops.flex.flex_attention_lse`. Only the LSE is wanted, so the value
     is the first 16 channels of the keys: the ``P @ V`` half of the kernel shrinks from ``head_dim`` to 16."""
     value = key[..., : min(key.shape[-1], 16)].contiguous()
     return flex_attention_lse(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                              enable_gqa=enable_gqa)[1]
+                              enable_gqa=enable_gqa, kernel_options=kernel_options)[1]
 
 
 def _block_mask(kind: str, seq_len: int, window: int, device: torch.device, lookahead: int | None = None):
@@ -176,7 +176,7 @@ def causal_lse(query: Tensor, key: Tensor, scale: float | None = None, *, backen
 
 
 def _future_log_mass_flex(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float,
-                          lookahead: int | None = None) -> Tensor:
+                          lookahead: int | None = None, kernel_options: dict | None = None) -> Tensor:
     """``log m̄`` per query head by the transposed FlexAttention pass, ``[batch, q_heads, seq]`` float32."""
     b, hq, s, d = query.shape
     hkv = key.shape[1]
@@ -191,7 +191,7 @@ def _future_log_mass_flex(query: Tensor, key: Tensor, lse: Tensor, window: int, 
         return score - lse32[bi, hi, kv_idx]
 
     mask = _block_mask("future", s, window, query.device, lookahead)
-    return flex_lse(t_query, t_key, score_mod=score_mod, block_mask=mask, scale=scale)
+    return flex_lse(t_query, t_key, score_mod=score_mod, block_mask=mask, scale=scale, kernel_options=kernel_options)
 
 
 def _future_log_mass_torch(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float,
@@ -231,6 +231,7 @@ def future_attention_target(
     *,
     backend: str = "auto",
     lookahead: int | None = None,
+    kernel_options: dict | None = None,
 ) -> Tensor:
     """KVpop future-attention target ``r[b, h, t] = log(eps + Agg_g m[b, h, g, t])`` (Eq. 2-3, appendix B/D).
 
@@ -252,6 +253,8 @@ def future_attention_target(
             The transposed pass is then a band, so its cost grows with ``L`` instead of ``S``.
         backend: ``"auto"`` (compiled FlexAttention on CUDA, chunked matmul elsewhere), ``"flex"`` (compiled on
             CUDA, eager on CPU) or ``"torch"`` (chunked matmul on any device).
+        kernel_options: FlexAttention kernel options of the transposed pass (flex backend only; see
+            :func:`kvlearn.ops.flex.check_kernel_options`), None for flex's defaults.
 
     Returns:
         ``[batch, kv_heads, seq]`` float32, detached (a supervision target). Tokens with no future query
@@ -271,10 +274,11 @@ def future_attention_target(
     backend = _resolve_backend(backend, query.device)
     check(lookahead is None or (isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead >= 0),
           f"lookahead={lookahead!r} is invalid: expected None or an integer >= 0")
+    kernel_options = check_kernel_options(kernel_options)
 
     with torch.no_grad():
         if backend == "flex":
-            log_mass = _future_log_mass_flex(query, key, lse, window, scale, lookahead)
+            log_mass = _future_log_mass_flex(query, key, lse, window, scale, lookahead, kernel_options)
         else:
             log_mass = _future_log_mass_torch(query, key, lse, window, scale, lookahead)
         pos = torch.arange(s, device=query.device)
