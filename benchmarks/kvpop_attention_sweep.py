@@ -32,6 +32,14 @@ from kvlearn.kvpop.attention import gathered_plan, gathered_tile_fraction, spars
 from kvlearn.ops.fenwick import running_topk_cutoff
 from kvlearn.ops.future_target import future_attention_target
 
+TRITON_TUNABLES = [  # kvlearn.kvpop.gathered_triton.gathered_attention_forward launch choices ({} = its defaults)
+    {},
+    {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
+    {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 3},
+]
+
 FLEX_OPTIONS = [  # None = flex's own choice first; then the usual Hopper forward tiles
     None,
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
@@ -136,8 +144,8 @@ def main() -> int:
                 from kvlearn.kvpop import gathered_triton
             except ImportError:
                 gathered_triton = None
-            if gathered_triton is not None and hasattr(gathered_triton, "SWEEP"):
-                for tun in gathered_triton.SWEEP:
+            if gathered_triton is not None and (not smoke or gathered_triton._interpreting()):
+                for tun in TRITON_TUNABLES:
                     if out_of_time():
                         break
                     label = f"gathered_triton_k{topk}_bs{bs}_{opt_name(tun)}"

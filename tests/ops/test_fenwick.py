@@ -1,8 +1,6 @@
 """Running top-k cutoff: torch Fenwick reference and Triton wavelet kernel against an O(T^2) brute force."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -159,13 +157,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 )
 
 
-def test_triton_kernel_under_interpreter_matches_brute_force():
-    pytest.importorskip("triton")
-    script = _INTERPRETER_SCRIPT.format(tests_dir=os.path.dirname(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "CHECKED 11" in proc.stdout
+def test_triton_kernel_under_interpreter_matches_brute_force(run_in_triton_interpreter):
+    assert "CHECKED 11" in run_in_triton_interpreter(_INTERPRETER_SCRIPT.format(tests_dir=os.path.dirname(__file__)))
 
 
 @pytest.mark.gpu

@@ -22,28 +22,14 @@ Two backends with the same signature and bit-identical results:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kvlearn.errors import KVLearnError, check
+from kvlearn.errors import check
+from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
+from kvlearn.ops.triton_support import interpreting as _interpreting
+from kvlearn.ops.triton_support import tl, triton
 
 BACKENDS = ("auto", "torch", "triton")
-
-try:  # triton is optional: the torch reference covers machines without it.
-    import triton
-    import triton.language as tl
-
-    _HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is missing
-    triton = None
-    tl = None
-    _HAS_TRITON = False
-
-
-def _interpreting() -> bool:
-    """True when triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check_nonneg_int(name: str, value, low: int = 0) -> None:
