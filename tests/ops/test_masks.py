@@ -179,6 +179,21 @@ def test_gathered_layout_holds_exactly_the_visible_keys(seed):
         assert torch.equal(lay.index.long()[own], expect[own])
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_gathered_layout_built_in_chunks_of_query_blocks_is_the_same(seed):
+    B, H, T, sinks, window, topk, block_size, ties = fresh_draw(seed)
+    ranks, cutoffs = random_inputs(seed, B, H, T, sinks, window, topk, ties=ties)
+    for k in (topk, None):
+        whole = gathered_layout(ranks, cutoffs, sinks, window, topk=k, block_size=block_size)
+        for chunk in (1, 2, 3):
+            part = gathered_layout(ranks, cutoffs, sinks, window, topk=k, block_size=block_size, chunk_blocks=chunk)
+            assert part.capacity == whole.capacity
+            for name in ("index", "key_pos", "key_end", "num_full", "num_used"):
+                assert torch.equal(getattr(part, name), getattr(whole, name)), (name, chunk)
+    with pytest.raises(KVLearnError, match="chunk_blocks=0 is invalid"):
+        gathered_layout(ranks, cutoffs, sinks, window, topk=topk, chunk_blocks=0)
+
+
 def tile_types(bm):
     """[B, H, q blocks, kv blocks]: 0 skipped, 1 partial (mask_mod applied), 2 full."""
 

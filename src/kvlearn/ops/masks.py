@@ -258,6 +258,11 @@ def gathered_capacity(seq_len: int, sinks: int, window: int, topk: int, block_si
     return -(-need // block_size) * block_size
 
 
+# Query blocks whose [batch, kv_heads, blocks, T] membership grid is built at once: at most this many elements
+# (int32 cumsums over it), so long contexts stay bounded (T = 16k, 8 KV heads: all 128 blocks in one pass).
+GRID_ELEMENTS = 1 << 26
+
+
 def gathered_layout(
     ranks: torch.Tensor,
     cutoffs: torch.Tensor,
@@ -265,6 +270,7 @@ def gathered_layout(
     window: int,
     topk: int | None = None,
     block_size: int = 128,
+    chunk_blocks: int | None = None,
 ) -> GatheredLayout:
     """The interval-gathered key layout (see :class:`GatheredLayout`), built with cumsums and searchsorted.
 
@@ -276,8 +282,10 @@ def gathered_layout(
             ``topk``: a smaller one would truncate blocks silently). None: the capacity is the largest block's
             used count rounded up to ``block_size`` (one host sync; on CUDA a new capacity recompiles the kernel).
         block_size: query block and key tile size (>= 1; 128 for the CUDA kernel).
+        chunk_blocks: query blocks built at once (>= 1); None bounds the grid at :data:`GRID_ELEMENTS`.
 
-    Work and memory are ``O(batch * kv_heads * num_blocks * T)`` (two int32 cumsums over that grid).
+    Work is ``O(batch * kv_heads * num_blocks * T)`` (two int32 cumsums over that grid), memory that of
+    ``chunk_blocks`` blocks at a time.
     """
     _check_inputs(ranks, cutoffs, sinks, window)
     check(
@@ -285,34 +293,50 @@ def gathered_layout(
         f"topk={topk!r} is invalid: expected None or an integer >= 0",
     )
     _check_int("block_size", block_size, 1)
+    check(chunk_blocks is None or (isinstance(chunk_blocks, int) and not isinstance(chunk_blocks, bool) and chunk_blocks >= 1),
+          f"chunk_blocks={chunk_blocks!r} is invalid: expected None or an integer >= 1")
     B, H, T = ranks.shape
     check(T >= 1, f"seq length {T} is invalid: expected >= 1")
-    dev, i32 = ranks.device, torch.int32
+    dev = ranks.device
     BS = block_size
     nQ = -(-T // BS)
     Tp = nQ * BS
     end = eviction_positions(ranks, cutoffs, sinks, window)
     end = torch.where(end >= T, torch.full_like(end, Tp), end)  # never evicted: the padded rows see it too
-    t = torch.arange(T, device=dev, dtype=i32)
-    q0 = torch.arange(nQ, device=dev, dtype=i32) * BS  # [nQ]
-    q1 = q0 + (BS - 1)
-    e = end[:, :, None, :]  # [B, H, 1, T]
-    old = t[None, :] <= q0[:, None]  # [nQ, T]
-    always = old & (e > q1[:, None])  # [B, H, nQ, T]
-    evicted = old & (e > q0[:, None]) & (e <= q1[:, None])
-    c_always = always.cumsum(-1, dtype=i32)
-    c_evicted = evicted.cumsum(-1, dtype=i32)
-    del always, evicted
-    n_always = c_always[..., -1]  # [B, H, nQ]
-    n_own = (T - 1 - q0).clamp(max=BS - 1)  # [nQ]
-    off_evicted = n_always + n_own  # first slot of the evicted-in-block keys
-    used = off_evicted + c_evicted[..., -1]
+    t = torch.arange(T, device=dev, dtype=torch.int32)
+    step = chunk_blocks or max(1, GRID_ELEMENTS // max(1, B * H * T))
+    chunks = [torch.arange(lo, min(nQ, lo + step), device=dev, dtype=torch.int32) * BS for lo in range(0, nQ, step)]
     if topk is None:
-        capacity = max(BS, -(-int(used.max()) // BS) * BS)
+        used_max = max(int(_block_counts(end, t, q0, BS, T)[2].max()) for q0 in chunks)
+        capacity = max(BS, -(-used_max // BS) * BS)
     else:
         capacity = gathered_capacity(T, sinks, window, topk, BS)
-    slot = torch.arange(capacity, device=dev, dtype=i32)  # [C]
-    shape = (B, H, nQ, capacity)
+    parts = [_layout_blocks(end, t, q0, BS, T, Tp, capacity) for q0 in chunks]
+    index, key_pos, key_end, n_always, used = (torch.cat(x, dim=2) if len(parts) > 1 else x[0] for x in zip(*parts))
+    return GatheredLayout(index, key_pos, key_end, n_always, used, BS, T, capacity)
+
+
+def _block_counts(end, t, q0, BS: int, T: int):
+    """For query blocks starting at ``q0 [n]``: running counts of the always-visible and evicted-in-block keys
+    (int32 ``[B, H, n, T]``) and the used slots per block ``[B, H, n]``."""
+    q1 = q0 + (BS - 1)
+    e = end[:, :, None, :]  # [B, H, 1, T]
+    old = t[None, :] <= q0[:, None]  # [n, T]
+    c_always = (old & (e > q1[:, None])).cumsum(-1, dtype=torch.int32)
+    c_evicted = (old & (e > q0[:, None]) & (e <= q1[:, None])).cumsum(-1, dtype=torch.int32)
+    n_own = (T - 1 - q0).clamp(max=BS - 1)  # [n]: the block's own tokens after q0
+    used = c_always[..., -1] + n_own + c_evicted[..., -1]
+    return c_always, c_evicted, used
+
+
+def _layout_blocks(end, t, q0, BS: int, T: int, Tp: int, capacity: int):
+    """The :class:`GatheredLayout` fields of the query blocks starting at ``q0 [n]``."""
+    c_always, c_evicted, used = _block_counts(end, t, q0, BS, T)
+    B, H = end.shape[:2]
+    n_always = c_always[..., -1]  # [B, H, n]
+    off_evicted = n_always + (T - 1 - q0).clamp(max=BS - 1)  # first slot of the evicted-in-block keys
+    slot = torch.arange(capacity, device=end.device, dtype=torch.int32)  # [C]
+    shape = (B, H, q0.shape[0], capacity)
     # the j-th always-visible key is the first t where the running count reaches j + 1 (same for evicted keys)
     t_always = torch.searchsorted(c_always, (slot + 1).expand(shape).contiguous(), out_int32=True)
     rank_ev = (slot - off_evicted[..., None] + 1).clamp(min=1)
@@ -329,7 +353,7 @@ def gathered_layout(
     index = index.clamp(min=0, max=T - 1)
     key_pos = torch.where(valid, index, torch.full_like(index, Tp))
     key_end = torch.where(valid, end.gather(-1, index.reshape(B, H, -1)).view(shape), torch.zeros_like(index))
-    return GatheredLayout(index, key_pos, key_end, n_always, used, BS, T, capacity)
+    return index, key_pos, key_end, n_always, used
 
 
 def gathered_mask_mod(layout: GatheredLayout, query_heads_per_kv: int):
