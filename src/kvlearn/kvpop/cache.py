@@ -25,6 +25,7 @@ from ..cache import NEVER, CompactCache, CompactLayer, ForwardStep, SlotPlan
 from ..config import KVpopConfig
 from ..errors import KVLearnError, check
 from ..ops.fenwick import running_topk_cutoff
+from ..ops.masks import eviction_positions
 
 
 class KVpopLayer(CompactLayer):
@@ -96,11 +97,10 @@ class KVpopLayer(CompactLayer):
         ranks, cutoffs = running_topk_cutoff(seq_prio, s, w, k)
         t = torch.arange(q, device=pos.device)
         n_real = step.real_after[:, None, None]  # [b, 1, 1]
-        # cutoffs are non-increasing in the query: token t leaves the top-k at the first query p >= t + w with
-        # cutoffs[p] < ranks[t], i.e. from the first index where -cutoffs (non-decreasing) exceeds -ranks[t]
-        first_drop = torch.searchsorted(-cutoffs.long().contiguous(), -ranks.long().contiguous(), right=True)
-        end = torch.maximum(first_drop, t + w)
-        end = torch.where((t < s) | (end >= n_real), torch.full_like(end, NEVER), end)  # sinks; kept at the end
+        # token t is visible to queries [t, end_t) (sinks: end = q); a token still visible after the row's last real
+        # query is kept in the cache
+        end = eviction_positions(ranks, cutoffs, s, w).long()
+        end = torch.where(end >= n_real, torch.full_like(end, NEVER), end)
         survives = (end == NEVER) & (t < n_real)
         slot = torch.where(survives, survives.long().cumsum(dim=2) - 1, torch.full_like(end, -1))
         # back from sequence order to columns
