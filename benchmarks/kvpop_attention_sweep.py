@@ -20,7 +20,6 @@ CPU at tiny sizes (eager flex ignores kernel options there: it checks the plumbi
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -31,6 +30,7 @@ from kvlearn.eval.results import make_results, write_results
 from kvlearn.kvpop.attention import gathered_plan, gathered_tile_fraction, sparse_retention_attention
 from kvlearn.ops.fenwick import running_topk_cutoff
 from kvlearn.ops.future_target import future_attention_target
+from kvpop_ops import priorities  # benchmarks/kvpop_ops.py: the same priority model (2 randn + 0.001 t)
 
 TRITON_TUNABLES = [  # kvlearn.kvpop.gathered_triton.gathered_attention_forward launch choices ({} = its defaults)
     {},
@@ -114,7 +114,7 @@ def main() -> int:
 
     lse_main = None
     for topk in topks:
-        prio = (2.0 * torch.randn(B, H, T, device=dev) - torch.arange(T, device=dev) * math.log(0.999)).float()
+        prio = priorities(B, H, T, True, dev)
         ranks, cutoffs = running_topk_cutoff(prio, s, w, topk)
         for bs in block_sizes:
             plan = gathered_plan(ranks, cutoffs, s, w, G, topk=topk, block_size=bs)

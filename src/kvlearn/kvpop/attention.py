@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from kvlearn.errors import check
-from kvlearn.ops.flex import check_kernel_options, flex_attention_lse
+from kvlearn.ops.flex import check_kernel_options, check_qkv, flex_attention_lse
 from kvlearn.ops.masks import (
     GatheredLayout,
     _relative_intervals,
@@ -85,31 +85,7 @@ def gathered_plan(
     return GatheredPlan(layout, block_mask, flat_index, rel_pos, rel_end, query_heads_per_kv)
 
 def _check_attention_inputs(query, key, value, ranks, cutoffs) -> None:
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        check(isinstance(x, torch.Tensor), f"{name} of type {type(x).__name__} is invalid: expected a torch.Tensor")
-        check(x.dim() == 4, f"{name} with shape {tuple(x.shape)} is invalid: expected 4 dims [batch, heads, seq, head_dim]")
-    check(
-        key.shape == value.shape,
-        f"value shape {tuple(value.shape)} is invalid: expected the key shape {tuple(key.shape)}",
-    )
-    B, Hq, T, D = query.shape
-    Bk, Hkv, Tk, Dk = key.shape
-    check(
-        (Bk, Tk, Dk) == (B, T, D),
-        f"key shape {tuple(key.shape)} is invalid: expected [batch={B}, kv_heads, seq={T}, head_dim={D}] as query",
-    )
-    check(
-        Hkv >= 1 and Hq % Hkv == 0,
-        f"kv_heads={Hkv} is invalid: expected a divisor of the query heads {Hq} (GQA)",
-    )
-    check(
-        key.dtype == query.dtype and value.dtype == query.dtype,
-        f"key/value dtypes {key.dtype}/{value.dtype} are invalid: expected the query dtype {query.dtype}",
-    )
-    check(
-        key.device == query.device and value.device == query.device,
-        f"key/value devices {key.device}/{value.device} are invalid: expected the query device {query.device}",
-    )
+    B, _, Hkv, T, _ = check_qkv(query, key, value)
     for name, x in (("ranks", ranks), ("cutoffs", cutoffs)):
         check(isinstance(x, torch.Tensor), f"{name} of type {type(x).__name__} is invalid: expected a torch.Tensor")
         check(
@@ -234,29 +210,25 @@ def _gathered_attention(query, key, value, plan: GatheredPlan, scale, return_lse
 
 def _dense_gathered(qg, kg, vg, rel_pos, rel_end, group, scale, return_lse):
     """Dense masked softmax on the gathered layout (CPU autograd twin of the flex call, same shapes/dtypes)."""
-    BS = qg.shape[2]
-    qi = torch.arange(BS, device=qg.device, dtype=torch.int32)[:, None]  # [BS, 1]
+    qi = torch.arange(qg.shape[2], device=qg.device, dtype=torch.int32)[:, None]  # [BS, 1]
     mask = (rel_pos[:, :, None, :] <= qi) & (qi < rel_end[:, :, None, :])  # [B*nQ, Hkv, BS, C]
-    mask = mask.repeat_interleave(group, dim=1)
-    compute = torch.float32 if qg.dtype in (torch.float16, torch.bfloat16) else qg.dtype
-    k = kg.to(compute).repeat_interleave(group, dim=1)
-    v = vg.to(compute).repeat_interleave(group, dim=1)
-    logits = (qg.to(compute) @ k.transpose(-1, -2)) * scale
-    logits = logits.masked_fill(~mask, float("-inf"))  # every row (padded ones too) keeps at least one key
-    lse = torch.logsumexp(logits, dim=-1)
-    out = (torch.exp(logits - lse[..., None]) @ v).to(qg.dtype)
-    return out, (lse.float() if return_lse else None)
+    return _masked_softmax(qg, kg, vg, mask, group, scale, return_lse)
 
 
 def _dense_attention(query, key, value, ranks, cutoffs, sinks, window, scale, return_lse):
     """Dense masked softmax twin of the flex call (CPU autograd). Same shapes and dtypes as the flex path."""
-    group = query.shape[1] // key.shape[1]
-    mask = retention_mask_dense(ranks, cutoffs, sinks, window).repeat_interleave(group, dim=1)  # [B, Hq, T, T]
+    mask = retention_mask_dense(ranks, cutoffs, sinks, window)
+    return _masked_softmax(query, key, value, mask, query.shape[1] // key.shape[1], scale, return_lse)
+
+
+def _masked_softmax(query, key, value, kv_mask, group, scale, return_lse):
+    """``softmax(scale q k^T, masked) v`` in float32 (at least) and its LSE; ``kv_mask [B, Hkv, Q, K]`` is shared by
+    the ``group`` query heads of each KV head. Every row must keep at least one key."""
     compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     k = key.to(compute).repeat_interleave(group, dim=1)
     v = value.to(compute).repeat_interleave(group, dim=1)
     logits = (query.to(compute) @ k.transpose(-1, -2)) * scale
-    logits = logits.masked_fill(~mask, float("-inf"))  # every row keeps its diagonal: no empty row
+    logits = logits.masked_fill(~kv_mask.repeat_interleave(group, dim=1), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     out = (torch.exp(logits - lse[..., None]) @ v).to(query.dtype)
     return out, (lse.float() if return_lse else None)

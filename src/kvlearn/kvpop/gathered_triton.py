@@ -35,6 +35,7 @@ from kvlearn.errors import check
 from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
 from kvlearn.ops.triton_support import interpreting as _interpreting
 from kvlearn.ops.triton_support import tl, triton
+from kvlearn.ops.flex import check_qkv
 from kvlearn.ops.masks import GatheredLayout
 
 
@@ -228,26 +229,9 @@ if _HAS_TRITON:
             tl.store(lse_ptr + (b * (HKV * G) + head) * T + q_pos, lse, mask=row_ok)
 
 
-def _check_tensor(name: str, x) -> None:
-    check(isinstance(x, torch.Tensor), f"{name} of type {type(x).__name__} is invalid: expected a torch.Tensor")
-    check(x.dim() == 4, f"{name} with shape {tuple(x.shape)} is invalid: expected 4 dims [batch, heads, seq, head_dim]")
-
-
 def _check_inputs(query, key, value, layout, scale, block_m, block_n, num_warps, num_stages, fp32_precision) -> None:
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(name, x)
-    check(key.shape == value.shape,
-          f"value shape {tuple(value.shape)} is invalid: expected the key shape {tuple(key.shape)}")
-    B, Hq, T, D = query.shape
-    Bk, Hkv, Tk, Dk = key.shape
-    check((Bk, Tk, Dk) == (B, T, D),
-          f"key shape {tuple(key.shape)} is invalid: expected [batch={B}, kv_heads, seq={T}, head_dim={D}] as query")
-    check(Hkv >= 1 and Hq % Hkv == 0, f"kv_heads={Hkv} is invalid: expected a divisor of the query heads {Hq} (GQA)")
+    B, _, Hkv, T, D = check_qkv(query, key, value)
     check(query.dtype in DTYPES, f"query dtype {query.dtype} is invalid: expected one of bfloat16, float16, float32")
-    check(key.dtype == query.dtype and value.dtype == query.dtype,
-          f"key/value dtypes {key.dtype}/{value.dtype} are invalid: expected the query dtype {query.dtype}")
-    check(key.device == query.device and value.device == query.device,
-          f"key/value devices {key.device}/{value.device} are invalid: expected the query device {query.device}")
     check(_is_pow2(D) and 16 <= D <= 256, f"head_dim={D} is invalid: expected a power of two in [16, 256]")
     check(isinstance(layout, GatheredLayout),
           f"layout of type {type(layout).__name__} is invalid: expected a GatheredLayout")

@@ -27,6 +27,13 @@ try:  # torch >= 2.9 (2.11 and 2.13 have it)
 except ImportError:  # pragma: no cover - older torch
     AuxRequest = None
 
+try:
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+
+    KERNEL_OPTION_KEYS = tuple(FlexKernelOptions.__annotations__)
+except ImportError:  # pragma: no cover - older torch
+    KERNEL_OPTION_KEYS = ("num_warps", "num_stages", "BLOCK_M", "BLOCK_N")
+
 _compiled: Callable | None = None
 
 # Every kvlearn kernel is its own specialisation of the one compiled flex_attention: the sparse attention on two
@@ -53,14 +60,31 @@ def flex_fn(device: torch.device) -> Callable:
     return _compiled
 
 
+def check_qkv(query, key, value) -> tuple[int, int, int, int, int]:
+    """One-line errors unless ``query [B, Hq, T, D]`` and ``key, value [B, Hkv, T, D]`` are GQA attention inputs of
+    one dtype and device (``Hkv`` divides ``Hq``). Returns ``(B, Hq, Hkv, T, D)``."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check(isinstance(x, Tensor), f"{name} of type {type(x).__name__} is invalid: expected a torch.Tensor")
+        check(x.dim() == 4, f"{name} with shape {tuple(x.shape)} is invalid: expected 4 dims [batch, heads, seq, head_dim]")
+    check(key.shape == value.shape, f"value shape {tuple(value.shape)} is invalid: expected the key shape {tuple(key.shape)}")
+    B, Hq, T, D = query.shape
+    Bk, Hkv, Tk, Dk = key.shape
+    check((Bk, Tk, Dk) == (B, T, D),
+          f"key shape {tuple(key.shape)} is invalid: expected [batch={B}, kv_heads, seq={T}, head_dim={D}] as query")
+    check(Hkv >= 1 and Hq % Hkv == 0, f"kv_heads={Hkv} is invalid: expected a divisor of the query heads {Hq} (GQA)")
+    check(key.dtype == query.dtype and value.dtype == query.dtype,
+          f"key/value dtypes {key.dtype}/{value.dtype} are invalid: expected the query dtype {query.dtype}")
+    check(key.device == query.device and value.device == query.device,
+          f"key/value devices {key.device}/{value.device} are invalid: expected the query device {query.device}")
+    return B, Hq, Hkv, T, D
+
+
 def check_kernel_options(kernel_options) -> dict | None:
     """``None`` or a dict of FlexAttention kernel options (``num_warps``, ``num_stages``, ``BLOCK_M``, ``BLOCK_N``,
     ...: the keys of ``torch.nn.attention.flex_attention.FlexKernelOptions``); a one-line error otherwise."""
     if kernel_options is None:
         return None
-    from torch.nn.attention.flex_attention import FlexKernelOptions
-
-    valid = tuple(FlexKernelOptions.__annotations__)
+    valid = KERNEL_OPTION_KEYS
     check(isinstance(kernel_options, dict),
           f"kernel_options of type {type(kernel_options).__name__} is invalid: expected None or a dict with keys from {valid}")
     bad = [k for k in kernel_options if k not in valid]

@@ -49,10 +49,11 @@ def _check_mixture(families, weights) -> tuple[tuple[str, ...], list[float]]:
     return families, weights
 
 
-def _dense_share(dense) -> float:
-    """``dense`` as the share of rows drawn in the dense training format: True -> 1, False -> 0, or a number."""
+def dense_share(dense, name: str = "dense") -> float:
+    """``dense`` as the share of rows drawn in the dense training format: True -> 1, False -> 0, or a number in
+    [0, 1]; a one-line error naming ``name`` otherwise."""
     ok = isinstance(dense, bool) or (isinstance(dense, (int, float)) and 0.0 <= float(dense) <= 1.0)
-    check(ok, f"dense={dense!r} is invalid: expected True, False or a share of dense rows in [0, 1]")
+    check(ok, f"{name}={dense!r} is invalid: expected True, False or a share of dense rows in [0, 1]")
     return float(dense)
 
 
@@ -68,7 +69,7 @@ def batch_examples(
     check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
     check(_is_int(seed) and seed >= 0, f"seed={seed!r} is invalid: expected an integer >= 0")
     families, weights = _check_mixture(families, weights)
-    share = _dense_share(dense)
+    share = dense_share(dense)
     rng = random.Random(f"kvlearn-batch:{seed}")
     chosen = rng.choices(families, weights=weights, k=batch_size)
     is_dense = [rng.random() < share for _ in range(batch_size)]  # share 1 -> all, 0 -> none
@@ -198,7 +199,7 @@ class TestbedStream(IterableDataset):
         check(_is_int(start_batch) and start_batch >= 0, f"start_batch={start_batch!r} is invalid: expected an integer >= 0")
         check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
         self.families, self.weights = _check_mixture(families, weights)
-        _dense_share(dense)
+        dense_share(dense)
         generate(self.families[0], 0, length)  # validates length early, in the main process
         self.length, self.batch_size, self.seed = length, batch_size, seed
         self.rank, self.world_size, self.dense, self.start_batch = rank, world_size, dense, start_batch

@@ -22,7 +22,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ..errors import check
 from ..testbed import tasks as testbed_tasks
-from ..testbed.data import TestbedStream
+from ..testbed.data import TestbedStream, dense_share
 from ..testbed.tokenizer import build_tokenizer, save_tokenizer
 
 
@@ -69,8 +69,7 @@ class PretrainConfig:
         check(all(256 <= s <= self.context for s in self.stages), f"stages {self.stages} must lie in [256, context={self.context}]")
         check(self.num_heads % self.num_kv_heads == 0 and self.num_heads // self.num_kv_heads >= 2 and self.num_kv_heads >= 2,
               f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}: expected >= 2 KV heads and >= 2 query heads per KV head")
-        check(isinstance(self.dense_fraction, (int, float)) and 0.0 <= self.dense_fraction <= 1.0,
-              f"dense_fraction={self.dense_fraction!r} is invalid: expected a number in [0, 1]")
+        self.dense_fraction = dense_share(self.dense_fraction, "dense_fraction")
         check(self.tokens_per_step % max(self.stages) == 0, f"tokens_per_step={self.tokens_per_step} must be a multiple of the longest stage {max(self.stages)}")
 
 
@@ -216,7 +215,7 @@ def pretrain(config: PretrainConfig) -> dict:
     def loader(length: int):
         rows = config.tokens_per_step // length // d.world
         stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world,
-                              dense=float(config.dense_fraction))
+                              dense=config.dense_fraction)
         return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                 pin_memory=device.type == "cuda", persistent_workers=False,
                                                 prefetch_factor=4 if config.num_workers else None))
