@@ -87,10 +87,11 @@ def test_greedy_harness_matches_hand_scoring():
     from kvlearn.hf import load_model
 
     model = load_model(DEFAULT_MODEL)
-    rows = evaluate(model, EvalConfig(method="dense", tasks=("recall",), n_per_task=3, context=4096, batch_size=3), progress=False)
+    rows = evaluate(model, EvalConfig(method="dense", tasks=("vt",), n_per_task=3, context=4096, batch_size=3), progress=False)
+    examples = [tasks.generate("vt", tasks.example_seed("vt", "eval", i), 4096) for i in range(3)]
+    assert len({len(ex.prompt_ids) for ex in examples}) > 1  # the batch is really left-padded
     correct = 0
-    for i in range(3):
-        ex = tasks.generate("recall", tasks.example_seed("recall", "eval", i), 4096)
+    for ex in examples:
         ids = torch.tensor([ex.prompt_ids])
         with torch.no_grad():
             out = model.generate(input_ids=ids, max_new_tokens=len(ex.answer_ids), do_sample=False, pad_token_id=0,

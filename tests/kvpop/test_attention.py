@@ -237,7 +237,9 @@ def test_gathered_tile_fraction_counts_computed_tiles():
     plan = gathered_plan(ranks, cutoffs, sinks, window, G, topk=topk, block_size=bs)
     lay = plan.layout
     nQ = T // bs
-    expected = ((lay.num_used + bs - 1) // bs).sum().item() / (B * Hkv * nQ * nQ)
+    # independent count: per query block, the keys any of its queries sees (dense mask), in tiles of bs slots
+    seen = retention_mask_dense(ranks, cutoffs, sinks, window).view(B, Hkv, nQ, bs, T).any(dim=3)  # [B, Hkv, nQ, T]
+    expected = ((seen.sum(-1) + bs - 1) // bs).sum().item() / (B * Hkv * nQ * nQ)
     assert gathered_tile_fraction(plan) == pytest.approx(expected, abs=1e-12)
     # at most ceil((s + w + k + bs - 1) / bs) tiles per query block, however scattered the kept keys are
     assert gathered_tile_fraction(plan) <= lay.capacity // bs / nQ
@@ -296,16 +298,35 @@ def test_flex_calls_run_with_a_recompile_limit_for_every_kernel(monkeypatch):
     assert getattr(torch._dynamo.config, name) == before  # restored after the call
 
 
-def test_kernel_options_pass_through_and_bad_ones_are_named():
+def test_kernel_options_reach_flex_and_bad_ones_are_named(monkeypatch):
+    from kvlearn.ops import flex
+
     torch.manual_seed(3)
     B, Hkv, G, T, D = 1, 2, 2, 40, 16
     q = torch.randn(B, Hkv * G, T, D)
     k, v = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
     ranks, cutoffs = running_topk_cutoff(torch.randn(B, Hkv, T), 2, 4, 6)
-    want = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, topk=6, block_size=16)
-    got = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, topk=6, block_size=16,
-                                     kernel_options={"num_warps": 4, "BLOCK_N": 16})
-    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])  # eager CPU flex ignores tuning options
+    opts = {"num_warps": 4, "BLOCK_N": 16}
+    seen = []
+    real = flex.flex_fn
+
+    def spy_fn(device):
+        fn = real(device)
+
+        def spy(*args, **kwargs):
+            seen.append(kwargs.get("kernel_options"))
+            kwargs.pop("kernel_options", None)  # eager CPU flex: the options only matter to the compiled kernel
+            return fn(*args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(flex, "flex_fn", spy_fn)
+    with torch.no_grad():
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, topk=6, block_size=16, kernel_options=opts)
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, layout="blockmask", block_size=16, kernel_options=opts)
+        future_attention_target(q, k, torch.zeros(B, Hkv * G, T), 4, backend="flex", kernel_options=opts)
+        sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, topk=6, block_size=16)
+    assert seen == [opts, opts, opts, None]
     with pytest.raises(KVLearnError, match=r"kernel_options keys \['BLOCK_Q'\] are invalid"):
         sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, topk=6, kernel_options={"BLOCK_Q": 64})
     with pytest.raises(KVLearnError, match="kernel_options of type list is invalid"):

@@ -15,7 +15,7 @@ import torch
 from kvlearn.errors import KVLearnError
 from kvlearn.kvpop.gathered_triton import gathered_attention_forward
 from kvlearn.ops.fenwick import running_topk_cutoff
-from kvlearn.ops.masks import gathered_layout, retention_mask_dense
+from kvlearn.ops.masks import gathered_capacity, gathered_layout, retention_mask_dense
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,7 +55,7 @@ INTERP_CASES = {
     # 4 query heads x 4 queries per program: 4 programs per query block
     "g4_split": (1, 1, 2, 4, 90, 32, 4, 8, 20, 16, "fp32", {"block_m": 16, "block_n": 16}),
     # key tile wider than the query block (the capacity is not a multiple of block_n)
-    "g4_wide_tile": (2, 1, 2, 4, 70, 16, 2, 6, 9, 16, "fp32", {"block_m": 64, "block_n": 32}),
+    "g4_wide_tile": (2, 1, 2, 4, 70, 16, 2, 6, 9, 16, "fp32", {"block_m": 64, "block_n": 64}),
     # topk above every eligible count: every causal key, mostly full (unmasked) tiles
     "unsaturated": (3, 1, 2, 2, 60, 16, 4, 8, 500, 16, "fp32", {"block_n": 16}),
     "topk0": (4, 2, 2, 2, 50, 16, 3, 5, 0, 16, "fp32", {"block_n": 16}),
@@ -130,6 +130,12 @@ def _small():
     return make_inputs(0, 1, 2, 2, 40, 16, 2, 4, 6, 16)
 
 
+def test_wide_tile_case_reaches_a_ragged_last_key_tile():
+    _, _, _, _, T, _, sinks, window, topk, bs, _, kwargs = INTERP_CASES["g4_wide_tile"]
+    capacity = gathered_capacity(T, sinks, window, topk, bs)
+    assert capacity % kwargs["block_n"] != 0 and kwargs["block_n"] > bs
+
+
 def test_bad_inputs_raise_one_line_errors():
     q, k, v, ranks, cutoffs, layout = _small()
     other_T = make_inputs(1, 1, 2, 2, 48, 16, 2, 4, 6, 16)[-1]
@@ -145,8 +151,8 @@ def test_bad_inputs_raise_one_line_errors():
         ((q, k.half(), v, layout), {}, "query dtype torch.float32"),
         ((d24, d24_kv, d24_kv, layout), {}, "head_dim=24"),
         ((q, k, v, "layout"), {}, "GatheredLayout"),
-        ((q, k, v, other_T), {}, "seq"),
-        ((q, k, v, other_heads), {}, "kv_heads"),
+        ((q, k, v, other_T), {}, r"\(1, 2, 48\) is invalid: expected \(1, 2, 40\)"),
+        ((q, k, v, other_heads), {}, r"\(1, 1, 40\) is invalid: expected \(1, 2, 40\)"),
         ((q, k, v, layout._replace(index=layout.index.long())), {}, "layout.index"),
         ((q, k, v, layout), {"scale": float("nan")}, "scale=nan"),
         ((q, k, v, layout), {"block_m": 24}, "block_m=24"),

@@ -102,7 +102,8 @@ def assert_decode_equals_training_mask(model, scorers, decays, sinks, window, to
     return cache
 
 
-@pytest.mark.parametrize("sinks, window, topk, prefill", [(2, 3, 4, 12), (0, 1, 3, 5), (1, 4, 0, 9), (2, 2, 30, 20)])
+@pytest.mark.parametrize("sinks, window, topk, prefill",
+                         [(2, 3, 4, 12), (0, 1, 3, 5), (1, 4, 0, 9), (2, 2, 30, 20), (2, 2, 50, 20)])  # last: k > T
 def test_decode_through_bounded_cache_equals_full_sequence_mask(sinks, window, topk, prefill):
     model, scorers, decays = make(sinks + window + topk)
     cache = assert_decode_equals_training_mask(model, scorers, decays, sinks, window, topk, prefill)
