@@ -42,8 +42,8 @@ from kvlearn.ops.masks import GatheredLayout
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP32_PRECISIONS = ("ieee", "tf32")
 # Launch defaults per input dtype (None arguments take these). Half: the FlashAttention-2 tutorial's Hopper shape,
-# checked offline for sm_90 (ptxas): 98.8 KB shared, 180 registers, no spills, K/V gathers pipelined with cp.async,
-# both dots on wgmma. float32 with "ieee" dots runs on FMAs and spills at the half shape: smaller tiles.
+# which an offline sm_90 compile showed to fit without spills (not yet run on the device). float32 with "ieee" dots
+# runs on FMAs and spills at the half shape: smaller tiles.
 DEFAULT_CONFIGS = {
     "half": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
     "float32": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
