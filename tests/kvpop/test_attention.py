@@ -331,3 +331,63 @@ def test_kernel_options_reach_flex_and_bad_ones_are_named(monkeypatch):
         sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, topk=6, kernel_options={"BLOCK_Q": 64})
     with pytest.raises(KVLearnError, match="kernel_options of type list is invalid"):
         future_attention_target(q, k, torch.zeros(B, Hkv * G, T), 4, kernel_options=[("num_warps", 4)])
+
+# ---- backend dispatch: the fused Triton forward (CUDA, no gradient) vs FlexAttention ----
+
+
+def test_backend_choice_errors_are_named():
+    q, k, v, ranks, cutoffs = make_inputs(0, 1, 2, 2, 40, 16, 2, 4, 6)
+    cases = [
+        (dict(backend="cuda"), "backend='cuda' is invalid"),
+        (dict(backend="triton", layout="blockmask"), "backend='triton' is invalid with layout='blockmask'"),
+        (dict(backend="triton", kernel_options={"BLOCK_M": 64}), r"key\(s\) \['BLOCK_M'\] are invalid for backend='triton'"),
+        (dict(backend="flex", kernel_options={"block_m": 64}), "block_m"),
+        (dict(backend="triton"), "device cpu is invalid"),  # the kernel needs CUDA (or the interpreter)
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(KVLearnError, match=match) as err, torch.no_grad():
+            sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, **kwargs)
+        assert "\n" not in str(err.value)
+
+
+def test_auto_backend_on_cpu_is_flex(monkeypatch):
+    """On the CPU "auto" never reaches the Triton kernel (it would raise there): same result as backend="flex"."""
+    import kvlearn.kvpop.gathered_triton as gt
+
+    def boom(*a, **k):
+        raise AssertionError("the Triton forward must not run on the CPU")
+
+    monkeypatch.setattr(gt, "gathered_attention_forward", boom)
+    q, k, v, ranks, cutoffs = make_inputs(1, 1, 2, 2, 40, 16, 2, 4, 6)
+    with torch.no_grad():
+        auto = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4)
+        flex = sparse_retention_attention(q, k, v, ranks, cutoffs, 2, 4, backend="flex")
+    torch.testing.assert_close(auto[0], flex[0], atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_auto_backend_takes_triton_without_grad_and_flex_with_grad(monkeypatch):
+    pytest.importorskip("triton")
+    import kvlearn.kvpop.gathered_triton as gt
+
+    calls = []
+    real = gt.gathered_attention_forward
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gt, "gathered_attention_forward", spy)
+    B, Hkv, G, T, D, sinks, window, topk = 1, 2, 4, 2048, 128, 4, 128, 256
+    q, k, v, ranks, cutoffs = make_inputs(12, B, Hkv, G, T, D, sinks, window, topk, device="cuda", dtype=torch.bfloat16)
+    ref_out, ref_lse = dense_reference(q.double(), k.double(), v.double(), ranks, cutoffs, sinks, window)
+    with torch.no_grad():
+        out, lse = sparse_retention_attention(q, k, v, ranks, cutoffs, sinks, window, topk=topk)
+    assert len(calls) == 1
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-2, rtol=2e-2)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out_g, _ = sparse_retention_attention(*leaves, ranks, cutoffs, sinks, window, topk=topk)
+    assert len(calls) == 1  # training: flex (the Triton kernel has no backward)
+    out_g.float().sum().backward()
+    torch.testing.assert_close(out_g.detach().double(), ref_out, atol=2e-2, rtol=2e-2)

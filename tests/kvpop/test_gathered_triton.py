@@ -99,23 +99,9 @@ def run_case(name, device="cpu"):
             "lse_ok": lse_ok}
 
 
-_INTERPRETER_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    sys.path.insert(0, {tests_dir!r})
-    from test_gathered_triton import INTERP_CASES, run_case
-
-    results = {{name: run_case(name) for name in INTERP_CASES}}
-    print("RESULTS " + json.dumps(results))
-    """
-)
-
-
 @pytest.fixture(scope="module")
-def interpreter_results(run_in_triton_interpreter):
-    stdout = run_in_triton_interpreter(_INTERPRETER_SCRIPT.format(tests_dir=os.path.dirname(__file__)))
-    line = next(x for x in stdout.splitlines() if x.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+def interpreter_results(run_cases_in_triton_interpreter):
+    return run_cases_in_triton_interpreter(__file__)
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))

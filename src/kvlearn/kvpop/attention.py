@@ -1,20 +1,25 @@
 """KVpop sparse attention over the retained keys (sinks, window, running top-k), with its log-normalizer.
 
-The attention itself is FlexAttention with GQA (``enable_gqa=True``: query head ``h`` reads KV head
-``h // (Hq // Hkv)``), on one of two layouts (``layout=``):
+Query head ``h`` reads KV head ``h // (Hq // Hkv)`` (GQA). Two layouts (``layout=``), and on the gathered one two
+kernels (``backend=``):
 
 * ``"gathered"`` (default): every key has a visibility interval ``[t, end_t)``
   (:func:`kvlearn.ops.masks.eviction_positions`); per query block of ``block_size`` queries the keys any of its
   queries sees are gathered into ``capacity <= round_up(s + w + k + block_size - 1, block_size)`` slots
-  (:func:`kvlearn.ops.masks.gathered_layout`), and FlexAttention runs with the queries as
-  ``[batch * blocks, Hq, block_size, D]`` against the gathered keys ``[batch * blocks, Hkv, capacity, D]``. The
-  gather is plain advanced indexing, so autograd scatters the key/value gradients back.
+  (:func:`kvlearn.ops.masks.gathered_layout`).
+
+  - ``backend="triton"`` (the default on CUDA when no gradient is needed: inference, prefill, evaluation): the
+    fused forward of :mod:`kvlearn.kvpop.gathered_triton`, which reads K/V through the slot index (nothing is
+    gathered in memory) and serves the G query heads of a KV head from each key tile. Only the layout is built.
+  - ``backend="flex"`` (training, CPU): FlexAttention runs with the queries as ``[batch * blocks, Hq,
+    block_size, D]`` against the gathered keys ``[batch * blocks, Hkv, capacity, D]`` (``index_select``, so
+    autograd scatters the key/value gradients back).
 * ``"blockmask"``: the ``[T, T]`` retention ``BlockMask`` of :func:`kvlearn.ops.masks.retention_block_mask`.
 
 The per-query LSE it returns (natural log, float32) is the sparse normalizer that the future-attention target
 reuses (Eq. 9 of the paper).
 
-On CUDA the call goes through one ``torch.compile(flex_attention)`` per process (the fused sparse kernel).
+On CUDA the flex calls go through one ``torch.compile(flex_attention)`` per process (the fused sparse kernel).
 Elsewhere FlexAttention runs eagerly (it materialises the scores: small T only), and eager FlexAttention has
 no backward on the CPU: when a gradient is needed there (CPU tests, tiny CPU training runs) the call falls
 back to a dense masked softmax with the same mask (on the gathered layout for ``"gathered"``, so the gather and
@@ -31,7 +36,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 from kvlearn.errors import check
+from kvlearn.kvpop import gathered_triton
 from kvlearn.ops.flex import check_kernel_options, check_qkv, flex_attention_lse
+from kvlearn.ops.triton_support import check_triton_options
 from kvlearn.ops.masks import (
     GatheredLayout,
     _relative_intervals,
@@ -42,6 +49,8 @@ from kvlearn.ops.masks import (
 )
 
 LAYOUTS = ("gathered", "blockmask")
+BACKENDS = ("auto", "triton", "flex")
+TRITON_OPTION_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "fp32_precision")
 
 
 class GatheredPlan(NamedTuple):
@@ -112,6 +121,7 @@ def sparse_retention_attention(
     topk: int | None = None,
     plan: GatheredPlan | None = None,
     kernel_options: dict | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention restricted to the KVpop retained keys.
 
@@ -132,8 +142,12 @@ def sparse_retention_attention(
             :func:`kvlearn.ops.masks.gathered_layout`).
         plan: ``layout="gathered"`` only: a prebuilt :func:`gathered_plan` for these inputs (built here when
             None; then ``topk`` and ``block_size`` are the plan's).
-        kernel_options: FlexAttention kernel options for the compiled kernel (tile sizes, warps, stages; see
-            :func:`kvlearn.ops.flex.check_kernel_options`), None for flex's defaults.
+        kernel_options: launch options, None for the defaults. Flex: FlexAttention kernel options (tile sizes,
+            warps, stages; see :func:`kvlearn.ops.flex.check_kernel_options`). Triton: keys of
+            :data:`TRITON_OPTION_KEYS` (see :func:`kvlearn.kvpop.gathered_triton.gathered_attention_forward`).
+        backend: ``layout="gathered"`` only. ``"auto"``: the fused Triton forward when it applies (CUDA inputs,
+            no gradient needed, triton installed, bf16/fp16/fp32, head_dim a power of two in [16, 256], no
+            ``kernel_options``), else FlexAttention. ``"triton"`` (forward only) or ``"flex"`` to force one.
 
     Returns:
         ``(out [batch, q_heads, T, head_dim] in the query dtype, lse [batch, q_heads, T] float32 natural-log
@@ -141,11 +155,27 @@ def sparse_retention_attention(
     """
     _check_attention_inputs(query, key, value, ranks, cutoffs)
     check(layout in LAYOUTS, f"layout={layout!r} is invalid: expected one of {LAYOUTS}")
-    kernel_options = check_kernel_options(kernel_options)
+    check(backend in BACKENDS, f"backend={backend!r} is invalid: expected one of {BACKENDS}")
+    check(layout == "gathered" or backend != "triton",
+          "backend='triton' is invalid with layout='blockmask': expected 'auto' or 'flex' (the Triton kernel runs "
+          "on the gathered layout)")
     group = query.shape[1] // key.shape[1]
     if scale is None:
         scale = query.shape[-1] ** -0.5
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if layout == "gathered" and backend == "auto":
+        backend = "triton" if kernel_options is None and _triton_applies(query, needs_grad) else "flex"
+    if backend == "triton":
+        options = check_triton_options(kernel_options, TRITON_OPTION_KEYS)
+        check(block_mask is None, "block_mask is invalid with layout='gathered': expected None (pass plan= instead)")
+        if plan is None:
+            lay = gathered_layout(ranks, cutoffs, sinks, window, topk=topk, block_size=block_size)
+        else:
+            _check_plan(plan, ranks, group)
+            lay = plan.layout
+        # gathered_attention_forward checks the device, dtype, head_dim and that no gradient is needed
+        return gathered_triton.gathered_attention_forward(query, key, value, lay, scale, return_lse, **options)
+    kernel_options = check_kernel_options(kernel_options)
     if layout == "gathered":
         check(block_mask is None, "block_mask is invalid with layout='gathered': expected None (pass plan= instead)")
         if plan is None:
@@ -168,6 +198,13 @@ def sparse_retention_attention(
     if lse is not None:
         lse = lse.float()
     return out, lse
+
+
+def _triton_applies(query: torch.Tensor, needs_grad: bool) -> bool:
+    """Whether ``backend="auto"`` takes the fused Triton forward for these inputs."""
+    D = query.shape[-1]
+    return (gathered_triton.HAS_TRITON and query.is_cuda and not needs_grad and query.dtype in gathered_triton.DTYPES
+            and 16 <= D <= 256 and D & (D - 1) == 0)
 
 
 def _check_plan(plan, ranks, group: int) -> None:
@@ -250,7 +287,9 @@ def gathered_tile_fraction(plan: GatheredPlan | GatheredLayout) -> float:
 
 
 __all__ = [
+    "BACKENDS",
     "LAYOUTS",
+    "TRITON_OPTION_KEYS",
     "GatheredPlan",
     "block_sparsity",
     "gathered_plan",

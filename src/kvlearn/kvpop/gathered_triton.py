@@ -34,6 +34,8 @@ import torch
 from kvlearn.errors import check
 from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
 from kvlearn.ops.triton_support import interpreting as _interpreting
+from kvlearn.ops.triton_support import dot_fp32 as _dot
+from kvlearn.ops.triton_support import is_pow2 as _is_pow2
 from kvlearn.ops.triton_support import tl, triton
 from kvlearn.ops.flex import check_qkv
 from kvlearn.ops.masks import GatheredLayout
@@ -41,11 +43,11 @@ from kvlearn.ops.masks import GatheredLayout
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP32_PRECISIONS = ("ieee", "tf32")
-# Launch defaults per input dtype (None arguments take these). Half: the FlashAttention-2 tutorial's Hopper shape,
-# which an offline sm_90 compile showed to fit without spills (not yet run on the device). float32 with "ieee" dots
-# runs on FMAs and spills at the half shape: smaller tiles.
+# Launch defaults per input dtype (None arguments take these). Half: the fastest of the H200 sweep
+# (results/kvpop_attention_sweep_h200.json: 128 x 128 tiles, 8 warps, 2 stages, fastest at k = 1792 and 2016 and at
+# query blocks of 64 and 128). float32 with "ieee" dots runs on FMAs and spills at the half shape: smaller tiles.
 DEFAULT_CONFIGS = {
-    "half": {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    "half": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "float32": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
 }
 _LOG2E = 1.4426950408889634
@@ -55,22 +57,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _is_pow2(n) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
-
-
 if _HAS_TRITON:
-
-    @triton.jit
-    def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-        """``acc + a @ b`` in fp32 (``acc`` None: ``a @ b``).
-
-        ``DOT_UPCAST``: the interpreter's bfloat16 ``tl.dot`` multiplies the raw uint16 storage (triton 3.6), so
-        under the interpreter bf16 operands go through fp32 (exact: a bf16 x bf16 product fits in fp32)."""
-        if DOT_UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
     def _gathered_tile(
@@ -343,4 +330,6 @@ def gathered_attention_forward(
     return out, (lse if return_lse else None)
 
 
-__all__ = ["DEFAULT_CONFIGS", "DTYPES", "gathered_attention_forward"]
+HAS_TRITON = _HAS_TRITON
+
+__all__ = ["DEFAULT_CONFIGS", "DTYPES", "HAS_TRITON", "gathered_attention_forward"]

@@ -12,9 +12,14 @@ causal one of Eq. 28 from :func:`causal_lse` gives the exact target; the sparse 
 student's sparse attention pass gives the approximate target of appendix D.3).
 
 The column-wise reduction of Eq. 31 is computed as attention with the roles swapped: the original keys are the
-queries, the original queries are the keys, a ``score_mod`` subtracts ``LSE[h,g,d]`` and a block mask keeps
-``d >= t + w``; the kernel's log-sum-exp output is ``log m̄``. The ``S x S`` probability matrix is never stored on
-the GPU path (compiled FlexAttention); the CPU path reduces in query chunks with plain float32 matmuls.
+queries, the original queries are the keys, ``LSE[h,g,d]`` is subtracted from each score and only ``d >= t + w``
+is kept; the pass's log-sum-exp is ``log m̄``. Three backends compute it; the ``S x S`` probability matrix is never
+stored on the GPU paths:
+
+* ``"triton"`` (default on CUDA): the fused kernel of :mod:`kvlearn.ops.future_target_triton` (one ``Q K^T`` and
+  an online log-sum-exp per tile; no ``P @ V``, no block mask).
+* ``"flex"``: compiled FlexAttention with a ``score_mod`` and a block mask (eager on the CPU).
+* ``"torch"`` (default on the CPU): chunked float32 matmuls.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ from torch import Tensor
 
 from ..errors import check
 from .flex import check_kernel_options, flex_attention_lse
+from .future_target_triton import future_log_mass_triton
+from .triton_support import HAS_TRITON, check_triton_options
 
-__all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS"]
+__all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS", "TRITON_OPTION_KEYS"]
 
-BACKENDS = ("auto", "flex", "torch")
+BACKENDS = ("auto", "triton", "flex", "torch")
+TRITON_OPTION_KEYS = ("block_t", "block_d", "num_warps", "num_stages", "fp32_precision")
 AGGREGATIONS = ("max", "mean")
 
 # Bytes of float32 scores one chunk of the torch backend may hold at a time.
@@ -88,10 +96,14 @@ def _block_mask(kind: str, seq_len: int, window: int, device: torch.device, look
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, device: torch.device, *, triton_ok: bool = False) -> str:
+    """``"auto"``: the Triton kernel on CUDA where it applies (``triton_ok``), else compiled flex on CUDA, torch
+    elsewhere."""
     check(backend in BACKENDS, f"backend={backend!r} is unknown: expected one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "torch"
+        if device.type != "cuda":
+            return "torch"
+        return "triton" if triton_ok and HAS_TRITON else "flex"
     return backend
 
 
@@ -150,6 +162,8 @@ def causal_lse(query: Tensor, key: Tensor, scale: float | None = None, *, backen
     b, hq, hkv, s, d = _check_qk(query, key)
     scale = _check_scale(scale, d)
     backend = _resolve_backend(backend, query.device)
+    check(backend != "triton", "backend='triton' is invalid for causal_lse: expected 'auto', 'flex' or 'torch' "
+                               "(the Triton kernel computes the transposed target pass only)")
     with torch.no_grad():
         if backend == "flex":
             mask = _block_mask("causal", s, 0, query.device)
@@ -251,10 +265,12 @@ def future_attention_target(
         lookahead: ``None`` (default: every future query, as in the paper's main experiments) or ``L >= 0``:
             only queries ``t + w <= d <= t + w + L`` count and ``N_t`` is clipped to ``L + 1`` (appendix B.2).
             The transposed pass is then a band, so its cost grows with ``L`` instead of ``S``.
-        backend: ``"auto"`` (compiled FlexAttention on CUDA, chunked matmul elsewhere), ``"flex"`` (compiled on
-            CUDA, eager on CPU) or ``"torch"`` (chunked matmul on any device).
-        kernel_options: FlexAttention kernel options of the transposed pass (flex backend only; see
-            :func:`kvlearn.ops.flex.check_kernel_options`), None for flex's defaults.
+        backend: ``"auto"`` (the Triton kernel on CUDA when triton is installed, else compiled FlexAttention;
+            chunked matmul elsewhere), ``"triton"`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``), ``"flex"``
+            (compiled on CUDA, eager on CPU) or ``"torch"`` (chunked matmul on any device).
+        kernel_options: launch options of the transposed pass, None for the defaults. Triton backend: keys of
+            :data:`TRITON_OPTION_KEYS` (see :func:`kvlearn.ops.future_target_triton.future_log_mass_triton`);
+            flex backend: FlexAttention kernel options (see :func:`kvlearn.ops.flex.check_kernel_options`).
 
     Returns:
         ``[batch, kv_heads, seq]`` float32, detached (a supervision target). Tokens with no future query
@@ -271,13 +287,18 @@ def future_attention_target(
     check(lse.dtype == torch.float32, f"lse dtype={lse.dtype} is invalid: expected torch.float32")
     check(lse.device == query.device, f"lse device={lse.device} differs from query device={query.device}")
     scale = _check_scale(scale, d)
-    backend = _resolve_backend(backend, query.device)
     check(lookahead is None or (isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead >= 0),
           f"lookahead={lookahead!r} is invalid: expected None or an integer >= 0")
-    kernel_options = check_kernel_options(kernel_options)
+    backend = _resolve_backend(backend, query.device, triton_ok=kernel_options is None)
+    if backend == "triton":
+        kernel_options = check_triton_options(kernel_options, TRITON_OPTION_KEYS)
+    else:
+        kernel_options = check_kernel_options(kernel_options)
 
     with torch.no_grad():
-        if backend == "flex":
+        if backend == "triton":
+            log_mass = future_log_mass_triton(query, key, lse, window, scale, lookahead, **kernel_options)
+        elif backend == "flex":
             log_mass = _future_log_mass_flex(query, key, lse, window, scale, lookahead, kernel_options)
         else:
             log_mass = _future_log_mass_torch(query, key, lse, window, scale, lookahead)

@@ -23,7 +23,11 @@ The same predicate as visibility intervals (the default sparse attention path):
   (the cutoffs are non-increasing in ``q``, so an evicted key never comes back).
 * :func:`gathered_layout`: per query block, the keys any of its queries sees, gathered into a fixed number of
   slots (always-visible keys first, then the block's own tokens, then the keys evicted inside the block);
-  :func:`gathered_block_mask` / :func:`gathered_mask_mod`: FlexAttention on that layout.
+  :func:`gathered_block_mask` / :func:`gathered_mask_mod`: FlexAttention on that layout. Two backends with
+  bit-identical layouts: ``torch`` (cumsums and searchsorted over a ``[batch, kv_heads, blocks, T]`` grid; CPU,
+  and ``topk=None``) and ``triton`` (:func:`kvlearn.ops.gathered_layout_triton.gathered_layout_triton`: one
+  fused launch, one program per (batch, KV head, query block) scanning the ``end`` row; the default on CUDA
+  when ``topk`` is given).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from kvlearn.errors import check
+from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
+from kvlearn.ops.triton_support import interpreting as _interpreting
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -261,6 +267,7 @@ def gathered_capacity(seq_len: int, sinks: int, window: int, topk: int, block_si
 # Query blocks whose [batch, kv_heads, blocks, T] membership grid is built at once: at most this many elements
 # (int32 cumsums over it), so long contexts stay bounded (T = 16k, 8 KV heads: all 128 blocks in one pass).
 GRID_ELEMENTS = 1 << 26
+LAYOUT_BACKENDS = ("auto", "torch", "triton")
 
 
 def gathered_layout(
@@ -271,8 +278,9 @@ def gathered_layout(
     topk: int | None = None,
     block_size: int = 128,
     chunk_blocks: int | None = None,
+    backend: str = "auto",
 ) -> GatheredLayout:
-    """The interval-gathered key layout (see :class:`GatheredLayout`), built with cumsums and searchsorted.
+    """The interval-gathered key layout (see :class:`GatheredLayout`).
 
     Args:
         ranks, cutoffs: int32 ``[batch, kv_heads, T]`` from :mod:`kvlearn.ops.fenwick` (cutoffs non-increasing).
@@ -282,10 +290,16 @@ def gathered_layout(
             ``topk``: a smaller one would truncate blocks silently). None: the capacity is the largest block's
             used count rounded up to ``block_size`` (one host sync; on CUDA a new capacity recompiles the kernel).
         block_size: query block and key tile size (>= 1; 128 for the CUDA kernel).
-        chunk_blocks: query blocks built at once (>= 1); None bounds the grid at :data:`GRID_ELEMENTS`.
+        chunk_blocks: torch backend: query blocks built at once (>= 1); None bounds the grid at
+            :data:`GRID_ELEMENTS`. Ignored by the triton backend (it materialises no grid).
+        backend: ``"auto"`` (triton when ``ranks`` is on CUDA, triton imports and ``topk`` is given, else torch),
+            ``"torch"`` or ``"triton"`` (:func:`kvlearn.ops.gathered_layout_triton.gathered_layout_triton`; CUDA,
+            or the CPU under ``TRITON_INTERPRET=1``; with ``topk=None`` a counts-only launch sizes the capacity).
+            Both give the same layout, bit for bit.
 
-    Work is ``O(batch * kv_heads * num_blocks * T)`` (two int32 cumsums over that grid), memory that of
-    ``chunk_blocks`` blocks at a time.
+    Work is ``O(batch * kv_heads * num_blocks * T)`` either way. torch: two int32 cumsums and searchsorted over
+    the ``[batch, kv_heads, blocks, T]`` grid, memory that of ``chunk_blocks`` blocks at a time. triton: one
+    launch, no intermediate tensors.
     """
     _check_inputs(ranks, cutoffs, sinks, window)
     check(
@@ -295,8 +309,21 @@ def gathered_layout(
     _check_int("block_size", block_size, 1)
     check(chunk_blocks is None or (isinstance(chunk_blocks, int) and not isinstance(chunk_blocks, bool) and chunk_blocks >= 1),
           f"chunk_blocks={chunk_blocks!r} is invalid: expected None or an integer >= 1")
+    check(backend in LAYOUT_BACKENDS, f"backend={backend!r} is invalid: expected one of {LAYOUT_BACKENDS}")
     B, H, T = ranks.shape
     check(T >= 1, f"seq length {T} is invalid: expected >= 1")
+    if backend == "auto":
+        backend = "triton" if (ranks.is_cuda and _HAS_TRITON and topk is not None) else "torch"
+    if backend == "triton":
+        check(_HAS_TRITON, "backend='triton' is unavailable: triton is not installed (use backend='torch')")
+        check(
+            ranks.is_cuda or _interpreting(),
+            f"backend='triton' needs a CUDA tensor, got device {ranks.device} (set TRITON_INTERPRET=1 to run on CPU)",
+        )
+        from kvlearn.ops.gathered_layout_triton import gathered_layout_triton  # imports this module
+
+        capacity = None if topk is None else gathered_capacity(T, sinks, window, topk, block_size)
+        return gathered_layout_triton(eviction_positions(ranks, cutoffs, sinks, window), block_size, capacity)
     dev = ranks.device
     BS = block_size
     nQ = -(-T // BS)
@@ -425,6 +452,7 @@ def gathered_block_mask(layout: GatheredLayout, query_heads_per_kv: int) -> Bloc
 
 __all__ = [
     "GatheredLayout",
+    "LAYOUT_BACKENDS",
     "eviction_positions",
     "gathered_block_mask",
     "gathered_capacity",
