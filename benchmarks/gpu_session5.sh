@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Next device call for the KVpop primitives (#3), prepared 2026-11-30 and not yet run: the GPU tests of the fused
-# Triton forward and the gathered path, the tuning sweep (flex tiles, query block size, Triton tunables, target
-# pass), then the acceptance rows. Pick the winner from kvpop_attention_sweep_h200.json, make it the default,
-# and re-run `python benchmarks/kvpop_ops.py` for the results file of record.
+# Device call for the KVpop primitives (#3), run 2026-11-30 at commit 728ccb0 (results/raw/kvpop_attention_sweep_h200.json,
+# results/raw/kvpop_ops_h200_run3_before.json): the GPU tests of the fused Triton forward and the gathered path, the
+# tuning sweep (flex tiles, query block size, Triton tunables, target pass), then the acceptance rows. Its winner
+# (Triton forward, 128 x 128 tiles) became the default; benchmarks/gpu_session6.sh measured the result.
 # Usage on nvidia-h200:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/gpu_session5.sh   (about 9 minutes)
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1

@@ -57,7 +57,12 @@ def ops_section(name: str, data: dict) -> str:
     for r in data["rows"]:
         sp = f"{r['block_sparsity']:.3f}" if "block_sparsity" in r else ""
         ratio = f"{r['over_dense']:.2f}" if isinstance(r.get("over_dense"), (int, float)) else ""
-        note = "; ".join(str(r[k]) for k in ("layout", "priorities", "includes") if r.get(k))
+        parts = [str(r[k]) for k in ("layout", "priorities", "includes") if r.get(k)]
+        if r.get("backend"):
+            parts.append(f"backend: {r['backend']}")
+        if isinstance(r.get("launch"), dict):
+            parts.append("launch: " + ", ".join(f"{k}={v}" for k, v in r["launch"].items()))
+        note = "; ".join(parts)
         out.append(f"| {r['name']} | {r['ms']:.3f} | {ratio} | {sp} | {note} |")
     for key in ("checks", "summary"):
         if data.get(key):
