@@ -193,3 +193,18 @@ def test_cuda_default_backend_is_triton_and_agrees_with_flex(lookahead):
     flex = future_attention_target(q, k, lse, 64, lookahead=lookahead, backend="flex")
     torch.testing.assert_close(auto, tri, atol=0, rtol=0)
     torch.testing.assert_close(tri, flex, atol=2e-3, rtol=2e-3)
+
+
+def test_auto_takes_triton_only_for_inputs_the_kernel_supports():
+    """On CUDA "auto" must fall back to flex for what the kernel refuses (float64, odd head_dim, flex options)."""
+    from kvlearn.ops.future_target import _resolve_backend
+    from kvlearn.ops.future_target_triton import supports
+
+    assert supports(torch.bfloat16, 128) and supports(torch.float16, 64) and supports(torch.float32, 16)
+    assert not supports(torch.float64, 128) and not supports(torch.bfloat16, 96) and not supports(torch.bfloat16, 8)
+    cuda = torch.device("cuda")
+    from kvlearn.ops.triton_support import HAS_TRITON
+
+    assert _resolve_backend("auto", cuda, triton_ok=True) == ("triton" if HAS_TRITON else "flex")
+    assert _resolve_backend("auto", cuda, triton_ok=False) == "flex"
+    assert _resolve_backend("auto", torch.device("cpu"), triton_ok=True) == "torch"

@@ -33,6 +33,7 @@ from torch import Tensor
 from ..errors import check
 from .flex import check_kernel_options, flex_attention_lse
 from .future_target_triton import future_log_mass_triton
+from .future_target_triton import supports as triton_supports
 from .triton_support import HAS_TRITON, check_triton_options
 
 __all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS", "TRITON_OPTION_KEYS"]
@@ -265,7 +266,8 @@ def future_attention_target(
         lookahead: ``None`` (default: every future query, as in the paper's main experiments) or ``L >= 0``:
             only queries ``t + w <= d <= t + w + L`` count and ``N_t`` is clipped to ``L + 1`` (appendix B.2).
             The transposed pass is then a band, so its cost grows with ``L`` instead of ``S``.
-        backend: ``"auto"`` (the Triton kernel on CUDA when triton is installed, else compiled FlexAttention;
+        backend: ``"auto"`` (the Triton kernel on CUDA when triton is installed and takes the inputs: bf16 / fp16 /
+            fp32, head_dim a power of two in [16, 256], no flex ``kernel_options``; else compiled FlexAttention;
             chunked matmul elsewhere), ``"triton"`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``), ``"flex"``
             (compiled on CUDA, eager on CPU) or ``"torch"`` (chunked matmul on any device).
         kernel_options: launch options of the transposed pass, None for the defaults. Triton backend: keys of
@@ -289,7 +291,8 @@ def future_attention_target(
     scale = _check_scale(scale, d)
     check(lookahead is None or (isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead >= 0),
           f"lookahead={lookahead!r} is invalid: expected None or an integer >= 0")
-    backend = _resolve_backend(backend, query.device, triton_ok=kernel_options is None)
+    triton_ok = kernel_options is None and triton_supports(query.dtype, d) and key.dtype == query.dtype
+    backend = _resolve_backend(backend, query.device, triton_ok=triton_ok)
     if backend == "triton":
         kernel_options = check_triton_options(kernel_options, TRITON_OPTION_KEYS)
     else:

@@ -39,7 +39,7 @@ from kvlearn.ops.triton_support import tl, triton
 if _HAS_TRITON:
     from kvlearn.ops.triton_support import dot_fp32
 
-__all__ = ["AUTOTUNE_CONFIGS", "DEFAULT_CONFIG", "DTYPES", "autotuned_config", "future_log_mass_triton"]
+__all__ = ["AUTOTUNE_CONFIGS", "DEFAULT_CONFIG", "DTYPES", "autotuned_config", "future_log_mass_triton", "supports"]
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Launch shapes. On CUDA with every tunable left None and half inputs, the kernel is autotuned over
@@ -194,6 +194,11 @@ if _HAS_TRITON:
                                num_stages=c["num_stages"]) for c in AUTOTUNE_CONFIGS],
         key=["S", "HEAD_DIM", "G", "HAS_LOOKAHEAD"],
     )(_future_log_mass_kernel)
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel takes inputs of this dtype and head_dim (``backend="auto"`` falls back to flex otherwise)."""
+    return dtype in DTYPES and _is_pow2(head_dim) and 16 <= head_dim <= 256
 
 
 def _check_tunables(block_t, block_d, num_warps, num_stages, fp32_precision) -> None:
