@@ -43,10 +43,13 @@ class ForwardStep:
     Attributes:
         positions: ``[batch, q]`` int64 position of each new token among its row's real tokens, ``-1`` for padding.
         real_after: ``[batch]`` int64 number of real tokens of each row after this forward.
+        has_padding: whether any new token is padding (read once per forward, so that the layers' hot paths need
+            no device sync to know it).
     """
 
     positions: torch.Tensor
     real_after: torch.Tensor
+    has_padding: bool
 
     @property
     def query_length(self) -> int:
@@ -173,11 +176,12 @@ class CompactLayer(CacheLayerMixin):
             self.slot_positions[bi, hi, si] = new_pos[bi, hi, ti]
             self._write_extra(bi, hi, si, ti)
 
-    def visibility_mask(self, query_positions: torch.Tensor) -> torch.Tensor:
+    def visibility_mask(self, query_positions: torch.Tensor, has_padding: bool | None = None) -> torch.Tensor:
         """Boolean mask ``[batch, P, q, kv]`` of the keys returned by the last :meth:`update`.
 
         ``query_positions``: ``[batch, q]`` positions of the queries (``-1`` for padding). A padding query attends to
-        its own key only, so its (unused) output stays finite.
+        its own key only, so its (unused) output stays finite. ``has_padding``: whether any query is padding
+        (:attr:`ForwardStep.has_padding`); None reads it from ``query_positions`` (one device sync).
         """
         check(self._visible is not None, "visibility_mask() called before update()")
         start, end, offset = self._visible
@@ -187,7 +191,7 @@ class CompactLayer(CacheLayerMixin):
         if end is not None:
             mask = mask & (qp < end.to(torch.int64)[:, :, None, :])
         pad = query_positions < 0
-        if bool(pad.any()):
+        if has_padding if has_padding is not None else bool(pad.any()):
             if offset >= 0:  # prefill: a padding query sees its own (returned) key
                 q = query_positions.shape[1]
                 own = torch.zeros(mask.shape[-2:], dtype=torch.bool, device=mask.device)
@@ -268,7 +272,8 @@ class CompactCache(Cache):
         csum = valid.to(torch.int64).cumsum(dim=1)
         positions = torch.where(valid, self._real_seen[:, None] + csum - 1, torch.full_like(csum, -1))
         self._real_seen = self._real_seen + csum[:, -1]
-        self._step = ForwardStep(positions=positions, real_after=self._real_seen.clone())
+        has_padding = attention_mask is not None and not bool(valid.all())  # the one sync of the forward
+        self._step = ForwardStep(positions=positions, real_after=self._real_seen.clone(), has_padding=has_padding)
         return self._step
 
     @property

@@ -96,7 +96,7 @@ def kvlearn_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     step = kvlearn_cache.step
     layer = kvlearn_cache.layers[module.layer_idx]
-    mask = layer.visibility_mask(step.positions)  # [batch, P, q, kv]
+    mask = layer.visibility_mask(step.positions, step.has_padding)  # [batch, P, q, kv]
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     if mask.shape[1] == 1:  # one mask for every head: expand K/V to the query heads (keeps the fused masked kernel)

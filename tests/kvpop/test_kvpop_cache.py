@@ -130,6 +130,15 @@ def test_unsupported_uses_are_refused():
         model(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
         with pytest.raises(KVLearnError, match="chunked prefill"):
             model(input_ids=ids[:, 6:9], past_key_values=cache, use_cache=True)
+    cache = KVpopCache(kv, scorers, decays)
+    with torch.no_grad():
+        model(input_ids=ids[:, :6], attention_mask=torch.ones(1, 6, dtype=torch.long), past_key_values=cache,
+              use_cache=True)
+        model(input_ids=ids[:, 6:7], attention_mask=torch.ones(1, 7, dtype=torch.long), past_key_values=cache,
+              use_cache=True)  # a real token decodes
+        with pytest.raises(KVLearnError, match="a padding token while decoding is not supported"):
+            model(input_ids=ids[:, 7:8], attention_mask=torch.tensor([[1] * 7 + [0]]), past_key_values=cache,
+                  use_cache=True)
     with pytest.raises(KVLearnError, match="readout delay 5 is invalid"):
         KVpopCache(kv, [MLSTMScorer(2, 16, window=5)] * LAYERS, decays)
     with pytest.raises(KVLearnError, match="decay_step=2"):

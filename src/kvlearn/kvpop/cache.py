@@ -142,7 +142,7 @@ class KVpopLayer(CompactLayer):
         """One new token at position p: token p - w joins the eligible set; evict the worst of k + 1."""
         s, w, k = self.config.sinks, self.config.window, self.config.topk
         p = step.positions[:, 0]  # [b]
-        check(bool((p >= 0).all()), "KVpop cache: a padding token while decoding is not supported")
+        check(not step.has_padding, "KVpop cache: a padding token while decoding is not supported")
         self._new_priority = self._score_decode(p, key_states, value_states)
         slot_pos = self.slot_positions.long()  # [b, h, C]
         eligible = (slot_pos >= s) & (slot_pos <= (p - w)[:, None, None])
