@@ -129,9 +129,10 @@ def main() -> int:
                 def one(opts=opts, plan=plan, label=label):
                     nonlocal ref, lse_main
                     with torch.no_grad():
-                        out, lse = sparse_retention_attention(q, k, v, ranks, cutoffs, s, w, plan=plan, kernel_options=opts)
+                        out, lse = sparse_retention_attention(q, k, v, ranks, cutoffs, s, w, plan=plan, kernel_options=opts,
+                                                              backend="flex")
                         ms = bench(lambda: sparse_retention_attention(q, k, v, ranks, cutoffs, s, w, plan=plan,
-                                                                      kernel_options=opts))
+                                                                      kernel_options=opts, backend="flex"))
                     if ref is None:
                         ref = out.float()
                     if lse_main is None:
@@ -168,8 +169,8 @@ def main() -> int:
 
         def one_target(opts=opts, label=label):
             nonlocal target_ref
-            r = future_attention_target(q, k, lse_main, w, kernel_options=opts)
-            ms = bench(lambda: future_attention_target(q, k, lse_main, w, kernel_options=opts))
+            r = future_attention_target(q, k, lse_main, w, kernel_options=opts, backend="flex")
+            ms = bench(lambda: future_attention_target(q, k, lse_main, w, kernel_options=opts, backend="flex"))
             if target_ref is None:
                 target_ref = r
             checks[f"{label}_max_abs_err"] = (r - target_ref).abs().max().item()
