@@ -35,23 +35,20 @@ def run_in_triton_interpreter():
     return run
 
 
-@pytest.fixture(scope="session")
-def run_cases_in_triton_interpreter(run_in_triton_interpreter):
-    """``run(test_file) -> {name: result}``: ``run_case(name)`` for every name of ``INTERP_CASES`` in the test module
-    at ``test_file`` (pass its ``__file__``), all in one interpreter subprocess; ``run_case`` returns JSON data."""
+@pytest.fixture(scope="module")
+def interpreter_results(request, run_in_triton_interpreter):
+    """``{name: run_case(name)}`` for every name of the requesting test module's ``INTERP_CASES``, computed once
+    per module in one interpreter subprocess (``run_case`` returns JSON data)."""
     import json
     import os
 
-    def run(test_file: str) -> dict:
-        tests_dir, module = os.path.split(os.path.abspath(test_file))
-        script = (
-            "import json, sys\n"
-            f"sys.path.insert(0, {tests_dir!r})\n"
-            f"from {module[:-3]} import INTERP_CASES, run_case\n"
-            "print('RESULTS ' + json.dumps({name: run_case(name) for name in INTERP_CASES}))\n"
-        )
-        stdout = run_in_triton_interpreter(script)
-        line = next(x for x in stdout.splitlines() if x.startswith("RESULTS "))
-        return json.loads(line[len("RESULTS "):])
-
-    return run
+    tests_dir, module = os.path.split(os.path.abspath(request.module.__file__))
+    script = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {tests_dir!r})\n"
+        f"from {module[:-3]} import INTERP_CASES, run_case\n"
+        "print('RESULTS ' + json.dumps({name: run_case(name) for name in INTERP_CASES}))\n"
+    )
+    stdout = run_in_triton_interpreter(script)
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])

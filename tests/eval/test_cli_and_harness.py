@@ -1,7 +1,6 @@
 """The evaluation harness, the CLI's one-line errors and the shipped teacher."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

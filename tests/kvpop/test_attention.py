@@ -391,3 +391,10 @@ def test_cuda_auto_backend_takes_triton_without_grad_and_flex_with_grad(monkeypa
     assert len(calls) == 1  # training: flex (the Triton kernel has no backward)
     out_g.float().sum().backward()
     torch.testing.assert_close(out_g.detach().double(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+def test_gathered_plan_rejects_a_bad_group_size():
+    _, _, _, ranks, cutoffs = make_inputs(0, 1, 2, 2, 40, 16, 2, 4, 6)
+    for bad in (0, 1.5, True):
+        with pytest.raises(KVLearnError, match=rf"query_heads_per_kv={bad!r} is invalid: expected an integer >= 1"):
+            gathered_plan(ranks, cutoffs, 2, 4, bad, topk=6)

@@ -4,9 +4,7 @@ The kernel runs in Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be set 
 cases run in one subprocess); the ``gpu`` tests run it compiled on CUDA.
 """
 
-import json
 import math
-import os
 import textwrap
 
 import pytest
@@ -76,7 +74,7 @@ INTERP_CASES = {
     "window_ge_S": (6, 1, 4, 2, 30, 16, 40, None, "dense", "fp32", {"block_t": 16, "block_d": 16}),
     "shorter_than_tile": (7, 1, 4, 2, 10, 16, 2, None, "dense", "fp32", {"block_t": 16, "block_d": 16}),
     "shifted_lse": (8, 1, 4, 2, 60, 16, 4, None, "shifted", "fp32", {"block_t": 16, "block_d": 16}),
-    # q/k as [batch, seq, heads, head_dim] memory viewed as [batch, heads, seq, head_dim] (strided heads)
+    # q/k/lse as [batch, seq, heads, ...] memory viewed as [batch, heads, seq, ...] (strided heads)
     "seq_major_inputs": (9, 2, 4, 2, 50, 16, 3, None, "dense", "fp32", {"block_t": 16, "block_d": 16, "seq_major": True}),
     # the default launch shape (128 keys x 64 queries), bf16 and fp16
     "bf16_default": (10, 1, 4, 2, 200, 32, 8, None, "sparse", "bf16", {}),
@@ -94,8 +92,8 @@ def run_case(name, device="cpu"):
     q, k, lse, scale = make_inputs(seed, B, Hq, Hkv, S, D, lse_kind, dtype, device)
     options = dict(options)
     if options.pop("seq_major", False):
-        q, k = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k))
-        assert not q.is_contiguous()
+        q, k, lse = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, lse))
+        assert not q.is_contiguous() and not lse.is_contiguous()
     ref = dense_log_mass(q.cpu(), k.cpu(), lse.cpu(), window, scale, look)
     got = future_log_mass_triton(q, k, lse, window, scale, look, **options).cpu().double()
     tol = TOLERANCES[dtype]
@@ -112,11 +110,6 @@ def run_case(name, device="cpu"):
     return {"ok": bool(ok), "same_inf": same_inf, "err": err, "targets_ok": bool(targets_ok),
             "n_finite": int(finite.sum()), "n_inf": int((~finite).sum()), "max_ref": ref[finite].max().item()
             if finite.any() else None}
-
-
-@pytest.fixture(scope="module")
-def interpreter_results(run_cases_in_triton_interpreter):
-    return run_cases_in_triton_interpreter(__file__)
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))
@@ -164,7 +157,7 @@ def test_bad_tunables_raise_one_line_errors(run_in_triton_interpreter):
         try:
             future_log_mass_triton(q.to(torch.float64), k.to(torch.float64), lse, 2, 0.25)
         except KVLearnError as e:
-            assert "dtype=torch.float64/torch.float64 is invalid" in str(e), str(e)
+            assert "dtype torch.float64 is invalid for the Triton kernel" in str(e), str(e)
         else:
             raise AssertionError("float64")
         print("OK")
@@ -195,16 +188,33 @@ def test_cuda_default_backend_is_triton_and_agrees_with_flex(lookahead):
     torch.testing.assert_close(tri, flex, atol=2e-3, rtol=2e-3)
 
 
-def test_auto_takes_triton_only_for_inputs_the_kernel_supports():
-    """On CUDA "auto" must fall back to flex for what the kernel refuses (float64, odd head_dim, flex options)."""
-    from kvlearn.ops.future_target import _resolve_backend
-    from kvlearn.ops.future_target_triton import supports
-
-    assert supports(torch.bfloat16, 128) and supports(torch.float16, 64) and supports(torch.float32, 16)
-    assert not supports(torch.float64, 128) and not supports(torch.bfloat16, 96) and not supports(torch.bfloat16, 8)
-    cuda = torch.device("cuda")
+def test_auto_takes_triton_only_for_inputs_the_kernel_supports(monkeypatch):
+    """On CUDA "auto" must fall back to flex for what the kernel refuses (float64, odd head_dim, mixed dtypes,
+    flex options): the decision ``future_attention_target`` hands to the backend resolution, recorded here."""
+    import kvlearn.ops.future_target as ft
     from kvlearn.ops.triton_support import HAS_TRITON
 
-    assert _resolve_backend("auto", cuda, triton_ok=True) == ("triton" if HAS_TRITON else "flex")
-    assert _resolve_backend("auto", cuda, triton_ok=False) == "flex"
-    assert _resolve_backend("auto", torch.device("cpu"), triton_ok=True) == "torch"
+    seen = []
+
+    def record(backend, device, *, triton_ok=False):
+        seen.append(triton_ok)
+        return "torch"  # run the CPU backend whatever was decided
+
+    monkeypatch.setattr(ft, "_resolve_backend", record)
+    lse = torch.zeros(1, 4, 20)
+    cases = [
+        (torch.randn(1, 4, 20, 16, dtype=torch.bfloat16), torch.randn(1, 2, 20, 16, dtype=torch.bfloat16), None, True),
+        (torch.randn(1, 4, 20, 16, dtype=torch.bfloat16), torch.randn(1, 2, 20, 16, dtype=torch.bfloat16), {}, True),
+        (torch.randn(1, 4, 20, 16, dtype=torch.float64), torch.randn(1, 2, 20, 16, dtype=torch.float64), None, False),
+        (torch.randn(1, 4, 20, 24), torch.randn(1, 2, 20, 24), None, False),
+        (torch.randn(1, 4, 20, 16, dtype=torch.bfloat16), torch.randn(1, 2, 20, 16), None, False),
+        (torch.randn(1, 4, 20, 16), torch.randn(1, 2, 20, 16), {"BLOCK_M": 64}, False),
+    ]
+    for q, k, options, want in cases:
+        future_attention_target(q, k, lse, 3, kernel_options=options)
+        assert seen[-1] is want, (q.dtype, k.dtype, q.shape[-1], options)
+    monkeypatch.undo()
+    cuda = torch.device("cuda")
+    assert ft._resolve_backend("auto", cuda, triton_ok=True) == ("triton" if HAS_TRITON else "flex")
+    assert ft._resolve_backend("auto", cuda, triton_ok=False) == "flex"
+    assert ft._resolve_backend("auto", torch.device("cpu"), triton_ok=True) == "torch"

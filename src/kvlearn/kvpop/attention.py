@@ -8,7 +8,7 @@ kernels (``backend=``):
   queries sees are gathered into ``capacity <= round_up(s + w + k + block_size - 1, block_size)`` slots
   (:func:`kvlearn.ops.masks.gathered_layout`).
 
-  - ``backend="triton"`` (the default on CUDA when no gradient is needed: inference, prefill, evaluation): the
+  - ``backend="triton"`` (the default on CUDA when no gradient is needed, e.g. evaluation): the
     fused forward of :mod:`kvlearn.kvpop.gathered_triton`, which reads K/V through the slot index (nothing is
     gathered in memory) and serves the G query heads of a KV head from each key tile. Only the layout is built.
   - ``backend="flex"`` (training, CPU): FlexAttention runs with the queries as ``[batch * blocks, Hq,
@@ -38,11 +38,11 @@ from torch.nn.attention.flex_attention import BlockMask
 from kvlearn.errors import check
 from kvlearn.kvpop import gathered_triton
 from kvlearn.ops.flex import check_kernel_options, check_qkv, flex_attention_lse
-from kvlearn.ops.triton_support import check_triton_options
+from kvlearn.ops.triton_support import HAS_TRITON, check_triton_options, kernel_supports
 from kvlearn.ops.masks import (
     GatheredLayout,
+    _gathered_block_mask,
     _relative_intervals,
-    gathered_block_mask,
     gathered_layout,
     retention_block_mask,
     retention_mask_dense,
@@ -84,14 +84,17 @@ def gathered_plan(
     ``topk``: the budget the cutoffs were computed with (no host sync); None sizes the layout from the data
     (one host sync). See :func:`kvlearn.ops.masks.gathered_layout`.
     """
+    ok = isinstance(query_heads_per_kv, int) and not isinstance(query_heads_per_kv, bool) and query_heads_per_kv >= 1
+    check(ok, f"query_heads_per_kv={query_heads_per_kv!r} is invalid: expected an integer >= 1")
     layout = gathered_layout(ranks, cutoffs, sinks, window, topk=topk, block_size=block_size)
-    block_mask = gathered_block_mask(layout, query_heads_per_kv)
+    rel_pos, rel_end = _relative_intervals(layout)
+    block_mask = _gathered_block_mask(layout, query_heads_per_kv, rel_pos, rel_end)
     B, H, nQ, C = layout.index.shape
     T = layout.seq_len
     rows = (torch.arange(B * H, device=ranks.device, dtype=torch.int64) * T).view(B, H, 1, 1)
     flat_index = (rows + layout.index).transpose(1, 2).reshape(-1)  # [B, nQ, H, C] order
-    rel_pos, rel_end = _relative_intervals(layout)
     return GatheredPlan(layout, block_mask, flat_index, rel_pos, rel_end, query_heads_per_kv)
+
 
 def _check_attention_inputs(query, key, value, ranks, cutoffs) -> None:
     B, _, Hkv, T, _ = check_qkv(query, key, value)
@@ -147,7 +150,7 @@ def sparse_retention_attention(
             :data:`TRITON_OPTION_KEYS` (see :func:`kvlearn.kvpop.gathered_triton.gathered_attention_forward`).
         backend: ``layout="gathered"`` only. ``"auto"``: the fused Triton forward when it applies (CUDA inputs,
             no gradient needed, triton installed, bf16/fp16/fp32, head_dim a power of two in [16, 256], no
-            ``kernel_options``), else FlexAttention. ``"triton"`` (forward only) or ``"flex"`` to force one.
+            ``kernel_options`` (None or empty)), else FlexAttention. ``"triton"`` (forward only) or ``"flex"`` to force one.
 
     Returns:
         ``(out [batch, q_heads, T, head_dim] in the query dtype, lse [batch, q_heads, T] float32 natural-log
@@ -164,7 +167,7 @@ def sparse_retention_attention(
         scale = query.shape[-1] ** -0.5
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     if layout == "gathered" and backend == "auto":
-        backend = "triton" if kernel_options is None and _triton_applies(query, needs_grad) else "flex"
+        backend = "triton" if not kernel_options and _triton_applies(query, needs_grad) else "flex"
     if backend == "triton":
         options = check_triton_options(kernel_options, TRITON_OPTION_KEYS)
         check(block_mask is None, "block_mask is invalid with layout='gathered': expected None (pass plan= instead)")
@@ -202,9 +205,7 @@ def sparse_retention_attention(
 
 def _triton_applies(query: torch.Tensor, needs_grad: bool) -> bool:
     """Whether ``backend="auto"`` takes the fused Triton forward for these inputs."""
-    D = query.shape[-1]
-    return (gathered_triton.HAS_TRITON and query.is_cuda and not needs_grad and query.dtype in gathered_triton.DTYPES
-            and 16 <= D <= 256 and D & (D - 1) == 0)
+    return HAS_TRITON and query.is_cuda and not needs_grad and kernel_supports(query.dtype, query.shape[-1])
 
 
 def _check_plan(plan, ranks, group: int) -> None:

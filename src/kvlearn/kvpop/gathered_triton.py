@@ -34,15 +34,17 @@ import torch
 from kvlearn.errors import check
 from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
 from kvlearn.ops.triton_support import interpreting as _interpreting
+from kvlearn.ops.triton_support import LOG2E
 from kvlearn.ops.triton_support import dot_fp32 as _dot
-from kvlearn.ops.triton_support import is_pow2 as _is_pow2
+from kvlearn.ops.triton_support import check_kernel_inputs, check_launch
 from kvlearn.ops.triton_support import tl, triton
+
+if _HAS_TRITON:
+    from kvlearn.ops.triton_support import finish_lse, online_lse_step
 from kvlearn.ops.flex import check_qkv
 from kvlearn.ops.masks import GatheredLayout
 
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP32_PRECISIONS = ("ieee", "tf32")
 # Launch defaults per input dtype (None arguments take these). Half: the fastest of the H200 sweep
 # (results/raw/kvpop_attention_sweep_h200.json: 128 x 128 tiles, 8 warps, 2 stages, fastest at k = 1792 and 2016 and at
 # query blocks of 64 and 128). float32 with "ieee" dots runs on FMAs and spills at the half shape: smaller tiles.
@@ -50,7 +52,6 @@ DEFAULT_CONFIGS = {
     "half": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "float32": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
 }
-_LOG2E = 1.4426950408889634
 
 
 def _next_pow2(n: int) -> int:
@@ -100,11 +101,7 @@ if _HAS_TRITON:
         if MASKED:
             visible = (kpos[None, :] <= q_pos[:, None]) & (q_pos[:, None] < kend[None, :])
             qk = tl.where(visible, qk, float("-inf"))
-        # m_i starts finite (-1e30), so a row with nothing visible yet keeps alpha = 1 and p = 0 (no NaN)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, l_i, alpha, p = online_lse_step(m_i, l_i, qk)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
         return acc, l_i, m_new
@@ -212,14 +209,13 @@ if _HAS_TRITON:
         o_rows = out_ptr + b * stride_ob + head * stride_oh + q_pos * stride_ot
         tl.store(o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         if STORE_LSE:
-            lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            lse = finish_lse(m_i, l_i)
             tl.store(lse_ptr + (b * (HKV * G) + head) * T + q_pos, lse, mask=row_ok)
 
 
 def _check_inputs(query, key, value, layout, scale, block_m, block_n, num_warps, num_stages, fp32_precision) -> None:
     B, _, Hkv, T, D = check_qkv(query, key, value)
-    check(query.dtype in DTYPES, f"query dtype {query.dtype} is invalid: expected one of bfloat16, float16, float32")
-    check(_is_pow2(D) and 16 <= D <= 256, f"head_dim={D} is invalid: expected a power of two in [16, 256]")
+    check_kernel_inputs(query.dtype, D)
     check(isinstance(layout, GatheredLayout),
           f"layout of type {type(layout).__name__} is invalid: expected a GatheredLayout")
     Bl, Hl, nQ, C = layout.index.shape
@@ -237,13 +233,7 @@ def _check_inputs(query, key, value, layout, scale, block_m, block_n, num_warps,
               f"expected int32 {want} on {query.device}")
     check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale),
           f"scale={scale!r} is invalid: expected a finite number")
-    check(_is_pow2(block_m) and block_m >= 16, f"block_m={block_m!r} is invalid: expected a power of two >= 16")
-    check(_is_pow2(block_n) and block_n >= 16, f"block_n={block_n!r} is invalid: expected a power of two >= 16")
-    check(_is_pow2(num_warps) and num_warps <= 32, f"num_warps={num_warps!r} is invalid: expected a power of two <= 32")
-    check(isinstance(num_stages, int) and not isinstance(num_stages, bool) and num_stages >= 1,
-          f"num_stages={num_stages!r} is invalid: expected an integer >= 1")
-    check(fp32_precision in FP32_PRECISIONS,
-          f"fp32_precision={fp32_precision!r} is invalid: expected one of {FP32_PRECISIONS}")
+    check_launch(num_warps, num_stages, fp32_precision, block_m=block_m, block_n=block_n)
     limit = 2**31
     for name, x in (("query", query), ("key", key), ("value", value)):
         check(T * x.stride(2) + D < limit,
@@ -319,7 +309,7 @@ def gathered_attention_forward(
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        T, nQ, C, float(scale) * _LOG2E,
+        T, nQ, C, float(scale) * LOG2E,
         HKV=Hkv, G=G, BS=BS, SPLIT=split, QPP=qpp, BLOCK_M=g_p2 * qpp, BLOCK_N=block_n, HEAD_DIM=D,
         STORE_LSE=return_lse,
         DOT_PRECISION=fp32_precision if query.dtype == torch.float32 else "tf32",  # "tf32": the default (half inputs)
@@ -330,6 +320,4 @@ def gathered_attention_forward(
     return out, (lse if return_lse else None)
 
 
-HAS_TRITON = _HAS_TRITON
-
-__all__ = ["DEFAULT_CONFIGS", "DTYPES", "HAS_TRITON", "gathered_attention_forward"]
+__all__ = ["DEFAULT_CONFIGS", "gathered_attention_forward"]

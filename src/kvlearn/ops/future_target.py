@@ -33,8 +33,7 @@ from torch import Tensor
 from ..errors import check
 from .flex import check_kernel_options, flex_attention_lse
 from .future_target_triton import future_log_mass_triton
-from .future_target_triton import supports as triton_supports
-from .triton_support import HAS_TRITON, check_triton_options
+from .triton_support import HAS_TRITON, check_triton_options, kernel_supports
 
 __all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS", "TRITON_OPTION_KEYS"]
 
@@ -291,7 +290,7 @@ def future_attention_target(
     scale = _check_scale(scale, d)
     check(lookahead is None or (isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead >= 0),
           f"lookahead={lookahead!r} is invalid: expected None or an integer >= 0")
-    triton_ok = kernel_options is None and triton_supports(query.dtype, d) and key.dtype == query.dtype
+    triton_ok = not kernel_options and kernel_supports(query.dtype, d) and key.dtype == query.dtype
     backend = _resolve_backend(backend, query.device, triton_ok=triton_ok)
     if backend == "triton":
         kernel_options = check_triton_options(kernel_options, TRITON_OPTION_KEYS)

@@ -25,7 +25,6 @@ Forward only, no autograd (a supervision target). Runs on CUDA, or on the CPU in
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor
@@ -33,31 +32,21 @@ from torch import Tensor
 from kvlearn.errors import check
 from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
 from kvlearn.ops.triton_support import interpreting as _interpreting
-from kvlearn.ops.triton_support import is_pow2 as _is_pow2
-from kvlearn.ops.triton_support import tl, triton
+from kvlearn.ops.triton_support import check_kernel_inputs, check_launch
+from kvlearn.ops.triton_support import LOG2E, tl, triton
 
 if _HAS_TRITON:
-    from kvlearn.ops.triton_support import dot_fp32
+    from kvlearn.ops.triton_support import dot_fp32, finish_lse, online_lse_step
 
-__all__ = ["AUTOTUNE_CONFIGS", "DEFAULT_CONFIG", "DTYPES", "autotuned_config", "future_log_mass_triton", "supports"]
+__all__ = ["DEFAULT_CONFIG", "DEFAULT_CONFIG_BAND", "default_config", "future_log_mass_triton"]
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Launch shapes. On CUDA with every tunable left None and half inputs, the kernel is autotuned over
-# AUTOTUNE_CONFIGS once per (S, head_dim, G, lookahead or not) and process (triton.autotune: each candidate is timed
-# on the first call); otherwise None arguments take DEFAULT_CONFIG (float32: DEFAULT_CONFIG_FP32, smaller tiles:
-# "ieee" dots run on FMAs).
+# Launch shapes (None arguments take these). Half inputs: the shapes triton.autotune picked among six on the H200 at
+# S = 16384 (results/kvpop_ops_h200.json, the rows' `launch`): 128 keys x 64 queries for the full pass, 64 x 64 for a
+# lookahead band. Fixed rather than autotuned, so that no training step pays a tuning sweep per new sequence length.
+# float32: smaller tiles ("ieee" dots run on FMAs).
 DEFAULT_CONFIG = {"block_t": 128, "block_d": 64, "num_warps": 4, "num_stages": 3}
+DEFAULT_CONFIG_BAND = {"block_t": 64, "block_d": 64, "num_warps": 4, "num_stages": 3}
 DEFAULT_CONFIG_FP32 = {"block_t": 32, "block_d": 32, "num_warps": 4, "num_stages": 2}
-AUTOTUNE_CONFIGS = (
-    {"block_t": 128, "block_d": 64, "num_warps": 4, "num_stages": 3},
-    {"block_t": 128, "block_d": 64, "num_warps": 8, "num_stages": 3},
-    {"block_t": 128, "block_d": 128, "num_warps": 8, "num_stages": 2},
-    {"block_t": 128, "block_d": 32, "num_warps": 4, "num_stages": 4},
-    {"block_t": 64, "block_d": 64, "num_warps": 4, "num_stages": 3},
-    {"block_t": 64, "block_d": 128, "num_warps": 4, "num_stages": 2},
-)
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 if _HAS_TRITON:
@@ -93,22 +82,20 @@ if _HAS_TRITON:
             q = tl.load(q_base + d_pos[:, None] * stride_qt + offs_h[None, :])
             norm = tl.load(lse_base + d_pos)
         qk = dot_fp32(k, tl.trans(q), None, DOT_PRECISION, DOT_UPCAST)
-        s = qk * qk_scale - (norm * 1.4426950408889634)[None, :]  # log2 domain
+        s = qk * qk_scale - norm[None, :]  # log2 domain (the normaliser comes pre-scaled by log2 e)
         if MASKED:
             keep = (d_pos[None, :] >= t_pos[:, None] + window) & (d_pos[None, :] < S)
             if HAS_LOOKAHEAD:
                 keep = keep & (d_pos[None, :] <= t_pos[:, None] + window + lookahead)
             s = tl.where(keep, s, float("-inf"))
-        # m_i starts finite (-1e30): a row with nothing kept yet keeps alpha = 1 and p = 0 (no NaN)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), 1)
+        m_new, l_i, _, _ = online_lse_step(m_i, l_i, s)
         return m_new, l_i
 
     @triton.jit
     def _future_log_mass_kernel(
         q_ptr,  # [B, Hq, S, D]
         k_ptr,  # [B, Hkv, S, D]
-        lse_ptr,  # float32 [B, Hq, S], contiguous
+        lse_ptr,  # float32 [B, Hq, S], contiguous: the normalisers times log2(e)
         out_ptr,  # float32 [B, Hq, S], contiguous
         stride_qb,
         stride_qh,
@@ -185,30 +172,14 @@ if _HAS_TRITON:
                 m_i, l_i = _future_tile(m_i, l_i, k, t_pos, d0, q_base, lse_base, stride_qt, S, window, lookahead,
                                         qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST)
 
-        seen = l_i > 0.0
-        out = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(out_ptr + (b * HQ + i) * S + t_pos, out, mask=t_pos < S)
-
-    _future_log_mass_autotuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_T": c["block_t"], "BLOCK_D": c["block_d"]}, num_warps=c["num_warps"],
-                               num_stages=c["num_stages"]) for c in AUTOTUNE_CONFIGS],
-        key=["S", "HEAD_DIM", "G", "HAS_LOOKAHEAD"],
-    )(_future_log_mass_kernel)
+        tl.store(out_ptr + (b * HQ + i) * S + t_pos, finish_lse(m_i, l_i), mask=t_pos < S)
 
 
-def supports(dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernel takes inputs of this dtype and head_dim (``backend="auto"`` falls back to flex otherwise)."""
-    return dtype in DTYPES and _is_pow2(head_dim) and 16 <= head_dim <= 256
-
-
-def _check_tunables(block_t, block_d, num_warps, num_stages, fp32_precision) -> None:
-    check(_is_pow2(block_t) and block_t >= 16, f"block_t={block_t!r} is invalid: expected a power of two >= 16")
-    check(_is_pow2(block_d) and block_d >= 16, f"block_d={block_d!r} is invalid: expected a power of two >= 16")
-    check(_is_pow2(num_warps) and num_warps <= 32, f"num_warps={num_warps!r} is invalid: expected a power of two <= 32")
-    check(isinstance(num_stages, int) and not isinstance(num_stages, bool) and num_stages >= 1,
-          f"num_stages={num_stages!r} is invalid: expected an integer >= 1")
-    check(fp32_precision in ("ieee", "tf32"),
-          f"fp32_precision={fp32_precision!r} is invalid: expected one of ('ieee', 'tf32')")
+def default_config(dtype: torch.dtype, lookahead: bool) -> dict:
+    """The launch shape used when the tunables are None (a copy)."""
+    if dtype == torch.float32:
+        return dict(DEFAULT_CONFIG_FP32)
+    return dict(DEFAULT_CONFIG_BAND if lookahead else DEFAULT_CONFIG)
 
 
 def future_log_mass_triton(
@@ -237,8 +208,7 @@ def future_log_mass_triton(
         lse: float32 ``[batch, q_heads, S]``, the original queries' normalisers.
         window: ``w >= 1``. scale: the logit scale. lookahead: None or ``L >= 0``.
         block_t, block_d: keys per program and queries per tile (powers of two >= 16). num_warps, num_stages:
-            the launch's. All four None with half inputs on CUDA: autotuned over :data:`AUTOTUNE_CONFIGS`;
-            otherwise None takes :data:`DEFAULT_CONFIG` (float32 inputs: ``DEFAULT_CONFIG_FP32``).
+            the launch's. None takes :func:`default_config`.
         fp32_precision: ``tl.dot`` input precision for float32 inputs (``"ieee"`` exact, ``"tf32"`` faster).
 
     Returns:
@@ -248,48 +218,30 @@ def future_log_mass_triton(
     check(query.is_cuda or _interpreting(),
           f"device {query.device} is invalid for backend='triton': expected a CUDA tensor "
           "(or TRITON_INTERPRET=1 to run the kernel on the CPU)")
-    check(query.dtype in DTYPES and key.dtype == query.dtype,
-          f"query/key dtype={query.dtype}/{key.dtype} is invalid for backend='triton': expected one of "
-          "bfloat16, float16, float32, the same for both")
+    check(key.dtype == query.dtype, f"query/key dtype={query.dtype}/{key.dtype} is invalid for backend='triton': "
+                                    "expected the same dtype")
     B, Hq, S, D = query.shape
     Hkv = key.shape[1]
-    check(_is_pow2(D) and 16 <= D <= 256,
-          f"head_dim={D} is invalid for backend='triton': expected a power of two in [16, 256]")
-    autotune = (query.is_cuda and not _interpreting() and query.dtype != torch.float32
-                and all(x is None for x in (block_t, block_d, num_warps, num_stages)))
-    defaults = DEFAULT_CONFIG_FP32 if query.dtype == torch.float32 else DEFAULT_CONFIG
+    check_kernel_inputs(query.dtype, D)
+    defaults = default_config(query.dtype, lookahead is not None)
     block_t = defaults["block_t"] if block_t is None else block_t
     block_d = defaults["block_d"] if block_d is None else block_d
     num_warps = defaults["num_warps"] if num_warps is None else num_warps
     num_stages = defaults["num_stages"] if num_stages is None else num_stages
-    _check_tunables(block_t, block_d, num_warps, num_stages, fp32_precision)
+    check_launch(num_warps, num_stages, fp32_precision, block_t=block_t, block_d=block_d)
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key))
     for name, x in (("query", q), ("key", k)):
         check(S * x.stride(2) + D < 2**31,
               f"{name} with seq stride {x.stride(2)} x S={S} is invalid: expected per-head offsets below 2^31")
-    lse32 = lse.float().contiguous()
+    lse2 = (lse.float() * LOG2E).contiguous()  # base 2, pre-scaled once here instead of per tile; rows of S
     out = torch.empty((B, Hq, S), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
         return out
-    args = (q, k, lse32, out, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            S, window, 0 if lookahead is None else lookahead, float(scale) * _LOG2E)
+    args = (q, k, lse2, out, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            S, window, 0 if lookahead is None else lookahead, float(scale) * LOG2E)
     meta = dict(HQ=Hq, G=Hq // Hkv, HEAD_DIM=D, HAS_LOOKAHEAD=lookahead is not None,
                 DOT_PRECISION=fp32_precision if query.dtype == torch.float32 else "tf32",
                 DOT_UPCAST=_interpreting() and query.dtype == torch.bfloat16, INTERPRET=_interpreting())
-    if autotune:
-        _future_log_mass_autotuned[lambda m: (triton.cdiv(S, m["BLOCK_T"]), B * Hq)](*args, **meta)
-    else:
-        _future_log_mass_kernel[(triton.cdiv(S, block_t), B * Hq)](
-            *args, BLOCK_T=block_t, BLOCK_D=block_d, **meta, num_warps=num_warps, num_stages=num_stages)
+    _future_log_mass_kernel[(triton.cdiv(S, block_t), B * Hq)](
+        *args, BLOCK_T=block_t, BLOCK_D=block_d, **meta, num_warps=num_warps, num_stages=num_stages)
     return out
-
-
-def autotuned_config(seq_len: int, head_dim: int, query_heads_per_kv: int, lookahead: bool) -> dict | None:
-    """The launch shape the autotuner picked for these keys in this process (None before the first call)."""
-    if not _HAS_TRITON:
-        return None
-    for key, cfg in _future_log_mass_autotuned.cache.items():
-        if tuple(key[:4]) == (seq_len, head_dim, query_heads_per_kv, lookahead):
-            return {"block_t": cfg.kwargs["BLOCK_T"], "block_d": cfg.kwargs["BLOCK_D"], "num_warps": cfg.num_warps,
-                    "num_stages": cfg.num_stages}
-    return None

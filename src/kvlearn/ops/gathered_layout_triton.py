@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from kvlearn.errors import check
-from kvlearn.ops.masks import GatheredLayout
+from kvlearn.ops.masks import GatheredLayout, _check_int
 from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
 from kvlearn.ops.triton_support import interpreting as _interpreting
 from kvlearn.ops.triton_support import is_pow2 as _is_pow2
@@ -166,11 +166,6 @@ if _HAS_TRITON:
         cnt = bh * n_blocks + blk
         tl.store(num_full_ptr + cnt, n_always)
         tl.store(num_used_ptr + cnt, used)
-
-
-def _check_int(name: str, value, low: int) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    check(ok, f"{name}={value!r} is invalid: expected an integer >= {low}")
 
 
 def _check_inputs(end, block_size, capacity, chunk, num_warps) -> None:

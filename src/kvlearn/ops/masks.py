@@ -24,10 +24,9 @@ The same predicate as visibility intervals (the default sparse attention path):
 * :func:`gathered_layout`: per query block, the keys any of its queries sees, gathered into a fixed number of
   slots (always-visible keys first, then the block's own tokens, then the keys evicted inside the block);
   :func:`gathered_block_mask` / :func:`gathered_mask_mod`: FlexAttention on that layout. Two backends with
-  bit-identical layouts: ``torch`` (cumsums and searchsorted over a ``[batch, kv_heads, blocks, T]`` grid; CPU,
-  and ``topk=None``) and ``triton`` (:func:`kvlearn.ops.gathered_layout_triton.gathered_layout_triton`: one
-  fused launch, one program per (batch, KV head, query block) scanning the ``end`` row; the default on CUDA
-  when ``topk`` is given).
+  bit-identical layouts: ``torch`` (cumsums and searchsorted over a ``[batch, kv_heads, blocks, T]`` grid; the
+  CPU default) and ``triton`` (:func:`kvlearn.ops.gathered_layout_triton.gathered_layout_triton`: one fused
+  launch, one program per (batch, KV head, query block) scanning the ``end`` row; the CUDA default).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from kvlearn.errors import check
 from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
-from kvlearn.ops.triton_support import interpreting as _interpreting
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -292,7 +290,7 @@ def gathered_layout(
         block_size: query block and key tile size (>= 1; 128 for the CUDA kernel).
         chunk_blocks: torch backend: query blocks built at once (>= 1); None bounds the grid at
             :data:`GRID_ELEMENTS`. Ignored by the triton backend (it materialises no grid).
-        backend: ``"auto"`` (triton when ``ranks`` is on CUDA, triton imports and ``topk`` is given, else torch),
+        backend: ``"auto"`` (triton when ``ranks`` is on CUDA and triton imports, else torch),
             ``"torch"`` or ``"triton"`` (:func:`kvlearn.ops.gathered_layout_triton.gathered_layout_triton`; CUDA,
             or the CPU under ``TRITON_INTERPRET=1``; with ``topk=None`` a counts-only launch sizes the capacity).
             Both give the same layout, bit for bit.
@@ -313,13 +311,8 @@ def gathered_layout(
     B, H, T = ranks.shape
     check(T >= 1, f"seq length {T} is invalid: expected >= 1")
     if backend == "auto":
-        backend = "triton" if (ranks.is_cuda and _HAS_TRITON and topk is not None) else "torch"
-    if backend == "triton":
-        check(_HAS_TRITON, "backend='triton' is unavailable: triton is not installed (use backend='torch')")
-        check(
-            ranks.is_cuda or _interpreting(),
-            f"backend='triton' needs a CUDA tensor, got device {ranks.device} (set TRITON_INTERPRET=1 to run on CPU)",
-        )
+        backend = "triton" if (ranks.is_cuda and _HAS_TRITON) else "torch"
+    if backend == "triton":  # gathered_layout_triton checks that triton is there and the device
         from kvlearn.ops.gathered_layout_triton import gathered_layout_triton  # imports this module
 
         capacity = None if topk is None else gathered_capacity(T, sinks, window, topk, block_size)
@@ -424,7 +417,11 @@ def gathered_block_mask(layout: GatheredLayout, query_heads_per_kv: int) -> Bloc
     """
     check(isinstance(layout, GatheredLayout), f"layout of type {type(layout).__name__} is invalid: expected a GatheredLayout")
     _check_int("query_heads_per_kv", query_heads_per_kv, 1)
-    G = query_heads_per_kv
+    return _gathered_block_mask(layout, query_heads_per_kv, *_relative_intervals(layout))
+
+
+def _gathered_block_mask(layout: GatheredLayout, G: int, rel_pos: torch.Tensor, rel_end: torch.Tensor) -> BlockMask:
+    """:func:`gathered_block_mask` with the layout's relative intervals already computed (no validation)."""
     B, H, nQ, C = layout.index.shape
     BS = layout.block_size
     n_kv = C // BS
@@ -438,7 +435,6 @@ def gathered_block_mask(layout: GatheredLayout, query_heads_per_kv: int) -> Bloc
         x = x.transpose(1, 2).reshape(B * nQ, H, *x.shape[3:]).repeat_interleave(G, dim=1)
         return x.unsqueeze(2).contiguous().to(torch.int32)
 
-    rel_pos, rel_end = _relative_intervals(layout)
     return BlockMask.from_kv_blocks(
         per_query_head(total - full),
         per_query_head(part_idx),
