@@ -214,6 +214,11 @@ def test_auto_takes_triton_only_for_inputs_the_kernel_supports(monkeypatch):
         future_attention_target(q, k, lse, 3, kernel_options=options)
         assert seen[-1] is want, (q.dtype, k.dtype, q.shape[-1], options)
     monkeypatch.undo()
+    from kvlearn.ops.triton_support import kernel_supports  # the rule both "auto" backends (target, attention) use
+
+    assert kernel_supports(torch.bfloat16, 128) and kernel_supports(torch.float16, 64) and kernel_supports(torch.float32, 16)
+    assert not any(kernel_supports(dt, d) for dt, d in ((torch.float64, 128), (torch.bfloat16, 96), (torch.bfloat16, 8),
+                                                        (torch.bfloat16, 512), (torch.int32, 128)))
     cuda = torch.device("cuda")
     assert ft._resolve_backend("auto", cuda, triton_ok=True) == ("triton" if HAS_TRITON else "flex")
     assert ft._resolve_backend("auto", cuda, triton_ok=False) == "flex"
