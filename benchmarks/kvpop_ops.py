@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kvlearn.eval.results import make_results, write_results
+from kvlearn.results import make_results, write_results
 from kvlearn.kvpop.attention import block_sparsity, gathered_plan, gathered_tile_fraction, sparse_retention_attention
 from kvlearn.kvpop.scorers import LinearScorer, MLPScorer, MLSTMScorer
 from kvlearn.ops.fenwick import running_cutoff, running_topk_cutoff, static_ranks

@@ -16,7 +16,7 @@ import torch
 
 from kvlearn.eval.accuracy import EvalConfig, evaluate, format_table
 from kvlearn.eval.plots import plot_accuracy
-from kvlearn.eval.results import make_results, write_results
+from kvlearn.results import make_results, write_results
 from kvlearn.hf import load_model
 
 

@@ -54,7 +54,7 @@ def _load(path: str, device: str):
 def cmd_eval(args) -> int:
     from .eval.accuracy import EvalConfig, evaluate, format_table
     from .eval.plots import plot_accuracy
-    from .eval.results import make_results, write_results
+    from .results import make_results, write_results
 
     device = _device(args.device)
     config = EvalConfig(method=args.method, budget=args.budget, sinks=args.sinks, tasks=_tasks(args.tasks),
@@ -73,7 +73,7 @@ def cmd_eval(args) -> int:
 def cmd_demo(args) -> int:
     from .eval.accuracy import EvalConfig, evaluate, format_table
     from .eval.plots import plot_accuracy
-    from .eval.results import make_results, write_results
+    from .results import make_results, write_results
 
     device = _device(args.device)
     model = _load(args.model, device)

@@ -6,16 +6,9 @@ valid range, so bad input never reaches torch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from .errors import check
-
-
-def _check_int(name: str, value, low: int, high: float = math.inf, hint: str = "") -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-    bound = f">= {low}" if high == math.inf else f"in [{low}, {int(high)}]"
-    check(ok, f"{name}={value!r} is invalid: expected an integer {bound}{hint}")
+from .errors import check, check_int
 
 
 @dataclass(frozen=True)
@@ -31,10 +24,10 @@ class StreamingConfig:
     context: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("sinks", self.sinks, 0)
-        _check_int("budget", self.budget, self.sinks + 1, hint=f" (budget must exceed sinks={self.sinks} so the window is non-empty)")
+        check_int("sinks", self.sinks, 0)
+        check_int("budget", self.budget, self.sinks + 1, hint=f" (budget must exceed sinks={self.sinks} so the window is non-empty)")
         if self.context is not None:
-            _check_int("context", self.context, 1)
+            check_int("context", self.context, 1)
             check(
                 self.budget < self.context,
                 f"budget={self.budget} is invalid: expected sinks + 1 = {self.sinks + 1} <= budget < context = {self.context}",
@@ -77,10 +70,10 @@ class KVpopConfig:
     AGGREGATIONS = ("max", "mean")
 
     def __post_init__(self) -> None:
-        _check_int("sinks", self.sinks, 0)
-        _check_int("window", self.window, 1, hint=" (the protected window must hold at least the query itself)")
-        _check_int("topk", self.topk, 0)
-        _check_int("decay_step", self.decay_step, 1)
+        check_int("sinks", self.sinks, 0)
+        check_int("window", self.window, 1, hint=" (the protected window must hold at least the query itself)")
+        check_int("topk", self.topk, 0)
+        check_int("decay_step", self.decay_step, 1)
         for name in ("decay_min", "decay_max"):
             v = getattr(self, name)
             check(

@@ -1,4 +1,11 @@
-"""Errors that kvlearn raises for bad input: one line, naming the bad value and the valid range."""
+"""Errors that kvlearn raises for bad input: one line, naming the bad value and the valid range.
+
+:func:`check` raises with a message; :func:`check_int` is the one integer/range checker every module uses.
+"""
+
+from __future__ import annotations
+
+import math
 
 
 class KVLearnError(ValueError):
@@ -13,3 +20,18 @@ def check(condition: bool, message: str) -> None:
     """Raise :class:`KVLearnError` with ``message`` unless ``condition`` holds."""
     if not condition:
         raise KVLearnError(message)
+
+
+def is_int(value) -> bool:
+    """Whether ``value`` is a Python integer (``bool`` excluded)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, low: int, high: float = math.inf, hint: str = "") -> int:
+    """Raise a one-line :class:`KVLearnError` unless ``value`` is an integer in ``[low, high]``; return it.
+
+    ``hint`` is appended to the message (for example why the bound is what it is).
+    """
+    bound = f">= {low}" if high == math.inf else f"in [{low}, {int(high)}]"
+    check(is_int(value) and low <= value <= high, f"{name}={value!r} is invalid: expected an integer {bound}{hint}")
+    return value

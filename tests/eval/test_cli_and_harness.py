@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, Qwen3C
 from kvlearn.cli import DEFAULT_MODEL, main
 from kvlearn.eval.accuracy import EvalConfig, evaluate
 from kvlearn.eval.plots import plot_accuracy
-from kvlearn.eval.results import SCHEMA, make_results, write_results
+from kvlearn.results import SCHEMA, make_results, write_results
 from kvlearn.testbed import tasks
 from kvlearn.testbed.tokenizer import build_tokenizer
 
@@ -120,7 +120,7 @@ def test_shipped_teacher_loads_plainly_and_answers_a_sample():
 
 
 def test_results_commit_comes_from_the_environment_when_given(monkeypatch):
-    from kvlearn.eval.results import git_commit, make_results
+    from kvlearn.results import git_commit, make_results
 
     monkeypatch.setenv("KVLEARN_COMMIT", "abc1234")
     assert git_commit() == "abc1234" and make_results("ops", [])["commit"] == "abc1234"

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .results import SCHEMA
+from ..results import SCHEMA
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     print(f"\ntraining_batch throughput, one process, length {args.length}: {t['tokens_per_s']:,} tokens/s "
           f"({t['ms_per_example']} ms per example)")
     if args.out:
-        from ..eval.results import make_results, write_results
+        from ..results import make_results, write_results
 
         results = make_results("testbed", rows, device="cpu", context=args.length, n_per_row=args.n,
                                window_cache={"sinks": 4, "budget": 1024}, throughput=t)

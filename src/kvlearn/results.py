@@ -21,7 +21,7 @@ def git_commit(cwd: str | os.PathLike | None = None) -> str:
     ``.git`` need not match it, so device scripts pass the commit they were sent from."""
     if os.environ.get("KVLEARN_COMMIT"):
         return os.environ["KVLEARN_COMMIT"]
-    cwd = cwd or Path(__file__).resolve().parents[3]
+    cwd = cwd or Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd, capture_output=True, text=True).stdout.strip()
