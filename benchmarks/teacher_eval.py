@@ -4,7 +4,8 @@
         --n-per-task 100 --out results/testbed_teacher.json
 
 Full cache (dense) and a sinks+window cache (4 sinks, budget 1024, CR 75%) on every family at context 4096, greedy
-decoding through the real caches; one results file with both methods' rows.
+decoding through the real caches, on both evaluation splits (``eval``: training haystack styles and depth regimes on
+unseen seeds; ``heldout``: a style and a regime training never saw); one results file with every row.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--splits", default="eval,heldout", help="comma list of eval, heldout")
     ap.add_argument("--out", default="results/testbed_teacher.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -34,9 +36,11 @@ def main() -> int:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = load_model(args.model, dtype=dtype, device=args.device)
     rows = []
-    for method, budget in (("dense", None), ("streaming", args.budget)):
+    settings = [(split, method, budget) for split in args.splits.split(",")
+                for method, budget in (("dense", None), ("streaming", args.budget))]
+    for split, method, budget in settings:
         cfg = EvalConfig(method=method, budget=budget, n_per_task=args.n_per_task, context=args.context,
-                         batch_size=args.batch_size)
+                         batch_size=args.batch_size, split=split)
         rows += evaluate(model, cfg, progress=False)
         print(format_table(rows), flush=True)
         results = make_results("accuracy", rows, device=args.device, model=args.model, context=args.context,

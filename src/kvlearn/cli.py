@@ -94,7 +94,7 @@ def cmd_demo(args) -> int:
 def cmd_pretrain(args) -> int:
     from .train.pretrain import PretrainConfig, pretrain
 
-    config = PretrainConfig(out=args.out, minutes=args.minutes, device=_device(args.device), seed=args.seed,
+    config = PretrainConfig(**({"out": args.out} if args.out else {}), overwrite=args.overwrite, minutes=args.minutes, device=_device(args.device), seed=args.seed,
                             resume=args.resume, num_workers=args.num_workers, eval_n=args.eval_n,
                             tokens_per_step=args.tokens_per_step, lr=args.lr, dense_fraction=args.dense_fraction,
                             **({"stages": tuple(int(s) for s in args.stages.split(","))} if args.stages else {}),
@@ -147,13 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_eval)
 
     sp = sub.add_parser("pretrain", help="train the testbed teacher from scratch (GPU)")
-    sp.add_argument("--out", default="checkpoints/testbed-teacher")
-    sp.add_argument("--minutes", type=float, default=15.0)
+    sp.add_argument("--out", default=None, help="checkpoint folder (default: a new runs/testbed-teacher-<time>)")
+    sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
+    sp.add_argument("--minutes", type=float, default=18.0, help="wall-clock training budget")
     sp.add_argument("--device", default="auto")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--resume", default=None)
     sp.add_argument("--num-workers", type=int, default=6)
-    sp.add_argument("--eval-n", type=int, default=32)
+    sp.add_argument("--eval-n", type=int, default=64, help="examples per family and split in each stage check")
     sp.add_argument("--tokens-per-step", type=int, default=131072)
     sp.add_argument("--lr", type=float, default=2e-3)
     sp.add_argument("--warmup-steps", type=int, default=None)

@@ -182,3 +182,21 @@ def test_stream_ranks_and_workers_draw_disjoint_batches():
 def test_measure_throughput():
     r = measure_throughput(length=1024, batch_size=4, n_batches=2)
     assert r["tokens"] == 4 * 2 * 1024 and r["tokens_per_s"] > 0
+
+
+def test_training_stream_never_emits_a_heldout_style_or_regime():
+    """What training sees is drawn from train seeds only, and a train seed never takes a held-out style or depth
+    regime: the ``heldout`` evaluation split is truly unseen."""
+    from kvlearn.testbed.data import batch_examples
+    from kvlearn.testbed.filler import HELDOUT_STYLES, TRAIN_STYLES
+    from kvlearn.testbed.tasks import HELDOUT_REGIMES, TRAIN_REGIMES, seed_split
+
+    styles, regimes = set(), set()
+    for b in range(6):
+        for dense in (True, False, 0.75):
+            for e in batch_examples(64, 256, seed=(7 << 40) | b, dense=dense):
+                assert seed_split(e.seed) == "train"
+                styles.add(e.style)
+                regimes.add(e.regime)
+    assert not styles & set(HELDOUT_STYLES) and not regimes & set(HELDOUT_REGIMES)
+    assert styles == set(TRAIN_STYLES) and regimes == set(TRAIN_REGIMES)  # and it does vary the haystack

@@ -20,8 +20,14 @@ from kvlearn.testbed.tasks import (
     informative_positions,
     needed_positions,
     score,
+    HELDOUT_REGIMES,
+    REGIMES,
+    SPLITS,
+    TRAIN_REGIMES,
+    haystack_of,
     seed_split,
 )
+from kvlearn.testbed.filler import HELDOUT_STYLES, STYLES, TRAIN_STYLES, filler
 from kvlearn.testbed.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, VOCAB, WORD_TO_ID, ids_to_text
 
 ALL = [(f, v) for f in FAMILIES for v in VARIANTS[f]]
@@ -123,10 +129,12 @@ def test_in_context_answers_are_correct_and_only_answers(family, variant):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_filler_is_pure(family):
-    """Outside the items and the final question, the prompt holds only filler words, in whole sentences."""
-    for i in range(4):
-        e = generate(family, i, 4096, dense=False)
+@pytest.mark.parametrize("style", STYLES)
+def test_filler_is_pure(family, style):
+    """Outside the items and the final question, the prompt holds only filler words (and ".")."""
+    for i in range(3):
+        e = generate(family, example_seed(family, "eval", i), 4096, dense=False, style=style)
+        assert e.style == style
         covered = set(informative_positions(e))
         rest = [p for p in range(len(e.prompt_ids)) if p not in covered]
         assert all(e.prompt_ids[p] in FILLER_IDS or VOCAB[e.prompt_ids[p]] == "." for p in rest)
@@ -161,22 +169,29 @@ def test_oracle_budget_at_4096(family, variant):
         assert solve(family, _text(e.prompt_ids, needed)) == expected
 
 
+def _window_coverage(e, length=4096, sinks=4, window=1020):
+    question_start = e.needed_spans[-1][0]
+    items = [p for p in needed_positions(e) if 0 < p < question_start]
+    kept = [p for p in items if p < sinks or p >= length - window]
+    return items, kept
+
+
+@pytest.mark.parametrize("split", ["eval", "heldout"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_needed_items_are_spread_so_a_window_cache_fails(family):
-    """Sinks 4 + recent window 1020 at context 4096 keeps few needed items (uniform random depths)."""
+def test_needed_items_are_spread_so_a_window_cache_fails(family, split):
+    """Sinks 4 + recent window 1020 at context 4096 keeps few needed items, over the mixture of depth regimes of
+    each split (only the ``tail`` regime, 1/5 of the examples, puts everything in the window)."""
     lost, all_kept = [], 0
-    n = 60
+    n = 100
     for i in range(n):
-        e = generate(family, example_seed(family, "eval", i), 4096)
-        question_start = e.needed_spans[-1][0]
-        items = [p for p in needed_positions(e) if 0 < p < question_start]
-        kept = [p for p in items if p < 4 or p >= 4096 - 1020]
+        e = generate(family, example_seed(family, split, i), 4096)
+        items, kept = _window_coverage(e)
         lost.append(1 - len(kept) / len(items))
         all_kept += len(kept) == len(items)
-        depths = [p / question_start for p in items]
-        assert 0 <= min(depths) and max(depths) <= 1
-    assert statistics.mean(lost) > 0.6, statistics.mean(lost)
-    assert all_kept / n < 0.25, all_kept / n  # niah single/multikey: ~1/4 of needles sit in the window
+        if e.regime == "uniform":
+            assert 0 < len(items)
+    assert statistics.mean(lost) > 0.5, statistics.mean(lost)
+    assert all_kept / n < 0.45, all_kept / n
 
 
 def test_trace_definitions_sit_in_the_first_half():
@@ -243,3 +258,110 @@ def test_recall_in_context_questions_never_ask_a_single_key():
             start = max(j for j in range(a) if e.prompt_ids[j] == question)
             asked = e.prompt_ids[start + 2 : a - 3]  # between "question :" and "? answer :"
             assert len(asked) >= 2, ids_to_text(e.prompt_ids[start:a])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# haystack styles, depth regimes and the held-out split
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("family,variant", ALL)
+def test_every_style_and_regime_is_checked_by_the_independent_checker(family, variant, style, regime):
+    split = "heldout" if style in HELDOUT_STYLES or regime in HELDOUT_REGIMES else "eval"
+    for i in range(2):
+        for dense in (False, True):
+            e = generate(family, example_seed(family, split, i), 2048, variant, dense=dense, style=style, regime=regime)
+            assert (e.style, e.regime) == (style, regime) and e.length == 2048
+            answer = ids_to_text(e.answer_ids[:-1])
+            expected = answer.split()[-1] if family == "trace" else answer
+            assert solve(family, e.prompt_text) == expected
+
+
+def _sentences(ids, starts):
+    return [ids[a:b] for a, b in zip(starts, starts[1:])]
+
+
+def test_styles_differ_as_documented():
+    dot = WORD_TO_ID["."]
+    out = {st: filler(random.Random(3), 600, st) for st in STYLES}
+    for st, (ids, starts) in out.items():
+        assert len(ids) == 600 and starts[0] == 0 and starts[-1] == 600
+        sentences = _sentences(ids, starts)
+        assert all(4 <= len(x) <= 12 for x in sentences)
+        if st == "salad":
+            assert dot not in ids
+        elif st != "mixture":
+            assert all(x[-1] == dot and dot not in x[:-1] for x in sentences)
+    first_words = lambda st: {VOCAB[x[0]] for x in _sentences(*out[st])}  # noqa: E731
+    assert first_words("svo") == {"the"}
+    assert first_words("adverbial") <= set(V.FILLER_ADV)
+    assert first_words("prepositional") <= set(V.FILLER_PREP)
+    assert first_words("verb_first") <= set(V.FILLER_VERB)
+    repeat = [tuple(x) for x in _sentences(*out["repeat"])]
+    assert len(set(repeat)) <= 5 and len(repeat) > 50  # 1-3 cycled sentences (+ exact-length fillers)
+    mix = out["mixture"][0]
+    assert dot in mix and len({tuple(x) for x in _sentences(*out["mixture"])}) > 20
+
+
+def test_needle_right_after_bos_is_generated_and_checked():
+    """The ``head`` regime puts the first item right after ``<bos>`` half of the time."""
+    at_one = 0
+    for i in range(40):
+        e = generate("niah", example_seed("niah", "eval", i), 4096, "single", regime="head")
+        first_item = e.item_spans[0][0]
+        assert first_item < 0.06 * 4096
+        if first_item == 1:
+            at_one += 1
+            assert e.prompt_text.startswith("<bos> the special number for ")
+            assert solve("niah", e.prompt_text) == ids_to_text(e.answer_ids[:-1])
+    assert 8 <= at_one <= 32
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_depth_regimes_place_items_where_documented(regime):
+    for i in range(20):
+        e = generate("recall", example_seed("recall", "heldout" if regime in HELDOUT_REGIMES else "eval", i), 4096,
+                     regime=regime)
+        q = e.needed_spans[-1][0]
+        starts = [a / q for a, _ in e.item_spans[:-1]]
+        if regime == "head":
+            assert max(starts) < 0.15  # 48 pairs of 6 tokens do not fit in 5% of the filler: they spill over
+        elif regime == "tail":
+            assert min(starts) > 0.85
+        elif regime == "clustered":
+            assert max(starts) - min(starts) < 0.2
+        elif regime == "spread":  # evenly spaced: every fifth of the context holds items
+            assert all(any(k / 5 <= d < (k + 1) / 5 for d in starts) for k in range(5))
+
+
+def test_splits_draw_their_styles_and_regimes():
+    seen = {split: set() for split in SPLITS}
+    for split in SPLITS:
+        for fam in FAMILIES:
+            for i in range(150):
+                seed = example_seed(fam, split, i)
+                assert seed_split(seed) == split
+                style, regime = haystack_of(seed)
+                e = generate(fam, seed, 512)
+                assert (e.style, e.regime) == (style, regime)
+                seen[split].add((style, regime))
+    assert {s for s, _ in seen["train"]} == set(TRAIN_STYLES) == {s for s, _ in seen["eval"]}
+    assert {r for _, r in seen["train"]} == set(TRAIN_REGIMES) == {r for _, r in seen["eval"]}
+    assert seen["heldout"] == {(s, r) for s in HELDOUT_STYLES for r in HELDOUT_REGIMES}
+
+
+def test_train_seeds_never_take_a_heldout_style_or_regime():
+    seed = example_seed("niah", "train", 5)
+    for kwargs in ({"style": HELDOUT_STYLES[0]}, {"regime": HELDOUT_REGIMES[0]}):
+        with pytest.raises(KVLearnError, match="never generated from a train seed"):
+            generate("niah", seed, 1024, **kwargs)
+
+
+def test_unknown_style_regime_split_are_one_line_errors():
+    with pytest.raises(KVLearnError, match=r"style='prose' is unknown: expected one of svo, adverbial"):
+        generate("niah", 1, 1024, style="prose")
+    with pytest.raises(KVLearnError, match=r"regime='middle' is unknown: expected one of uniform, head"):
+        generate("niah", 1, 1024, regime="middle")
+    with pytest.raises(KVLearnError, match=r"split='test' is unknown: expected one of train, eval, heldout"):
+        example_seed("niah", "test", 0)

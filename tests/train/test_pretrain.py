@@ -49,7 +49,14 @@ def test_tiny_cpu_run_saves_a_plain_loadable_checkpoint(tmp_path):
                          stages=(256,), stage_fractions=(1.0,), tokens_per_step=1024, num_workers=0, eval_n=2,
                          log_every=1000, warmup_steps=2)
     log = pretrain(cfg)
-    assert log["steps"] >= 1 and log["stages"][0]["accuracy"].keys() == set(tasks.FAMILIES)
+    assert log["steps"] >= 1 and log["stages"][0]["accuracy"].keys() == {"eval", "heldout"}
+    assert log["stages"][0]["accuracy"]["heldout"].keys() == set(tasks.FAMILIES)
+    card = (tmp_path / "t" / "README.md").read_text()
+    assert "| 256 |" in card and "heldout" in card and f"{log['parameters']:,} parameters" in card
+    with pytest.raises(KVLearnError, match="already holds files: pass --overwrite"):
+        PretrainConfig(out=str(tmp_path / "t"))
+    PretrainConfig(out=str(tmp_path / "t"), overwrite=True)
+    assert PretrainConfig().out.startswith("runs/testbed-teacher-")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "t")
     tok = AutoTokenizer.from_pretrained(tmp_path / "t")
     assert model.config.num_key_value_heads == 2 and len(tok) == model.config.vocab_size

@@ -35,8 +35,10 @@ class EvalConfig:
     context: int = 4096
     batch_size: int = 8
     seed_offset: int = 0
+    split: str = "eval"
 
     def __post_init__(self) -> None:
+        check(self.split in ("eval", "heldout"), f"split={self.split!r} is unknown: expected one of eval, heldout")
         check(self.method in METHODS, f"method={self.method!r} is unknown: expected one of {', '.join(METHODS)}")
         unknown = [t for t in self.tasks if t not in testbed_tasks.FAMILIES]
         check(not unknown, f"task(s) {', '.join(map(repr, unknown))} unknown: expected any of {', '.join(testbed_tasks.FAMILIES)}")
@@ -109,7 +111,7 @@ def evaluate(model, config: EvalConfig, progress: bool = True) -> list[dict]:
     for task in config.tasks:
         result = TaskResult(task)
         examples = [
-            testbed_tasks.generate(task, testbed_tasks.example_seed(task, "eval", config.seed_offset + i), config.context)
+            testbed_tasks.generate(task, testbed_tasks.example_seed(task, config.split, config.seed_offset + i), config.context)
             for i in range(config.n_per_task)
         ]
         for start in range(0, len(examples), config.batch_size):
@@ -138,6 +140,7 @@ def evaluate(model, config: EvalConfig, progress: bool = True) -> list[dict]:
                 "budget": config.budget if config.method != "dense" else config.context,
                 "compression": round(config.compression, 6),
                 "task": task,
+                "split": config.split,
                 "accuracy": result.accuracy,
                 "n": result.n,
                 "kv_bytes": int(sum(result.kv_bytes) / max(1, len(result.kv_bytes))),
@@ -150,11 +153,11 @@ def evaluate(model, config: EvalConfig, progress: bool = True) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     """A plain-text table of result rows."""
-    header = f"{'method':<10} {'budget':>6} {'CR':>5} {'task':<8} {'acc':>6} {'n':>4} {'kv_bytes':>12}"
+    header = f"{'method':<10} {'budget':>6} {'CR':>5} {'split':<8} {'task':<8} {'acc':>6} {'n':>4} {'kv_bytes':>12}"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['method']:<10} {r['budget']:>6} {r['compression']:>5.2f} {r['task']:<8} {r['accuracy']:>6.3f} "
+            f"{r['method']:<10} {r['budget']:>6} {r['compression']:>5.2f} {r.get('split', 'eval'):<8} {r['task']:<8} {r['accuracy']:>6.3f} "
             f"{r['n']:>4} {r['kv_bytes']:>12,}"
         )
     return "\n".join(lines)

@@ -18,17 +18,17 @@ from ..errors import KVLearnError, check
 
 _FAMILIES = ("trace", "niah", "vt", "recall")
 
-_NEEDLE = re.compile(r"(?:^|(?<=\. )|(?<=<bos> )|(?<=<eos> ))the special number for (\S+) is (\d \d \d \d) \.")
+_NEEDLE = re.compile(r"(?:^|(?<= ))the special number for (\S+) is (\d \d \d \d) \.")
 _Q_NIAH_ONE = re.compile(r"what is the special number for (\S+) \? answer :$")
 _Q_NIAH_MANY = re.compile(r"what are the special numbers for (\S+(?: , \S+)*) \? answer :$")
 
-_VT_STATEMENT = re.compile(r"(?:^|(?<=\. )|(?<=<bos> )|(?<=<eos> ))var (\S+) = (?:(\d \d \d \d \d)|var (\S+)) \.")
+_VT_STATEMENT = re.compile(r"(?:^|(?<= ))var (\S+) = (?:(\d \d \d \d \d)|var (\S+)) \.")
 _Q_VT = re.compile(r"which variables hold (\d \d \d \d \d) \? answer :$")
 
-_PAIR = re.compile(r"(?:^|(?<=\. )|(?<=<bos> )|(?<=<eos> ))(\S+) : (\d \d \d) \.")
+_PAIR = re.compile(r"(?:^|(?<= ))(\S+) : (\d \d \d) \.")
 _Q_RECALL = re.compile(r"(\S+(?: \S+)*) \? answer :$")
 
-_DEF = re.compile(r"(?:^|(?<=\. )|(?<=<bos> )|(?<=<eos> ))let (\S+) = (\d) \.")
+_DEF = re.compile(r"(?:^|(?<= ))let (\S+) = (\d) \.")
 _PROGRAM = re.compile(r"program : (.*) question : what is (\S+) \? think :$")
 _STEP = re.compile(r"step (\d) : (\S+) = (\S+) ([+-]) (\S+)")
 

@@ -1,7 +1,8 @@
 """Measured properties of the testbed: oracle token counts, window-cache coverage, generation speed.
 
 ``python -m kvlearn.testbed.stats [--length 4096] [--n 200] [--out results/testbed_stats.json]`` prints the
-markdown tables quoted in ``docs/TESTBED.md`` and writes them as a results file.
+markdown tables quoted in ``docs/TESTBED.md`` and writes them as a results file: one row per split (``eval``,
+``heldout``), family and variant, with the window cache's loss broken down by haystack style and depth regime.
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ from .data import measure_throughput
 from .tasks import FAMILIES, VARIANTS, example_seed, generate, informative_positions, needed_positions
 
 
-def oracle_rows(length: int = 4096, n: int = 200, sinks: int = 4, window_budget: int = 1024) -> list[dict]:
-    """Per family/variant over ``n`` eval examples: needed / informative prompt tokens (mean, max), answer
+def oracle_rows(length: int = 4096, n: int = 200, sinks: int = 4, window_budget: int = 1024,
+                splits=("eval", "heldout")) -> list[dict]:
+    """Per split/family/variant over ``n`` examples: needed / informative prompt tokens (mean, max), answer
     length (mean, max), and how a sinks + recent-window cache of ``window_budget`` tokens fares: the mean
-    fraction of needed item tokens it loses and the fraction of examples where it keeps them all."""
+    fraction of needed item tokens it loses and the fraction of examples where it keeps them all, overall and
+    per haystack style and depth regime (``window_lost_by_style``, ``window_lost_by_regime``)."""
     rows = []
-    for family in FAMILIES:
+    for split, family in ((s, f) for s in splits for f in FAMILIES):
         for variant in VARIANTS[family]:
             need, info, ans, lost, kept_all = [], [], [], [], 0
+            by_style: dict[str, list[float]] = {}
+            by_regime: dict[str, list[float]] = {}
             for i in range(n):
-                e = generate(family, example_seed(family, "eval", i), length, variant)
+                e = generate(family, example_seed(family, split, i), length, variant)
                 positions = needed_positions(e)
                 need.append(len(positions))
                 info.append(len(informative_positions(e)))
@@ -32,8 +37,11 @@ def oracle_rows(length: int = 4096, n: int = 200, sinks: int = 4, window_budget:
                 kept = [p for p in items if p < sinks or p >= length - (window_budget - sinks)]
                 lost.append(1 - len(kept) / len(items))
                 kept_all += len(kept) == len(items)
+                by_style.setdefault(e.style, []).append(lost[-1])
+                by_regime.setdefault(e.regime, []).append(lost[-1])
             rows.append(
                 {
+                    "split": split,
                     "family": family,
                     "variant": variant,
                     "needed_mean": statistics.mean(need),
@@ -44,6 +52,8 @@ def oracle_rows(length: int = 4096, n: int = 200, sinks: int = 4, window_budget:
                     "answer_max": max(ans),
                     "window_lost": statistics.mean(lost),
                     "window_keeps_all": kept_all / n,
+                    "window_lost_by_style": {k: round(statistics.mean(v), 4) for k, v in sorted(by_style.items())},
+                    "window_lost_by_regime": {k: round(statistics.mean(v), 4) for k, v in sorted(by_regime.items())},
                 }
             )
     return rows
@@ -56,13 +66,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="also write a kvlearn.results.v1 file (kind 'testbed')")
     args = parser.parse_args(argv)
     print(f"length {args.length}, {args.n} eval examples per row; window cache = 4 sinks + {1024 - 4} recent tokens\n")
-    print("| family | variant | needed tokens mean / max | informative mean / max | answer tokens mean / max "
+    print("| split | family | variant | needed tokens mean / max | informative mean / max | answer tokens mean / max "
           "| window loses (mean share of needed items) | window keeps all |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     rows = oracle_rows(args.length, args.n)
     for r in rows:
         print(
-            f"| {r['family']} | {r['variant']} | {r['needed_mean']:.0f} / {r['needed_max']} "
+            f"| {r['split']} | {r['family']} | {r['variant']} | {r['needed_mean']:.0f} / {r['needed_max']} "
             f"| {r['informative_mean']:.0f} / {r['informative_max']} | {r['answer_mean']:.0f} / {r['answer_max']} "
             f"| {r['window_lost']:.2f} | {r['window_keeps_all']:.2f} |"
         )

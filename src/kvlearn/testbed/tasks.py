@@ -6,9 +6,12 @@ token ids straight from :data:`~kvlearn.testbed.tokenizer.WORD_TO_ID` (a 4096-to
 a millisecond of Python). The formats, the scaling with length and the design rationale are in
 ``docs/TESTBED.md``; :mod:`kvlearn.testbed.checkers` recomputes every answer from the prompt *text* alone.
 
-Items (needles, pairs, assignments, definitions) are inserted between filler sentences at uniformly random
-depths, so a sinks + recent-window cache loses most of them. ``dense=True`` (what training uses) adds
-in-context question/answer pairs whose answers are marked in ``loss_mask_prompt``.
+Items (needles, pairs, assignments, definitions) are inserted between filler sentences at depths drawn from a
+*depth regime* (:data:`REGIMES`: uniform, the first 5% with the first item right after ``<bos>`` half of the
+time, the last 5%, one cluster, evenly spread), into a haystack of one *style* (:data:`kvlearn.testbed.filler.STYLES`).
+Each example draws its style and regime from its seed's split: ``train`` and ``eval`` from the training styles
+and regimes, ``heldout`` from the held-out ones, which training never sees. ``dense=True`` (what training uses)
+adds in-context question/answer pairs whose answers are marked in ``loss_mask_prompt``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import random
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from ..errors import KVLearnError, check
-from .filler import filler, filler_ok
+from ..errors import KVLearnError, check, check_int
+from .filler import HELDOUT_STYLES, STYLES, TRAIN_STYLES, check_style, filler, filler_ok
 from .tokenizer import BOS_ID, EOS_ID, WORD_TO_ID, ids_to_text
 from .vocab import KEYS, THINK_SENTENCES, TRACE_NAMES, VT_NAMES
 
@@ -30,7 +33,13 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "vt": ("default",),
     "recall": ("default",),
 }
-SPLITS: tuple[str, ...] = ("train", "eval")
+SPLITS: tuple[str, ...] = ("train", "eval", "heldout")
+TRAIN_REGIMES: tuple[str, ...] = ("uniform", "head", "tail", "clustered")
+HELDOUT_REGIMES: tuple[str, ...] = ("spread",)
+REGIMES: tuple[str, ...] = TRAIN_REGIMES + HELDOUT_REGIMES
+_REGIME_WEIGHTS = (0.4, 0.2, 0.2, 0.2)  # of TRAIN_REGIMES: uniform depths stay the most common case
+HEAD_FRACTION = 0.05  # "head" / "tail": the first / last 5% of the item range
+CLUSTER_WIDTH = 0.1  # "clustered": every item of the example inside one window of 10% of the item range
 MIN_LENGTH = 128
 MAX_LENGTH = 16384
 
@@ -80,6 +89,8 @@ class Example:
     needed_spans: tuple[tuple[int, int], ...] = field(repr=False)
     item_spans: tuple[tuple[int, int], ...] = field(repr=False)
     dense: bool = False
+    style: str = "svo"
+    regime: str = "uniform"
 
     @property
     def length(self) -> int:
@@ -117,7 +128,40 @@ class _Item:
 
 
 
-def _assemble(rng, family, variant, seed, length, dense, items, tail, answer) -> Example:
+class _Haystack:
+    """The haystack of one example: its filler ``style`` and its depth ``regime``.
+
+    :meth:`depths` draws the sorted depths of ``n`` task items inside ``[lo, hi]`` (fractions of the filler):
+    ``uniform``: i.i.d. uniform; ``head`` / ``tail``: uniform in the first / last 5% of the range, and in
+    ``head`` the first call puts its first item exactly at ``lo`` (right after ``<bos>`` when ``lo = 0``) half of
+    the time; ``clustered``: uniform inside one window of 10% of the range whose place is drawn once per example;
+    ``spread``: evenly spaced, ``(i + 1/2 + j_i) / n`` with a jitter ``j_i`` uniform in [-0.4, 0.4].
+    """
+
+    def __init__(self, style: str, regime: str, rng: random.Random):
+        self.style, self.regime, self.rng = style, regime, rng
+        self._cluster_start = rng.random() * (1.0 - CLUSTER_WIDTH)
+        self._first = True
+
+    def depths(self, n: int, lo: float = 0.0, hi: float = 1.0) -> list[float]:
+        rand, regime = self.rng.random, self.regime
+        if regime == "uniform":
+            u = [rand() for _ in range(n)]
+        elif regime == "head":
+            u = [HEAD_FRACTION * rand() for _ in range(n)]
+            if self._first and n and rand() < 0.5:
+                u[u.index(min(u))] = 0.0
+        elif regime == "tail":
+            u = [1.0 - HEAD_FRACTION * rand() for _ in range(n)]
+        elif regime == "clustered":
+            u = [self._cluster_start + CLUSTER_WIDTH * rand() for _ in range(n)]
+        else:  # spread
+            u = [(i + 0.5 + 0.8 * (rand() - 0.5)) / n for i in range(n)]
+        self._first = self._first and n == 0
+        return sorted(lo + (hi - lo) * x for x in u)
+
+
+def _assemble(rng, hay: _Haystack, family, variant, seed, length, dense, items, tail, answer) -> Example:
     """Place ``items`` into exactly enough filler that ``1 + items + filler + tail + answer == length``.
 
     ``tail`` (the final question; for trace the program and the question) follows the filler and is always
@@ -132,7 +176,7 @@ def _assemble(rng, family, variant, seed, length, dense, items, tail, answer) ->
             f"length={length} is too small for family={family!r} variant={variant!r}: its items need {fixed} "
             f"tokens plus 0 or >= 4 filler tokens"
         )
-    fill, starts = filler(rng, n_fill)
+    fill, starts = filler(rng, n_fill, hay.style)
     n_bound = len(starts)
     placed = sorted(
         ((min(bisect_left(starts, it.frac * n_fill), n_bound - 1), it.frac, order, it) for order, it in enumerate(items)),
@@ -164,7 +208,7 @@ def _assemble(rng, family, variant, seed, length, dense, items, tail, answer) ->
     needed.append((start, len(prompt)))
     spans.append((start, len(prompt)))
     assert len(prompt) + len(answer) == length and len(mask) == len(prompt)
-    return Example(family, variant, seed, prompt, answer, mask, tuple(needed), tuple(spans), dense)
+    return Example(family, variant, seed, prompt, answer, mask, tuple(needed), tuple(spans), dense, hay.style, hay.regime)
 
 
 def _scale(length: int) -> float:
@@ -195,7 +239,7 @@ def _niah_answer(groups: list[tuple[int, list[int]]]) -> list[int]:
     return [t for k, v in groups for t in [k, _IS] + v + [_COMMA]][:-1]
 
 
-def _niah(rng: random.Random, length: int, variant: str, dense: bool, seed: int) -> Example:
+def _niah(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: bool, seed: int) -> Example:
     n_probes = max(1, length // 256) if dense else 0
     n_keys = {"single": 1, "multikey": 4, "multivalue": 1, "multiquery": 4}[variant]
     keys = rng.sample(_KEY_IDS, n_keys + n_probes)
@@ -203,15 +247,15 @@ def _niah(rng: random.Random, length: int, variant: str, dense: bool, seed: int)
     items: list[_Item] = []
     if variant == "multivalue":
         values = [_digits(rng, 4) for _ in range(4)]
-        fracs = sorted(rng.random() for _ in range(4))
+        fracs = hay.depths(4)
         items += [_Item(_needle(task_keys[0], v), f, needed=True) for v, f in zip(values, fracs)]
         tail = _Q_SINGLE + [task_keys[0]] + _ANSWER
         answer = _niah_answer([(task_keys[0], v) for v in values])
     else:
         values = [_digits(rng, 4) for _ in task_keys]
         target = rng.randrange(n_keys) if variant == "multikey" else 0
-        for i, (k, v) in enumerate(zip(task_keys, values)):
-            items.append(_Item(_needle(k, v), rng.random(), needed=(variant == "multiquery" or i == target)))
+        for i, (k, v, f) in enumerate(zip(task_keys, values, hay.depths(n_keys))):  # keys are a random sample
+            items.append(_Item(_needle(k, v), f, needed=(variant == "multiquery" or i == target)))
         if variant == "multiquery":
             order = list(range(n_keys))
             rng.shuffle(order)
@@ -231,14 +275,14 @@ def _niah(rng: random.Random, length: int, variant: str, dense: bool, seed: int)
         head = _Q_SINGLE + [k] + _ANSWER
         qa = head + _niah_answer([(k, v)]) + [EOS_ID]
         items.append(_Item(qa, f + (1.0 - f) * rng.random(), mask=_answer_mask(len(head), len(qa)), informative=False))
-    return _assemble(rng, "niah", variant, seed, length, dense, items, tail, answer)
+    return _assemble(rng, hay, "niah", variant, seed, length, dense, items, tail, answer)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # vt: "var NAME = D D D D D ." then hops "var NAME2 = var NAME1 ."; "question : which variables hold V ?"
 
 
-def _vt(rng: random.Random, length: int, variant: str, dense: bool, seed: int) -> Example:
+def _vt(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: bool, seed: int) -> Example:
     s = _scale(length)
     lo = 3 if length < 1024 else 4
     n_chains = min(6, max(2, 2 + round(s))) if dense else 1 + rng.randint(1, 2)
@@ -254,7 +298,7 @@ def _vt(rng: random.Random, length: int, variant: str, dense: bool, seed: int) -
         chain = names[used : used + size]
         used += size
         chains.append(chain)
-        fracs = sorted(rng.random() for _ in range(size))
+        fracs = hay.depths(size)
         needed = c == 0
         items.append(_Item([_VAR, chain[0], _EQ] + values[c] + [_DOT], fracs[0], needed=needed))
         for a, b, f in zip(chain, chain[1:], fracs[1:]):
@@ -265,7 +309,7 @@ def _vt(rng: random.Random, length: int, variant: str, dense: bool, seed: int) -
             items.append(_Item(qa, f, mask=_answer_mask(len(qa) - size - 1, len(qa)), informative=False))
     tail = _Q_VT + values[0] + _ANSWER
     answer = chains[0] + [EOS_ID]
-    return _assemble(rng, "vt", variant, seed, length, dense, items, tail, answer)
+    return _assemble(rng, hay, "vt", variant, seed, length, dense, items, tail, answer)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -276,19 +320,20 @@ def _recall_answer(keys: list[int], value_of: dict[int, list[int]]) -> list[int]
     return [t for k in keys for t in [k, _COLON] + value_of[k] + [_COMMA]][:-1]
 
 
-def _recall(rng: random.Random, length: int, variant: str, dense: bool, seed: int) -> Example:
+def _recall(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: bool, seed: int) -> Example:
     s = _scale(length)
     n_pairs = min(64, max(4, round(8 + 10 * s)))
     n_query = min(8, max(2, 4 + math.floor(s)), n_pairs)
     keys = rng.sample(_KEY_IDS, n_pairs)
     value_of = {k: _digits(rng, 3) for k in keys}
-    fracs = [rng.random() for _ in keys]
+    fracs = hay.depths(n_pairs)  # keys are a random sample, so sorted depths stay unrelated to the keys
     queried = rng.sample(keys, n_query)
     qset = set(queried)
     items = [_Item([k, _COLON] + value_of[k] + [_DOT], f, needed=k in qset) for k, f in zip(keys, fracs)]
     if dense:  # in-context questions about 2-3 pairs seen earlier
+        after = fracs[1]  # questions come after the second pair, whatever the depth regime put the pairs
         for _ in range(max(1, length // 256)):
-            f = rng.random()
+            f = after + (1.0 - after) * rng.random()
             seen = [k for k, kf in zip(keys, fracs) if kf < f]
             if len(seen) < 2:
                 continue
@@ -300,7 +345,7 @@ def _recall(rng: random.Random, length: int, variant: str, dense: bool, seed: in
             items.append(_Item(qa, f, mask=_answer_mask(len(head), len(qa)), informative=False))
     tail = _QUESTION + queried + _ANSWER
     answer = _recall_answer(queried, value_of) + [EOS_ID]
-    return _assemble(rng, "recall", variant, seed, length, dense, items, tail, answer)
+    return _assemble(rng, hay, "recall", variant, seed, length, dense, items, tail, answer)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -308,7 +353,7 @@ def _recall(rng: random.Random, length: int, variant: str, dense: bool, seed: in
 # think :"; the answer executes it: "step 1 : c = a + b ; 7 + 3 = 0 ; c = 0 . <thinking> step 2 : ..."
 
 
-def _trace(rng: random.Random, length: int, variant: str, dense: bool, seed: int) -> Example:
+def _trace(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: bool, seed: int) -> Example:
     s = _scale(length)
     hi = min(9, 4 + math.floor(s)) if length >= 256 else 2
     n_steps = rng.randint(max(2, hi - 4), hi)
@@ -328,8 +373,8 @@ def _trace(rng: random.Random, length: int, variant: str, dense: bool, seed: int
         value[x] = (value[a] + value[b]) % 10 if plus else (value[a] - value[b]) % 10
         used.update(n for n in (a, b) if n in defs)
         steps.append((x, a, b, plus))
-    items = [
-        _Item([_LET, n, _EQ, _DIGITS[value[n]], _DOT], 0.5 * rng.random(), needed=n in used) for n in defs
+    items = [  # definitions in the first half of the filler (defs are a random sample of names)
+        _Item([_LET, n, _EQ, _DIGITS[value[n]], _DOT], f, needed=n in used) for n, f in zip(defs, hay.depths(n_defs, 0.0, 0.5))
     ]
     tail = list(_PROGRAM)
     answer: list[int] = []
@@ -343,7 +388,7 @@ def _trace(rng: random.Random, length: int, variant: str, dense: bool, seed: int
             answer += rng.choice(_THINK)
     tail += _Q_TRACE + [lhs[-1]] + _THINK_TAIL
     answer += _FINAL + [_DIGITS[value[lhs[-1]]], EOS_ID]
-    return _assemble(rng, "trace", variant, seed, length, dense, items, tail, answer)
+    return _assemble(rng, hay, "trace", variant, seed, length, dense, items, tail, answer)
 
 
 _GENERATORS = {"trace": _trace, "niah": _niah, "vt": _vt, "recall": _recall}
@@ -358,45 +403,72 @@ def _check_family(family) -> None:
 
 
 def example_seed(family: str, split: str, index: int) -> int:
-    """The generator seed of example ``index`` of ``family`` in ``split`` ("train" or "eval").
+    """The generator seed of example ``index`` of ``family`` in ``split`` (one of :data:`SPLITS`).
 
-    ``index * 8 + split * 4 + family``: train and eval seeds (and the four families) never collide.
+    ``index * 12 + split * 4 + family``: the splits (and the four families) never share a seed, and
+    :func:`seed_split` recovers the split, which decides the haystack styles and depth regimes an example may use.
     """
     _check_family(family)
-    check(split in SPLITS, f"split={split!r} is invalid: expected one of {SPLITS}")
-    check(
-        isinstance(index, int) and not isinstance(index, bool) and index >= 0,
-        f"index={index!r} is invalid: expected an integer >= 0",
-    )
-    return index * 8 + SPLITS.index(split) * 4 + FAMILIES.index(family)
+    check_split(split)
+    check_int("index", index, 0)
+    return index * 12 + SPLITS.index(split) * 4 + FAMILIES.index(family)
+
+
+def check_split(split: str) -> str:
+    """``split`` if it is one of :data:`SPLITS`, else a one-line error listing them."""
+    check(split in SPLITS, f"split={split!r} is unknown: expected one of {', '.join(SPLITS)}")
+    return split
+
+
+def check_regime(regime: str) -> str:
+    """``regime`` if it is one of :data:`REGIMES`, else a one-line error listing them."""
+    check(regime in REGIMES, f"regime={regime!r} is unknown: expected one of {', '.join(REGIMES)}")
+    return regime
 
 
 def seed_split(seed: int) -> str:
-    """The split ("train" or "eval") that :func:`example_seed` drew ``seed`` from."""
-    return SPLITS[(seed >> 2) & 1]
+    """The split that :func:`example_seed` drew ``seed`` from."""
+    return SPLITS[(seed % 12) // 4]
 
 
-def generate(family: str, seed: int, length: int, variant: str | None = None, dense: bool = False) -> Example:
+def haystack_of(seed: int) -> tuple[str, str]:
+    """The ``(style, regime)`` that ``seed`` draws: training styles/regimes for the ``train`` and ``eval`` splits
+    (styles uniform, regimes with :data:`_REGIME_WEIGHTS`), held-out ones for ``heldout``."""
+    rng = random.Random(f"kvlearn-haystack:{seed}")
+    if seed_split(seed) == "heldout":
+        return rng.choice(HELDOUT_STYLES), rng.choice(HELDOUT_REGIMES)
+    return rng.choice(TRAIN_STYLES), rng.choices(TRAIN_REGIMES, weights=_REGIME_WEIGHTS)[0]
+
+
+def generate(
+    family: str, seed: int, length: int, variant: str | None = None, dense: bool = False,
+    style: str | None = None, regime: str | None = None,
+) -> Example:
     """One example of ``family`` with ``len(prompt_ids) + len(answer_ids) == length``.
 
-    ``variant`` (see :data:`VARIANTS`) is drawn from the seed when None. ``dense=True`` adds in-context
-    question/answer pairs marked in ``loss_mask_prompt`` (training); the evaluation format is ``dense=False``.
-    The same arguments always give the same example.
+    ``variant`` (see :data:`VARIANTS`), ``style`` (:data:`STYLES`) and ``regime`` (:data:`REGIMES`) are drawn from
+    the seed when None (:func:`haystack_of`). A ``train``-split seed never takes a held-out style or regime, not
+    even when asked, so training cannot see them. ``dense=True`` adds in-context question/answer pairs marked in
+    ``loss_mask_prompt`` (training); the evaluation format is ``dense=False``. The same arguments always give the
+    same example.
     """
     _check_family(family)
+    check_int("seed", seed, 0)
+    check_int("length", length, MIN_LENGTH, MAX_LENGTH)
     if variant is None:
         variant = VARIANTS[family][random.Random(seed ^ 0x5EED).randrange(len(VARIANTS[family]))]
     check(variant in VARIANTS[family], f"variant={variant!r} is invalid for family={family!r}: expected one of {VARIANTS[family]}")
+    drawn_style, drawn_regime = haystack_of(seed)
+    style = drawn_style if style is None else check_style(style)
+    regime = drawn_regime if regime is None else check_regime(regime)
     check(
-        isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0,
-        f"seed={seed!r} is invalid: expected an integer >= 0",
-    )
-    check(
-        isinstance(length, int) and not isinstance(length, bool) and MIN_LENGTH <= length <= MAX_LENGTH,
-        f"length={length!r} is invalid: expected an integer in [{MIN_LENGTH}, {MAX_LENGTH}]",
+        seed_split(seed) != "train" or (style not in HELDOUT_STYLES and regime not in HELDOUT_REGIMES),
+        f"style={style!r} / regime={regime!r}: held-out styles {HELDOUT_STYLES} and regimes {HELDOUT_REGIMES} "
+        f"are never generated from a train seed (seed={seed})",
     )
     rng = random.Random(seed)
-    return _GENERATORS[family](rng, length, variant, bool(dense), seed)
+    hay = _Haystack(style, regime, random.Random(f"kvlearn-depths:{seed}"))
+    return _GENERATORS[family](rng, hay, length, variant, bool(dense), seed)
 
 
 def _positions(spans) -> list[int]:
