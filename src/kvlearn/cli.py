@@ -99,7 +99,8 @@ def cmd_pretrain(args) -> int:
                             tokens_per_step=args.tokens_per_step, lr=args.lr, dense_fraction=args.dense_fraction,
                             **({"stages": tuple(int(s) for s in args.stages.split(","))} if args.stages else {}),
                             **({"stage_fractions": tuple(float(s) for s in args.stage_fractions.split(","))} if args.stage_fractions else {}),
-                            **({"warmup_steps": args.warmup_steps} if args.warmup_steps is not None else {}))
+                            **({"warmup_steps": args.warmup_steps} if args.warmup_steps is not None else {}),
+                            **({"family_weights": tuple(float(w) for w in args.family_weights.split(","))} if args.family_weights else {}))
     pretrain(config)
     return 0
 
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="share of training rows with in-context question/answer pairs (the rest: evaluation format)")
     sp.add_argument("--stages", default=None, help="comma list of example lengths, e.g. 256,512,1024,2048,4096")
     sp.add_argument("--stage-fractions", default=None, help="comma list of time fractions, summing to 1")
+    sp.add_argument("--family-weights", default=None, help="comma list of sampling weights for trace,niah,vt,recall")
     sp.set_defaults(func=cmd_pretrain)
 
     sp = sub.add_parser("testbed", help="print one generated example")

@@ -59,6 +59,8 @@ class PretrainConfig:
     # share of rows in the dense training format (in-context Q/A pairs); the rest are in the evaluation format, so
     # the teacher also answers prompts with no earlier answer to copy the format from (docs/TESTBED.md)
     dense_fraction: float = 0.75
+    # sampling weight of each family (testbed FAMILIES order: trace, niah, vt, recall); None = uniform
+    family_weights: tuple[float, ...] | None = None
     # optimisation
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
@@ -85,6 +87,12 @@ class PretrainConfig:
         self.dense_fraction = dense_share(self.dense_fraction, "dense_fraction")
         check(self.tokens_per_step % max(self.stages) == 0, f"tokens_per_step={self.tokens_per_step} must be a multiple of the longest stage {max(self.stages)}")
         check_int("eval_n", self.eval_n, 1)
+        if self.family_weights is not None:
+            w = tuple(float(x) for x in self.family_weights)
+            check(len(w) == len(testbed_tasks.FAMILIES) and all(x >= 0 for x in w) and sum(w) > 0,
+                  f"family_weights={self.family_weights!r} is invalid: expected {len(testbed_tasks.FAMILIES)} non-negative "
+                  f"numbers ({', '.join(testbed_tasks.FAMILIES)}) with a positive sum")
+            self.family_weights = w
         check_int("num_workers", self.num_workers, 0)
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoint")
@@ -268,7 +276,7 @@ def pretrain(config: PretrainConfig) -> dict:
     def loader(length: int):
         rows = config.tokens_per_step // length // d.world
         stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world,
-                              dense=config.dense_fraction)
+                              dense=config.dense_fraction, weights=config.family_weights)
         return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                 pin_memory=device.type == "cuda", persistent_workers=False,
                                                 prefetch_factor=4 if config.num_workers else None))
