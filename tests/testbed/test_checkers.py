@@ -86,9 +86,9 @@ def test_trace_by_hand():
     )
     # c = 7 + 3 = 0, d = 0 - 7 = 3 (mod 10), e = 3 - 9 = 4 (mod 10)
     assert trace_steps(prompt) == [
-        "step 1 : c = a + b ; 7 + 3 = 0 ; c = 0 .",
-        "step 2 : d = c - a ; 0 - 7 = 3 ; d = 3 .",
-        "step 3 : e = d - z ; 3 - 9 = 4 ; e = 4 .",
+        "step 1 : c = a + b ; a = 7 ; b = 3 ; 7 + 3 = 0 ; c = 0 .",
+        "step 2 : d = c - a ; c = 0 ; a = 7 ; 0 - 7 = 3 ; d = 3 .",
+        "step 3 : e = d - z ; d = 3 ; z = 9 ; 3 - 9 = 4 ; e = 4 .",
     ]
     assert solve("trace", prompt) == "4"
     assert solve("trace", prompt.replace("what is e", "what is c")) == "0"

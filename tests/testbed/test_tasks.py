@@ -150,7 +150,7 @@ def test_trace_thinking_sentences_come_from_the_fixed_set():
     for i in range(10):
         e = generate("trace", i, 4096)
         body = e.answer_text
-        parts = re.split(r"step \d : \S+ = \S+ [+-] \S+ ; \d [+-] \d = \d ; \S+ = \d \. ?", body)
+        parts = re.split(r"step \d : \S+ = \S+ [+-] \S+ ; \S+ = \d ; \S+ = \d ; \d [+-] \d = \d ; \S+ = \d \. ?", body)
         assert parts[0] == "" and parts[-1].startswith("answer : ")
         assert all(p.strip() in sentences for p in parts[1:-1])
 

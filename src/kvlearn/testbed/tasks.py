@@ -350,7 +350,7 @@ def _recall(rng: random.Random, hay: _Haystack, length: int, variant: str, dense
 
 # ----------------------------------------------------------------------------------------------------------
 # trace: "let a = 7 ." definitions early; at the end "program : step 1 : c = a + b ; ... question : what is X ?
-# think :"; the answer executes it: "step 1 : c = a + b ; 7 + 3 = 0 ; c = 0 . <thinking> step 2 : ..."
+# think :"; the answer executes it: "step 1 : c = a + b ; a = 7 ; b = 3 ; 7 + 3 = 0 ; c = 0 . <thinking> step 2 : ..."
 
 
 def _trace(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: bool, seed: int) -> Example:
@@ -382,7 +382,10 @@ def _trace(rng: random.Random, hay: _Haystack, length: int, variant: str, dense:
         op = _PLUS if plus else _MINUS
         line = [_STEP, _DIGITS[k + 1], _COLON, x, _EQ, a, op, b, _SEMI]
         tail += line
-        answer += line + [_DIGITS[value[a]], op, _DIGITS[value[b]], _EQ, _DIGITS[value[x]], _SEMI]
+        # restate each operand's binding ("a = 7 ; b = 3 ;") before using it: the value is then the continuation of
+        # the bigram "a =" (a plain induction copy, as in niah and recall), not a lookup of a name four tokens back
+        answer += line + [a, _EQ, _DIGITS[value[a]], _SEMI, b, _EQ, _DIGITS[value[b]], _SEMI]
+        answer += [_DIGITS[value[a]], op, _DIGITS[value[b]], _EQ, _DIGITS[value[x]], _SEMI]
         answer += [x, _EQ, _DIGITS[value[x]], _DOT]
         if k + 1 < n_steps:
             answer += rng.choice(_THINK)
