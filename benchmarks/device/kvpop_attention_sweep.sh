@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The kernel tuning sweep behind the launch defaults (results/raw/kvpop_attention_sweep_h200.json): FlexAttention
+# The kernel tuning sweep behind the launch defaults (results/raw/kvpop_attention_sweep_h200_728ccb0.json): FlexAttention
 # tiles x query block size, the fused Triton forward's tunables, the target pass's options, into
 # $OUT/kvpop_attention_sweep_h200.json, stdout in $OUT/kvpop_attention_sweep.log.
 # Expected device time: about 5 minutes on one H200 (the sweep stops itself after BUDGET_S, default 270 s).

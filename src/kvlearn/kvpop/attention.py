@@ -222,7 +222,7 @@ def _gathered_attention(query, key, value, plan: GatheredPlan, scale, return_lse
     qp = F.pad(query, (0, 0, 0, Tp - T)) if Tp > T else query  # padded rows are zeros, dropped below
     qg = qp.reshape(B, Hq, nQ, BS, D).transpose(1, 2).reshape(B * nQ, Hq, BS, D)
     # index_select: its backward is index_add_ (atomic adds), not advanced indexing's sort-based index_put_
-    # (results/raw/kvpop_ops_h200_run2.json measured the gathered backward with advanced indexing at ~58 ms)
+    # (results/raw/kvpop_ops_h200_b80db6a.json measured the gathered backward with advanced indexing at ~58 ms)
     kg = key.reshape(B * Hkv * T, D).index_select(0, plan.flat_index).view(B * nQ, Hkv, C, D)
     vg = value.reshape(B * Hkv * T, D).index_select(0, plan.flat_index).view(B * nQ, Hkv, C, D)
     if query.device.type == "cpu" and needs_grad:  # eager FlexAttention has no backward on the CPU

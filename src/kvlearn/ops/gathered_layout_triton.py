@@ -37,7 +37,7 @@ from kvlearn.ops.triton_support import is_pow2 as _is_pow2
 from kvlearn.ops.triton_support import tl, triton
 
 # Keys per chunk of the scan and warps per program (None arguments take these). Not swept: on the H200 the kernel
-# takes 0.06 ms at T = 16384, 8 KV heads, block 128 (results/raw/gpu_tests_run4_rest.log), against 1.0 ms for the
+# takes 0.06 ms at T = 16384, 8 KV heads, block 128 (results/raw/gpu_tests_rest_2dba706.log), against 1.0 ms for the
 # torch build; the GPU tests also run 256 x 4 warps and 2048 x 8 warps.
 DEFAULT_CHUNK = 1024
 DEFAULT_NUM_WARPS = 8
