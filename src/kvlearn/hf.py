@@ -132,7 +132,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
     path = os.fspath(path)
     check(os.path.isdir(path), f"model path {path!r} does not exist or is not a directory: expected a checkpoint folder")
     config_path = os.path.join(path, "config.json")
-    check(os.path.isfile(config_path), f"model path {path!r} has no config.json: expected a transformers checkpoint folder")
+    check(os.path.isfile(config_path),
+          f"model path {path!r} has no config.json: expected a transformers checkpoint folder")
     try:
         with open(config_path, encoding="utf-8") as f:
             json.load(f)
@@ -149,7 +150,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
         raise KVLearnError(
             f"model type {model_type!r} at {path!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    weight_names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    weight_names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
     check(any(os.path.isfile(os.path.join(path, name)) for name in weight_names),
           f"model path {path!r} has no weights: expected one of {', '.join(weight_names)} next to config.json")
     for name in sorted(os.listdir(path)):

@@ -17,7 +17,8 @@ Two backends with the same signature and bit-identical results:
   of length ``n(q) = q - window - sinks + 1``, so the cutoff is a "k-th smallest value in a prefix" query. One
   program per (batch, head) builds a wavelet matrix over ``e`` (``ceil(log2 T)`` levels, each a stable
   partition by one bit whose prefix zero-counts come from ``tl.cumsum``); then every query is answered
-  independently in ``ceil(log2 T)`` steps, all queries in parallel. See ``docs/DESIGN.md`` (section 3, "Triton: wavelet matrix").
+  independently in ``ceil(log2 T)`` steps, all queries in parallel. See ``docs/DESIGN.md`` (section 3, "Triton:
+  wavelet matrix").
 """
 
 from __future__ import annotations

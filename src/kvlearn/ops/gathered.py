@@ -71,6 +71,11 @@ def gathered_layout(
     return gathered_layout_torch(end, block_size, capacity, chunk_blocks=chunk_blocks)
 
 
+def _check_layout(layout) -> None:
+    check(isinstance(layout, GatheredLayout),
+          f"layout of type {type(layout).__name__} is invalid: expected a GatheredLayout")
+
+
 def relative_intervals(layout: GatheredLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """The slots' visibility intervals relative to their block start, one query block per kernel batch entry.
 
@@ -79,7 +84,7 @@ def relative_intervals(layout: GatheredLayout) -> tuple[torch.Tensor, torch.Tens
         ``b * num_blocks + i`` is block ``i`` of batch ``b``): query row ``r`` of block ``i`` sees slot ``s`` iff
         ``rel_pos[., s] <= r < rel_end[., s]``.
     """
-    check(isinstance(layout, GatheredLayout), f"layout of type {type(layout).__name__} is invalid: expected a GatheredLayout")
+    _check_layout(layout)
     B, H, nQ, C = layout.index.shape
     q0 = torch.arange(nQ, device=layout.index.device, dtype=torch.int32)[:, None] * layout.block_size
 
@@ -110,7 +115,7 @@ def gathered_block_mask(
     ``ceil(num_used / block_size)``, nothing beyond. The ``mask_mod`` (visible iff ``rel_pos <= q_idx < rel_end``)
     closes over ``intervals``: :func:`relative_intervals` of ``layout``, computed here when None.
     """
-    check(isinstance(layout, GatheredLayout), f"layout of type {type(layout).__name__} is invalid: expected a GatheredLayout")
+    _check_layout(layout)
     G = check_int("query_heads_per_kv", query_heads_per_kv, 1)
     rel_pos, rel_end = relative_intervals(layout) if intervals is None else intervals
     B, H, nQ, C = layout.index.shape

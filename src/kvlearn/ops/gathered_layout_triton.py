@@ -1,8 +1,9 @@
 """Fused Triton build of the interval-gathered layout (:class:`kvlearn.ops.gathered_layout.GatheredLayout`).
 
 :func:`gathered_layout_triton` computes, in one launch, what its reference twin
-:func:`kvlearn.ops.gathered_layout.gathered_layout_torch` (same signature) builds from a ``[batch, kv_heads, num_blocks, T]`` grid with two int32
-cumsums and two searchsorted calls; the result is bit-identical (every field, dtype and shape).
+:func:`kvlearn.ops.gathered_layout.gathered_layout_torch` (same signature) builds from a ``[batch, kv_heads,
+num_blocks, T]`` grid with two int32 cumsums and two searchsorted calls; the result is bit-identical (every field,
+dtype and shape).
 
 * One program per (query block, batch, KV head), a 1-D grid, latest query blocks first (they scan the most keys).
   The program of query block ``i`` (``q0 = i * block_size``, ``q1 = q0 + block_size - 1``) reads ``end[b, h, :]`` of
@@ -219,9 +220,9 @@ def gathered_layout_triton(
             never-evicted keys already set to the padded length gives the same layout.
         block_size: query block size (>= 1).
         capacity: slots per query block, a positive multiple of ``block_size``
-            (:func:`kvlearn.ops.gathered_layout.gathered_capacity`; blocks with more used slots are truncated to their first
-            ``capacity`` slots, as the torch path does). None: the largest block's used count rounded up to
-            ``block_size`` (a counts-only launch and one host sync first).
+            (:func:`kvlearn.ops.gathered_layout.gathered_capacity`; blocks with more used slots are truncated to
+            their first ``capacity`` slots, as the torch build does). None: the largest block's used count rounded
+            up to ``block_size`` (a counts-only launch and one host sync first).
         chunk: keys per scan step (power of two in [16, 8192]); num_warps: the launch's (power of two <= 32).
             None: :data:`DEFAULT_CHUNK`, :data:`DEFAULT_NUM_WARPS`.
 

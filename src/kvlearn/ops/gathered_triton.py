@@ -47,8 +47,9 @@ from kvlearn.ops.gathered_layout import GatheredLayout
 
 
 # Launch defaults per input dtype (None arguments take these). Half: the fastest of the H200 sweep
-# (results/raw/kvpop_attention_sweep_h200_728ccb0.json: 128 x 128 tiles, 8 warps, 2 stages, fastest at k = 1792 and 2016 and at
-# query blocks of 64 and 128). float32 with "ieee" dots runs on FMAs and spills at the half shape: smaller tiles.
+# (results/raw/kvpop_attention_sweep_h200_728ccb0.json: 128 x 128 tiles, 8 warps, 2 stages, fastest at k = 1792 and
+# 2016 and at query blocks of 64 and 128). float32 with "ieee" dots runs on FMAs and spills at the half shape:
+# smaller tiles.
 DEFAULT_CONFIGS = {
     "half": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "float32": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
