@@ -7,7 +7,7 @@ s = 4, w = 256, k = 2016 and 1792, bf16). Measures, in one run, dense causal SDP
 ratio), then one row per configuration:
 
 * ``gathered_flex``: the gathered layout through FlexAttention, per query block size and flex ``kernel_options``;
-* ``gathered_triton``: the fused Triton forward of :mod:`kvlearn.kvpop.gathered_triton` (when present), per tunables;
+* ``gathered_triton``: the fused Triton forward of :mod:`kvlearn.ops.gathered_triton` (when present), per tunables;
 * ``target_flex``: the transposed target pass per ``kernel_options``.
 
 Every configuration is checked against the first one of its family (relative error of the output or target) and
@@ -30,9 +30,11 @@ from kvlearn.results import make_results, write_results
 from kvlearn.kvpop.attention import gathered_plan, gathered_tile_fraction, sparse_retention_attention
 from kvlearn.ops.fenwick import running_topk_cutoff
 from kvlearn.ops.future_target import future_attention_target
+from kvlearn.ops.gathered_triton import gathered_attention_forward
+from kvlearn.ops.triton_support import HAS_TRITON, interpreting
 from kvpop_ops import priorities  # benchmarks/kvpop_ops.py: the same priority model (2 randn + 0.001 t)
 
-TRITON_TUNABLES = [  # kvlearn.kvpop.gathered_triton.gathered_attention_forward launch choices ({} = its defaults)
+TRITON_TUNABLES = [  # kvlearn.ops.gathered_triton.gathered_attention_forward launch choices ({} = its defaults)
     {},
     {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
     {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
@@ -141,11 +143,7 @@ def main() -> int:
                     add({"name": label, "ms": ms, "over_dense": ms / dense_ms, "kernel_options": opts or {}, **base})
 
                 run(label, one)
-            try:
-                from kvlearn.kvpop import gathered_triton
-            except ImportError:
-                gathered_triton = None
-            if gathered_triton is not None and (not smoke or gathered_triton._interpreting()):
+            if HAS_TRITON and (not smoke or interpreting()):
                 for tun in TRITON_TUNABLES:
                     if out_of_time():
                         break
@@ -153,8 +151,8 @@ def main() -> int:
 
                     def one_triton(tun=tun, plan=plan, label=label):
                         with torch.no_grad():
-                            out, _ = gathered_triton.gathered_attention_forward(q, k, v, plan.layout, D ** -0.5, **tun)
-                            ms = bench(lambda: gathered_triton.gathered_attention_forward(q, k, v, plan.layout, D ** -0.5, **tun))
+                            out, _ = gathered_attention_forward(q, k, v, plan.layout, D ** -0.5, **tun)
+                            ms = bench(lambda: gathered_attention_forward(q, k, v, plan.layout, D ** -0.5, **tun))
                         if ref is not None:
                             checks[f"{label}_rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
                         add({"name": label, "ms": ms, "over_dense": ms / dense_ms, "tunables": tun, **base})

@@ -30,7 +30,8 @@ from kvlearn.ops.fenwick import running_cutoff, running_topk_cutoff, static_rank
 from kvlearn.ops.future_target import future_attention_target
 from kvlearn.ops.future_target_triton import default_config
 from kvlearn.ops.triton_support import HAS_TRITON, kernel_supports
-from kvlearn.ops.masks import gathered_layout, retention_block_mask
+from kvlearn.ops.gathered import gathered_layout
+from kvlearn.ops.masks import retention_block_mask
 
 
 SMOKE = False  # --smoke: tiny sizes on the CPU, to check the script itself before spending device time

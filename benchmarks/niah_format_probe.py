@@ -6,7 +6,7 @@ For each niah variant (single, multikey) and prompt format (``dense=False``: the
 answer in the prompt; ``dense=True``: the training format with in-context question/answer pairs), prints how many
 of ``n`` held-out examples get every answer token right under teacher forcing, the index of the first wrong answer
 token (1 = the separator after the key, ``is`` vs ``:``; 6 = the terminator), and a few wrong answers.
-``results/raw/niah_format_probe_run2.txt`` is its output for the run-2 teacher (commit 0c5393e), which led to the
+``results/raw/niah_format_probe_0c5393e.txt`` is its output for the run-2 teacher (commit 0c5393e), which led to the
 format fix of run 3 (docs/TESTBED.md, "Teacher recipe"). CPU, a few minutes.
 """
 

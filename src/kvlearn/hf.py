@@ -114,20 +114,58 @@ def kvlearn_attention(
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-    """Load a causal LM checkpoint from a local directory, with clear errors for a missing path or a bad family."""
+    """Load a causal LM checkpoint from a local directory (what ``save_pretrained`` writes), in eval mode.
+
+    Every bad folder is a one-line :class:`KVLearnError` that names the path and what is wrong: no such folder, no
+    ``config.json`` or one that is not valid JSON, an unsupported model family, no weights file, or a
+    ``*.safetensors`` file that is empty, truncated or garbled.
+    """
+    import json
+
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    def reason(err: BaseException) -> str:  # the cause in one line, without safetensors' generic prefix
+        text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return text.removeprefix("Error while deserializing header: ")
 
     path = os.fspath(path)
     check(os.path.isdir(path), f"model path {path!r} does not exist or is not a directory: expected a checkpoint folder")
-    check(
-        os.path.isfile(os.path.join(path, "config.json")),
-        f"model path {path!r} has no config.json: expected a transformers checkpoint folder",
-    )
-    config = AutoConfig.from_pretrained(path)
+    config_path = os.path.join(path, "config.json")
+    check(os.path.isfile(config_path),
+          f"model path {path!r} has no config.json: expected a transformers checkpoint folder")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:  # json.JSONDecodeError is a ValueError
+        raise KVLearnError(f"config {config_path!r} is not valid JSON ({reason(err)}): expected the JSON config that "
+                           "save_pretrained writes") from None
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise KVLearnError(f"config {config_path!r} is unreadable ({reason(err)}): expected the JSON config that "
+                           "save_pretrained writes") from None
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise KVLearnError(
             f"model type {model_type!r} at {path!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
+    weight_names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
+    check(any(os.path.isfile(os.path.join(path, name)) for name in weight_names),
+          f"model path {path!r} has no weights: expected one of {', '.join(weight_names)} next to config.json")
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        if name.endswith(".safetensors") and os.path.isfile(file):
+            try:
+                with safe_open(file, "pt"):  # reads the header and checks that the data covers the file exactly
+                    pass
+            except (SafetensorError, OSError) as err:
+                raise KVLearnError(f"weights {file!r} ({os.path.getsize(file)} bytes) are unreadable ({reason(err)}): "
+                                   "expected a complete safetensors file (truncated or garbled?)") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
+    except (SafetensorError, OSError) as err:
+        raise KVLearnError(f"model path {path!r} could not be loaded ({reason(err)}): expected a complete "
+                           "save_pretrained checkpoint") from None
     return model.to(device).eval()

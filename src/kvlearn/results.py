@@ -9,6 +9,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 SCHEMA = "kvlearn.results.v1"
@@ -39,14 +40,54 @@ def device_name(device: str | None = None) -> str:
     return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def repo_root() -> Path:
+    """The repository root (the folder holding ``pyproject.toml`` above ``src/kvlearn``); the working directory
+    when kvlearn runs from an installed copy."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() else Path.cwd().resolve()
+
+
+def portable_path(arg: str) -> str:
+    """``arg`` without this machine's absolute paths: a path inside the repository relative to its root, one under
+    ``$OUT`` (the device scripts' output folder) or the temporary folder as ``$OUT/...`` / ``$TMPDIR/...``;
+    anything else, ``--name=PATH`` included, with only its path part rewritten. Relative paths are left as typed."""
+    if arg.startswith("-") and "=" in arg:
+        name, value = arg.split("=", 1)
+        return f"{name}={portable_path(value)}"
+    if not os.path.isabs(arg):
+        return arg
+    path = Path(os.path.normpath(arg))
+    for base, label in ((repo_root(), None), (os.environ.get("OUT"), "$OUT"), (tempfile.gettempdir(), "$TMPDIR")):
+        if not base or not os.path.isabs(base):
+            continue
+        base = Path(os.path.normpath(base))
+        if path == base or base in path.parents:
+            rel = path.relative_to(base).as_posix()
+            if label is None:
+                return rel if rel != "." else "."
+            return label if rel == "." else f"{label}/{rel}"
+    return arg
+
+
 def command_line() -> str:
-    """The command that is running, as typed (``kvlearn ...`` or ``python script.py ...``)."""
+    """The command that is running, as typed (``kvlearn ...`` or ``python script.py ...``), with every absolute
+    path made portable by :func:`portable_path` (``python benchmarks/kvpop_ops.py --out $OUT/ops.json``)."""
     prog = os.path.basename(sys.argv[0])
     if prog in ("kvlearn", "__main__.py"):
         prog = "kvlearn"
     else:
-        prog = "python " + sys.argv[0]
-    return " ".join([prog] + [shlex.quote(a) for a in sys.argv[1:]])
+        prog = "python " + _shell_word(portable_path(sys.argv[0]))
+    return " ".join([prog] + [_shell_word(portable_path(a)) for a in sys.argv[1:]])
+
+
+def _shell_word(arg: str) -> str:
+    """``arg`` quoted for a POSIX shell, leaving a ``$OUT`` / ``$TMPDIR`` written by :func:`portable_path` unquoted
+    (so the command still expands it)."""
+    for label in ("$OUT", "$TMPDIR"):
+        head, sep, tail = arg.partition(label)
+        if sep and (not tail or tail.startswith("/")):
+            return (shlex.quote(head) if head else "") + label + (shlex.quote(tail) if tail else "")
+    return shlex.quote(arg)
 
 
 def make_results(kind: str, rows: list[dict], device: str | None = None, command: str | None = None, **fields) -> dict:

@@ -352,7 +352,7 @@ def test_backend_choice_errors_are_named():
 
 def test_auto_backend_on_cpu_is_flex(monkeypatch):
     """On the CPU "auto" never reaches the Triton kernel (it would raise there): same result as backend="flex"."""
-    import kvlearn.kvpop.gathered_triton as gt
+    import kvlearn.ops.gathered_triton as gt
 
     def boom(*a, **k):
         raise AssertionError("the Triton forward must not run on the CPU")
@@ -368,7 +368,7 @@ def test_auto_backend_on_cpu_is_flex(monkeypatch):
 @pytest.mark.gpu
 def test_cuda_auto_backend_takes_triton_without_grad_and_flex_with_grad(monkeypatch):
     pytest.importorskip("triton")
-    import kvlearn.kvpop.gathered_triton as gt
+    import kvlearn.ops.gathered_triton as gt
 
     calls = []
     real = gt.gathered_attention_forward

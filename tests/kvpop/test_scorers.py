@@ -320,12 +320,12 @@ def test_mlstm_prefill_ignores_left_padding_marked_invalid():
 
 
 def _scores_args(s, k, v, valid=None):
-    return (k, v, valid, s._params(), s.readout_delay, s.chunk_size, s.gate_softcap, s.eps, s.norm_eps)
+    return (k, v, valid, s.score_params(), s.readout_delay, s.chunk_size, s.gate_softcap, s.eps, s.norm_eps)
 
 
 def _compare_compiled(compiled, s, k, v, valid=None, tol=1e-5):
     outs = []
-    for fn in (compiled, scorers_mod._mlstm_scores):
+    for fn in (compiled, scorers_mod.mlstm_scores):
         out = fn(*_scores_args(s, k, v, valid))
         loss = (out[0] * torch.linspace(-1, 1, out[0].numel()).view_as(out[0])).sum() + out[1].sum() + out[2].sum()
         outs.append((out, torch.autograd.grad(loss, list(s.parameters()))))
@@ -339,7 +339,7 @@ def _compare_compiled(compiled, s, k, v, valid=None, tol=1e-5):
 @pytest.mark.parametrize("delayed,use_norm,padded", [(True, False, False), (False, True, False), (True, True, True)])
 def test_compiled_scores_equal_eager_in_one_graph(delayed, use_norm, padded):
     # fullgraph=True: the function traces without graph breaks; aot_eager runs the traced forward and backward
-    compiled = torch.compile(scorers_mod._mlstm_scores, dynamic=False, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(scorers_mod.mlstm_scores, dynamic=False, fullgraph=True, backend="aot_eager")
     s = _mlstm(window=5, seed=11, chunk_size=8, delayed_readout=delayed, use_norm=use_norm)
     k, v = _kv(12, t=77, dtype=torch.bfloat16)  # 9 full chunks + a remainder of 5
     valid = None
@@ -386,7 +386,7 @@ def _have_cxx() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _have_cxx(), reason="inductor on the CPU needs a C++ compiler")
 def test_inductor_compiled_scores_equal_eager_on_cpu():
-    compiled = torch.compile(scorers_mod._mlstm_scores, dynamic=False, backend="inductor")
+    compiled = torch.compile(scorers_mod.mlstm_scores, dynamic=False, backend="inductor")
     s = _mlstm(window=5, seed=15, chunk_size=8, use_norm=True)
     k, v = _kv(16, t=77, dtype=torch.bfloat16)
     _compare_compiled(compiled, s, k, v)

@@ -133,7 +133,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {tests_dir!r})
     from test_fenwick import CASES, brute_cutoffs, random_priorities
-    from kvlearn.ops.fenwick import _running_cutoff_triton, running_cutoff, static_ranks
+    from kvlearn.ops.fenwick import running_cutoff_triton, running_cutoff, static_ranks
 
     checked = 0
     for seed, B, H, T, sinks, window, topk, ties in CASES:
@@ -149,7 +149,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         ranks = static_ranks(random_priorities(100 + seed, (B, H, T), True))
         expect = brute_cutoffs(ranks, sinks, window, topk)
         for block, block_q in [(16, 32), (32, 16)]:
-            got = _running_cutoff_triton(ranks, sinks, window, topk, block=block, block_q=block_q)
+            got = running_cutoff_triton(ranks, sinks, window, topk, block=block, block_q=block_q)
             assert torch.equal(got, expect), (seed, block, block_q)
             checked += 1
     print("CHECKED", checked)

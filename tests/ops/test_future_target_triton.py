@@ -200,7 +200,7 @@ def test_auto_takes_triton_only_for_inputs_the_kernel_supports(monkeypatch):
         seen.append(triton_ok)
         return "torch"  # run the CPU backend whatever was decided
 
-    monkeypatch.setattr(ft, "_resolve_backend", record)
+    monkeypatch.setattr(ft, "resolve_backend", record)
     lse = torch.zeros(1, 4, 20)
     cases = [
         (torch.randn(1, 4, 20, 16, dtype=torch.bfloat16), torch.randn(1, 2, 20, 16, dtype=torch.bfloat16), None, True),
@@ -220,6 +220,6 @@ def test_auto_takes_triton_only_for_inputs_the_kernel_supports(monkeypatch):
     assert not any(kernel_supports(dt, d) for dt, d in ((torch.float64, 128), (torch.bfloat16, 96), (torch.bfloat16, 8),
                                                         (torch.bfloat16, 512), (torch.int32, 128)))
     cuda = torch.device("cuda")
-    assert ft._resolve_backend("auto", cuda, triton_ok=True) == ("triton" if HAS_TRITON else "flex")
-    assert ft._resolve_backend("auto", cuda, triton_ok=False) == "flex"
-    assert ft._resolve_backend("auto", torch.device("cpu"), triton_ok=True) == "torch"
+    assert ft.resolve_backend("auto", cuda, triton_ok=True) == ("triton" if HAS_TRITON else "flex")
+    assert ft.resolve_backend("auto", cuda, triton_ok=False) == "flex"
+    assert ft.resolve_backend("auto", torch.device("cpu"), triton_ok=True) == "torch"

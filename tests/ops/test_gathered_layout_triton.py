@@ -13,10 +13,13 @@ import torch
 from kvlearn.errors import KVLearnError
 from kvlearn.ops.fenwick import running_topk_cutoff
 from kvlearn.ops.gathered_layout_triton import gathered_layout_triton
-from kvlearn.ops.masks import eviction_positions, gathered_capacity, gathered_layout
+from kvlearn.ops.gathered import gathered_layout
+from kvlearn.ops.gathered_layout import gathered_capacity
+from kvlearn.ops.masks import eviction_positions
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_masks import fresh_draw, random_inputs  # noqa: E402  (the generators of the torch layout tests)
+from test_gathered import fresh_draw  # noqa: E402  (the generators of the torch layout tests)
+from test_masks import random_inputs  # noqa: E402
 
 FIELDS = ("index", "key_pos", "key_end", "num_full", "num_used", "block_size", "seq_len", "capacity")
 

@@ -240,11 +240,11 @@ def test_grouped_chunk_states_as_accurate_as_float64_at_many_chunks():
 
 
 def test_group_size_is_a_divisor_near_sqrt():
-    from kvlearn.ops.mlstm import _group_size
+    from kvlearn.ops.mlstm import chunk_group_size
 
-    assert [_group_size(n) for n in (1, 2, 3, 4, 7, 64, 256, 512)] == [1, 1, 1, 2, 1, 8, 16, 16]
+    assert [chunk_group_size(n) for n in (1, 2, 3, 4, 7, 64, 256, 512)] == [1, 1, 1, 2, 1, 8, 16, 16]
     for n in range(1, 200):
-        assert n % _group_size(n) == 0
+        assert n % chunk_group_size(n) == 0
 
 
 def test_large_preactivations_stay_finite():

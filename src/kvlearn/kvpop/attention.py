@@ -6,10 +6,10 @@ kernels (``backend=``):
 * ``"gathered"`` (default): every key has a visibility interval ``[t, end_t)``
   (:func:`kvlearn.ops.masks.eviction_positions`); per query block of ``block_size`` queries the keys any of its
   queries sees are gathered into ``capacity <= round_up(s + w + k + block_size - 1, block_size)`` slots
-  (:func:`kvlearn.ops.masks.gathered_layout`).
+  (:func:`kvlearn.ops.gathered.gathered_layout`).
 
   - ``backend="triton"`` (the default on CUDA when no gradient is needed, e.g. evaluation): the
-    fused forward of :mod:`kvlearn.kvpop.gathered_triton`, which reads K/V through the slot index (nothing is
+    fused forward of :mod:`kvlearn.ops.gathered_triton`, which reads K/V through the slot index (nothing is
     gathered in memory) and serves the G query heads of a KV head from each key tile. Only the layout is built.
   - ``backend="flex"`` (training, CPU): FlexAttention runs with the queries as ``[batch * blocks, Hq,
     block_size, D]`` against the gathered keys ``[batch * blocks, Hkv, capacity, D]`` (``index_select``, so
@@ -35,18 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
-from kvlearn.errors import check
-from kvlearn.kvpop import gathered_triton
+from kvlearn.errors import check, check_int
+from kvlearn.ops import gathered_triton  # a module attribute: tests spy on the kernel call
 from kvlearn.ops.flex import check_kernel_options, check_qkv, flex_attention_lse
+from kvlearn.ops.gathered import gathered_block_mask, gathered_layout, relative_intervals
+from kvlearn.ops.gathered_layout import GatheredLayout
+from kvlearn.ops.masks import retention_block_mask, retention_mask_dense
 from kvlearn.ops.triton_support import HAS_TRITON, check_triton_options, kernel_supports
-from kvlearn.ops.masks import (
-    GatheredLayout,
-    _gathered_block_mask,
-    _relative_intervals,
-    gathered_layout,
-    retention_block_mask,
-    retention_mask_dense,
-)
 
 LAYOUTS = ("gathered", "blockmask")
 BACKENDS = ("auto", "triton", "flex")
@@ -56,8 +51,8 @@ TRITON_OPTION_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "fp32_pre
 class GatheredPlan(NamedTuple):
     """Everything the gathered attention needs besides q/k/v; build it once with :func:`gathered_plan`.
 
-    ``layout``: the :class:`~kvlearn.ops.masks.GatheredLayout`. ``block_mask``: its FlexAttention BlockMask
-    (:func:`~kvlearn.ops.masks.gathered_block_mask`). ``flat_index``: int64 ``[batch * blocks * kv_heads *
+    ``layout``: the :class:`~kvlearn.ops.gathered_layout.GatheredLayout`. ``block_mask``: its FlexAttention BlockMask
+    (:func:`~kvlearn.ops.gathered.gathered_block_mask`). ``flat_index``: int64 ``[batch * blocks * kv_heads *
     capacity]`` rows of ``key.reshape(batch * kv_heads * T, D)`` to gather. ``rel_pos``/``rel_end``: int32
     ``[batch * blocks, kv_heads, capacity]`` slot intervals relative to the block start (the mask_mod's tensors).
     """
@@ -82,13 +77,12 @@ def gathered_plan(
     """Eviction positions, gathered layout, its BlockMask and gather index (see :class:`GatheredPlan`).
 
     ``topk``: the budget the cutoffs were computed with (no host sync); None sizes the layout from the data
-    (one host sync). See :func:`kvlearn.ops.masks.gathered_layout`.
+    (one host sync). See :func:`kvlearn.ops.gathered.gathered_layout`.
     """
-    ok = isinstance(query_heads_per_kv, int) and not isinstance(query_heads_per_kv, bool) and query_heads_per_kv >= 1
-    check(ok, f"query_heads_per_kv={query_heads_per_kv!r} is invalid: expected an integer >= 1")
+    check_int("query_heads_per_kv", query_heads_per_kv, 1)
     layout = gathered_layout(ranks, cutoffs, sinks, window, topk=topk, block_size=block_size)
-    rel_pos, rel_end = _relative_intervals(layout)
-    block_mask = _gathered_block_mask(layout, query_heads_per_kv, rel_pos, rel_end)
+    rel_pos, rel_end = relative_intervals(layout)
+    block_mask = gathered_block_mask(layout, query_heads_per_kv, (rel_pos, rel_end))
     B, H, nQ, C = layout.index.shape
     T = layout.seq_len
     rows = (torch.arange(B * H, device=ranks.device, dtype=torch.int64) * T).view(B, H, 1, 1)
@@ -142,12 +136,12 @@ def sparse_retention_attention(
             retention BlockMask).
         topk: ``layout="gathered"`` only: the budget the cutoffs were computed with; sizes the layout without a
             host sync (None: sized from the data, one sync). Must be the real budget (see
-            :func:`kvlearn.ops.masks.gathered_layout`).
+            :func:`kvlearn.ops.gathered.gathered_layout`).
         plan: ``layout="gathered"`` only: a prebuilt :func:`gathered_plan` for these inputs (built here when
             None; then ``topk`` and ``block_size`` are the plan's).
         kernel_options: launch options, None for the defaults. Flex: FlexAttention kernel options (tile sizes,
             warps, stages; see :func:`kvlearn.ops.flex.check_kernel_options`). Triton: keys of
-            :data:`TRITON_OPTION_KEYS` (see :func:`kvlearn.kvpop.gathered_triton.gathered_attention_forward`).
+            :data:`TRITON_OPTION_KEYS` (see :func:`kvlearn.ops.gathered_triton.gathered_attention_forward`).
         backend: ``layout="gathered"`` only. ``"auto"``: the fused Triton forward when it applies (CUDA inputs,
             no gradient needed, triton installed, bf16/fp16/fp32, head_dim a power of two in [16, 256], no
             ``kernel_options`` (None or empty)), else FlexAttention. ``"triton"`` (forward only) or ``"flex"`` to force one.
@@ -228,7 +222,7 @@ def _gathered_attention(query, key, value, plan: GatheredPlan, scale, return_lse
     qp = F.pad(query, (0, 0, 0, Tp - T)) if Tp > T else query  # padded rows are zeros, dropped below
     qg = qp.reshape(B, Hq, nQ, BS, D).transpose(1, 2).reshape(B * nQ, Hq, BS, D)
     # index_select: its backward is index_add_ (atomic adds), not advanced indexing's sort-based index_put_
-    # (results/raw/kvpop_ops_h200_run2.json measured the gathered backward with advanced indexing at ~58 ms)
+    # (results/raw/kvpop_ops_h200_b80db6a.json measured the gathered backward with advanced indexing at ~58 ms)
     kg = key.reshape(B * Hkv * T, D).index_select(0, plan.flat_index).view(B * nQ, Hkv, C, D)
     vg = value.reshape(B * Hkv * T, D).index_select(0, plan.flat_index).view(B * nQ, Hkv, C, D)
     if query.device.type == "cpu" and needs_grad:  # eager FlexAttention has no backward on the CPU

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import check
-from .policy import BoundaryDecisions
+from kvlearn.errors import check
+from kvlearn.kvpop.policy import BoundaryDecisions
 
 __all__ = ["BoundaryLoss", "boundary_loss"]
 

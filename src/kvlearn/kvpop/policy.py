@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..errors import check
+from kvlearn.errors import check, check_int
+from kvlearn.ops.fenwick import running_cutoff, static_ranks
 
 __all__ = [
     "log_decay",
@@ -32,15 +33,10 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _check_int(name: str, value, low: int) -> None:
-    check(isinstance(value, int) and not isinstance(value, bool) and value >= low,
-          f"{name}={value!r} is invalid: expected an integer >= {low}")
-
-
 def _check_budget(sinks, window, topk) -> None:
-    _check_int("sinks", sinks, 0)
-    _check_int("window", window, 1)
-    _check_int("topk", topk, 0)
+    check_int("sinks", sinks, 0)
+    check_int("window", window, 1)
+    check_int("topk", topk, 0)
 
 
 def _check_decay_range(decay_min, decay_max) -> None:
@@ -85,7 +81,7 @@ class LearnedDecay(nn.Module):
 
     def __init__(self, num_kv_heads: int, decay_min: float = 0.999, decay_max: float = 0.999999):
         super().__init__()
-        _check_int("num_kv_heads", num_kv_heads, 1)
+        check_int("num_kv_heads", num_kv_heads, 1)
         _check_decay_range(decay_min, decay_max)
         self.decay_min = float(decay_min)
         self.decay_max = float(decay_max)
@@ -117,7 +113,7 @@ def static_priorities(raw_scores: Tensor, log_gamma: Tensor, offset: int = 0) ->
           f"log_gamma shape={tuple(getattr(log_gamma, 'shape', ()))} is invalid: expected [kv_heads] = ({h},)")
     check(log_gamma.device == raw_scores.device,
           f"log_gamma device={log_gamma.device} differs from raw_scores device={raw_scores.device}")
-    _check_int("offset", offset, 0)
+    check_int("offset", offset, 0)
     t = torch.arange(offset, offset + raw_scores.shape[-1], device=raw_scores.device, dtype=torch.float32)
     return raw_scores.float() - t * log_gamma.float()[None, :, None]
 
@@ -159,8 +155,6 @@ def teacher_policy(target: Tensor, log_gamma: Tensor, sinks: int, window: int, t
         log_gamma: ``[kv_heads]`` the shared per-head log-decay (detached here: the teacher has no gradient).
         sinks, window, topk: the budget ``s, w, k`` (``s >= 0, w >= 1, k >= 0``).
     """
-    from ..ops.fenwick import running_cutoff, static_ranks
-
     _check_bht("target", target)
     _check_budget(sinks, window, topk)
     with torch.no_grad():
@@ -266,8 +260,8 @@ def sample_query_positions(seq_len: int, sinks: int, window: int, topk: int, num
     ``[uniform..., late...]``, int64 on the CPU (or the generator's device), not sorted, duplicates possible.
     """
     _check_budget(sinks, window, topk)
-    _check_int("seq_len", seq_len, 1)
-    _check_int("num", num, 0)
+    check_int("seq_len", seq_len, 1)
+    check_int("num", num, 0)
     check(isinstance(late_fraction, (int, float)) and not isinstance(late_fraction, bool)
           and 0.0 <= late_fraction <= 1.0, f"late_fraction={late_fraction!r} is invalid: expected a float in [0, 1]")
     lo = sinks + window + topk

@@ -28,17 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvlearn.errors import check
-from kvlearn.ops.mlstm import MLSTMState, _chunkwise, _readout, mlstm_step, mlstm_zero_state
+from kvlearn.errors import check, check_int
+from kvlearn.ops.mlstm import (
+    MLSTMState,
+    mlstm_chunkwise_unchecked,
+    mlstm_readout_unchecked,
+    mlstm_step,
+    mlstm_zero_state,
+)
 
-__all__ = ["KVScorer", "LinearScorer", "MLPScorer", "MLSTMScorer", "hedgehog"]
-
-
-def _check_pos_int(name: str, value, low: int = 1) -> None:
-    check(
-        isinstance(value, int) and not isinstance(value, bool) and value >= low,
-        f"{name}={value!r} is invalid: expected an integer >= {low}",
-    )
+__all__ = ["KVScorer", "LinearScorer", "MLPScorer", "MLSTMScorer", "hedgehog", "mlstm_scores"]
 
 
 def _cat_kv(key: Tensor, value: Tensor) -> Tensor:
@@ -58,8 +57,8 @@ class KVScorer(nn.Module):
 
     def __init__(self, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
-        _check_pos_int("num_kv_heads", num_kv_heads)
-        _check_pos_int("head_dim", head_dim)
+        check_int("num_kv_heads", num_kv_heads, 1)
+        check_int("head_dim", head_dim, 1)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
@@ -99,7 +98,7 @@ class KVScorer(nn.Module):
 
     def init_state(self, batch: int, device: torch.device | str | None = None):
         """State before the first token (``None``: stateless)."""
-        _check_pos_int("batch", batch)
+        check_int("batch", batch, 1)
         return None
 
     def prefill(self, key: Tensor, value: Tensor):
@@ -162,7 +161,7 @@ class MLPScorer(KVScorer):
     def __init__(self, num_kv_heads: int, head_dim: int, hidden: int | None = None, zero_init: bool = True) -> None:
         super().__init__(num_kv_heads, head_dim)
         hidden = 2 * head_dim if hidden is None else hidden
-        _check_pos_int("hidden", hidden)
+        check_int("hidden", hidden, 1)
         self.hidden = hidden
         bound1 = 1.0 / math.sqrt(2 * head_dim)
         self.w1 = nn.Parameter(torch.empty(num_kv_heads, 2 * head_dim, hidden).uniform_(-bound1, bound1))
@@ -220,7 +219,7 @@ def _score_head(h: Tensor, a: Tensor, b: Tensor, norm_weight: Tensor | None, nor
     return torch.einsum("bh...d,hd->bh...", F.silu(h), a.float()) + b.float().view((heads,) + (1,) * extra)
 
 
-def _mlstm_scores(
+def mlstm_scores(
     key: Tensor,
     value: Tensor,
     valid: Tensor | None,
@@ -231,7 +230,10 @@ def _mlstm_scores(
     eps: float,
     norm_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Scores ``[B,H,T]`` and the final state ``(C, n, m)`` of a full sequence (validated key/value ``[B,H,T,D]``).
+    """The MLSTMScorer forward as one pure function (what ``torch.compile`` compiles; no validation).
+
+    Scores ``[B,H,T]`` float32 and the final state ``(C [B,H,Dk,Dv], n [B,H,Dk], m [B,H])`` of a full sequence, from
+    validated key/value ``[B,H,T,D]`` and ``valid`` ``[B,T]`` (None: no padding).
 
     ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b)``; ``delay`` is the readout delay.
     """
@@ -244,13 +246,13 @@ def _mlstm_scores(
         fg = torch.where(keep, fg, 1e4)
     t = x.shape[2]
     if delay == 0:
-        h, state = _chunkwise(q, k, v, ig, fg, None, chunk_size, eps)
+        h, state = mlstm_chunkwise_unchecked(q, k, v, ig, fg, None, chunk_size, eps)
     else:
         # delayed: the readout at time s uses q̃_{s-w} (zeros for s < w: nothing to read yet, discarded)
         shift = min(delay, t)
         q_read = F.pad(q[:, :, : t - shift], (0, 0, shift, 0))
-        h_seq, state = _chunkwise(q_read, k, v, ig, fg, None, chunk_size, eps)
-        h_prov = _readout(q[:, :, t - shift :], *state, eps)  # u = T-w .. T-1, read at T-1
+        h_seq, state = mlstm_chunkwise_unchecked(q_read, k, v, ig, fg, None, chunk_size, eps)
+        h_prov = mlstm_readout_unchecked(q[:, :, t - shift :], *state, eps)  # u = T-w .. T-1, read at T-1
         h = torch.cat([h_seq[:, :, shift:], h_prov], dim=2)  # u = 0 .. T-1-w read at u + w, then provisional
     return (_score_head(h, a, b, norm_weight, norm_eps), *state)
 
@@ -261,13 +263,13 @@ _COMPILE_BACKEND = "inductor"
 
 
 def _compiled_scores(backend: str = "inductor") -> Callable:
-    """``torch.compile(_mlstm_scores, dynamic=False)``, created on first use (one per backend).
+    """``torch.compile(mlstm_scores, dynamic=False)``, created on first use (one per backend).
 
     ``dynamic=False``: one graph per input shape (sequence length, chunk count) and per set of Python constants
     (readout delay, chunk size, ...); a training run with a fixed sequence length compiles once."""
     fn = _COMPILED.get(backend)
     if fn is None:
-        fn = _COMPILED[backend] = torch.compile(_mlstm_scores, dynamic=False, backend=backend)
+        fn = _COMPILED[backend] = torch.compile(mlstm_scores, dynamic=False, backend=backend)
     return fn
 
 
@@ -320,13 +322,13 @@ class MLSTMScorer(KVScorer):
             head_dim % 2 == 0,
             f"head_dim={head_dim} is invalid for MLSTMScorer: expected an even head_dim (Hedgehog halves it)",
         )
-        _check_pos_int("window", window)
-        _check_pos_int("chunk_size", chunk_size)
+        check_int("window", window, 1)
+        check_int("chunk_size", chunk_size, 1)
         check(isinstance(delayed_readout, bool), f"delayed_readout={delayed_readout!r} is invalid: expected True or False")
         check(isinstance(use_norm, bool), f"use_norm={use_norm!r} is invalid: expected True or False")
         check(isinstance(compile, bool), f"compile={compile!r} is invalid: expected True or False")
         value_dim = head_dim // 2 if value_dim is None else value_dim
-        _check_pos_int("value_dim", value_dim)
+        check_int("value_dim", value_dim, 1)
         check(
             gate_softcap is None or (isinstance(gate_softcap, (int, float)) and gate_softcap > 0),
             f"gate_softcap={gate_softcap!r} is invalid: expected None or a number > 0",
@@ -370,7 +372,8 @@ class MLSTMScorer(KVScorer):
         )
 
     # -- pieces ---------------------------------------------------------------------------------------------
-    def _params(self) -> tuple:
+    def score_params(self) -> tuple:
+        """The parameter tensors :func:`mlstm_scores` takes as ``params``, in its order."""
         return (self.w_q, self.w_k, self.w_v, self.w_i, self.b_i, self.w_f, self.b_f, self.norm_weight, self.a, self.b)
 
     def _features(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -392,8 +395,8 @@ class MLSTMScorer(KVScorer):
         # and backward); eager without autograd (prefill of prompts of many lengths: one compile per length would
         # cost more than it saves) and on other devices
         use_compiled = self.compile and torch.is_grad_enabled() and key.device.type in _COMPILE_DEVICES
-        fn = _compiled_scores(_COMPILE_BACKEND) if use_compiled else _mlstm_scores
-        scores, c, n, m = fn(key, value, valid, self._params(), self.readout_delay, self.chunk_size,
+        fn = _compiled_scores(_COMPILE_BACKEND) if use_compiled else mlstm_scores
+        scores, c, n, m = fn(key, value, valid, self.score_params(), self.readout_delay, self.chunk_size,
                              self.gate_softcap, self.eps, self.norm_eps)
         return scores, MLSTMState(c, n, m)
 
@@ -416,7 +419,7 @@ class MLSTMScorer(KVScorer):
 
     def init_state(self, batch: int, device: torch.device | str | None = None) -> MLSTMState:
         """Empty state: ``C [B,H,D,Dv]``, ``n [B,H,D]``, ``m [B,H]`` zeros (float32)."""
-        _check_pos_int("batch", batch)
+        check_int("batch", batch, 1)
         return mlstm_zero_state(batch, self.num_kv_heads, self.feature_dim, self.value_dim, device)
 
     def step(

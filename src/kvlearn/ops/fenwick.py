@@ -17,14 +17,15 @@ Two backends with the same signature and bit-identical results:
   of length ``n(q) = q - window - sinks + 1``, so the cutoff is a "k-th smallest value in a prefix" query. One
   program per (batch, head) builds a wavelet matrix over ``e`` (``ceil(log2 T)`` levels, each a stable
   partition by one bit whose prefix zero-counts come from ``tl.cumsum``); then every query is answered
-  independently in ``ceil(log2 T)`` steps, all queries in parallel. See ``docs/notes_cutoff.md``.
+  independently in ``ceil(log2 T)`` steps, all queries in parallel. See ``docs/DESIGN.md`` (section 3, "Triton:
+  wavelet matrix").
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvlearn.errors import check
+from kvlearn.errors import check, check_int, is_int
 from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
 from kvlearn.ops.triton_support import interpreting as _interpreting
 from kvlearn.ops.triton_support import tl, triton
@@ -32,19 +33,14 @@ from kvlearn.ops.triton_support import tl, triton
 BACKENDS = ("auto", "torch", "triton")
 
 
-def _check_nonneg_int(name: str, value, low: int = 0) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    check(ok, f"{name}={value!r} is invalid: expected an integer >= {low}")
-
-
 def _check_params(sinks, window, topk) -> None:
-    _check_nonneg_int("sinks", sinks)
+    check_int("sinks", sinks, 0)
     check(
-        not (isinstance(window, int) and not isinstance(window, bool) and window == 0),
+        not (is_int(window) and window == 0),
         "window=0 is invalid (zero window): expected an integer >= 1 (the query itself is always in the window)",
     )
-    _check_nonneg_int("window", window, 1)
-    _check_nonneg_int("topk", topk)
+    check_int("window", window, 1)
+    check_int("topk", topk, 0)
 
 
 def _check_3d(name: str, tensor, dtype: torch.dtype) -> None:
@@ -118,7 +114,7 @@ def running_cutoff(
     ranks = ranks.contiguous()
     if backend == "torch":
         return _running_cutoff_torch(ranks, sinks, window, topk)
-    return _running_cutoff_triton(ranks, sinks, window, topk)
+    return running_cutoff_triton(ranks, sinks, window, topk)
 
 
 def running_topk_cutoff(
@@ -294,13 +290,15 @@ def _wavelet_bits(T: int) -> int:
     return max(1, (T - 1).bit_length())
 
 
-def _running_cutoff_triton(
+def running_cutoff_triton(
     ranks: torch.Tensor, sinks: int, window: int, topk: int, block: int | None = None, block_q: int | None = None
 ) -> torch.Tensor:
-    """Wavelet-matrix cutoffs. ``ranks`` int32 ``[B, H, T]`` contiguous, ``1 <= topk <= T - window - sinks``.
+    """The Triton backend of :func:`running_cutoff` without validation: wavelet-matrix cutoffs, int32 ``[B, H, T]``.
 
-    ``block`` (build chunk) and ``block_q`` (queries per program) are powers of two; tests shrink them to
-    exercise the chunk loop at small T.
+    The caller guarantees what :func:`running_cutoff` checks and handles first: ``ranks`` int32 ``[B, H, T]``
+    contiguous on CUDA (or the CPU under ``TRITON_INTERPRET=1``), ``B * H >= 1``, ``1 <= topk <= T - window -
+    sinks``. ``block`` (build chunk) and ``block_q`` (queries per program) are powers of two, None for the
+    defaults; tests shrink them to exercise the chunk loop at small T.
     """
     B, H, T = ranks.shape
     N = T - window - sinks
@@ -333,4 +331,4 @@ def _running_cutoff_triton(
     return out
 
 
-__all__ = ["BACKENDS", "running_cutoff", "running_topk_cutoff", "static_ranks"]
+__all__ = ["BACKENDS", "running_cutoff", "running_cutoff_triton", "running_topk_cutoff", "static_ranks"]

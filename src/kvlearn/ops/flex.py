@@ -39,7 +39,7 @@ _compiled: Callable | None = None
 # Every kvlearn kernel is its own specialisation of the one compiled flex_attention: the sparse attention on two
 # layouts, the causal LSE, the transposed target with and without a lookahead, with and without autograd, one
 # per sequence length. Dynamo's default of 8 per code object is too small: past it calls silently run EAGER flex
-# (results/raw/kvpop_ops_h200_run2.json: attn_sparse_fwd_k1792 63 ms against 4.6 ms compiled at k=2016).
+# (results/raw/kvpop_ops_h200_b80db6a.json: attn_sparse_fwd_k1792 63 ms against 4.6 ms compiled at k=2016).
 RECOMPILE_LIMIT = 64
 
 

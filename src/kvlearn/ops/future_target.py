@@ -30,10 +30,10 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from ..errors import check
-from .flex import check_kernel_options, flex_attention_lse
-from .future_target_triton import future_log_mass_triton
-from .triton_support import HAS_TRITON, check_triton_options, kernel_supports
+from kvlearn.errors import check, check_int, is_int
+from kvlearn.ops.flex import check_kernel_options, flex_attention_lse
+from kvlearn.ops.future_target_triton import future_log_mass_triton
+from kvlearn.ops.triton_support import HAS_TRITON, check_triton_options, kernel_supports
 
 __all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS", "TRITON_OPTION_KEYS"]
 
@@ -96,9 +96,10 @@ def _block_mask(kind: str, seq_len: int, window: int, device: torch.device, look
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_backend(backend: str, device: torch.device, *, triton_ok: bool = False) -> str:
-    """``"auto"``: the Triton kernel on CUDA where it applies (``triton_ok``), else compiled flex on CUDA, torch
-    elsewhere."""
+def resolve_backend(backend: str, device: torch.device, *, triton_ok: bool = False) -> str:
+    """The backend a call runs: ``backend`` itself unless ``"auto"``, which takes the Triton kernel on CUDA where
+    it applies (``triton_ok``: the caller's :func:`kvlearn.ops.triton_support.kernel_supports` verdict), else
+    compiled flex on CUDA, torch elsewhere. One-line error for a backend not in :data:`BACKENDS`."""
     check(backend in BACKENDS, f"backend={backend!r} is unknown: expected one of {', '.join(BACKENDS)}")
     if backend == "auto":
         if device.type != "cuda":
@@ -161,7 +162,7 @@ def causal_lse(query: Tensor, key: Tensor, scale: float | None = None, *, backen
     """
     b, hq, hkv, s, d = _check_qk(query, key)
     scale = _check_scale(scale, d)
-    backend = _resolve_backend(backend, query.device)
+    backend = resolve_backend(backend, query.device)
     check(backend != "triton", "backend='triton' is invalid for causal_lse: expected 'auto', 'flex' or 'torch' "
                                "(the Triton kernel computes the transposed target pass only)")
     with torch.no_grad():
@@ -278,8 +279,7 @@ def future_attention_target(
         (``t > S - 1 - w``) get ``log(eps)``. Positions are ``0 .. seq-1`` of one (possibly packed) sequence.
     """
     b, hq, hkv, s, d = _check_qk(query, key)
-    check(isinstance(window, int) and not isinstance(window, bool) and window >= 1,
-          f"window={window!r} is invalid: expected an integer >= 1")
+    check_int("window", window, 1)
     check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0,
           f"eps={eps!r} is invalid: expected a finite float > 0")
     check(aggregation in AGGREGATIONS, f"aggregation={aggregation!r} is unknown: expected one of {', '.join(AGGREGATIONS)}")
@@ -288,10 +288,10 @@ def future_attention_target(
     check(lse.dtype == torch.float32, f"lse dtype={lse.dtype} is invalid: expected torch.float32")
     check(lse.device == query.device, f"lse device={lse.device} differs from query device={query.device}")
     scale = _check_scale(scale, d)
-    check(lookahead is None or (isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead >= 0),
+    check(lookahead is None or (is_int(lookahead) and lookahead >= 0),
           f"lookahead={lookahead!r} is invalid: expected None or an integer >= 0")
     triton_ok = not kernel_options and kernel_supports(query.dtype, d) and key.dtype == query.dtype
-    backend = _resolve_backend(backend, query.device, triton_ok=triton_ok)
+    backend = resolve_backend(backend, query.device, triton_ok=triton_ok)
     if backend == "triton":
         kernel_options = check_triton_options(kernel_options, TRITON_OPTION_KEYS)
     else:

@@ -1,8 +1,9 @@
-"""Fused Triton build of the interval-gathered layout (:class:`kvlearn.ops.masks.GatheredLayout`).
+"""Fused Triton build of the interval-gathered layout (:class:`kvlearn.ops.gathered_layout.GatheredLayout`).
 
-:func:`gathered_layout_triton` computes, in one launch, what the torch path of
-:func:`kvlearn.ops.masks.gathered_layout` builds from a ``[batch, kv_heads, num_blocks, T]`` grid with two int32
-cumsums and two searchsorted calls; the result is bit-identical (every field, dtype and shape).
+:func:`gathered_layout_triton` computes, in one launch, what its reference twin
+:func:`kvlearn.ops.gathered_layout.gathered_layout_torch` (same signature) builds from a ``[batch, kv_heads,
+num_blocks, T]`` grid with two int32 cumsums and two searchsorted calls; the result is bit-identical (every field,
+dtype and shape).
 
 * One program per (query block, batch, KV head), a 1-D grid, latest query blocks first (they scan the most keys).
   The program of query block ``i`` (``q0 = i * block_size``, ``q1 = q0 + block_size - 1``) reads ``end[b, h, :]`` of
@@ -30,14 +31,14 @@ from __future__ import annotations
 import torch
 
 from kvlearn.errors import check
-from kvlearn.ops.masks import GatheredLayout, _check_int
+from kvlearn.ops.gathered_layout import GatheredLayout, capacity_for, check_end_inputs
 from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
 from kvlearn.ops.triton_support import interpreting as _interpreting
 from kvlearn.ops.triton_support import is_pow2 as _is_pow2
 from kvlearn.ops.triton_support import tl, triton
 
 # Keys per chunk of the scan and warps per program (None arguments take these). Not swept: on the H200 the kernel
-# takes 0.06 ms at T = 16384, 8 KV heads, block 128 (results/raw/gpu_tests_run4_rest.log), against 1.0 ms for the
+# takes 0.06 ms at T = 16384, 8 KV heads, block 128 (results/raw/gpu_tests_rest_2dba706.log), against 1.0 ms for the
 # torch build; the GPU tests also run 256 x 4 warps and 2048 x 8 warps.
 DEFAULT_CHUNK = 1024
 DEFAULT_NUM_WARPS = 8
@@ -169,14 +170,7 @@ if _HAS_TRITON:
 
 
 def _check_inputs(end, block_size, capacity, chunk, num_warps) -> None:
-    check(isinstance(end, torch.Tensor), f"end of type {type(end).__name__} is invalid: expected a torch.Tensor")
-    check(end.dim() == 3, f"end with shape {tuple(end.shape)} is invalid: expected 3 dims [batch, kv_heads, seq]")
-    check(end.dtype == torch.int32, f"end with dtype {end.dtype} is invalid: expected torch.int32")
-    check(end.shape[-1] >= 1, f"seq length {end.shape[-1]} is invalid: expected >= 1")
-    _check_int("block_size", block_size, 1)
-    check(capacity is None or (isinstance(capacity, int) and not isinstance(capacity, bool)
-                               and capacity >= block_size and capacity % block_size == 0),
-          f"capacity={capacity!r} is invalid: expected None or a positive multiple of block_size={block_size}")
+    check_end_inputs(end, block_size, capacity)
     check(_is_pow2(chunk) and 16 <= chunk <= 8192, f"chunk={chunk!r} is invalid: expected a power of two in [16, 8192]")
     check(_is_pow2(num_warps) and num_warps <= 32, f"num_warps={num_warps!r} is invalid: expected a power of two <= 32")
     check(_HAS_TRITON, "gathered_layout_triton is unavailable: triton is not installed (use gathered_layout's "
@@ -226,17 +220,18 @@ def gathered_layout_triton(
             never-evicted keys already set to the padded length gives the same layout.
         block_size: query block size (>= 1).
         capacity: slots per query block, a positive multiple of ``block_size``
-            (:func:`kvlearn.ops.masks.gathered_capacity`; blocks with more used slots are truncated to their first
-            ``capacity`` slots, as the torch path does). None: the largest block's used count rounded up to
-            ``block_size`` (a counts-only launch and one host sync first).
+            (:func:`kvlearn.ops.gathered_layout.gathered_capacity`; blocks with more used slots are truncated to
+            their first ``capacity`` slots, as the torch build does). None: the largest block's used count rounded
+            up to ``block_size`` (a counts-only launch and one host sync first).
         chunk: keys per scan step (power of two in [16, 8192]); num_warps: the launch's (power of two <= 32).
             None: :data:`DEFAULT_CHUNK`, :data:`DEFAULT_NUM_WARPS`.
 
     Returns:
-        :class:`kvlearn.ops.masks.GatheredLayout`: ``index``, ``key_pos``, ``key_end`` int32
+        :class:`kvlearn.ops.gathered_layout.GatheredLayout`: ``index``, ``key_pos``, ``key_end`` int32
         ``[batch, kv_heads, num_blocks, capacity]``, ``num_full``, ``num_used`` int32
         ``[batch, kv_heads, num_blocks]`` (``num_used`` not clamped to ``capacity``), ``num_blocks = ceil(T /
-        block_size)``; bit-identical to ``gathered_layout(..., backend="torch")`` on the same inputs.
+        block_size)``; bit-identical to :func:`kvlearn.ops.gathered_layout.gathered_layout_torch` on the same
+        inputs.
     """
     chunk = DEFAULT_CHUNK if chunk is None else chunk
     num_warps = DEFAULT_NUM_WARPS if num_warps is None else num_warps
@@ -246,7 +241,7 @@ def gathered_layout_triton(
     if capacity is None:
         used = _launch(end, block_size, 0, chunk, num_warps)[4]
         used_max = int(used.max()) if used.numel() else 0
-        capacity = max(block_size, -(-used_max // block_size) * block_size)
+        capacity = capacity_for(used_max, block_size)
     index, key_pos, key_end, num_full, num_used = _launch(end, block_size, capacity, chunk, num_warps)
     return GatheredLayout(index, key_pos, key_end, num_full, num_used, block_size, T, capacity)
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvlearn.errors import check
+from kvlearn.errors import check, check_int
 
 __all__ = [
     "MLSTMState",
@@ -40,6 +40,9 @@ __all__ = [
     "mlstm_readout",
     "mlstm_recurrent",
     "mlstm_chunkwise",
+    "mlstm_chunkwise_unchecked",
+    "mlstm_readout_unchecked",
+    "chunk_group_size",
 ]
 
 DEFAULT_EPS = 1e-6
@@ -58,7 +61,7 @@ def mlstm_zero_state(
 ) -> MLSTMState:
     """The empty state ``C = 0 [B,H,Dk,Dv]``, ``n = 0 [B,H,Dk]``, ``m = 0 [B,H]``."""
     for name, val in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
-        check(isinstance(val, int) and val >= 1, f"{name}={val!r} is invalid: expected an integer >= 1")
+        check_int(name, val, 1)
     return MLSTMState(
         torch.zeros(batch, heads, dk, dv, device=device, dtype=dtype),
         torch.zeros(batch, heads, dk, device=device, dtype=dtype),
@@ -120,8 +123,11 @@ def _cast_state(state: MLSTMState, dtype: torch.dtype) -> MLSTMState:
 # recurrent form
 
 
-def _readout(q: Tensor, c: Tensor, n: Tensor, m: Tensor, eps: float) -> Tensor:
-    """``q [B,H,...,Dk]`` against one state per (B,H) -> ``h [B,H,...,Dv]`` (all in the compute dtype)."""
+def mlstm_readout_unchecked(q: Tensor, c: Tensor, n: Tensor, m: Tensor, eps: float) -> Tensor:
+    """The readout of :func:`mlstm_readout` without validation or casts (it runs inside ``torch.compile``).
+
+    ``q [B,H,...,Dk]`` against one state per (B,H): ``c [B,H,Dk,Dv]``, ``n [B,H,Dk]``, ``m [B,H]``, all in one
+    float dtype -> ``h [B,H,...,Dv]`` in that dtype."""
     extra = q.dim() - 3  # number of query axes between H and Dk
     num = torch.einsum("bh...k,bhkv->bh...v", q, c)
     qn = torch.einsum("bh...k,bhk->bh...", q, n)
@@ -170,7 +176,7 @@ def _step(q, k, v, igate, fgate, state, eps) -> tuple[Tensor, MLSTMState]:
     iw = torch.exp(igate - m)  # [B,H] weight of the new write
     c = fw[..., None, None] * c_prev + iw[..., None, None] * (k.unsqueeze(-1) * v.unsqueeze(-2))
     n = fw[..., None] * n_prev + iw[..., None] * k
-    return _readout(q, c, n, m, eps), MLSTMState(c, n, m)
+    return mlstm_readout_unchecked(q, c, n, m, eps), MLSTMState(c, n, m)
 
 
 def mlstm_readout(q: Tensor, state: MLSTMState, eps: float = DEFAULT_EPS) -> Tensor:
@@ -193,7 +199,7 @@ def mlstm_readout(q: Tensor, state: MLSTMState, eps: float = DEFAULT_EPS) -> Ten
     _check_state(state, q.shape[0], q.shape[1], q.shape[-1], c.shape[-1], q.device)
     dt = _compute_dtype(q, *state)
     c, n, m = _cast_state(state, dt)
-    return _readout(q.to(dt), c, n, m, eps)
+    return mlstm_readout_unchecked(q.to(dt), c, n, m, eps)
 
 
 def mlstm_recurrent(
@@ -220,7 +226,7 @@ def mlstm_recurrent(
 # chunkwise-parallel form
 
 
-def _group_size(nc: int) -> int:
+def chunk_group_size(nc: int) -> int:
     """Divisor ``G`` of ``nc`` minimising the chunk-state work ``(nc/G + 1)·nc + nc·G`` (``G`` near ``sqrt(nc)``)."""
     best, best_cost = 1, None
     for gsz in range(1, nc + 1):
@@ -282,7 +288,7 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     # group's chunks i < j of exp(L[j,i] - M_j) U_i, with s the group start. The (j, i) entries used in (b) are
     # those of the same log_w matrix; the carried exponent is <= 0 (M_j is the max over all terms), and every
     # partial sum of the g_l <= 0 is bounded by the full one, so nothing cancels. O((NC/G + G) NC Dk Dv).
-    gsz = _group_size(nc)
+    gsz = chunk_group_size(nc)
     ngr = nc // gsz
     m_out = m_all[..., ::gsz]  # [B,H,NG+1] rows 0, G, ..., NC
     w_out = torch.exp(log_w[..., ::gsz, :] - m_out.unsqueeze(-1))  # [B,H,NG+1,NC]
@@ -319,8 +325,11 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     return num / den.unsqueeze(-1), final
 
 
-def _chunkwise(q, k, v, igate, fgate, state, chunk_size: int, eps: float) -> tuple[Tensor, MLSTMState]:
-    """:func:`mlstm_chunkwise` without validation (also the body that the scorer runs under ``torch.compile``)."""
+def mlstm_chunkwise_unchecked(q, k, v, igate, fgate, state, chunk_size: int, eps: float) -> tuple[Tensor, MLSTMState]:
+    """:func:`mlstm_chunkwise` without validation (the body that the KVpop scorer runs under ``torch.compile``).
+
+    Same arguments and result as :func:`mlstm_chunkwise` (``chunk_size`` and ``eps`` positional); the caller
+    guarantees the shapes, devices and ``chunk_size >= 1``."""
     dt = _compute_dtype(q, k, v, igate, fgate, *(state if state is not None else ()))
     q, k, v, igate, fgate = (x.to(dt) for x in (q, k, v, igate, fgate))
     bsz, heads, t, _ = q.shape
@@ -370,9 +379,6 @@ def mlstm_chunkwise(
     Returns:
         ``h [B, H, T, Dv]`` (float32) and the state after token ``T-1``.
     """
-    check(
-        isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1,
-        f"chunk_size={chunk_size!r} is invalid: expected an integer >= 1",
-    )
+    check_int("chunk_size", chunk_size, 1)
     _check_sequence_inputs(q, k, v, igate, fgate, state)
-    return _chunkwise(q, k, v, igate, fgate, state, chunk_size, eps)
+    return mlstm_chunkwise_unchecked(q, k, v, igate, fgate, state, chunk_size, eps)

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from kvlearn.errors import check
+from kvlearn.errors import check, check_int, is_int
 
 try:
     import triton
@@ -66,7 +66,7 @@ if HAS_TRITON:
 
 def is_pow2(n) -> bool:
     """True for a Python int that is a power of two (>= 1); False for anything else, bools included."""
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and (n & (n - 1)) == 0
+    return is_int(n) and n >= 1 and (n & (n - 1)) == 0
 
 
 # What the attention-type kernels (fused sparse forward, transposed target pass) take.
@@ -94,8 +94,7 @@ def check_launch(num_warps, num_stages, fp32_precision: str = "ieee", **blocks) 
     for name, value in blocks.items():
         check(is_pow2(value) and value >= 16, f"{name}={value!r} is invalid: expected a power of two >= 16")
     check(is_pow2(num_warps) and num_warps <= 32, f"num_warps={num_warps!r} is invalid: expected a power of two <= 32")
-    check(isinstance(num_stages, int) and not isinstance(num_stages, bool) and num_stages >= 1,
-          f"num_stages={num_stages!r} is invalid: expected an integer >= 1")
+    check_int("num_stages", num_stages, 1)
     check(fp32_precision in FP32_PRECISIONS,
           f"fp32_precision={fp32_precision!r} is invalid: expected one of {FP32_PRECISIONS}")
 

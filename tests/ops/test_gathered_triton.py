@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from kvlearn.errors import KVLearnError
-from kvlearn.kvpop.gathered_triton import gathered_attention_forward
+from kvlearn.ops.gathered_triton import gathered_attention_forward
 from kvlearn.ops.fenwick import running_topk_cutoff
-from kvlearn.ops.masks import gathered_capacity, gathered_layout, retention_mask_dense
+from kvlearn.ops.gathered import gathered_layout
+from kvlearn.ops.gathered_layout import gathered_capacity
+from kvlearn.ops.masks import retention_mask_dense
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

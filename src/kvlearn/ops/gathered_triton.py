@@ -1,6 +1,7 @@
-"""Fused Triton forward of KVpop sparse attention on the interval-gathered layout (inference / no-grad path).
+"""Fused Triton forward of sparse retention attention on the interval-gathered layout (inference / no-grad path).
 
-:func:`gathered_attention_forward` computes what ``sparse_retention_attention(..., layout="gathered")`` computes,
+:func:`gathered_attention_forward` computes what FlexAttention with :func:`kvlearn.ops.gathered.gathered_block_mask`
+computes on the gathered keys (``kvlearn.kvpop.attention.sparse_retention_attention(..., layout="gathered")``),
 without materialising the gathered keys and values and with one key tile serving every query head of a GQA group:
 
 * Grid ``(num_blocks * split, batch * kv_heads)``. A program owns ``BLOCK_M = G_P2 * QPP`` rows: the ``G`` query
@@ -42,12 +43,13 @@ from kvlearn.ops.triton_support import tl, triton
 if _HAS_TRITON:
     from kvlearn.ops.triton_support import finish_lse, online_lse_step
 from kvlearn.ops.flex import check_qkv
-from kvlearn.ops.masks import GatheredLayout
+from kvlearn.ops.gathered_layout import GatheredLayout
 
 
 # Launch defaults per input dtype (None arguments take these). Half: the fastest of the H200 sweep
-# (results/raw/kvpop_attention_sweep_h200.json: 128 x 128 tiles, 8 warps, 2 stages, fastest at k = 1792 and 2016 and at
-# query blocks of 64 and 128). float32 with "ieee" dots runs on FMAs and spills at the half shape: smaller tiles.
+# (results/raw/kvpop_attention_sweep_h200_728ccb0.json: 128 x 128 tiles, 8 warps, 2 stages, fastest at k = 1792 and
+# 2016 and at query blocks of 64 and 128). float32 with "ieee" dots runs on FMAs and spills at the half shape:
+# smaller tiles.
 DEFAULT_CONFIGS = {
     "half": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
     "float32": {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
@@ -265,7 +267,7 @@ def gathered_attention_forward(
     Args:
         query: ``[batch, q_heads, T, head_dim]``, bfloat16 / float16 / float32, head_dim a power of two in [16, 256].
         key, value: ``[batch, kv_heads, T, head_dim]``, same dtype/device; ``q_heads = G * kv_heads``.
-        layout: :func:`kvlearn.ops.masks.gathered_layout` for these ``(batch, kv_heads, T)`` (any block size).
+        layout: :func:`kvlearn.ops.gathered.gathered_layout` for these ``(batch, kv_heads, T)`` (any block size).
         scale: logit scale, default ``1 / sqrt(head_dim)``.
         return_lse: also return the natural-log LSE.
         block_m: rows per program, a power of two >= 16: ``next_pow2(G) x QPP`` with ``QPP = block_m //

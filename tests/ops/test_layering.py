@@ -1,0 +1,65 @@
+"""ops/ stays a leaf layer: it imports only kvlearn.errors and other ops modules, with no import cycle, and no
+kvlearn module imports another module's private (``_name``) function."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def kvlearn_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``(module, imported names)`` for every ``kvlearn`` import of one file, relative imports resolved."""
+    package = list(path.relative_to(SRC).with_suffix("").parts)[:-1]  # the package the file belongs to
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []  # level 1: this package
+            module = ".".join(base + ([node.module] if node.module else []))
+            if module.startswith("kvlearn"):
+                out.append((module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names if a.name.startswith("kvlearn")]
+    return out
+
+
+def ops_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in sorted((SRC / "kvlearn" / "ops").glob("*.py")):
+        deps = set()
+        for module, names in kvlearn_imports(path):
+            deps.add(module)
+            deps.update(f"{module}.{n}" for n in names if (SRC / module.replace(".", "/") / f"{n}.py").is_file())
+        graph[f"kvlearn.ops.{path.stem}"] = deps
+    return graph
+
+
+def test_ops_imports_only_errors_and_ops():
+    for module, deps in ops_graph().items():
+        outside = sorted(d for d in deps if d != "kvlearn.errors" and not d.startswith("kvlearn.ops"))
+        assert not outside, f"{module} imports {outside}"
+
+
+def test_ops_has_no_import_cycle():
+    graph = ops_graph()
+    done, active = set(), []
+
+    def visit(module):
+        assert module not in active, f"import cycle: {' -> '.join(active[active.index(module):] + [module])}"
+        if module in done or module not in graph:
+            return
+        active.append(module)
+        for dep in graph[module]:
+            visit(dep)
+        active.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+
+
+def test_no_private_name_crosses_modules():
+    crossing = [f"{path.relative_to(SRC)}: from {module} import {name}"
+                for path in sorted((SRC / "kvlearn").rglob("*.py"))
+                for module, names in kvlearn_imports(path)
+                for name in names if name.startswith("_") and not name.startswith("__")]
+    assert not crossing, crossing
