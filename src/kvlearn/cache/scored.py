@@ -196,7 +196,7 @@ class AttentionScoredPolicy(ScoredPolicy):
         in all, per (row, KV head)."""
         _, _, cand_pos, state = layer._pending
         scores = self.update_scores(state["score"], attention, cand_pos, step)
-        last = step.positions.max(dim=1).values[:, None, None]
+        last = step.real_after[:, None, None] - 1  # last real position (a row may have none in this forward)
         protected = (cand_pos >= 0) & ((cand_pos < self.sinks) | (cand_pos > last - self.window))
         key = torch.where(protected, torch.full_like(scores, float("inf")), scores)
         key = torch.where(cand_pos >= 0, key, torch.full_like(key, float("-inf")))
