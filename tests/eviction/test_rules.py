@@ -139,3 +139,21 @@ def test_attention_summary_matches_a_naive_softmax(queries, n, group):
     per_head = (probs * sel[:, None, :, None]).sum(2).reshape(b, hkv, g, kv)
     want = per_head.mean(2) if group == "mean" else per_head.sum(2)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["streaming", "knorm"])
+def test_dense_forward_sees_everything_then_compresses_once(name):
+    """The context protocol on rule-based policies: full causal attention inside the forward, then the rule's
+    survivors (streaming: sinks + the last window; knorm: sinks + window + the lowest norms)."""
+    from kvlearn.eviction import streaming
+
+    if name == "streaming":
+        cache, want = streaming.make_cache(streaming.StreamingConfig(budget=6, sinks=2), ONE_LAYER), [0, 1, 8, 9, 10, 11]
+    else:  # norms: eligible 1..9 -> the two lowest are 3 (0.5) and 7 (1.5)
+        cache, want = knorm.make_cache(knorm.KnormConfig(budget=5, sinks=1, window=2), ONE_LAYER), [0, 3, 7, 10, 11]
+    norms = [5, 4, 6, 0.5, 8, 3, 7, 1.5, 9, 2, 2.5, 6.5]
+    with cache.dense():
+        layer = feed(cache, norm_keys(norms))
+    assert held(layer) == want
+    mask = layer.visibility_mask(cache.step.positions)[0, 0, :, layer.capacity:]
+    assert torch.equal(mask, torch.ones(12, 12, dtype=torch.bool).tril())
