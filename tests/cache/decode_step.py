@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvlearn.eviction import knorm, streaming
+from kvlearn.eviction import h2o, knorm, streaming, tova
 from kvlearn.hf import kvlearn_attention
 
 B, HKV, G, D = 2, 2, 2, 16
@@ -21,6 +21,10 @@ def make_cache(name, num_layers=1):
     one = SimpleNamespace(num_hidden_layers=num_layers)
     if name == "streaming":
         return streaming.make_cache(streaming.StreamingConfig(budget=8, sinks=2), one)
+    if name == "tova":
+        return tova.make_cache(tova.TOVAConfig(budget=8), one)
+    if name == "h2o":
+        return h2o.make_cache(h2o.H2OConfig(budget=8, window=3), one)
     return knorm.make_cache(knorm.KnormConfig(budget=8, sinks=2, window=3), one)
 
 

@@ -1,5 +1,6 @@
 """The decode step of the streaming cache and of the scored base (knorm) is compile-ready: no host sync, no
-data-dependent shape. Proved on the CPU by forbidding every sync primitive during one step, and by tracing the step
+data-dependent shape (nor is that of the attention-driven TOVA and H2O: attend, hand the attention back, evict one).
+Proved on the CPU by forbidding every sync primitive during one step, and by tracing the step
 with ``torch.compile(fullgraph=True, backend="eager")`` (a graph break = a failure)."""
 
 import pytest
@@ -12,7 +13,7 @@ def _forbidden(*args, **kwargs):
     raise AssertionError("host sync or data-dependent shape on the decode path")
 
 
-@pytest.mark.parametrize("name", ["streaming", "knorm"])
+@pytest.mark.parametrize("name", ["streaming", "knorm", "tova", "h2o"])
 def test_decode_step_never_syncs(name, monkeypatch):
     cache, step_fn, inputs = decode_case(name, "cpu")
     expected = step_fn(clone_cache(cache), *inputs)
@@ -25,7 +26,7 @@ def test_decode_step_never_syncs(name, monkeypatch):
     assert torch.equal(slots, expected[1])
 
 
-@pytest.mark.parametrize("name", ["streaming", "knorm"])
+@pytest.mark.parametrize("name", ["streaming", "knorm", "tova", "h2o"])
 def test_decode_step_traces_as_one_graph(name):
     cache, step_fn, inputs = decode_case(name, "cpu")
     eager = step_fn(clone_cache(cache), *inputs)
