@@ -1,7 +1,8 @@
-"""Attention-driven methods end to end against an independent reference: a masking simulation (full K/V in a
+"""Every scored method end to end against an independent reference. Attention-driven methods: against: a masking simulation (full K/V in a
 ``DynamicCache``, an eager attention function that keeps the alive set of every (layer, KV head) and applies the
-method's rule after attending), written from the papers' rules with none of the cache code. The compact cache
-(prefill in one forward, then token by token) must give the same logits."""
+method's rule after attending), written from the papers' rules with none of the cache code; the compact cache
+(prefill in one forward, then token by token) must give the same logits. Static-score methods (knorm, random):
+against the rule applied to every query of one full-sequence forward."""
 
 import pytest
 import torch
@@ -95,3 +96,58 @@ def test_cache_equals_masking_simulation(name):
             got = [model(input_ids=ids[:, :n], past_key_values=cache, use_cache=True).logits]
         got += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(n, 30)]
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(ref, 1), atol=1e-4, rtol=1e-4)
+
+
+def static_rule_attention(score_fn, cfg):
+    """Reference for static-score methods over the full sequence: query p sees t <= p iff t is a sink, is in the
+    window, or is among the top-k scores (earlier token first on ties) of the eligible set {sinks <= t <= p - w}."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        b, hq, t, d = query.shape
+        hkv = key.shape[1]
+        score = score_fn(module.layer_idx, key)  # [b, hkv, t]
+        mask = torch.zeros(b, hkv, t, t, dtype=torch.bool)
+        for p in range(t):
+            mask[:, :, p, : p + 1] = True
+            eligible = list(range(cfg.sinks, p - cfg.window + 1))
+            for bi in range(b):
+                for h in range(hkv):
+                    ranked = sorted(eligible, key=lambda j: (-float(score[bi, h, j]), j))
+                    for j in ranked[cfg.topk:]:
+                        mask[bi, h, p, j] = False
+        g = hq // hkv
+        out = F.scaled_dot_product_attention(query, key.repeat_interleave(g, 1), value.repeat_interleave(g, 1),
+                                             attn_mask=mask.repeat_interleave(g, 1), scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+@pytest.mark.parametrize("name", ["knorm", "random"])
+def test_static_methods_equal_their_rule_over_the_full_sequence(name):
+    """Bounded protocol: chunked prefill (chunks of 5) then decoding equals the rule applied per query."""
+    from kvlearn.eviction import knorm
+    from kvlearn.eviction import random as random_method
+
+    if name == "knorm":
+        mod, cfg = knorm, knorm.KnormConfig(budget=8, sinks=2, window=3)
+        score_fn = lambda layer, key: -key.float().norm(dim=-1)
+    else:
+        mod, cfg = random_method, random_method.RandomConfig(budget=8, sinks=2, window=3, seed=5)
+        score_fn = lambda layer, key: random_method.hashed_scores(5, layer, key.shape[1],
+                                                                  torch.arange(key.shape[2])[None].expand(key.shape[0], -1))
+    model = attach(tiny_model(8))
+    ids = torch.randint(1, VOCAB, (2, 30))
+    n = 14
+    AttentionInterface.register("kvlearn_static_reference_test", static_rule_attention(score_fn, cfg))
+    model.set_attn_implementation("kvlearn_static_reference_test")
+    try:
+        with torch.no_grad():
+            ref = model(input_ids=ids).logits
+    finally:
+        attach(model)
+    cache = mod.make_cache(cfg, model.config)
+    with torch.no_grad():
+        got = [model(input_ids=ids[:, a:min(a + 5, n)], past_key_values=cache, use_cache=True).logits for a in range(0, n, 5)]
+        got += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(n, 30)]
+    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-4, rtol=1e-4)
