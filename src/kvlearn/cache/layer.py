@@ -149,6 +149,13 @@ class CompactLayer(CacheLayerMixin):
         for name, buf in self.slot_state.items():
             scatter_slots(buf, slots, new_state[name])
 
+    @property
+    def candidates(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """After a deferred multi-token update: ``(positions [batch, P, capacity + q], slot state {name: [batch, P,
+        capacity + q]})`` of the returned keys (store then chunk), for the policy's ``observe``."""
+        check(self._pending is not None, "candidates are only defined after a deferred multi-token update")
+        return self._pending[2], self._pending[3]
+
     def observe_attention(self, step: ForwardStep, attention: torch.Tensor | None) -> None:
         """Hand the attention the policy requested (``[batch, kv_heads, kv]`` float32 over the returned keys, or
         None) back after attending; the policy evicts now."""

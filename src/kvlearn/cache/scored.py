@@ -194,7 +194,7 @@ class AttentionScoredPolicy(ScoredPolicy):
     def _compress(self, layer, step: ForwardStep, attention) -> None:
         """After a multi-token forward: keep the protected tokens and the best-scored eligible ones, ``budget``
         in all, per (row, KV head)."""
-        _, _, cand_pos, state = layer._pending
+        cand_pos, state = layer.candidates
         scores = self.update_scores(state["score"], attention, cand_pos, step)
         last = step.real_after[:, None, None] - 1  # last real position (a row may have none in this forward)
         protected = (cand_pos >= 0) & ((cand_pos < self.sinks) | (cand_pos > last - self.window))
