@@ -1,6 +1,6 @@
 """The compact-cache contract with a per-head policy that evicts without overwriting (what KVpop will need).
 
-`KeepSetLayer` keeps, per (batch row, KV head), a fixed random set of positions forever plus a window of recent
+`KeepSetPolicy` keeps, per (batch row, KV head), a fixed random set of positions forever plus a window of recent
 tokens; every other token is evicted when it leaves the window, and its slot is freed, not overwritten. Decoding
 through it must equal a dense forward whose mask (one per query head) is the same per-head predicate.
 """
@@ -8,11 +8,11 @@ through it must equal a dense forward whose mask (one per query head) is the sam
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from kvlearn.cache import NEVER, CompactCache, CompactLayer, ForwardStep, SlotPlan
+from kvlearn.cache import NEVER, CompactCache, CompactLayer, ForwardStep, Policy, SlotPlan
 from kvlearn.hf import attach
 
 
-class KeepSetLayer(CompactLayer):
+class KeepSetPolicy(Policy):
     per_head = True
 
     def __init__(self, keep: torch.Tensor, window: int):
@@ -28,7 +28,7 @@ class KeepSetLayer(CompactLayer):
         kept = torch.gather(self.keep, 2, pos.clamp(min=0))
         return torch.where(kept, torch.full_like(pos, NEVER), pos + self.window)
 
-    def plan(self, step: ForwardStep, key_states=None, value_states=None) -> SlotPlan:
+    def plan(self, layer, step: ForwardStep, key_states=None, value_states=None) -> SlotPlan:
         b, q = step.positions.shape
         h = self.keep.shape[1]
         pos = step.positions[:, None, :].expand(b, h, q)
@@ -38,7 +38,7 @@ class KeepSetLayer(CompactLayer):
         kept_slot = torch.gather(self.keep_slot, 2, pos.clamp(min=0))
         slot = torch.where(kept_slot >= 0, kept_slot, self.n_keep + pos.remainder(self.window))
         write = torch.where(survives, slot, torch.full_like(slot, -1))
-        old = self.slot_positions.long()
+        old = layer.slot_positions.long()
         old_end = torch.where(old >= 0, self._end(old), torch.zeros_like(old))
         return SlotPlan(write_slots=write, old_end=old_end, new_end=end)
 
@@ -58,7 +58,7 @@ def test_per_head_policy_with_freed_slots_decodes_like_dense_per_head_mask():
     mask = per_kv.repeat_interleave(g, dim=1)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).logits
-    cache = CompactCache([KeepSetLayer(keep, w) for _ in range(2)])
+    cache = CompactCache([CompactLayer(KeepSetPolicy(keep, w)) for _ in range(2)])
     got = []
     with torch.no_grad():
         for a, z in [(0, 9), (9, 10), (10, 22)] + [(i, i + 1) for i in range(22, t)]:

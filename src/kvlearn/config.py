@@ -12,31 +12,69 @@ from .errors import check, check_int
 
 
 @dataclass(frozen=True)
-class StreamingConfig:
-    """StreamingLLM: keep ``sinks`` first tokens and a window of the ``budget - sinks`` most recent ones.
+class EvictionBudget:
+    """The budget every eviction method shares: ``budget`` tokens kept per (batch row, KV head), of which the first
+    ``sinks`` and the ``window`` most recent ones (the query itself included) are protected.
 
-    ``context`` (optional) is the evaluation context; when given, the budget must be below it (else nothing
-    is compressed).
+    ``window=None`` takes the method's default (:meth:`default_window`). ``context`` (optional) is the evaluation
+    context; when given, the budget must be below it (else nothing is compressed). A method whose rule needs more
+    than ``sinks + window`` slots raises naming its minimum (:meth:`min_budget`).
     """
 
     budget: int
     sinks: int = 4
+    window: int | None = None
     context: int | None = None
+
+    def default_window(self) -> int:
+        return 32
+
+    def min_budget(self) -> int:
+        """Smallest budget the method honours (default: sinks + window + one ranked slot)."""
+        return self.sinks + self.window + 1
 
     def __post_init__(self) -> None:
         check_int("sinks", self.sinks, 0)
-        check_int("budget", self.budget, self.sinks + 1, hint=f" (budget must exceed sinks={self.sinks} so the window is non-empty)")
+        check_int("budget", self.budget, 1)
+        if self.window is None:
+            object.__setattr__(self, "window", self.default_window())
+        check_int("window", self.window, 1, hint=" (the protected window holds at least the query itself)")
+        low = self.min_budget()
+        check_int("budget", self.budget, low,
+                  hint=f" ({type(self).__name__} needs sinks={self.sinks} + window={self.window} and its ranked slots)")
         if self.context is not None:
             check_int("context", self.context, 1)
             check(
                 self.budget < self.context,
-                f"budget={self.budget} is invalid: expected sinks + 1 = {self.sinks + 1} <= budget < context = {self.context}",
+                f"budget={self.budget} is invalid: expected {low} <= budget < context = {self.context}",
             )
 
     @property
-    def window(self) -> int:
-        """Number of most recent tokens kept (the query itself included)."""
-        return self.budget - self.sinks
+    def topk(self) -> int:
+        """Slots left for ranked (non-protected) tokens."""
+        return self.budget - self.sinks - self.window
+
+
+@dataclass(frozen=True)
+class StreamingConfig(EvictionBudget):
+    """StreamingLLM: keep ``sinks`` first tokens and a window of the ``budget - sinks`` most recent ones.
+
+    ``window`` is always ``budget - sinks`` (pass nothing, or exactly that).
+    """
+
+    def default_window(self) -> int:
+        return max(1, self.budget - self.sinks)
+
+    def min_budget(self) -> int:
+        return self.sinks + 1
+
+    def __post_init__(self) -> None:
+        check_int("sinks", self.sinks, 0)
+        check_int("budget", self.budget, self.sinks + 1, hint=f" (budget must exceed sinks={self.sinks} so the window is non-empty)")
+        if self.window is not None:
+            check(self.window == self.budget - self.sinks,
+                  f"window={self.window!r} is invalid: StreamingConfig's window is budget - sinks = {self.budget - self.sinks}")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from .cache import CompactCache
+from .cache.observe import attention_summary
 from .errors import KVLearnError, check
 
 ATTENTION_NAME = "kvlearn"
@@ -56,6 +57,7 @@ def _route_cache_hook(module, args, kwargs):
     embeds = kwargs.get("inputs_embeds")
     ref = ids if ids is not None else embeds
     check(ref is not None, "a kvlearn cache needs input_ids or inputs_embeds passed by keyword")
+    cache.check_model(module.config.num_hidden_layers)
     cache.begin_forward(kwargs.get("attention_mask"), ref.shape[0], ref.shape[1], ref.device)
     kwargs = dict(kwargs)
     kwargs["kvlearn_cache"] = cache
@@ -91,6 +93,10 @@ def kvlearn_attention(
         attention_mask: transformers' mask, used only without a kvlearn cache.
     Returns:
         ``(out [batch, q, q_heads, head_dim], None)``.
+
+    After attending, a layer whose policy requests attention (TOVA, H2O, SnapKV) gets it back
+    (:func:`kvlearn.cache.observe.attention_summary`, blockwise, float32, per KV head) through
+    ``layer.observe_attention``; a policy that requests nothing costs nothing extra.
     """
     if kvlearn_cache is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -99,17 +105,21 @@ def kvlearn_attention(
     mask = layer.visibility_mask(step.positions, step.has_padding)  # [batch, P, q, kv]
     b, hq, q, d = query.shape
     hkv = key.shape[1]
+    g = hq // hkv
     if mask.shape[1] == 1:  # one mask for every head: expand K/V to the query heads (keeps the fused masked kernel)
-        g = hq // hkv
+        k, v = key, value
         if g > 1:
-            key = key[:, :, None].expand(b, hkv, g, *key.shape[2:]).reshape(b, hq, *key.shape[2:])
-            value = value[:, :, None].expand(b, hkv, g, *value.shape[2:]).reshape(b, hq, *value.shape[2:])
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+            k = key[:, :, None].expand(b, hkv, g, *key.shape[2:]).reshape(b, hq, *key.shape[2:])
+            v = value[:, :, None].expand(b, hkv, g, *value.shape[2:]).reshape(b, hq, *value.shape[2:])
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
     else:  # per-KV-head masks: fold each group's query heads into the query axis
-        g = hq // hkv
         qf = query.reshape(b, hkv, g * q, d)
         mf = mask[:, :, None].expand(b, hkv, g, q, mask.shape[-1]).reshape(b, hkv, g * q, mask.shape[-1])
         out = F.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scaling).reshape(b, hq, q, -1)
+    if layer.policy.observes:  # the policy evicts after attending
+        request = layer.policy.attention_request(step)
+        attention = None if request is None else attention_summary(query, key, mask, scaling, request, step.positions)
+        layer.observe_attention(step, attention)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -113,6 +113,22 @@ def test_decode_through_bounded_cache_equals_full_sequence_mask(sinks, window, t
     assert bool((held == min(40, budget)).all())  # saturated: exactly s + w + k tokens per head
 
 
+@pytest.mark.parametrize("scorer_cls", [LinearScorer, MLPScorer])
+def test_chunked_prefill_with_a_stateless_scorer_equals_full_sequence_mask(scorer_cls):
+    """Contract v2: the scored base continues a prefill into a non-empty cache with the exact running top-k."""
+    model, scorers, decays = make(5, scorer_cls)
+    kv = KVpopConfig(sinks=2, window=3, topk=4, decay_min=0.6, decay_max=0.95)
+    ids = torch.randint(1, 71, (2, 40))
+    ref = reference_logits(model, scorers, decays, kv, ids)
+    attach(model)
+    cache = KVpopCache(kv, scorers, decays)
+    got = []
+    with torch.no_grad():
+        for a, z in [(0, 5), (5, 17), (17, 18), (18, 30)] + [(t, t + 1) for t in range(30, 40)]:
+            got.append(model(input_ids=ids[:, a:z], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-5, rtol=1e-4)
+
+
 def test_left_padded_batch_matches_rows_alone():
     model, scorers, decays = make(3, MLPScorer)
     attach(model)
@@ -124,8 +140,9 @@ def test_unsupported_uses_are_refused():
     model, scorers, decays = make(0)
     attach(model)
     kv = KVpopConfig(sinks=1, window=2, topk=3)
-    cache = KVpopCache(kv, scorers, decays)
     ids = torch.randint(1, 71, (1, 12))
+    mlstm = [MLSTMScorer(2, 16, window=2, chunk_size=8) for _ in range(LAYERS)]
+    cache = KVpopCache(kv, mlstm, decays)  # a stateful scorer cannot continue a prefill
     with torch.no_grad():
         model(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
         with pytest.raises(KVLearnError, match="chunked prefill"):

@@ -1,0 +1,21 @@
+"""The compact-cache contract (v2): a layer = a store + a policy (see :mod:`kvlearn.cache.layer`).
+
+- :mod:`~kvlearn.cache.store`: preallocated buffers (``PlainStore``).
+- :mod:`~kvlearn.cache.policy`: slot choice and eviction (``Policy``, ``SlotPlan``, ``ForwardStep``, ``NEVER``).
+- :mod:`~kvlearn.cache.layer`: ``CompactLayer`` (transformers' ``CacheLayerMixin``) and ``CompactCache``.
+- :mod:`~kvlearn.cache.scored`: the scored-eviction base (``ScoredPolicy``, ``AttentionScoredPolicy``).
+- :mod:`~kvlearn.cache.observe`: the attention handed back to attention-driven policies.
+- :mod:`~kvlearn.cache.prefill`: ``prefill(model, cache, ...)`` and ``DEFAULT_PREFILL_CHUNK``.
+"""
+
+from .layer import CompactCache, CompactLayer
+from .observe import attention_summary
+from .policy import NEVER, AttentionRequest, ForwardStep, Policy, SlotPlan
+from .prefill import DEFAULT_PREFILL_CHUNK, prefill
+from .scored import AttentionScoredPolicy, ScoredPolicy
+from .store import PlainStore, Store
+
+__all__ = [
+    "NEVER", "AttentionRequest", "AttentionScoredPolicy", "CompactCache", "CompactLayer", "DEFAULT_PREFILL_CHUNK",
+    "ForwardStep", "PlainStore", "Policy", "ScoredPolicy", "SlotPlan", "Store", "attention_summary", "prefill",
+]

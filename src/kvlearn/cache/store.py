@@ -1,0 +1,96 @@
+"""The store half of a compact cache layer: preallocated per-head buffers and nothing else.
+
+A store holds ``capacity`` slots per (batch row, KV head). It knows nothing about positions or eviction: it writes
+tokens into slots and reads every slot back in the compute dtype. The interface is what a packed-integer store
+(KIVI, KV-Kaizen: ``write`` quantizes, ``read`` dequantizes) or a latent store (MLA: ``k_dim``/``v_dim`` are the
+latent widths, ``read`` returns the latents the attention expands) implements in the same way.
+
+- :meth:`Store.allocate` ``(batch, kv_heads, capacity, k_dim, v_dim, dtype, device)``: once, at the first update.
+- :meth:`Store.write` ``(slots [batch, kv_heads, q] int64 (-1 = skip), k [batch, kv_heads, q, k_dim], v [...,
+  v_dim])``: in place. With ``q == 1`` (decoding) a fixed-shape gather/``scatter_``: no host sync, no data-dependent
+  shape, so the step can be compiled and captured in a CUDA graph.
+- :meth:`Store.read` ``-> (k [batch, kv_heads, capacity, k_dim], v [..., v_dim])`` in the compute dtype.
+- :meth:`Store.allocated_bytes`: bytes of the buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import check
+
+
+def scatter_slots(buf: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+    """Write ``src [batch, P, q, *rest]`` into ``buf [batch, P, capacity, *rest]`` at ``slots [batch, P, q]``
+    (int64, ``-1`` = skip), in place.
+
+    ``q == 1`` is the decode path: a fixed-shape ``gather`` + ``where`` + ``scatter_`` (a skipped row rewrites the
+    slot's own value). ``q > 1`` (prefill) indexes the surviving tokens (one device sync, never on the decode path)."""
+    rest = buf.shape[3:]
+    if slots.shape[2] == 1:
+        view = slots.shape + (1,) * len(rest)
+        idx = slots.clamp(min=0).view(view).expand(slots.shape + rest)
+        old = torch.gather(buf, 2, idx)
+        keep = (slots >= 0).view(view)
+        buf.scatter_(2, idx, torch.where(keep, src.to(buf.dtype), old))
+        return
+    bi, pi, ti = torch.nonzero(slots >= 0, as_tuple=True)
+    buf[bi, pi, slots[bi, pi, ti]] = src[bi, pi, ti].to(buf.dtype)
+
+
+class Store:
+    """Interface of a store (see the module docstring)."""
+
+    def allocate(self, batch: int, kv_heads: int, capacity: int, k_dim: int, v_dim: int, dtype, device) -> None:
+        raise NotImplementedError  # pragma: no cover
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError  # pragma: no cover
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError  # pragma: no cover
+
+    def allocated_bytes(self) -> int:
+        raise NotImplementedError  # pragma: no cover
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in one KV head (for :meth:`CompactCache.peak_bytes`)."""
+        raise NotImplementedError  # pragma: no cover
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """``(batch, kv_heads, capacity, k_dim, v_dim)``."""
+        raise NotImplementedError  # pragma: no cover
+
+
+class PlainStore(Store):
+    """K/V in the model dtype: ``keys [batch, kv_heads, capacity, k_dim]``, ``values [..., v_dim]``."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def allocate(self, batch, kv_heads, capacity, k_dim, v_dim, dtype, device) -> None:
+        self.keys = torch.zeros(batch, kv_heads, capacity, k_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, kv_heads, capacity, v_dim, dtype=dtype, device=device)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        check(self.keys is not None, "store.write() called before allocate()")
+        scatter_slots(self.keys, slots, k)
+        scatter_slots(self.values, slots, v)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+    def allocated_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+    def bytes_per_token(self) -> int:
+        return (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
+
+    @property
+    def shape(self):
+        b, h, c, dk = self.keys.shape
+        return b, h, c, dk, self.values.shape[-1]
