@@ -168,8 +168,8 @@ def make_config(name: str, budget: int | None = None, sinks: int = 4, context: i
     """
     method = get_method(name)
     if not method.compresses:
-        check(budget is None and not extra,
-              f"method 'dense' keeps every token: it takes no budget (got budget={budget!r}) nor options {sorted(extra)}")
+        check(budget is None, f"method 'dense' keeps every token: it takes no budget (got budget={budget!r})")
+        check(not extra, f"method 'dense' has no options (got {', '.join(sorted(extra))})")
         return DenseConfig()
     check(budget is not None, f"method {name!r} needs a budget: expected sinks + 1 = {sinks + 1} <= budget"
           + (f" < context = {context}" if context is not None else ""))
