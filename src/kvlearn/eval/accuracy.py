@@ -150,10 +150,11 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float | None = None, bar=None) -> list[dict]:
+def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float | None = None, bar=None,
+             clock=time.monotonic) -> list[dict]:
     """Greedy exact-match accuracy per task family; returns result rows of schema ``kvlearn.results.v1``.
 
-    ``deadline`` (a ``time.monotonic()`` value): no new batch starts after it; the rows measured so far are
+    ``deadline`` (a ``clock()`` value, ``time.monotonic`` by default): no new batch starts after it; the rows measured so far are
     returned, those with fewer than ``n_per_task`` examples marked ``"incomplete": True`` (tasks never started are
     left out). ``bar``: an outer tqdm bar to advance instead of a bar of this call.
     """
@@ -168,12 +169,12 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
                    disable=not progress, unit="ex")
     rows = []
     for task in config.tasks:
-        if deadline is not None and time.monotonic() >= deadline:
+        if deadline is not None and clock() >= deadline:
             break
         result = TaskResult(task)
         examples = examples_for(config, task)
         for start in range(0, len(examples), config.batch_size):
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and clock() >= deadline:
                 break
             batch = examples[start : start + config.batch_size]
             max_new = max(len(ex.answer_ids) for ex in batch) + (32 if task == "trace" else 0)
