@@ -42,7 +42,7 @@ def device_name(device: str | None = None) -> str:
 def command_line() -> str:
     """The command that is running, as typed (``kvlearn ...`` or ``python script.py ...``)."""
     prog = os.path.basename(sys.argv[0])
-    if prog in ("kvlearn", "__main__.py"):
+    if prog in ("kvlearn", "__main__.py", "cli.py"):
         prog = "kvlearn"
     else:
         prog = "python " + sys.argv[0]
