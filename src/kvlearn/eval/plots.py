@@ -57,8 +57,8 @@ def plot_accuracy(rows: list[dict], path: str | Path, title: str = "Testbed accu
             a, b = wilson_interval(round(r["accuracy"] * r["n"]), r["n"])
             xs.append(ti + (si - (len(series) - 1) / 2) * width)
             ys.append(r["accuracy"])
-            lo.append(r["accuracy"] - a)
-            hi.append(b - r["accuracy"])
+            lo.append(max(0.0, r["accuracy"] - a))  # the Wilson bounds can miss 0 or 1 by a rounding error
+            hi.append(max(0.0, b - r["accuracy"]))
         bars = ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=3, color=colors[si], ecolor="0.35", label=name)
         handles.append(bars)
         zeros = [x for x, y in zip(xs, ys) if y == 0]
