@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         write_results(out, results)
 
     total = sum(len(c.tasks) * c.n_per_task for c in runs)
-    bar = tqdm(total=total, desc="baselines", unit="ex", disable=not sys.stderr.isatty())
+    # on the device the log is not a terminal: one progress line every 20 s instead of a live bar
+    bar = tqdm(total=total, desc="baselines", unit="ex", mininterval=0.1 if sys.stderr.isatty() else 20.0)
     for i, config in enumerate(runs):
         if time.monotonic() >= deadline:
             not_run.extend(describe(c) for c in runs[i:])

@@ -106,3 +106,13 @@ def test_deadline_stops_cleanly_and_marks_incomplete_rows():
     rows = evaluate(model, config, progress=False, deadline=10.0, clock=lambda: next(ticks))
     assert len(rows) == 1 and rows[0]["n"] == 1 and rows[0]["incomplete"] is True
     assert rows[0]["protocol"] == "context" and rows[0]["split"] == "eval"
+
+
+def test_peak_bytes_are_read_when_the_cache_reports_them():
+    from types import SimpleNamespace
+
+    from kvlearn.eval.accuracy import peak_cache_bytes
+
+    assert peak_cache_bytes(SimpleNamespace()) is None
+    assert peak_cache_bytes(SimpleNamespace(peak_allocated_bytes=lambda: 123)) == 123
+    assert peak_cache_bytes(SimpleNamespace(peak_bytes=7)) == 7

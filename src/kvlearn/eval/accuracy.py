@@ -98,8 +98,11 @@ def cache_bytes(cache) -> int:
 
 
 def peak_cache_bytes(cache) -> int | None:
-    """The cache's peak allocated bytes if it reports them (``peak_allocated_bytes``), else ``None``."""
+    """The cache's peak allocated bytes if it reports them (``peak_allocated_bytes`` or ``peak_bytes``, a method or
+    an attribute), else ``None``."""
     peak = getattr(cache, "peak_allocated_bytes", None)
+    if peak is None:
+        peak = getattr(cache, "peak_bytes", None)
     if peak is None:
         return None
     return int(peak() if callable(peak) else peak)
