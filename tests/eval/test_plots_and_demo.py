@@ -46,3 +46,19 @@ def test_demo_end_to_end_on_a_tiny_checkpoint(tmp_path, capsys):
     assert data["wall_seconds"] > 0 and data["split"] == "eval" and data["protocol"] == "bounded"
     assert plot.stat().st_size > 5000
     assert "wall time" in capsys.readouterr().out
+
+
+def test_eval_command_writes_protocol_and_split_rows(tmp_path, capsys):
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                                 pad_token_id=0)).save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "e.json"
+    code = main(["eval", "--model", str(tmp_path / "tiny"), "--method", "streaming", "--budget", "48", "--protocol",
+                 "context", "--context", "256", "--n-per-task", "2", "--batch-size", "2", "--tasks", "recall",
+                 "--device", "cpu", "--out", str(out), "--plot", str(tmp_path / "e.png")])
+    assert code == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert (row["method"], row["protocol"], row["split"], row["budget"], row["n"]) == ("streaming", "context", "eval", 48, 2)
+    assert data["protocol"] == "context" and (tmp_path / "e.png").exists()
