@@ -116,3 +116,37 @@ def test_peak_bytes_are_read_when_the_cache_reports_them():
     assert peak_cache_bytes(SimpleNamespace()) is None
     assert peak_cache_bytes(SimpleNamespace(peak_allocated_bytes=lambda: 123)) == 123
     assert peak_cache_bytes(SimpleNamespace(peak_bytes=7)) == 7
+
+
+def test_context_protocol_compresses_a_full_attention_prefill_once():
+    """Under `context`, the cache holds after the context exactly the streaming survivors of the context, with the
+    keys a full-attention forward computes (layer 2's keys depend on layer 1's attention, so a bounded prefill
+    would give different ones); the question is not in the cache yet."""
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+
+    from kvlearn.eval.protocols import prefill_columns
+    from kvlearn.hf import attach
+    from kvlearn.testbed.tokenizer import VOCAB_SIZE
+
+    torch.manual_seed(0)
+    model = attach(Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                head_dim=8, max_position_embeddings=512)).eval())
+    ex = tasks.generate("niah", tasks.example_seed("niah", "eval", 0), 256)
+    b = layout([ex], "context", pad_id=0)
+    cfg = make_config("streaming", budget=24, sinks=4)
+    cache = get_method("streaming").make_cache(cfg, model.config)
+    with torch.no_grad():
+        prefill_columns(model, cache, b, 0, b.split, chunk_size=16, dense=True)
+        dense = DynamicCache(config=model.config)
+        model(input_ids=b.ids[:, : b.split], past_key_values=dense, use_cache=True)
+    n = b.split
+    assert cache.get_seq_length() == n
+    keep = list(range(4)) + list(range(n - 20, n))
+    layer = cache.layers[1]
+    if not hasattr(layer, "slot_positions"):  # the layer's storage is contract v1's; v2 tests its own prefill
+        pytest.skip("the compact layer no longer exposes slot_positions/keys (cache contract v2)")
+    held = layer.slot_positions[0, 0].tolist()
+    assert sorted(held) == keep
+    order = torch.tensor(held)
+    torch.testing.assert_close(layer.keys[0, :, :], dense.layers[1].keys[0, :, order], atol=1e-5, rtol=1e-4)
