@@ -122,3 +122,19 @@ def test_every_registered_method_is_listed_with_its_protocols():
         assert m.protocols and set(m.protocols) <= set(PROTOCOLS)
         if name in ("snapkv", "pyramidkv"):
             assert m.protocols == ("context",)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("name", method_names())
+def test_harness_rows_for_every_method_and_protocol(name, protocol):
+    from kvlearn.eval.accuracy import evaluate
+
+    method = method_or_skip(name)
+    if protocol not in method.protocols:
+        pytest.skip(f"{name} does not define {protocol} (its one-line error is tested above)")
+    config = EvalConfig(method=name, budget=None if name == "dense" else BUDGET, context=CONTEXT, protocol=protocol,
+                        tasks=("vt",), n_per_task=2, batch_size=2, chunk_size=CHUNK)
+    (row,) = evaluate(tiny_model("qwen3"), config, progress=False)
+    assert (row["method"], row["protocol"], row["split"], row["task"], row["n"]) == (name, protocol, "eval", "vt", 2)
+    assert row["compression"] == (0.0 if name == "dense" else pytest.approx(1 - BUDGET / CONTEXT))
+    assert row["kv_bytes"] > 0 and "incomplete" not in row
