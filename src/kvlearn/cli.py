@@ -1,4 +1,4 @@
-"""The ``kvlearn`` command: ``demo``, ``eval``, ``pretrain`` and ``testbed``.
+"""The ``kvlearn`` command: ``demo``, ``eval``, ``methods``, ``pretrain`` and ``testbed``.
 
 Bad input is reported as one line (``kvlearn: error: ...``) with exit status 2, never a traceback.
 """
@@ -8,12 +8,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
-from .errors import KVLearnError, check
+from .errors import KVLearnError, check, check_int
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "testbed-teacher"
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+# The demo must finish within 10 minutes on 2 shared CPU cores. Measured (teacher, context 4096, 2 cores, no other
+# load): a batch of 2 costs dense 8.6 s (trace) / 2.8 s (niah), streaming 4.6 s / 2.1 s, i.e. ~14 s per example per
+# family for both methods; 6 per family in batches of 6 is ~1.5 min alone and stays under 10 min with 3 other jobs.
+DEMO_N_PER_TASK = 6
+DEMO_BATCH_SIZE = 6
 
 
 def default_model_path() -> str:
@@ -42,6 +49,14 @@ def _tasks(text: str) -> tuple[str, ...]:
     return names
 
 
+def _threads(n: int) -> None:
+    import torch
+
+    check_int("--threads", n, 0)
+    if n:
+        torch.set_num_threads(n)
+
+
 def _load(path: str, device: str):
     import torch
 
@@ -51,43 +66,123 @@ def _load(path: str, device: str):
     return load_model(path, dtype=dtype, device=device)
 
 
+def display_path(path: str | os.PathLike) -> str:
+    """``path`` relative to the repository when it lies inside it (results files stay machine-independent)."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def check_output_path(path: str | os.PathLike, option: str, suffixes: tuple[str, ...]) -> Path:
+    """One-line error unless ``path`` can be written as a file (checked before any evaluation starts)."""
+    p = Path(path)
+    check(not p.is_dir(), f"{option} {str(path)!r} is a directory: expected a file path ending in {' or '.join(suffixes)}")
+    check(p.suffix.lower() in suffixes, f"{option} {str(path)!r}: expected a file path ending in {' or '.join(suffixes)}")
+    parent = p.parent if str(p.parent) else Path(".")
+    ancestor = parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    check(ancestor.is_dir(), f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} is not a directory")
+    writable = os.access(p, os.W_OK) if p.exists() else os.access(ancestor, os.W_OK | os.X_OK)
+    check(writable, f"{option} {str(path)!r} cannot be written: permission denied")
+    return p
+
+
+def check_model_context(path: str, context: int) -> None:
+    """One-line errors for a missing checkpoint, an unsupported family, or ``context`` beyond the model's
+    ``max_position_embeddings`` (read from ``config.json``, before the weights load)."""
+    from transformers import AutoConfig
+
+    from .hf import SUPPORTED_MODEL_TYPES
+
+    check(os.path.isdir(path), f"model path {path!r} does not exist or is not a directory: expected a checkpoint folder")
+    check(os.path.isfile(os.path.join(path, "config.json")),
+          f"model path {path!r} has no config.json: expected a transformers checkpoint folder")
+    config = AutoConfig.from_pretrained(path)
+    model_type = getattr(config, "model_type", None)
+    check(model_type in SUPPORTED_MODEL_TYPES,
+          f"model type {model_type!r} at {path!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+    limit = getattr(config, "max_position_embeddings", None)
+    check(limit is None or context <= limit,
+          f"--context {context} exceeds the model's max_position_embeddings={limit} ({path}): expected --context <= {limit}")
+
+
+def _eval_config(args, method: str, budget, tasks):
+    from .eval.accuracy import EvalConfig
+
+    return EvalConfig(method=method, budget=budget, sinks=args.sinks, tasks=tasks, n_per_task=args.n_per_task,
+                      context=args.context, batch_size=args.batch_size, split=args.split, protocol=args.protocol,
+                      chunk_size=args.chunk_size)
+
+
 def cmd_eval(args) -> int:
-    from .eval.accuracy import EvalConfig, evaluate, format_table
+    from .eval.accuracy import evaluate, format_table
     from .eval.plots import plot_accuracy
     from .results import make_results, write_results
 
+    config = _eval_config(args, args.method, args.budget, _tasks(args.tasks))
+    check_int("--threads", args.threads, 0)
+    check(not args.plot or args.out, "--plot needs --out: the plot is drawn from the results file's rows")
+    if args.out:
+        check_output_path(args.out, "--out", (".json",))
+    if args.plot:
+        check_output_path(args.plot, "--plot", PLOT_SUFFIXES)
     device = _device(args.device)
-    config = EvalConfig(method=args.method, budget=args.budget, sinks=args.sinks, tasks=_tasks(args.tasks),
-                        n_per_task=args.n_per_task, context=args.context, batch_size=args.batch_size)
+    check_model_context(args.model, args.context)
+    _threads(args.threads)
     model = _load(args.model, device)
+    start = time.perf_counter()
     rows = evaluate(model, config)
+    wall = time.perf_counter() - start
     print(format_table(rows))
     if args.out:
-        results = make_results("accuracy", rows, device=device, model=args.model, context=args.context)
+        results = make_results("accuracy", rows, device=device, model=display_path(args.model), context=args.context,
+                               split=args.split, protocol=args.protocol, wall_seconds=round(wall, 1))
         print(f"wrote {write_results(args.out, results)}")
         if args.plot:
             print(f"wrote {plot_accuracy(rows, args.plot)}")
+    print(f"wall time {wall:.0f} s")
     return 0
 
 
+DEMO_METHODS = (("dense", None), ("streaming", "budget"))  # issue #10 adds KVpop
+
+
 def cmd_demo(args) -> int:
-    from .eval.accuracy import EvalConfig, evaluate, format_table
+    from .eval.accuracy import evaluate, format_table
     from .eval.plots import plot_accuracy
     from .results import make_results, write_results
 
-    device = _device(args.device)
-    model = _load(args.model, device)
+    start = time.perf_counter()
     tasks = _tasks(args.tasks)
+    configs = [_eval_config(args, m, args.budget if b else None, tasks) for m, b in DEMO_METHODS]
+    check_int("--threads", args.threads, 0)
+    check_output_path(args.out, "--out", (".json",))
+    check_output_path(args.plot, "--plot", PLOT_SUFFIXES)
+    device = _device(args.device)
+    check_model_context(args.model, args.context)
+    _threads(args.threads)
+    model = _load(args.model, device)
     rows = []
-    for method, budget in (("dense", None), ("streaming", args.budget)):
-        config = EvalConfig(method=method, budget=budget, sinks=args.sinks, tasks=tasks, n_per_task=args.n_per_task,
-                            context=args.context, batch_size=args.batch_size)
+    for config in configs:
         rows += evaluate(model, config)
+    wall = time.perf_counter() - start
     print(format_table(rows))
-    results = make_results("accuracy", rows, device=device, model=args.model, context=args.context)
+    results = make_results("accuracy", rows, device=device, model=display_path(args.model), context=args.context,
+                           split=args.split, protocol=args.protocol, wall_seconds=round(wall, 1))
     print(f"wrote {write_results(args.out, results)}")
-    title = f"Testbed teacher at context {args.context}: full cache vs sinks+window"
+    title = f"Testbed teacher, context {args.context}: full cache vs sinks+window (StreamingLLM)"
     print(f"wrote {plot_accuracy(rows, args.plot, title=title)}")
+    print(f"wall time {wall:.0f} s")
+    return 0
+
+
+def cmd_methods(args) -> int:
+    from .methods import describe
+
+    print("\n".join(describe()))
     return 0
 
 
@@ -109,9 +204,8 @@ def cmd_testbed(args) -> int:
     from .testbed import tasks
     from .testbed.tokenizer import build_tokenizer
 
-    check(args.family in tasks.FAMILIES, f"--family {args.family!r} is unknown: expected one of {', '.join(tasks.FAMILIES)}")
     tok = build_tokenizer()
-    ex = tasks.generate(args.family, tasks.example_seed(args.family, "eval", args.index), args.length, variant=args.variant)
+    ex = tasks.generate(args.family, tasks.example_seed(args.family, args.split, args.index), args.length, variant=args.variant)
     print(f"# {ex.family}/{ex.variant}  prompt {len(ex.prompt_ids)} tokens, answer {len(ex.answer_ids)} tokens")
     print(tok.decode(ex.prompt_ids))
     print("# answer:")
@@ -119,46 +213,81 @@ def cmd_testbed(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvlearn", description="Learned KV-cache compression for Hugging Face models.")
-    sub = p.add_subparsers(dest="command", required=True)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help with its default, except required options (which have none)."""
 
-    def common_eval(sp, n_default):
-        sp.add_argument("--model", default=default_model_path(), help="checkpoint folder (default: the embedded teacher)")
-        sp.add_argument("--tasks", default="all", help="comma list of trace,niah,vt,recall or 'all'")
-        sp.add_argument("--n-per-task", type=int, default=n_default)
-        sp.add_argument("--context", type=int, default=4096)
-        sp.add_argument("--sinks", type=int, default=4)
-        sp.add_argument("--batch-size", type=int, default=8)
-        sp.add_argument("--device", default="auto")
+    def _get_help_string(self, action):
+        return action.help if action.required else super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with kvlearn's one-line errors (``kvlearn: error: ...``, exit status 2) and defaults in the help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"kvlearn: error: {message.splitlines()[0]} (see: {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .eval.accuracy import eval_splits
+    from .eval.protocols import DEFAULT_PREFILL_CHUNK
+    from .methods import PROTOCOLS, method_names
+    from .testbed import tasks
+
+    p = _Parser(prog="kvlearn", description="Learned KV-cache compression for Hugging Face models.")
+    p.add_argument("--version", action="version", version=f"kvlearn {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common_eval(sp, n_default, batch_default):
+        sp.add_argument("--model", default=default_model_path(), help="checkpoint folder ($KVLEARN_MODEL overrides the default)")
+        sp.add_argument("--tasks", default="all", help=f"comma list of {','.join(tasks.FAMILIES)} or 'all'")
+        sp.add_argument("--n-per-task", type=int, default=n_default, help="examples per task family")
+        sp.add_argument("--context", type=int, default=4096,
+                        help=f"tokens per example, prompt + answer (at most {tasks.MAX_LENGTH} and the model's max_position_embeddings)")
+        sp.add_argument("--sinks", type=int, default=4, help="first tokens every compressing method keeps")
+        sp.add_argument("--split", default="eval", choices=eval_splits(), help="testbed split the examples are drawn from")
+        sp.add_argument("--protocol", default="bounded", choices=PROTOCOLS,
+                        help="bounded: the whole prompt goes through the bounded cache; context: everything before the "
+                             "final question is prefilled densely and compressed once (kvpress)")
+        sp.add_argument("--chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK, help="prefill chunk of the bounded cache")
+        sp.add_argument("--batch-size", type=int, default=batch_default, help="examples per batch (left-padded)")
+        sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+        sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
 
     sp = sub.add_parser("demo", help="embedded teacher: full cache vs a sinks+window cache on every family")
-    common_eval(sp, 8)
-    sp.add_argument("--budget", type=int, default=1024)
-    sp.add_argument("--out", default="results/demo.json")
-    sp.add_argument("--plot", default="results/demo.png")
+    common_eval(sp, DEMO_N_PER_TASK, DEMO_BATCH_SIZE)
+    sp.add_argument("--budget", type=int, default=1024, help="tokens the streaming cache keeps (CR = 1 - budget/context)")
+    sp.add_argument("--out", default="runs/demo/demo.json", help="results file (runs/ is not tracked by git)")
+    sp.add_argument("--plot", default="runs/demo/demo.png", help="plot file")
     sp.set_defaults(func=cmd_demo)
 
     sp = sub.add_parser("eval", help="accuracy of one method on the testbed")
-    common_eval(sp, 10)
-    sp.add_argument("--method", required=True, help="dense or streaming")
-    sp.add_argument("--budget", type=int, default=None)
-    sp.add_argument("--out", default=None)
-    sp.add_argument("--plot", default=None)
+    common_eval(sp, 10, 8)
+    sp.add_argument("--method", required=True, choices=method_names(), help="cache method (see: kvlearn methods)")
+    sp.add_argument("--budget", type=int, default=None, help="tokens kept per KV head (every method but dense)")
+    sp.add_argument("--out", default=None, help="results file (.json); nothing is written without it")
+    sp.add_argument("--plot", default=None, help=f"plot file ({', '.join(PLOT_SUFFIXES)}); needs --out")
     sp.set_defaults(func=cmd_eval)
 
+    sp = sub.add_parser("methods", help="list the registered cache methods: name, protocols, summary")
+    sp.set_defaults(func=cmd_methods)
+
     sp = sub.add_parser("pretrain", help="train the testbed teacher from scratch (GPU)")
-    sp.add_argument("--out", default=None, help="checkpoint folder (default: a new runs/testbed-teacher-<time>)")
+    sp.add_argument("--out", default=None, help="checkpoint folder (default: a new runs/testbed-teacher-<UTC time>)")
     sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
     sp.add_argument("--minutes", type=float, default=18.0, help="wall-clock training budget")
-    sp.add_argument("--device", default="auto")
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--resume", default=None)
-    sp.add_argument("--num-workers", type=int, default=6)
+    sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    sp.add_argument("--seed", type=int, default=0, help="random seed")
+    sp.add_argument("--resume", default=None, help="checkpoint folder to start from instead of a fresh model")
+    sp.add_argument("--num-workers", type=int, default=6, help="data-generation worker processes")
     sp.add_argument("--eval-n", type=int, default=64, help="examples per family and split in each stage check")
-    sp.add_argument("--tokens-per-step", type=int, default=131072)
-    sp.add_argument("--lr", type=float, default=2e-3)
-    sp.add_argument("--warmup-steps", type=int, default=None)
+    sp.add_argument("--tokens-per-step", type=int, default=131072, help="tokens per optimizer step")
+    sp.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    sp.add_argument("--warmup-steps", type=int, default=None, help="warm-up steps (None: the recipe's default)")
     sp.add_argument("--dense-fraction", type=float, default=0.75,
                     help="share of training rows with in-context question/answer pairs (the rest: evaluation format)")
     sp.add_argument("--stages", default=None, help="comma list of example lengths, e.g. 256,512,1024,2048,4096")
@@ -167,10 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_pretrain)
 
     sp = sub.add_parser("testbed", help="print one generated example")
-    sp.add_argument("--family", required=True)
-    sp.add_argument("--variant", default=None)
-    sp.add_argument("--length", type=int, default=512)
-    sp.add_argument("--index", type=int, default=0)
+    sp.add_argument("--family", required=True, choices=tasks.FAMILIES, help="task family")
+    variants = "; ".join(f"{f}: {', '.join(v)}" for f, v in tasks.VARIANTS.items())
+    sp.add_argument("--variant", default=None, choices=sorted({v for vs in tasks.VARIANTS.values() for v in vs}),
+                    help=f"variant of the family ({variants}); None: drawn from the seed")
+    sp.add_argument("--length", type=int, default=512, help=f"prompt + answer tokens, in [{tasks.MIN_LENGTH}, {tasks.MAX_LENGTH}]")
+    sp.add_argument("--split", default="eval", choices=tasks.SPLITS, help="split the example's seed is drawn from")
+    sp.add_argument("--index", type=int, default=0, help="example index within the split")
     sp.set_defaults(func=cmd_testbed)
     return p
 

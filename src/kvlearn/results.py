@@ -73,7 +73,7 @@ def command_line() -> str:
     """The command that is running, as typed (``kvlearn ...`` or ``python script.py ...``), with every absolute
     path made portable by :func:`portable_path` (``python benchmarks/kvpop_ops.py --out $OUT/ops.json``)."""
     prog = os.path.basename(sys.argv[0])
-    if prog in ("kvlearn", "__main__.py"):
+    if prog in ("kvlearn", "__main__.py", "cli.py"):
         prog = "kvlearn"
     else:
         prog = "python " + _shell_word(portable_path(sys.argv[0]))

@@ -23,7 +23,15 @@ def run_cli(capsys, *argv):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["eval", "--method", "bogus"], "method='bogus' is unknown: expected one of dense, streaming"),
+        (["eval", "--method", "bogus"], "invalid choice: 'bogus' (choose from 'dense', 'streaming', 'tova'"),
+        (["eval", "--method", "dense", "--budget", "512"], "method 'dense' keeps every token: it takes no budget"),
+        (["eval", "--method", "dense", "--protocol", "sideways"], "invalid choice: 'sideways'"),
+        (["eval", "--method", "dense", "--split", "nowhere"], "invalid choice: 'nowhere'"),
+        (["eval", "--method", "dense", "--context", "20000"], "context=20000 is invalid: expected an integer in [256, 16384]"),
+        (["eval", "--method", "dense", "--plot", "p.png"], "--plot needs --out"),
+        (["eval", "--method", "dense", "--out", "r.txt"], "expected a file path ending in .json"),
+        (["eval", "--method", "dense", "--threads", "-1"], "--threads=-1 is invalid"),
+        (["testbed", "--family", "poems"], "invalid choice: 'poems'"),
         (["eval", "--method", "dense", "--tasks", "niah,poems"], "unknown task(s) poems"),
         (["eval", "--method", "streaming", "--budget", "4", "--sinks", "4"], "budget=4 is invalid"),
         (["eval", "--method", "streaming", "--budget", "4096", "--context", "4096"], "budget=4096 is invalid"),
@@ -32,7 +40,12 @@ def run_cli(capsys, *argv):
     ],
 )
 def test_bad_arguments_give_one_line_errors(capsys, tmp_path, argv, needle):
-    code, err = run_cli(capsys, *argv, "--model", str(tmp_path), "--device", "cpu")
+    if argv[0] == "eval":
+        argv = [*argv, "--model", str(tmp_path), "--device", "cpu"]
+    try:
+        code, err = run_cli(capsys, *argv)
+    except SystemExit as e:  # argparse's own errors (one line too, through kvlearn's parser)
+        code, err = e.code, capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and err.startswith("kvlearn: error:")
     assert needle in err
@@ -44,6 +57,42 @@ def test_missing_checkpoint_and_unsupported_architecture(capsys, tmp_path):
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
     code, err = run_cli(capsys, "eval", "--method", "dense", "--model", str(tmp_path / "gpt2"), "--device", "cpu")
     assert code == 2 and "'gpt2' " in err and "qwen3, qwen2, llama, mistral" in err
+
+
+def test_output_paths_and_model_limits_are_checked_before_evaluating(capsys, tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "file").write_text("")
+    cases = [
+        (["--out", str(tmp_path / "sub")], "is a directory"),
+        (["--out", str(tmp_path / "file" / "r.json")], "is not a directory"),
+        (["--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "sub")], "is a directory"),
+        (["--context", "1024", "--model", str(tmp_path / "tiny")], "exceeds the model's max_position_embeddings=512"),
+    ]
+    Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, max_position_embeddings=512).save_pretrained(tmp_path / "tiny")
+    for extra, needle in cases:
+        code, err = run_cli(capsys, "eval", "--method", "dense", "--device", "cpu", "--model", str(tmp_path), *extra)
+        assert code == 2 and needle in err and len(err.splitlines()) == 1, (extra, err)
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_version_help_defaults_and_methods_listing(capsys):
+    from kvlearn import __version__
+    from kvlearn.methods import method_names
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"kvlearn {__version__}"
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("--n-per-task N_PER_TASK examples per task family (default: 10)", "(default: bounded)",
+                   "{" + ",".join(method_names()) + "}", "(default: 4096)"):
+        assert needle in text
+    assert main(["methods"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == list(method_names())
+    assert lines[1].split()[1] == "bounded,context"
 
 
 def tiny_testbed_model():
@@ -64,7 +113,8 @@ def test_harness_rows_schema_and_real_memory_saving(tmp_path):
                                            context=256, batch_size=2), progress=False)
     assert [(r["method"], r["task"]) for r in rows] == [("dense", "niah"), ("dense", "recall"), ("streaming", "niah"), ("streaming", "recall")]
     for r in rows:
-        assert set(r) >= {"method", "budget", "compression", "task", "accuracy", "n", "kv_bytes"}
+        assert set(r) >= {"method", "protocol", "split", "budget", "compression", "task", "accuracy", "n", "kv_bytes"}
+        assert r["protocol"] == "bounded" and r["split"] == "eval"
         assert r["n"] == 2 and 0.0 <= r["accuracy"] <= 1.0
     dense = {r["task"]: r["kv_bytes"] for r in rows if r["method"] == "dense"}
     for r in rows:

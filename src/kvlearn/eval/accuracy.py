@@ -1,31 +1,44 @@
 """Accuracy of a model on the testbed under a cache method: greedy decoding through the method's real cache.
 
-Each example's prompt is prefilled through the cache and its answer is generated greedily with
-``model.generate(..., past_key_values=cache)``; a family's ``score`` decides exact match. ``kv_bytes`` is the
-cache's allocated bytes at the end of the example (a batch's bytes divided by its rows).
+Each batch of examples is laid out and prefilled under the configured protocol (:mod:`kvlearn.eval.protocols`:
+``bounded`` or ``context``) and its answers are generated greedily with ``model.generate(..., past_key_values=cache)``;
+a family's ``score`` decides exact match. Every row names its ``method``, ``protocol`` and ``split``. ``kv_bytes`` is
+the cache's allocated bytes at the end of the batch divided by its rows; ``peak_kv_bytes`` the same for the cache's
+peak when the cache reports one (``peak_allocated_bytes()``).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
-from ..config import StreamingConfig
-from ..errors import check
-from ..eviction.streaming import StreamingCache
+from ..errors import check, check_int
 from ..hf import attach
+from ..methods import PROTOCOLS, get_method, make_config, method_names
 from ..testbed import tasks as testbed_tasks
+from .protocols import DEFAULT_PREFILL_CHUNK, layout, run_batch
 
-METHODS = ("dense", "streaming")
+METHODS = method_names()  # every registered method (kvlearn.methods)
+MIN_CONTEXT = 256
+
+
+def eval_splits() -> tuple[str, ...]:
+    """The testbed splits an evaluation may draw from: every split but ``train``."""
+    return tuple(s for s in testbed_tasks.SPLITS if s != "train")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """What to evaluate. ``budget`` and ``sinks`` apply to compressing methods (not ``dense``)."""
+    """What to evaluate. ``budget`` and ``sinks`` apply to compressing methods (not ``dense``).
+
+    ``split``: the testbed split the examples are drawn from (:func:`eval_splits`). ``protocol``: ``bounded`` or
+    ``context`` (:mod:`kvlearn.eval.protocols`), one the method defines. ``chunk_size``: prefill chunk of the
+    bounded cache. Every bad value is a one-line :class:`~kvlearn.errors.KVLearnError`.
+    """
 
     method: str = "dense"
     budget: int | None = None
@@ -34,33 +47,42 @@ class EvalConfig:
     n_per_task: int = 10
     context: int = 4096
     batch_size: int = 8
-    seed_offset: int = 0
     split: str = "eval"
+    protocol: str = "bounded"
+    chunk_size: int = DEFAULT_PREFILL_CHUNK
+    seed_offset: int = 0
 
     def __post_init__(self) -> None:
-        check(self.split in ("eval", "heldout"), f"split={self.split!r} is unknown: expected one of eval, heldout")
-        check(self.method in METHODS, f"method={self.method!r} is unknown: expected one of {', '.join(METHODS)}")
+        method = get_method(self.method)
+        check(self.protocol in PROTOCOLS, f"protocol={self.protocol!r} is unknown: expected one of {', '.join(PROTOCOLS)}")
+        method.check_protocol(self.protocol)
+        splits = eval_splits()
+        check(self.split in splits, f"split={self.split!r} is invalid: expected one of {', '.join(splits)}")
+        check(len(self.tasks) > 0, "tasks is empty: expected at least one of " + ", ".join(testbed_tasks.FAMILIES))
         unknown = [t for t in self.tasks if t not in testbed_tasks.FAMILIES]
         check(not unknown, f"task(s) {', '.join(map(repr, unknown))} unknown: expected any of {', '.join(testbed_tasks.FAMILIES)}")
-        check(len(self.tasks) > 0, "tasks is empty: expected at least one of " + ", ".join(testbed_tasks.FAMILIES))
-        check(isinstance(self.n_per_task, int) and self.n_per_task >= 1, f"n_per_task={self.n_per_task!r} is invalid: expected an integer >= 1")
-        check(isinstance(self.context, int) and 256 <= self.context <= 65536, f"context={self.context!r} is invalid: expected an integer in [256, 65536]")
-        check(isinstance(self.batch_size, int) and self.batch_size >= 1, f"batch_size={self.batch_size!r} is invalid: expected an integer >= 1")
-        if self.method != "dense":
-            check(self.budget is not None, f"method {self.method!r} needs a budget: expected sinks + 1 = {self.sinks + 1} <= budget < context = {self.context}")
-            StreamingConfig(budget=self.budget, sinks=self.sinks, context=self.context)  # validates the budget
+        check_int("n_per_task", self.n_per_task, 1)
+        check_int("context", self.context, MIN_CONTEXT, testbed_tasks.MAX_LENGTH,
+                  hint=f" (the testbed generates at most {testbed_tasks.MAX_LENGTH} tokens)")
+        check_int("batch_size", self.batch_size, 1)
+        check_int("chunk_size", self.chunk_size, 1)
+        check_int("seed_offset", self.seed_offset, 0)
+        object.__setattr__(self, "method_config", make_config(self.method, budget=self.budget, sinks=self.sinks,
+                                                              context=self.context))
 
     @property
     def compression(self) -> float:
         """``1 - budget / context`` (0 for dense)."""
         return 0.0 if self.method == "dense" else 1.0 - self.budget / self.context
 
+    def make_cache(self, model):
+        """A fresh cache of the configured method for one batch of ``model``."""
+        return get_method(self.method).make_cache(self.method_config, model.config)
+
 
 def make_cache(config: EvalConfig, model):
     """A fresh cache of the configured method for ``model``."""
-    if config.method == "dense":
-        return DynamicCache(config=model.config)
-    return StreamingCache(StreamingConfig(budget=config.budget, sinks=config.sinks), model.config.num_hidden_layers)
+    return config.make_cache(model)
 
 
 def cache_bytes(cache) -> int:
@@ -75,14 +97,23 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def _left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s) :] = 1
-    return ids.to(device), mask.to(device)
+def peak_cache_bytes(cache) -> int | None:
+    """The cache's peak allocated bytes if it reports them (``peak_allocated_bytes`` or ``peak_bytes``, a method or
+    an attribute), else ``None``."""
+    peak = getattr(cache, "peak_allocated_bytes", None)
+    if peak is None:
+        peak = getattr(cache, "peak_bytes", None)
+    if peak is None:
+        return None
+    return int(peak() if callable(peak) else peak)
+
+
+def examples_for(config: EvalConfig, task: str) -> list:
+    """The ``n_per_task`` examples of ``task`` in the configured split at the configured context."""
+    return [
+        testbed_tasks.generate(task, testbed_tasks.example_seed(task, config.split, config.seed_offset + i), config.context)
+        for i in range(config.n_per_task)
+    ]
 
 
 @dataclass
@@ -91,6 +122,7 @@ class TaskResult:
     correct: int = 0
     n: int = 0
     kv_bytes: list[int] = field(default_factory=list)
+    peak_kv_bytes: list[int] = field(default_factory=list)
     by_variant: dict = field(default_factory=dict)
 
     @property
@@ -98,66 +130,91 @@ class TaskResult:
         return self.correct / max(1, self.n)
 
 
+def _row(config: EvalConfig, result: TaskResult) -> dict:
+    row = {
+        "method": config.method,
+        "protocol": config.protocol,
+        "split": config.split,
+        "budget": config.budget if config.method != "dense" else config.context,
+        "sinks": config.sinks if config.method != "dense" else None,
+        "context": config.context,
+        "compression": round(config.compression, 6),
+        "task": result.task,
+        "accuracy": result.accuracy,
+        "n": result.n,
+        "kv_bytes": int(sum(result.kv_bytes) / max(1, len(result.kv_bytes))),
+    }
+    if result.peak_kv_bytes:
+        row["peak_kv_bytes"] = int(sum(result.peak_kv_bytes) / len(result.peak_kv_bytes))
+    row["variants"] = {k: {"accuracy": c / n, "n": n} for k, (c, n) in sorted(result.by_variant.items())}
+    if result.n < config.n_per_task:
+        row["incomplete"] = True
+    return row
+
+
 @torch.no_grad()
-def evaluate(model, config: EvalConfig, progress: bool = True) -> list[dict]:
-    """Greedy exact-match accuracy per task family; returns result rows of schema ``kvlearn.results.v1``."""
-    attach(model)
+def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float | None = None, bar=None,
+             clock=time.monotonic) -> list[dict]:
+    """Greedy exact-match accuracy per task family; returns result rows of schema ``kvlearn.results.v1``.
+
+    ``deadline`` (a ``clock()`` value, ``time.monotonic`` by default): no new batch starts after it; the rows measured so far are
+    returned, those with fewer than ``n_per_task`` examples marked ``"incomplete": True`` (tasks never started are
+    left out). ``bar``: an outer tqdm bar to advance instead of a bar of this call.
+    """
+    method = get_method(config.method)
+    (method.apply or attach)(model)
     device = next(model.parameters()).device
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     eos_id = model.config.eos_token_id
-    total = len(config.tasks) * config.n_per_task
-    bar = tqdm(total=total, desc=f"eval {config.method}", disable=not progress, unit="ex")
+    own_bar = bar is None
+    if own_bar:
+        bar = tqdm(total=len(config.tasks) * config.n_per_task, desc=f"eval {config.method}/{config.protocol}",
+                   disable=not progress, unit="ex")
     rows = []
     for task in config.tasks:
+        if deadline is not None and clock() >= deadline:
+            break
         result = TaskResult(task)
-        examples = [
-            testbed_tasks.generate(task, testbed_tasks.example_seed(task, config.split, config.seed_offset + i), config.context)
-            for i in range(config.n_per_task)
-        ]
+        examples = examples_for(config, task)
         for start in range(0, len(examples), config.batch_size):
+            if deadline is not None and clock() >= deadline:
+                break
             batch = examples[start : start + config.batch_size]
-            ids, mask = _left_pad([ex.prompt_ids for ex in batch], pad_id, device)
             max_new = max(len(ex.answer_ids) for ex in batch) + (32 if task == "trace" else 0)
-            cache = make_cache(config, model)
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new,
-                do_sample=False, pad_token_id=pad_id, eos_token_id=eos_id,
-            )
+            padded = layout(batch, config.protocol, pad_id)
+            padded.ids, padded.mask = padded.ids.to(device), padded.mask.to(device)
+            cache = config.make_cache(model)
+            out = run_batch(model, cache, padded, config.protocol, max_new, chunk_size=config.chunk_size,
+                            pad_id=pad_id, eos_id=eos_id)
             per_example_bytes = cache_bytes(cache) // len(batch)
+            peak = peak_cache_bytes(cache)
             for i, ex in enumerate(batch):
-                ok = bool(testbed_tasks.score(ex, out[i, ids.shape[1] :].tolist()))
+                ok = bool(testbed_tasks.score(ex, out[i].tolist()))
                 result.correct += ok
                 result.n += 1
                 result.kv_bytes.append(per_example_bytes)
+                if peak is not None:
+                    result.peak_kv_bytes.append(peak // len(batch))
                 v = result.by_variant.setdefault(ex.variant or task, [0, 0])
                 v[0] += ok
                 v[1] += 1
+            del cache
             bar.update(len(batch))
             bar.set_postfix(task=task, acc=f"{result.accuracy:.2f}")
-        rows.append(
-            {
-                "method": config.method,
-                "budget": config.budget if config.method != "dense" else config.context,
-                "compression": round(config.compression, 6),
-                "task": task,
-                "split": config.split,
-                "accuracy": result.accuracy,
-                "n": result.n,
-                "kv_bytes": int(sum(result.kv_bytes) / max(1, len(result.kv_bytes))),
-                "variants": {k: {"accuracy": c / n, "n": n} for k, (c, n) in sorted(result.by_variant.items())},
-            }
-        )
-    bar.close()
+        if result.n:
+            rows.append(_row(config, result))
+    if own_bar:
+        bar.close()
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     """A plain-text table of result rows."""
-    header = f"{'method':<10} {'budget':>6} {'CR':>5} {'split':<8} {'task':<8} {'acc':>6} {'n':>4} {'kv_bytes':>12}"
+    header = f"{'method':<10} {'protocol':<8} {'budget':>6} {'CR':>5} {'task':<8} {'acc':>6} {'n':>4} {'kv_bytes':>12}"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['method']:<10} {r['budget']:>6} {r['compression']:>5.2f} {r.get('split', 'eval'):<8} {r['task']:<8} {r['accuracy']:>6.3f} "
+            f"{r['method']:<10} {r.get('protocol', 'bounded'):<8} {r['budget']:>6} {r['compression']:>5.2f} {r['task']:<8} {r['accuracy']:>6.3f} "
             f"{r['n']:>4} {r['kv_bytes']:>12,}"
         )
     return "\n".join(lines)

@@ -8,22 +8,46 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 from .accuracy import wilson_interval  # noqa: E402
+
+
+MARKERS = {"bounded": "o", "context": "s"}
+LINESTYLES = {"bounded": "-", "context": "--"}
+MARKERSIZES = {"bounded": 10, "context": 6}  # a smaller marker on top keeps coinciding points of both visible
 
 
 def _label(row: dict) -> str:
     if row["method"] == "dense":
         return "dense (full cache)"
-    return f"{row['method']} B={row['budget']} (CR {row['compression']:.0%})"
+    proto = f", {row['protocol']}" if row.get("protocol", "bounded") != "bounded" else ""
+    return f"{row['method']} B={row['budget']} (CR {row['compression']:.0%}{proto})"
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def plot_accuracy(rows: list[dict], path: str | Path, title: str = "Testbed accuracy") -> Path:
-    """Grouped bars: one group per task, one bar per method/budget, with 95% Wilson intervals."""
+    """Two panels: accuracy per task family (grouped bars, 95% Wilson intervals, a marker and label at 0 so no bar
+    is invisible) and the allocated KV bytes per example of each series (mean over families, with the memory saved
+    against the full cache). The legend sits below the panels; n and ``CR = 1 - budget/context`` are stated."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     series = list(dict.fromkeys(_label(r) for r in rows))
+    colors = [f"C{i}" for i in range(len(series))]
     width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(tasks), 3.6))
+    fig, (ax, mx) = plt.subplots(1, 2, figsize=(2.4 + 1.5 * len(tasks) + 1.2 * len(series), 4.2),
+                                 gridspec_kw={"width_ratios": [max(2, len(tasks)), max(1.2, 0.6 * len(series))]})
+    handles = []
     for si, name in enumerate(series):
         xs, ys, lo, hi = [], [], [], []
         for ti, task in enumerate(tasks):
@@ -34,19 +58,104 @@ def plot_accuracy(rows: list[dict], path: str | Path, title: str = "Testbed accu
             a, b = wilson_interval(round(r["accuracy"] * r["n"]), r["n"])
             xs.append(ti + (si - (len(series) - 1) / 2) * width)
             ys.append(r["accuracy"])
-            lo.append(r["accuracy"] - a)
-            hi.append(b - r["accuracy"])
-        bars = ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=3, label=name)
-        ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], padding=2, fontsize=7)
+            lo.append(max(0.0, r["accuracy"] - a))  # the Wilson bounds can miss 0 or 1 by a rounding error
+            hi.append(max(0.0, b - r["accuracy"]))
+        bars = ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=3, color=colors[si], ecolor="0.35", label=name)
+        handles.append(bars)
+        zeros = [x for x, y in zip(xs, ys) if y == 0]
+        if zeros:  # a bar of height 0 is invisible: mark it on the axis
+            ax.plot(zeros, [0.0] * len(zeros), linestyle="none", marker="_", markersize=200 * width / max(1, len(tasks)) + 8,
+                    markeredgewidth=4, color=colors[si], clip_on=False, zorder=3)
+        for x, y, h in zip(xs, ys, hi):
+            ax.text(x, y + h + 0.02, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(tasks)), tasks)
-    ax.set_ylim(0, 1.12)
+    ax.set_ylim(0, 1.18)
+    ax.set_yticks([0, 0.25, 0.5, 0.75, 1.0])
     ax.set_ylabel("exact-match accuracy")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower left")
+    ns = sorted({r["n"] for r in rows})
+    contexts = sorted({r["context"] for r in rows if "context" in r})
+    ctx = f", context {contexts[0]}" if len(contexts) == 1 else ""
+    ax.set_title(f"accuracy (n = {'/'.join(map(str, ns))} per family; 95% Wilson intervals)", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
+
+    # allocated KV bytes per example, mean over families
+    dense = [r["kv_bytes"] for r in rows if r["method"] == "dense"]
+    dense_mean = sum(dense) / len(dense) if dense else None
+    means = []
+    for name in series:
+        b = [r["kv_bytes"] for r in rows if _label(r) == name]
+        means.append(sum(b) / len(b))
+    bars = mx.bar(range(len(series)), [m / 2**20 for m in means], color=colors, width=0.6)
+    top = max(means) / 2**20 if means else 1
+    for i, m in enumerate(means):
+        text = _mib(m)
+        if dense_mean and series[i] != "dense (full cache)":
+            text += f"\n{1 - m / dense_mean:.0%} saved"
+        mx.text(i, m / 2**20 + 0.02 * top, text, ha="center", va="bottom", fontsize=7)
+    mx.set_xticks(range(len(series)), [s.split(" (")[0] for s in series], fontsize=8)
+    mx.set_ylim(0, top * 1.3)
+    mx.set_ylabel("allocated KV cache per example (MiB)")
+    mx.set_title("KV memory (end of generation)", fontsize=9)
+    mx.grid(axis="y", alpha=0.3)
+
+    fig.suptitle(f"{title}\nCR = 1 - budget/context{ctx}", fontsize=10)
+    fig.legend(handles=handles, loc="lower center", ncol=min(3, len(series)), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 0.0))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return _save(fig, path)
+
+
+def mean_accuracy(rows: list[dict]) -> dict[tuple, dict]:
+    """Mean accuracy over task families per ``(split, method, protocol, budget)``: ``{key: {"accuracy",
+    "compression", "tasks", "incomplete"}}``."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r.get("split", "eval"), r["method"], r.get("protocol", "bounded"), r["budget"]), []).append(r)
+    return {
+        k: {"accuracy": sum(r["accuracy"] for r in g) / len(g), "compression": g[0]["compression"],
+            "tasks": len(g), "incomplete": any(r.get("incomplete") for r in g)}
+        for k, g in groups.items()
+    }
+
+
+def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy against compression") -> Path:
+    """Mean accuracy over families against the compression ratio ``1 - budget/context``: one line (colour) per
+    method, one marker and line style per protocol; the full cache is a star at CR 0 and a dotted reference line.
+    One panel per split. Points from runs cut short by a time guard are drawn hollow."""
+    agg = mean_accuracy(rows)
+    splits = list(dict.fromkeys(k[0] for k in agg))
+    methods = [m for m in dict.fromkeys(k[1] for k in agg) if m != "dense"]
+    color = {m: f"C{i}" for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, len(splits), figsize=(6.4 * len(splits), 4.4), squeeze=False)
+    for ax, split in zip(axes[0], splits):
+        for (sp, m, proto, _), v in agg.items():
+            if sp == split and m == "dense":
+                ax.axhline(v["accuracy"], color="0.4", linestyle=":", linewidth=1)
+                ax.plot([0.0], [v["accuracy"]], marker="*", markersize=14, color="0.2", linestyle="none",
+                        label="dense (full cache)" if not ax.get_legend_handles_labels()[1].count("dense (full cache)") else None)
+        for m in methods:
+            for proto in dict.fromkeys(k[2] for k in agg if k[0] == split and k[1] == m):
+                pts = sorted((v["compression"], v["accuracy"], v["incomplete"]) for k, v in agg.items()
+                             if k[0] == split and k[1] == m and k[2] == proto)
+                xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                ax.plot(xs, ys, color=color[m], linestyle=LINESTYLES.get(proto, "-"), marker=MARKERS.get(proto, "^"),
+                        markersize=MARKERSIZES.get(proto, 7), markeredgecolor="black", markeredgewidth=0.6,
+                        zorder=3 if proto == "context" else 2, label=f"{m} ({proto})")
+                hollow = [(x, y) for x, y, inc in pts if inc]
+                if hollow:
+                    ax.plot(*zip(*hollow), linestyle="none", marker=MARKERS.get(proto, "^"),
+                            markersize=MARKERSIZES.get(proto, 7), markerfacecolor="white", color=color[m], zorder=4)
+        if any(v["incomplete"] for k, v in agg.items() if k[0] == split):
+            ax.plot([], [], linestyle="none", marker="o", markerfacecolor="white", color="0.3",
+                    label="hollow: run cut short (incomplete)")
+        ax.set_xlabel("compression ratio CR = 1 - budget/context")
+        ax.set_ylabel("accuracy, mean over task families")
+        ax.set_xlim(-0.03, 1.0)
+        ax.set_ylim(-0.03, 1.05)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        ax.grid(alpha=0.3)
+        ax.set_title(f"split: {split}", fontsize=9)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

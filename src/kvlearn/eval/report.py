@@ -34,14 +34,15 @@ def _provenance(name: str, data: dict) -> str:
 def accuracy_section(name: str, data: dict) -> str:
     rows = data["rows"]
     out = [f"## Accuracy: {name.removesuffix('.json')} (context {data.get('context')})", "", _provenance(name, data), ""]
-    out.append("| method | budget | CR | task | accuracy | n | kv_bytes (mean per example) | kv_bytes / dense |")
-    out.append("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    out.append("| method | protocol | split | budget | CR | task | accuracy | n | kv_bytes (mean per example) | kv_bytes / dense |")
+    out.append("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     dense = {r["task"]: r["kv_bytes"] for r in rows if r["method"] == "dense"}
     for r in rows:
         ratio = f"{r['kv_bytes'] / dense[r['task']]:.3f}" if dense.get(r["task"]) else ""
+        mark = " (incomplete)" if r.get("incomplete") else ""
         out.append(
-            f"| {r['method']} | {r['budget']} | {r['compression']:.0%} | {r['task']} | {r['accuracy']:.3f} | {r['n']} | "
-            f"{r['kv_bytes']:,} | {ratio} |"
+            f"| {r['method']} | {r.get('protocol', 'bounded')} | {r.get('split', 'eval')} | {r['budget']} | "
+            f"{r['compression']:.0%} | {r['task']} | {r['accuracy']:.3f} | {r['n']}{mark} | {r['kv_bytes']:,} | {ratio} |"
         )
     variants = [(r["method"], r["task"], k, v) for r in rows for k, v in r.get("variants", {}).items() if len(r.get("variants", {})) > 1]
     if variants:

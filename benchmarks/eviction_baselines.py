@@ -1,0 +1,194 @@
+"""Every registered eviction method against the full cache on the testbed: the baselines table and its Pareto plot.
+
+On the device (H200, bf16, large batches):
+
+    PYTHONPATH=src python benchmarks/eviction_baselines.py --n-per-task 100 --minutes 25
+
+writes ``results/baselines_table.json`` (schema ``kvlearn.results.v1``, kind ``accuracy``; every row has ``method``,
+``protocol``, ``split``, ``budget``, ``compression``, ``kv_bytes``) and ``results/baselines_pareto.png`` (mean
+accuracy over families against the compression ratio, one line per method, one marker per protocol).
+
+Runs, in this order so that the time guard cuts the least important ones: the full cache (``dense``) once per split
+(its result does not depend on the protocol: both protocols keep every token), then for every budget (1024 then
+512: CR 75% / 88% at context 4096), every eviction method and every protocol it defines. ``--minutes`` stops
+cleanly: no batch starts after the deadline, the file is rewritten after every run, rows cut short are marked
+``"incomplete": true`` and runs never started are listed under ``not_run``. Methods whose module is not in this
+checkout are listed under ``skipped``.
+
+``--smoke`` runs the same code on the CPU with a tiny random model (context 256, budgets 64 and 32, 2 examples of
+niah and vt) in seconds, writing under ``runs/smoke/`` unless ``--out`` / ``--plot`` say otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from kvlearn.errors import KVLearnError, check  # noqa: E402
+from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
+from kvlearn.eval.plots import plot_pareto  # noqa: E402
+from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method  # noqa: E402
+from kvlearn.results import make_results, write_results  # noqa: E402
+
+
+def repo_relative(arg: str) -> str:
+    """``arg`` relative to the repository when it is a path inside it."""
+    try:
+        return str(Path(arg).resolve().relative_to(REPO)) if (os.sep in arg or Path(arg).exists()) else arg
+    except ValueError:
+        return arg
+
+
+def recorded_command(argv: list[str]) -> str:
+    return " ".join(["python", "benchmarks/eviction_baselines.py"] + [shlex.quote(repo_relative(a)) for a in argv])
+
+
+def _list(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
+    if text == "all":
+        return allowed
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in allowed]
+    check(names and not bad, f"{option} {text!r}: unknown {', '.join(bad) or '(none given)'}; expected a comma list of "
+                             f"{', '.join(allowed)} or 'all'")
+    return names
+
+
+def _budgets(text: str) -> tuple[int, ...]:
+    try:
+        budgets = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise KVLearnError(f"--budgets {text!r}: expected a comma list of integers, e.g. 1024,512") from None
+    return budgets
+
+
+def tiny_model():
+    """A random 1-layer-pair Qwen3 on the testbed vocabulary (``--smoke``)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kvlearn.testbed.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def plan_runs(args) -> tuple[list[EvalConfig], dict[str, str]]:
+    """The configs to run, in priority order, and ``{method: why skipped}``."""
+    methods = _list(args.methods, EVICTION_METHODS, "--methods")
+    protocols = _list(args.protocols, PROTOCOLS, "--protocols")
+    splits = _list(args.splits, eval_splits(), "--splits")
+    budgets = _budgets(args.budgets)
+    common = dict(tasks=tuple(args.tasks.split(",")) if args.tasks != "all" else EvalConfig().tasks,
+                  n_per_task=args.n_per_task, context=args.context, batch_size=args.batch_size,
+                  chunk_size=args.chunk_size, sinks=args.sinks)
+    skipped: dict[str, str] = {}
+    available = []
+    for m in methods:
+        try:
+            get_method(m)
+            available.append(m)
+        except KVLearnError as e:
+            skipped[m] = str(e)
+    runs = [EvalConfig(method="dense", split=s, protocol=protocols[0], **common) for s in splits]
+    for split in splits:
+        for budget in budgets:
+            for m in available:
+                for p in protocols:
+                    if p in get_method(m).protocols:
+                        runs.append(EvalConfig(method=m, budget=budget, split=split, protocol=p, **common))
+    return runs, skipped
+
+
+def describe(c: EvalConfig) -> str:
+    return f"{c.method}/{c.protocol}/{c.split}" + (f"/B={c.budget}" if c.method != "dense" else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=str(REPO / "checkpoints" / "testbed-teacher"), help="checkpoint folder")
+    ap.add_argument("--methods", default="all", help=f"comma list of {','.join(EVICTION_METHODS)} or 'all'")
+    ap.add_argument("--budgets", default="1024,512", help="comma list of budgets (tokens per KV head)")
+    ap.add_argument("--protocols", default="all", help=f"comma list of {','.join(PROTOCOLS)} or 'all'")
+    ap.add_argument("--splits", default="eval", help=f"comma list of {','.join(eval_splits())} or 'all'")
+    ap.add_argument("--tasks", default="all", help="comma list of task families or 'all'")
+    ap.add_argument("--n-per-task", type=int, default=100, help="examples per family per run")
+    ap.add_argument("--context", type=int, default=4096, help="tokens per example")
+    ap.add_argument("--sinks", type=int, default=4, help="sinks of every eviction method")
+    ap.add_argument("--batch-size", type=int, default=64, help="examples per batch")
+    ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk of the bounded cache")
+    ap.add_argument("--minutes", type=float, default=25.0, help="time guard: no batch starts after it")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--out", default=None, help="results file (default: results/baselines_table.json, "
+                                                "runs/smoke/baselines_table.json with --smoke)")
+    ap.add_argument("--plot", default=None, help="Pareto plot (default: next to --out, baselines_pareto.png)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, context 256, budgets 64,32, n 2, niah and vt")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.device, args.context, args.budgets, args.n_per_task, args.batch_size, args.chunk_size = "cpu", 256, "64,32", 2, 4, 64
+        args.tasks = "niah,vt" if args.tasks == "all" else args.tasks  # trace decodes ~100 tokens: not for a smoke test
+    out = Path(args.out or ("runs/smoke/baselines_table.json" if args.smoke else "results/baselines_table.json"))
+    plot = Path(args.plot or out.with_name("baselines_pareto.png"))
+    try:
+        runs, skipped = plan_runs(args)
+    except KVLearnError as e:
+        print(f"eviction_baselines: error: {e}", file=sys.stderr)
+        return 2
+    for m, why in skipped.items():
+        print(f"skipped {m}: {why}")
+
+    start = time.monotonic()
+    deadline = start + 60 * args.minutes
+    if args.smoke:
+        model, model_name, dtype = tiny_model(), "tiny random Qwen3 (--smoke)", torch.float32
+    else:
+        from kvlearn.hf import load_model
+
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        model, model_name = load_model(args.model, dtype=dtype, device=args.device), repo_relative(args.model)
+    rows: list[dict] = []
+    not_run: list[str] = []
+    command = recorded_command(argv)
+
+    def save():
+        results = make_results("accuracy", rows, device=args.device, command=command, model=model_name,
+                               context=args.context, dtype=str(dtype).replace("torch.", ""), n_per_task=args.n_per_task,
+                               wall_seconds=round(time.monotonic() - start, 1), skipped=skipped, not_run=not_run,
+                               complete=not not_run and not any(r.get("incomplete") for r in rows))
+        write_results(out, results)
+
+    total = sum(len(c.tasks) * c.n_per_task for c in runs)
+    # on the device the log is not a terminal: one progress line every 20 s instead of a live bar
+    bar = tqdm(total=total, desc="baselines", unit="ex", mininterval=0.1 if sys.stderr.isatty() else 20.0)
+    for i, config in enumerate(runs):
+        if time.monotonic() >= deadline:
+            not_run.extend(describe(c) for c in runs[i:])
+            print(f"time guard ({args.minutes} min): {len(runs) - i} run(s) not started", flush=True)
+            break
+        bar.set_description(describe(config))
+        rows += evaluate(model, config, progress=False, deadline=deadline, bar=bar)
+        save()
+    bar.close()
+    save()
+    print(format_table(rows))
+    print(f"wrote {out}")
+    if rows:
+        print(f"wrote {plot_pareto(rows, plot, title=f'{model_name}, context {args.context}')}")
+    print(f"wall time {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

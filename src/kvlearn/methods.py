@@ -1,0 +1,201 @@
+"""The method registry: ``name -> Method``, the one place that knows which cache methods exist.
+
+Every evaluation path (``kvlearn eval``, ``kvlearn demo``, :mod:`kvlearn.eval.accuracy`, the benchmarks and the
+contract test matrix) resolves a method here, so a method registered once is evaluated everywhere.
+
+- ``dense``: transformers' ``DynamicCache`` (every token kept; the reference).
+- the eviction methods :data:`EVICTION_METHODS`: each is a module ``kvlearn.eviction.<name>`` exposing ``CONFIG``
+  (a frozen dataclass config taking at least ``budget`` and ``sinks``, validated on creation), ``SUMMARY`` (one
+  line), ``PROTOCOLS`` (a tuple from :data:`PROTOCOLS`) and ``make_cache(config, model_config) -> Cache``.
+
+Modules are imported lazily, on :func:`get_method`: a method whose module is not in this checkout fails with a
+one-line :class:`~kvlearn.errors.KVLearnError` when it is asked for, never when this module is imported.
+
+Protocols (see :mod:`kvlearn.eval.protocols`): ``bounded`` (the whole prompt goes through the bounded cache) and
+``context`` (everything before the final question is prefilled densely and compressed once, kvpress's setting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import KVLearnError, check
+
+PROTOCOLS: tuple[str, ...] = ("bounded", "context")
+EVICTION_METHODS: tuple[str, ...] = ("streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One registered cache method.
+
+    Attributes:
+        name: the registry name (``kvlearn eval --method NAME``).
+        summary: one line saying what the method keeps.
+        config_cls: the dataclass config (validated on creation).
+        make_cache: ``make_cache(config, model_config) -> transformers.Cache``, a fresh cache for one batch.
+        apply: ``apply(model) -> model`` that makes the model run with this method's caches; ``None`` means
+            :func:`kvlearn.hf.attach` (the shared attention function, no added modules).
+        protocols: the evaluation protocols the method defines, a subset of :data:`PROTOCOLS`.
+    """
+
+    name: str
+    summary: str
+    config_cls: type
+    make_cache: Callable[[Any, Any], Any]
+    apply: Callable[[Any], Any] | None = None
+    protocols: tuple[str, ...] = PROTOCOLS
+
+    @property
+    def compresses(self) -> bool:
+        """Whether the method has a budget (every method but ``dense``)."""
+        return self.name != "dense"
+
+    def check_protocol(self, protocol: str) -> None:
+        """One-line error unless ``protocol`` is one this method defines."""
+        check(protocol in PROTOCOLS, f"protocol={protocol!r} is unknown: expected one of {', '.join(PROTOCOLS)}")
+        check(
+            protocol in self.protocols,
+            f"method {self.name!r} does not define protocol {protocol!r}: expected one of {', '.join(self.protocols)}",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# dense
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """The full cache: no budget, every token kept."""
+
+
+def _make_dense_cache(config: DenseConfig, model_config):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model_config)
+
+
+DENSE = Method("dense", "full cache (transformers DynamicCache): every token kept, the reference", DenseConfig,
+               _make_dense_cache, None, PROTOCOLS)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# eviction methods, imported lazily
+
+
+def _streaming_shim(module) -> Method:
+    """SHIM (remove when cache contract v2 lands): today's ``kvlearn.eviction.streaming`` has no ``CONFIG`` /
+    ``SUMMARY`` / ``PROTOCOLS`` / ``make_cache``; build the same :class:`Method` from ``StreamingConfig`` and
+    ``StreamingCache(config, num_layers)``."""
+    from .config import StreamingConfig
+
+    def make_cache(config, model_config):
+        return module.StreamingCache(config, model_config.num_hidden_layers)
+
+    return Method("streaming", "StreamingLLM: the first `sinks` tokens and a window of the most recent ones",
+                  StreamingConfig, make_cache, None, PROTOCOLS)
+
+
+def _load_eviction(name: str) -> Method:
+    modname = f"kvlearn.eviction.{name}"
+    try:
+        module = importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name != modname:  # the module exists but one of its imports is missing: not ours to hide
+            raise
+        raise KVLearnError(
+            f"method {name!r} is registered but its module {modname} is not in this checkout yet: "
+            f"available now: {', '.join(available_methods())}"
+        ) from None
+    if name == "streaming" and not hasattr(module, "CONFIG"):
+        return _streaming_shim(module)
+    missing = [a for a in ("CONFIG", "SUMMARY", "PROTOCOLS", "make_cache") if not hasattr(module, a)]
+    check(not missing, f"module {modname} does not implement the method contract: missing {', '.join(missing)}")
+    protocols = tuple(module.PROTOCOLS)
+    check(protocols and set(protocols) <= set(PROTOCOLS),
+          f"{modname}.PROTOCOLS={protocols!r} is invalid: expected a non-empty subset of {PROTOCOLS}")
+    return Method(name, str(module.SUMMARY), module.CONFIG, module.make_cache, getattr(module, "apply", None), protocols)
+
+
+_LOADED: dict[str, Method] = {"dense": DENSE}
+
+
+def method_names() -> tuple[str, ...]:
+    """Every registered method name, ``dense`` first (whether or not its module is in this checkout)."""
+    return ("dense",) + EVICTION_METHODS
+
+
+def get_method(name: str) -> Method:
+    """The registered method ``name``; a one-line error for an unknown name or a module not in this checkout."""
+    check(name in method_names(), f"method={name!r} is unknown: expected one of {', '.join(method_names())}")
+    if name not in _LOADED:
+        _LOADED[name] = _load_eviction(name)
+    return _LOADED[name]
+
+
+def is_available(name: str) -> bool:
+    """Whether ``name`` is registered and its module imports in this checkout."""
+    try:
+        get_method(name)
+        return True
+    except KVLearnError:
+        return False
+
+
+def available_methods() -> tuple[str, ...]:
+    """The registered methods whose modules import in this checkout."""
+    out = []
+    for n in method_names():
+        if n in _LOADED:
+            out.append(n)
+            continue
+        try:
+            importlib.import_module(f"kvlearn.eviction.{n}")
+            out.append(n)
+        except ModuleNotFoundError:
+            pass
+    return tuple(out)
+
+
+def make_config(name: str, budget: int | None = None, sinks: int = 4, context: int | None = None, **extra):
+    """The validated config of method ``name``; every bad value is a one-line :class:`KVLearnError`.
+
+    ``dense`` takes no budget. Every other method needs ``budget`` (and ``sinks``, plus its own ``extra`` fields);
+    with ``context`` given the budget must also be below it (otherwise nothing is compressed).
+    """
+    method = get_method(name)
+    if not method.compresses:
+        check(budget is None, f"method 'dense' keeps every token: it takes no budget (got budget={budget!r})")
+        check(not extra, f"method 'dense' has no options (got {', '.join(sorted(extra))})")
+        return DenseConfig()
+    check(budget is not None, f"method {name!r} needs a budget: expected sinks + 1 = {sinks + 1} <= budget"
+          + (f" < context = {context}" if context is not None else ""))
+    fields = {f.name for f in dataclasses.fields(method.config_cls)}
+    unknown = sorted(set(extra) - fields)
+    check(not unknown, f"method {name!r} has no option(s) {', '.join(unknown)}: its config takes {', '.join(sorted(fields))}")
+    if context is not None and "context" in fields:
+        extra = {**extra, "context": context}
+    try:
+        config = method.config_cls(budget=budget, sinks=sinks, **extra)
+    except TypeError as e:
+        raise KVLearnError(f"method {name!r}: bad config arguments ({e})") from None
+    if context is not None:
+        check(budget < context,
+              f"budget={budget} is invalid: expected sinks + 1 = {sinks + 1} <= budget < context = {context}")
+    return config
+
+
+def describe() -> list[str]:
+    """One line per registered method: name, protocols, summary (``kvlearn methods``)."""
+    lines = []
+    width = max(len(n) for n in method_names())
+    for n in method_names():
+        try:
+            m = get_method(n)
+            lines.append(f"{n:<{width}}  {','.join(m.protocols):<16}  {m.summary}")
+        except KVLearnError:
+            lines.append(f"{n:<{width}}  {'-':<16}  (registered; module kvlearn.eviction.{n} not in this checkout yet)")
+    return lines

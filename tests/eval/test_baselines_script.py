@@ -1,0 +1,41 @@
+"""benchmarks/eviction_baselines.py --smoke: the baselines table and Pareto plot on a tiny random model."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from kvlearn.methods import PROTOCOLS, is_available
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "eviction_baselines.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("eviction_baselines", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_run_writes_rows_per_method_budget_protocol_and_the_pareto_plot(tmp_path):
+    script = load_script()
+    out = tmp_path / "table.json"
+    assert script.main(["--smoke", "--methods", "streaming", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["schema"] == "kvlearn.results.v1" and data["kind"] == "accuracy" and data["complete"] is True
+    assert data["command"].startswith("python benchmarks/eviction_baselines.py --smoke")
+    keys = {(r["method"], r["protocol"], r["budget"]) for r in data["rows"]}
+    assert keys == {("dense", "bounded", 256)} | {("streaming", p, b) for p in PROTOCOLS for b in (64, 32)}
+    assert all(r["split"] == "eval" and r["n"] == 2 for r in data["rows"])
+    assert {r["task"] for r in data["rows"]} == {"niah", "vt"}
+    assert (tmp_path / "baselines_pareto.png").stat().st_size > 1000
+
+
+def test_time_guard_and_unavailable_methods_are_recorded(tmp_path):
+    script = load_script()
+    out = tmp_path / "t.json"
+    assert script.main(["--smoke", "--minutes", "0", "--out", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    data = json.loads(out.read_text())
+    assert data["rows"] == [] and data["complete"] is False
+    assert data["not_run"][0] == "dense/bounded/eval" and "streaming/context/eval/B=32" in data["not_run"]
+    assert set(data["skipped"]) == {m for m in ("tova", "h2o", "snapkv", "pyramidkv", "knorm", "random") if not is_available(m)}
+    assert script.main(["--smoke", "--methods", "bogus", "--out", str(out)]) == 2

@@ -1,0 +1,33 @@
+"""The README's Python example runs as written, and the README says only what the checkout has."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvlearn.methods import method_names
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+@pytest.mark.skipif(not (ROOT / "checkpoints" / "testbed-teacher" / "model.safetensors").exists(),
+                    reason="no embedded teacher in this checkout")
+def test_python_example_runs(monkeypatch, capsys):
+    (code,) = blocks("python")
+    monkeypatch.chdir(ROOT)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    printed = capsys.readouterr().out.split()
+    assert printed[0] in ("True", "False") and int(printed[1]) > 1000 and int(printed[2]) > 0
+
+
+def test_two_setup_commands_and_every_registered_method_named():
+    setup = blocks("bash")
+    assert len(setup) == 2 and all(len(b.strip().splitlines()) == 1 for b in setup)
+    for name in method_names():
+        assert f"`{name}`" in README
+    assert "gpu_session" not in README
