@@ -15,7 +15,7 @@ cleanly: no batch starts after the deadline, the file is rewritten after every r
 ``"incomplete": true`` and runs never started are listed under ``not_run``. Methods whose module is not in this
 checkout are listed under ``skipped``.
 
-``--smoke`` runs the same code on the CPU with a tiny random model (context 256, budgets 64 and 32, 2 examples of
+``--smoke`` runs the same code on the CPU with a tiny random model (context 256, budgets 96 and 48, 2 examples of
 niah and vt) in seconds, writing under ``runs/smoke/`` unless ``--out`` / ``--plot`` say otherwise.
 """
 
@@ -134,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="results file (default: results/baselines_table.json, "
                                                 "runs/smoke/baselines_table.json with --smoke)")
     ap.add_argument("--plot", default=None, help="Pareto plot (default: next to --out, baselines_pareto.png)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, context 256, budgets 64,32, n 2, niah and vt")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, context 256, budgets 96,48, n 2, niah and vt")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.device, args.context, args.budgets, args.n_per_task, args.batch_size, args.chunk_size = "cpu", 256, "64,32", 2, 4, 64
+        args.device, args.context, args.budgets, args.n_per_task, args.batch_size, args.chunk_size = "cpu", 256, "96,48", 2, 4, 64
         args.tasks = "niah,vt" if args.tasks == "all" else args.tasks  # trace decodes ~100 tokens: not for a smoke test
     out = Path(args.out or ("runs/smoke/baselines_table.json" if args.smoke else "results/baselines_table.json"))
     plot = Path(args.plot or out.with_name("baselines_pareto.png"))

@@ -86,19 +86,6 @@ DENSE = Method("dense", "full cache (transformers DynamicCache): every token kep
 # eviction methods, imported lazily
 
 
-def _streaming_shim(module) -> Method:
-    """SHIM (remove when cache contract v2 lands): today's ``kvlearn.eviction.streaming`` has no ``CONFIG`` /
-    ``SUMMARY`` / ``PROTOCOLS`` / ``make_cache``; build the same :class:`Method` from ``StreamingConfig`` and
-    ``StreamingCache(config, num_layers)``."""
-    from .config import StreamingConfig
-
-    def make_cache(config, model_config):
-        return module.StreamingCache(config, model_config.num_hidden_layers)
-
-    return Method("streaming", "StreamingLLM: the first `sinks` tokens and a window of the most recent ones",
-                  StreamingConfig, make_cache, None, PROTOCOLS)
-
-
 def _load_eviction(name: str) -> Method:
     modname = f"kvlearn.eviction.{name}"
     try:
@@ -110,8 +97,6 @@ def _load_eviction(name: str) -> Method:
             f"method {name!r} is registered but its module {modname} is not in this checkout yet: "
             f"available now: {', '.join(available_methods())}"
         ) from None
-    if name == "streaming" and not hasattr(module, "CONFIG"):
-        return _streaming_shim(module)
     missing = [a for a in ("CONFIG", "SUMMARY", "PROTOCOLS", "make_cache") if not hasattr(module, a)]
     check(not missing, f"module {modname} does not implement the method contract: missing {', '.join(missing)}")
     protocols = tuple(module.PROTOCOLS)

@@ -24,7 +24,7 @@ def test_smoke_run_writes_rows_per_method_budget_protocol_and_the_pareto_plot(tm
     assert data["schema"] == "kvlearn.results.v1" and data["kind"] == "accuracy" and data["complete"] is True
     assert data["command"].startswith("python benchmarks/eviction_baselines.py --smoke")
     keys = {(r["method"], r["protocol"], r["budget"]) for r in data["rows"]}
-    assert keys == {("dense", "bounded", 256)} | {("streaming", p, b) for p in PROTOCOLS for b in (64, 32)}
+    assert keys == {("dense", "bounded", 256)} | {("streaming", p, b) for p in PROTOCOLS for b in (96, 48)}
     assert all(r["split"] == "eval" and r["n"] == 2 for r in data["rows"])
     assert {r["task"] for r in data["rows"]} == {"niah", "vt"}
     assert (tmp_path / "baselines_pareto.png").stat().st_size > 1000
@@ -36,6 +36,6 @@ def test_time_guard_and_unavailable_methods_are_recorded(tmp_path):
     assert script.main(["--smoke", "--minutes", "0", "--out", str(out), "--plot", str(tmp_path / "p.png")]) == 0
     data = json.loads(out.read_text())
     assert data["rows"] == [] and data["complete"] is False
-    assert data["not_run"][0] == "dense/bounded/eval" and "streaming/context/eval/B=32" in data["not_run"]
+    assert data["not_run"][0] == "dense/bounded/eval" and "streaming/context/eval/B=48" in data["not_run"]
     assert set(data["skipped"]) == {m for m in ("tova", "h2o", "snapkv", "pyramidkv", "knorm", "random") if not is_available(m)}
     assert script.main(["--smoke", "--methods", "bogus", "--out", str(out)]) == 2

@@ -27,8 +27,11 @@ def test_registry_errors_are_one_line():
         make_config("streaming", budget=None)
     assert "needs a budget" in one_line(e)
     with pytest.raises(KVLearnError) as e:
+        make_config("streaming", budget=64, kernel=3)
+    assert "has no option(s) kernel" in one_line(e)
+    with pytest.raises(KVLearnError) as e:
         make_config("streaming", budget=64, window=3)
-    assert "has no option(s) window" in one_line(e)
+    assert "window=3 is invalid: StreamingConfig's window is budget - sinks = 60" in one_line(e)
     with pytest.raises(KVLearnError) as e:
         make_config("streaming", budget=64, context=64)
     assert "budget=64 is invalid" in one_line(e)
@@ -70,8 +73,16 @@ def test_context_layout_pads_context_and_question_separately():
         assert ctx[b.mask[i, : b.split].bool()].tolist() == ex.prompt_ids[:c]
         assert q[b.mask[i, b.split :].bool()].tolist() == ex.prompt_ids[c:]
         assert b.mask[i, -1] == 1 and b.mask[i, b.split - 1] == 1  # each segment is left-padded
-    bounded = layout(exs, "bounded", pad_id=0)
-    assert bounded.split is None and bounded.ids.shape[1] == max(len(ex.prompt_ids) for ex in exs)
+    bounded = layout(exs, "bounded", pad_id=0, chunk_size=64)
+    assert bounded.split is None and bounded.ids.shape[1] == 4 * 64 + 1  # 255 tokens before the last: 4 chunks
+    for i, ex in enumerate(exs):
+        real = bounded.mask[i].bool()
+        assert bounded.ids[i, real].tolist() == ex.prompt_ids and bounded.mask[i, -1] == 1
+        # each 64-column prefill forward holds the row's own k-th chunk of 64 real tokens (the last one partial)
+        per_chunk = [int(bounded.mask[i, k * 64:(k + 1) * 64].sum()) for k in range(4)]
+        body = len(ex.prompt_ids) - 1
+        own = [64] * (body // 64) + ([body % 64] if body % 64 else [])
+        assert per_chunk == [0] * (4 - len(own)) + own
 
 
 def test_split_is_validated_and_recorded():
@@ -113,9 +124,8 @@ def test_peak_bytes_are_read_when_the_cache_reports_them():
 
     from kvlearn.eval.accuracy import peak_cache_bytes
 
-    assert peak_cache_bytes(SimpleNamespace()) is None
-    assert peak_cache_bytes(SimpleNamespace(peak_allocated_bytes=lambda: 123)) == 123
-    assert peak_cache_bytes(SimpleNamespace(peak_bytes=7)) == 7
+    assert peak_cache_bytes(SimpleNamespace(), 16) is None
+    assert peak_cache_bytes(SimpleNamespace(peak_bytes=lambda chunk: 100 + chunk), 16) == 116
 
 
 def test_context_protocol_compresses_a_full_attention_prefill_once():

@@ -32,7 +32,7 @@ from .policy import NEVER, ForwardStep, Policy, SlotPlan
 _LAST = 2 ** 62  # sort key of an empty slot / padding token: after every real position
 
 
-def _position_order(positions: torch.Tensor) -> torch.Tensor:
+def position_order(positions: torch.Tensor) -> torch.Tensor:
     """``[b, P, n]`` indices that sort candidates by position, empty/padding (``-1``) last, stably."""
     return torch.argsort(torch.where(positions >= 0, positions, torch.full_like(positions, _LAST)), dim=2, stable=True)
 
@@ -110,7 +110,7 @@ class ScoredPolicy(Policy):
         cand_pos = torch.cat([layer.slot_positions.long(), step.positions[:, None, :].expand(b, h, q)], dim=2)
         cand_score = torch.cat([layer.slot_state["score"], new_score], dim=2)
         cand_score = torch.where(cand_pos >= 0, cand_score, torch.full_like(cand_score, float("-inf")))
-        order = _position_order(cand_pos)  # [b, h, N]
+        order = position_order(cand_pos)  # [b, h, N]
         seq_prio = torch.gather(cand_score, 2, order).contiguous()
         seq_pos = torch.gather(cand_pos, 2, order)
         n = seq_pos.shape[2]

@@ -97,15 +97,12 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def peak_cache_bytes(cache) -> int | None:
-    """The cache's peak allocated bytes if it reports them (``peak_allocated_bytes`` or ``peak_bytes``, a method or
-    an attribute), else ``None``."""
-    peak = getattr(cache, "peak_allocated_bytes", None)
-    if peak is None:
-        peak = getattr(cache, "peak_bytes", None)
-    if peak is None:
-        return None
-    return int(peak() if callable(peak) else peak)
+def peak_cache_bytes(cache, chunk: int) -> int | None:
+    """Peak allocated bytes of a kvlearn compact cache whose largest forward took ``chunk`` new tokens: its buffers
+    plus the ``capacity + chunk`` keys/values one layer returns during that forward (``CompactCache.peak_bytes``);
+    ``None`` for caches that do not report it (transformers' ``DynamicCache``)."""
+    peak = getattr(cache, "peak_bytes", None)
+    return None if peak is None else int(peak(chunk))
 
 
 def examples_for(config: EvalConfig, task: str) -> list:
@@ -181,13 +178,15 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
                 break
             batch = examples[start : start + config.batch_size]
             max_new = max(len(ex.answer_ids) for ex in batch) + (32 if task == "trace" else 0)
-            padded = layout(batch, config.protocol, pad_id)
+            padded = layout(batch, config.protocol, pad_id, config.chunk_size)
             padded.ids, padded.mask = padded.ids.to(device), padded.mask.to(device)
             cache = config.make_cache(model)
             out = run_batch(model, cache, padded, config.protocol, max_new, chunk_size=config.chunk_size,
                             pad_id=pad_id, eos_id=eos_id)
             per_example_bytes = cache_bytes(cache) // len(batch)
-            peak = peak_cache_bytes(cache)
+            # the largest forward: one prefill chunk (bounded), or the whole context at once (context)
+            largest = padded.split if config.protocol == "context" else min(config.chunk_size, padded.ids.shape[1])
+            peak = peak_cache_bytes(cache, largest)
             for i, ex in enumerate(batch):
                 ok = bool(testbed_tasks.score(ex, out[i].tolist()))
                 result.correct += ok

@@ -7,12 +7,15 @@
   attention and compressed once to the budget; then the question and the answer run through the bounded cache.
   The question is never seen at compression time.
 
-Batch layout (left padding, each row's real tokens are what the row alone would hold):
+Batch layout (each row's real tokens are what the row alone would hold; positions, RoPE's and the caches', count
+real tokens only, so padding anywhere in a row changes nothing for that row):
 
-- ``bounded``: ``[pad… prompt]``, ``ids, mask: [batch, W]``.
-- ``context``: ``[pad… context][pad… question]``, ``ids, mask: [batch, Wc + Wq]``; column ``Wc`` is the first
-  question column of every row. Positions (RoPE and the caches') count real tokens only, so padding in the middle
-  of a row changes nothing for that row.
+- ``bounded``: the prompt but its last token in *chunk-aligned* blocks, then the last token:
+  ``[pad chunks…][chunk 1]…[chunk n-1][pad… chunk n][last]``, ``ids, mask: [batch, N * chunk + 1]``. Every
+  prefill forward (``chunk`` columns) then holds the same real tokens of each row as the row's own run does, so
+  policies that evict after each chunk (TOVA, H2O) decide exactly as they would for the row alone.
+- ``context``: ``[pad… context][question in the same chunk-aligned form]``, ``ids, mask: [batch, Wc + Wq]``; column
+  ``Wc`` is the first question column of every row (the context is one forward, so plain left padding suffices).
 
 Then every prompt column but the last is prefilled, and ``model.generate(ids, mask, past_key_values=cache)``
 processes the last prompt column (transformers slices ``input_ids`` to the columns the cache has not seen,
@@ -31,11 +34,8 @@ from ..methods import PROTOCOLS
 from ..testbed.tasks import Example
 from ..testbed.tokenizer import WORD_TO_ID
 
-try:  # cache contract v2 (engineer A): kvlearn.cache.prefill and its default chunk
-    from ..cache import DEFAULT_PREFILL_CHUNK, prefill as _cache_prefill
-except ImportError:  # SHIM until contract v2 lands: the local prefill below
-    DEFAULT_PREFILL_CHUNK = 512
-    _cache_prefill = None
+from ..cache import DEFAULT_PREFILL_CHUNK
+from ..cache import prefill as cache_prefill
 
 _QUESTION_STARTS = (WORD_TO_ID["question"], WORD_TO_ID["program"])
 
@@ -74,15 +74,34 @@ def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def layout(examples: list[Example], protocol: str, pad_id: int) -> Batch:
-    """The padded batch of ``examples`` for ``protocol`` (see the module docstring)."""
+def _chunk_aligned(seqs: list[list[int]], chunk: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``seqs`` (each non-empty) as ``[pad chunks…][chunk 1]…[pad… last partial chunk][last token]``: all
+    but the last token in blocks of ``chunk`` columns that start at the row's own chunk boundaries, the last token
+    in the final column. ``ids, mask: [batch, N * chunk + 1]``, ``N`` the most chunks of any row."""
+    n_chunks = [-(-(len(s) - 1) // chunk) for s in seqs]
+    width = max(n_chunks) * chunk + 1
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, n) in enumerate(zip(seqs, n_chunks)):
+        body = s[:-1]
+        start = width - 1 - n * chunk  # the row's first chunk
+        full = (n - 1) * chunk if n else 0
+        cols = list(range(start, start + full)) + list(range(width - 1 - (len(body) - full), width - 1)) + [width - 1]
+        ids[i, cols] = torch.tensor(s, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+def layout(examples: list[Example], protocol: str, pad_id: int, chunk_size: int = DEFAULT_PREFILL_CHUNK) -> Batch:
+    """The padded batch of ``examples`` for ``protocol`` whose prefill runs in forwards of ``chunk_size`` columns
+    (see the module docstring)."""
     check(protocol in PROTOCOLS, f"protocol={protocol!r} is unknown: expected one of {', '.join(PROTOCOLS)}")
     if protocol == "bounded":
-        ids, mask = _left_pad([ex.prompt_ids for ex in examples], pad_id)
+        ids, mask = _chunk_aligned([ex.prompt_ids for ex in examples], chunk_size, pad_id)
         return Batch(ids, mask, None)
     cuts = [question_start(ex) for ex in examples]
     ci, cm = _left_pad([ex.prompt_ids[:c] for ex, c in zip(examples, cuts)], pad_id)
-    qi, qm = _left_pad([ex.prompt_ids[c:] for ex, c in zip(examples, cuts)], pad_id)
+    qi, qm = _chunk_aligned([ex.prompt_ids[c:] for ex, c in zip(examples, cuts)], chunk_size, pad_id)
     return Batch(torch.cat([ci, qi], 1), torch.cat([cm, qm], 1), ci.shape[1])
 
 
@@ -96,38 +115,23 @@ def _forward(model, cache, ids, mask, pos, a: int, b: int) -> None:
           use_cache=True, logits_to_keep=1)
 
 
-def _local_prefill(model, cache, ids, mask, start: int, stop: int, chunk_size: int, dense: bool) -> None:
-    """SHIM until ``kvlearn.cache.prefill`` (contract v2) lands, and the dense path for ``DynamicCache``.
-
-    Columns ``[start, stop)`` of ``ids, mask: [batch, W]`` go through ``cache`` (columns before ``start`` are in it).
-    ``dense=False``: forwards of ``chunk_size`` columns. ``dense=True`` on a compact cache: one forward with full
-    causal attention into a scratch ``DynamicCache``, then every layer's keys/values ``[batch, kv_heads, n, head_dim]``
-    go through the compact cache's ``update`` once, which compresses them to the budget (valid for policies that do
-    not need attention weights, as streaming).
-    """
+def _dense_cache_prefill(model, cache: DynamicCache, ids, mask, start: int, stop: int, chunk_size: int) -> None:
+    """Columns ``[start, stop)`` of ``ids, mask: [batch, W]`` through a transformers ``DynamicCache`` (the ``dense``
+    method keeps everything, so both protocols are the same forwards), in chunks of ``chunk_size``."""
     pos = _positions(mask)
-    if not dense or isinstance(cache, DynamicCache):
-        for a in range(start, stop, chunk_size):
-            _forward(model, cache, ids, mask, pos, a, min(stop, a + chunk_size))
-        return
-    check(start == 0 and cache.get_seq_length() == 0, "a dense prefill must start on an empty cache")
-    scratch = DynamicCache(config=model.config)
-    _forward(model, scratch, ids, mask, pos, 0, stop)
-    cache.begin_forward(mask[:, :stop], ids.shape[0], stop, ids.device)
-    for i, layer in enumerate(scratch.layers):
-        cache.update(layer.keys, layer.values, i)
-    del scratch
+    for a in range(start, stop, chunk_size):
+        _forward(model, cache, ids, mask, pos, a, min(stop, a + chunk_size))
 
 
 def prefill_columns(model, cache, batch: Batch, start: int, stop: int, chunk_size: int, dense: bool) -> None:
     """Run columns ``[start, stop)`` of ``batch`` through ``cache``; ``dense=True`` compresses once at the end."""
     if stop <= start:
         return
-    if _cache_prefill is not None and not isinstance(cache, DynamicCache):
-        _cache_prefill(model, cache, batch.ids[:, start:stop], batch.mask[:, start:stop], chunk_size=chunk_size,
-                       dense=dense)
+    if isinstance(cache, DynamicCache):
+        _dense_cache_prefill(model, cache, batch.ids, batch.mask, start, stop, chunk_size)
     else:
-        _local_prefill(model, cache, batch.ids, batch.mask, start, stop, chunk_size, dense)
+        cache_prefill(model, cache, batch.ids[:, start:stop], batch.mask[:, start:stop], chunk_size=chunk_size,
+                      dense=dense)
 
 
 @torch.no_grad()

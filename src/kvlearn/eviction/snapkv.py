@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import AttentionRequest, AttentionScoredPolicy, CompactCache, CompactLayer
-from ..cache.scored import _position_order
+from ..cache.scored import position_order
 from ..config import EvictionBudget
 from ..errors import check, check_int
 
@@ -62,7 +62,7 @@ CONFIG = SnapKVConfig
 def pool_scores(scores: torch.Tensor, positions: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
     """Pool ``scores [b, P, n]`` over the key axis in position order (``positions [b, P, n]``, -1 last), stride 1,
     zero padding; returns the pooled scores in the input order."""
-    order = _position_order(positions)
+    order = position_order(positions)
     x = torch.gather(scores, 2, order)
     b, p, n = x.shape
     flat = x.reshape(b * p, 1, n)
