@@ -113,6 +113,22 @@ def test_snapkv_pools_the_window_attention_then_keeps_its_selection_while_decodi
     torch.testing.assert_close(pooled[0, 0, :6], torch.tensor([0.95, 1.15, 1.1, 0.3, 0.7, 0.7]) / 3)
 
 
+def test_snapkv_selects_once_so_a_question_chunk_cannot_rescue_tokens():
+    """Under the ``context`` protocol the question runs as a (non-dense) multi-token forward after the selection: it
+    must not select again (kvpress: the question is never seen at compression time); it joins the recent window."""
+    cfg = snapkv.SnapKVConfig(budget=4, window=2, kernel_size=1)
+    cache = snapkv.make_cache(cfg, ONE_LAYER)
+    with cache.dense():  # selection: prefix attention .9 at position 1, .8 at 3 -> keep 1, 3 + window 4, 5
+        layer = feed(cache, torch.randn(1, 1, 6, 2), [0] * 5 + [0, 0.9, 0, 0.8, 0.5, 0.5])  # 5 empty slots first
+    assert held(layer) == [1, 3, 4, 5]
+    # a 3-token question chunk: the policy asks for no attention (so nothing can re-select) and keeps its selection
+    layer = feed(cache, torch.randn(1, 1, 3, 2))
+    assert layer.policy.attention_request(cache.step) is None
+    assert held(layer) == [1, 3, 7, 8]  # selection kept, recent window = the newest tokens
+    cache.reset()  # a new sequence selects again
+    assert cache.layers[0].policy.attention_request(cache.begin_forward(None, 1, 6, "cpu")) is not None
+
+
 def test_pyramidkv_layer_budgets_follow_kvpress():
     cfg = pyramidkv.PyramidKVConfig(budget=1024)  # window 32, beta 20: min 51.2, max 1996.8
     assert pyramidkv.layer_budgets(cfg, 4) == [1997, 1348, 700, 51]

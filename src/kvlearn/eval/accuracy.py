@@ -4,7 +4,7 @@ Each batch of examples is laid out and prefilled under the configured protocol (
 ``bounded`` or ``context``) and its answers are generated greedily with ``model.generate(..., past_key_values=cache)``;
 a family's ``score`` decides exact match. Every row names its ``method``, ``protocol`` and ``split``. ``kv_bytes`` is
 the cache's allocated bytes at the end of the batch divided by its rows; ``peak_kv_bytes`` the same for the cache's
-peak when the cache reports one (``peak_allocated_bytes()``).
+peak during the batch when the cache reports one (``CompactCache.peak_bytes(chunk)`` of its largest forward).
 """
 
 from __future__ import annotations

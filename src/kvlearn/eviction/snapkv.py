@@ -14,10 +14,12 @@ prefilled densely, :func:`kvlearn.cache.prefill` with ``dense=True``):
 3. Keep the observation window (protected, with ``sinks``, default 0) and the ``budget - window_size`` best pooled
    scores among the other tokens; evict the rest.
 
-Decoding (defined here; SnapKV compresses the prompt only): the prompt tokens selected in step 3 stay for good, and
-the observation window plus the generated tokens form a recent window: each new token evicts the oldest of them once
-the cache holds ``budget + 1`` (the attention function computes nothing for these steps). So the cache never exceeds
-the budget, and generated tokens are kept as a sliding window of ``window_size`` tokens.
+The selection runs once per sequence: at its first multi-token forward (or at a ``dense`` one). Every later forward
+(the question chunks of the ``context`` protocol, decoding) is defined here, as SnapKV compresses the prompt only:
+the prompt tokens selected in step 3 stay for good, and the observation window plus the new tokens form a recent
+window, the oldest of them evicted first (the attention function computes nothing for these forwards). So the
+question never takes part in the selection, the cache never exceeds the budget, and generated tokens are kept as a
+sliding window.
 """
 
 from __future__ import annotations
@@ -80,9 +82,14 @@ class SnapKVPolicy(AttentionScoredPolicy):
         super().__init__(config.budget if budget is None else budget, config.sinks, config.window)
         self.config = config
         self._request = AttentionRequest("last", config.window, "mean")
+        self._selected = False  # per sequence: whether the prompt selection has run
 
     def attention_request(self, step):
-        return self._request if step.query_length > 1 else None
+        select = step.query_length > 1 and (step.dense or not self._selected)
+        return self._request if select else None
+
+    def reset(self) -> None:
+        self._selected = False
 
     def initial_score(self, step, key_states):
         """New tokens: their position (decoding evicts the oldest non-selected token)."""
@@ -90,8 +97,9 @@ class SnapKVPolicy(AttentionScoredPolicy):
         return step.positions[:, None, :].float().expand(b, h, q)
 
     def update_scores(self, stored, attention, positions, step):
-        if attention is None:  # decoding: keep the prefill's selection, oldest unselected token first
+        if attention is None:  # after the selection: keep it, oldest unselected token first
             return stored
+        self._selected = True
         last = step.real_after[:, None, None] - 1
         prefix = (positions >= 0) & (positions <= last - self.window)  # outside the observation window
         a = torch.where(prefix, attention, torch.zeros_like(attention))

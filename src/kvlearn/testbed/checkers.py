@@ -6,8 +6,8 @@ between ``solve(family, decode(prompt_ids))`` and the generator's ``answer_ids``
 
 Only the final question counts: it is the last "question :" of the prompt. In-context question/answer
 pairs of dense training prompts (each answer ends with ``<eos>``, like the final one) restate values that
-agree with the items, and the item patterns below are anchored at a sentence start (after ``.``, ``<bos>`` or
-an in-context answer's ``<eos>``) so that those restatements are not read as items.
+agree with the items; the item patterns below need an item's whole template, ending with `` .`` (which no answer
+restatement has), and start after any word, since a word-salad haystack has no sentence ends.
 """
 
 from __future__ import annotations
