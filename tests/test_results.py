@@ -11,7 +11,8 @@ def test_paths_inside_the_repository_are_relative_to_its_root(monkeypatch):
     assert (root / "pyproject.toml").is_file()
     monkeypatch.setattr(sys, "argv", [str(root / "src/kvlearn/testbed/stats.py"), "--length", "4096",
                                       "--out", str(root / "results/testbed_stats.json")])
-    assert command_line() == "python src/kvlearn/testbed/stats.py --length 4096 --out results/testbed_stats.json"
+    # `python -m kvlearn.testbed.stats` puts the module's file in argv[0]: recorded as the -m command that ran
+    assert command_line() == "python -m kvlearn.testbed.stats --length 4096 --out results/testbed_stats.json"
 
 
 def test_output_and_temporary_folders_become_variables(monkeypatch, tmp_path):

@@ -73,8 +73,12 @@ def command_line() -> str:
     """The command that is running, as typed (``kvlearn ...`` or ``python script.py ...``), with every absolute
     path made portable by :func:`portable_path` (``python benchmarks/kvpop_ops.py --out $OUT/ops.json``)."""
     prog = os.path.basename(sys.argv[0])
+    package = Path(__file__).resolve().parent  # src/kvlearn
+    script = Path(sys.argv[0]).resolve() if sys.argv[0] else None
     if prog in ("kvlearn", "__main__.py", "cli.py"):
         prog = "kvlearn"
+    elif script is not None and script.suffix == ".py" and package in script.parents:  # python -m kvlearn.x.y
+        prog = "python -m " + ".".join(("kvlearn",) + script.relative_to(package).with_suffix("").parts)
     else:
         prog = "python " + _shell_word(portable_path(sys.argv[0]))
     return " ".join([prog] + [_shell_word(portable_path(a)) for a in sys.argv[1:]])
