@@ -21,6 +21,9 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 # and method. The wall time of a fresh-clone run is stored in results/demo.json (`wall_seconds`).
 DEMO_N_PER_TASK = 4
 DEMO_BATCH_SIZE = 4
+# One thread: on 2 cores shared with another busy process, a decode step of the teacher at batch 4 took 21 ms with one
+# torch thread and 109 ms with two (oversubscribed threads wait on each other); on an idle machine two are faster.
+DEMO_THREADS = 1
 
 
 def default_model_path() -> str:
@@ -242,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"kvlearn {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def common_eval(sp, n_default, batch_default):
+    def common_eval(sp, n_default, batch_default, threads_default=0):
         sp.add_argument("--model", default=default_model_path(), help="checkpoint folder ($KVLEARN_MODEL overrides the default)")
         sp.add_argument("--tasks", default="all", help=f"comma list of {','.join(tasks.FAMILIES)} or 'all'")
         sp.add_argument("--n-per-task", type=int, default=n_default, help="examples per task family")
@@ -256,10 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK, help="prefill chunk of the bounded cache")
         sp.add_argument("--batch-size", type=int, default=batch_default, help="examples per batch (left-padded)")
         sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-        sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+        sp.add_argument("--threads", type=int, default=threads_default,
+                        help="CPU threads for torch (0: torch's default, one per core)")
 
     sp = sub.add_parser("demo", help="embedded teacher: full cache vs a sinks+window cache on every family")
-    common_eval(sp, DEMO_N_PER_TASK, DEMO_BATCH_SIZE)
+    common_eval(sp, DEMO_N_PER_TASK, DEMO_BATCH_SIZE, DEMO_THREADS)
     sp.add_argument("--budget", type=int, default=1024, help="tokens the streaming cache keeps (CR = 1 - budget/context)")
     sp.add_argument("--out", default="runs/demo/demo.json", help="results file (runs/ is not tracked by git)")
     sp.add_argument("--plot", default="runs/demo/demo.png", help="plot file")
