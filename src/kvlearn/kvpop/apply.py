@@ -6,7 +6,8 @@ registered as ``self_attn.kvpop`` on every decoder layer, the shared ``"kvlearn"
 (:func:`kvlearn.hf.attach`) and :class:`~kvlearn.kvpop.cache.KVpopCache`. The modules are ordinary submodules, so
 optimizers, FSDP and ``save_pretrained`` see them (state-dict keys ``model.layers.<i>.self_attn.kvpop.scorer.*`` and
 ``...kvpop.decay.alpha``); the config is recorded as ``model.config.kvpop`` (a dict), so ``save_pretrained`` writes
-it into ``config.json`` and :func:`load` (= :func:`kvlearn.hf.load_model`) re-applies KVpop and loads the weights.
+it into ``config.json`` and :func:`kvlearn.load` (= :func:`kvlearn.hf.load_model`) re-applies KVpop and loads
+the weights (:func:`load_kvpop`).
 Per-sequence state (slot priorities, the mLSTM memory) lives in the cache; the modules hold parameters only.
 
 This module is also the ``kvpop`` entry of the method registry (:mod:`kvlearn.methods`): ``CONFIG``, ``SUMMARY``,
@@ -31,8 +32,8 @@ from .cache import KVpopCache
 from .policy import LearnedDecay
 from .scorers import LinearScorer, MLPScorer, MLSTMScorer
 
-__all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kvpop_cache", "load_kvpop", "load",
-           "config_from_budget"]
+__all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kvpop_cache", "load_kvpop",
+           "recorded_config", "config_from_budget"]
 
 MODULE_NAME = "kvpop"  # the submodule of each decoder layer's attention module
 CONFIG_KEY = "kvpop"  # the entry of model.config
@@ -239,14 +240,6 @@ def load_kvpop(model, path: str | os.PathLike):
         for key, value in tensors.items():
             state[key].copy_(value.to(torch.float32))
     return model
-
-
-def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-    """Load a checkpoint folder: the base model, and KVpop (modules, weights, config) when ``config.json`` records
-    it. The same as :func:`kvlearn.hf.load_model`."""
-    from ..hf import load_model
-
-    return load_model(path, dtype=dtype, device=device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
