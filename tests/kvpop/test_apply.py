@@ -116,7 +116,11 @@ def test_apply_again_keeps_the_learned_modules_and_only_changes_the_budget():
     with pytest.raises(KVLearnError, match="decay_min") as err:
         make_kvpop_cache(model, KVpopConfig(**{**KV, "decay_min": 0.5}, scorer="mlp"))
     one_line(err)
+    apply_kvpop(model, KVpopConfig(**KV, scorer="mlp", delayed_readout=False))  # no readout for a stateless scorer
     mlstm, _ = kvpop_model(scorer="mlstm")
+    with pytest.raises(KVLearnError, match="delayed_readout=False but") as err:
+        apply_kvpop(mlstm, KVpopConfig(**KV, scorer="mlstm", delayed_readout=False))
+    one_line(err)
     with pytest.raises(KVLearnError, match="use window=3") as err:
         make_kvpop_cache(mlstm, KVpopConfig(**{**KV, "window": 5}, scorer="mlstm"))
     one_line(err)

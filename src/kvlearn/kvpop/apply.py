@@ -38,11 +38,6 @@ __all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kv
 MODULE_NAME = "kvpop"  # the submodule of each decoder layer's attention module
 CONFIG_KEY = "kvpop"  # the entry of model.config
 
-# config fields that decide the learned modules' shapes or meaning; the budget (sinks, window, topk) may change
-# between applications, except the window of a delayed mLSTM scorer (its readout delay)
-_LEARNED_FIELDS = ("scorer", "delayed_readout", "decay_min", "decay_max")
-
-
 class KVpopModules(nn.Module):
     """One decoder layer's learned KVpop modules: ``scorer`` (``[B,H,T,D]`` key/value -> ``[B,H,T]`` float32 scores)
     and ``decay`` (``() -> log gamma [kv_heads]`` float32). Parameters only; no per-sequence state."""
@@ -113,17 +108,22 @@ def recorded_config(model) -> KVpopConfig | None:
 
 
 def _check_modules_fit(model, config: KVpopConfig, what: str) -> None:
-    """One-line error unless the model's KVpop modules were built for ``config``'s learned fields."""
-    scorers, decays = kvpop_modules(model)
-    built = recorded_config(model)
-    for name in _LEARNED_FIELDS:
-        have = getattr(built, name) if built is not None else None
+    """One-line error unless the model's KVpop modules are what ``config``'s learned fields describe (read from the
+    modules themselves: scorer kind, mLSTM readout, decay range)."""
+    attns = _attention_modules(model)
+    kvpop_modules(model)  # one-line error without modules
+    mods = [getattr(a, MODULE_NAME) for a in attns]
+    first = mods[0]
+    built = {"scorer": first.scorer_kind, "decay_min": first.decay.decay_min, "decay_max": first.decay.decay_max}
+    if first.scorer_kind == "mlstm":  # the readout only exists for the stateful scorer
+        built["delayed_readout"] = first.scorer.delayed_readout
+    for name, have in built.items():
         want = getattr(config, name)
-        check(built is None or have == want,
+        check(have == want,
               f"{what}: {name}={want!r} but the model's KVpop modules were built with {name}={have!r}: only the "
               "budget (sinks, window, topk) may differ from the applied config")
     if config.scorer == "mlstm" and config.delayed_readout:
-        delay = scorers[0].readout_delay
+        delay = first.scorer.readout_delay
         check(delay == config.window,
               f"{what}: window={config.window} but the model's delayed mLSTM scorers read out {delay} tokens late "
               f"(the window they were built with): use window={delay}")
