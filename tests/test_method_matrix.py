@@ -29,7 +29,7 @@ from kvlearn.errors import KVLearnError
 from kvlearn.eval.accuracy import EvalConfig, cache_bytes
 from kvlearn.eval.protocols import layout, run_batch
 from kvlearn.hf import attach
-from kvlearn.methods import PROTOCOLS, get_method, make_config, method_names
+from kvlearn.methods import MODULES, PROTOCOLS, get_method, make_config, method_names
 from kvlearn.testbed import tasks
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
 
@@ -71,7 +71,8 @@ def examples():
 def run(model, name: str, protocol: str, exs):
     m = get_method(name)
     config = make_config(name, budget=None if name == "dense" else BUDGET, sinks=4, context=CONTEXT)
-    cache = m.make_cache(config, model.config)
+    m.prepare(model, config)  # kvpop adds its (untrained) modules; the others attach
+    cache = m.new_cache(model, config)
     batch = layout(exs, protocol, pad_id=0, chunk_size=CHUNK)
     out = run_batch(model, cache, batch, protocol, NEW, chunk_size=CHUNK, pad_id=0, eos_id=None)
     return out, cache, batch
@@ -113,12 +114,13 @@ def test_method_contract(name, protocol, kind):
 
 def test_every_registered_method_is_listed_with_its_protocols():
     assert method_names()[:2] == ("dense", "streaming")
-    assert set(method_names()) == {"dense", "streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random"}
+    assert set(method_names()) == {"dense", "streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random",
+                                   "kvpop"}
     for name in method_names():
         try:
             m = get_method(name)
         except KVLearnError as e:
-            assert len(str(e).splitlines()) == 1 and f"kvlearn.eviction.{name}" in str(e)
+            assert len(str(e).splitlines()) == 1 and MODULES[name] in str(e)
             continue
         assert m.name == name and m.summary and "\n" not in m.summary
         assert m.protocols and set(m.protocols) <= set(PROTOCOLS)

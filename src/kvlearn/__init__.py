@@ -1,7 +1,8 @@
 """kvlearn: learned KV-cache compression for Hugging Face transformers models.
 
-The public API: configs, :func:`attach` (make a model run with kvlearn caches), the compact cache base and the
-streaming cache. Method-specific modules live in ``kvlearn.kvpop``, ``kvlearn.eviction``, ``kvlearn.ops``.
+The public API: configs, :func:`attach` (make a model run with kvlearn caches), the compact cache base, the
+streaming cache, :func:`apply_kvpop` / :func:`make_kvpop_cache` (KVpop's learned modules and cache) and
+:func:`load` (= :func:`load_model`: a checkpoint folder, with KVpop re-applied when it was saved with it). Method-specific modules live in ``kvlearn.kvpop``, ``kvlearn.eviction``, ``kvlearn.ops``.
 """
 
 from .cache import CompactCache, CompactLayer
@@ -9,6 +10,9 @@ from .config import KVpopConfig, StreamingConfig
 from .errors import KVLearnError
 from .eviction.streaming import StreamingCache
 from .hf import attach, load_model
+from .kvpop.apply import apply_kvpop, make_kvpop_cache
+
+load = load_model
 
 __version__ = "0.1.0"
 
@@ -19,7 +23,10 @@ __all__ = [
     "KVpopConfig",
     "StreamingCache",
     "StreamingConfig",
+    "apply_kvpop",
     "attach",
+    "load",
     "load_model",
+    "make_kvpop_cache",
     "__version__",
 ]

@@ -84,6 +84,8 @@ class KVpopConfig:
     budget ``B = sinks + window + topk``. ``decay_min``/``decay_max`` bound the learned per-head decay
     ``gamma_h`` (Eq. 21 of the KVpop paper): ``0 < decay_min <= decay_max < 1``. ``decay_step`` is the step
     size ``n`` of Eq. 5; only ``n = 1`` gives static priorities (appendix B.3) and is supported by the cache.
+    ``context`` (optional) is the evaluation context; when given, the budget must be below it (else nothing is
+    compressed).
     """
 
     sinks: int = 4
@@ -103,6 +105,7 @@ class KVpopConfig:
     margin_temperature: float = 1.0
     balance: bool = True
     balance_clip: tuple[float, float] = (0.2, 5.0)
+    context: int | None = None
 
     SCORERS = ("linear", "mlp", "mlstm")
     AGGREGATIONS = ("max", "mean")
@@ -134,8 +137,18 @@ class KVpopConfig:
             f"margin_min_weight={self.margin_min_weight!r} is invalid: expected a weight in [0, 1]",
         )
         check(self.margin_temperature > 0, f"margin_temperature={self.margin_temperature!r} is invalid: expected > 0")
+        check(isinstance(self.delayed_readout, bool),
+              f"delayed_readout={self.delayed_readout!r} is invalid: expected True or False")
+        check(isinstance(self.balance_clip, (tuple, list)) and len(self.balance_clip) == 2,
+              f"balance_clip={self.balance_clip!r} is invalid: expected (c_min, c_max)")
+        object.__setattr__(self, "balance_clip", tuple(self.balance_clip))  # a JSON round trip gives a list
         lo, hi = self.balance_clip
         check(0 < lo <= hi, f"balance_clip={self.balance_clip!r} is invalid: expected 0 < c_min <= c_max")
+        if self.context is not None:
+            check_int("context", self.context, 1)
+            check(self.budget < self.context,
+                  f"budget={self.budget} (sinks={self.sinks} + window={self.window} + topk={self.topk}) is invalid: "
+                  f"expected budget < context = {self.context} (otherwise nothing is compressed)")
 
     @property
     def budget(self) -> int:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -57,7 +58,7 @@ def _route_cache_hook(module, args, kwargs):
     embeds = kwargs.get("inputs_embeds")
     ref = ids if ids is not None else embeds
     check(ref is not None, "a kvlearn cache needs input_ids or inputs_embeds passed by keyword")
-    cache.check_model(module.config.num_hidden_layers)
+    cache.check_model(module.config.num_hidden_layers, module)
     cache.begin_forward(kwargs.get("attention_mask"), ref.shape[0], ref.shape[1], ref.device)
     kwargs = dict(kwargs)
     kwargs["kvlearn_cache"] = cache
@@ -123,12 +124,27 @@ def kvlearn_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+class _OnlyKVpopKeysFilter(logging.Filter):
+    """Drops transformers' load report when its only complaint is the unexpected KVpop module keys."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "LOAD REPORT" not in text:
+            return True
+        rows = [line for line in text.splitlines() if "|" in line and ("UNEXPECTED" in line or "MISSING" in line
+                                                                          or "MISMATCH" in line)]
+        return not rows or not all("UNEXPECTED" in r and ".kvpop." in r for r in rows)
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
     """Load a causal LM checkpoint from a local directory (what ``save_pretrained`` writes), in eval mode.
 
     Every bad folder is a one-line :class:`KVLearnError` that names the path and what is wrong: no such folder, no
     ``config.json`` or one that is not valid JSON, an unsupported model family, no weights file, or a
     ``*.safetensors`` file that is empty, truncated or garbled.
+
+    A checkpoint saved after :func:`kvlearn.kvpop.apply.apply_kvpop` (``config.json`` records ``kvpop``) comes back
+    with KVpop re-applied and its scorer and decay weights loaded (:func:`kvlearn.kvpop.apply.load_kvpop`).
     """
     import json
 
@@ -173,9 +189,22 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
             except (SafetensorError, OSError) as err:
                 raise KVLearnError(f"weights {file!r} ({os.path.getsize(file)} bytes) are unreadable ({reason(err)}): "
                                    "expected a complete safetensors file (truncated or garbled?)") from None
+    kvpop = getattr(config, "kvpop", None) is not None
+    # a KVpop checkpoint's scorer/decay weights are loaded by load_kvpop below: keep transformers' load report from
+    # listing them as unexpected (only for this call; a report about any other key still shows)
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    only_kvpop = _OnlyKVpopKeysFilter()
+    if kvpop:
+        report_logger.addFilter(only_kvpop)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
     except (SafetensorError, OSError) as err:
         raise KVLearnError(f"model path {path!r} could not be loaded ({reason(err)}): expected a complete "
                            "save_pretrained checkpoint") from None
+    finally:
+        report_logger.removeFilter(only_kvpop)
+    if kvpop:  # a KVpop checkpoint: re-apply KVpop and load its modules
+        from .kvpop.apply import load_kvpop
+
+        load_kvpop(model, path)
     return model.to(device).eval()

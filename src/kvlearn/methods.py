@@ -7,6 +7,11 @@ contract test matrix) resolves a method here, so a method registered once is eva
 - the eviction methods :data:`EVICTION_METHODS`: each is a module ``kvlearn.eviction.<name>`` exposing ``CONFIG``
   (a frozen dataclass config taking at least ``budget`` and ``sinks``, validated on creation), ``SUMMARY`` (one
   line), ``PROTOCOLS`` (a tuple from :data:`PROTOCOLS`) and ``make_cache(config, model_config) -> Cache``.
+- ``kvpop`` (:mod:`kvlearn.kvpop.apply`): the same contract plus ``apply(model, config)``, which adds the learned
+  modules to the model, and ``config_from_budget(budget, sinks, context, **extra)`` (its config has no ``budget``
+  field). A method with ``apply`` needs the model's modules for its caches, so its ``make_cache`` receives the
+  model instead of the model config: callers use :meth:`Method.prepare` and :meth:`Method.new_cache`, which pass
+  the right one.
 
 Modules are imported lazily, on :func:`get_method`: a method whose module is not in this checkout fails with a
 one-line :class:`~kvlearn.errors.KVLearnError` when it is asked for, never when this module is imported.
@@ -26,6 +31,8 @@ from .errors import KVLearnError, check
 
 PROTOCOLS: tuple[str, ...] = ("bounded", "context")
 EVICTION_METHODS: tuple[str, ...] = ("streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random")
+LEARNED_METHODS: tuple[str, ...] = ("kvpop",)
+MODULES: dict[str, str] = {**{n: f"kvlearn.eviction.{n}" for n in EVICTION_METHODS}, "kvpop": "kvlearn.kvpop.apply"}
 
 
 @dataclass(frozen=True)
@@ -36,18 +43,36 @@ class Method:
         name: the registry name (``kvlearn eval --method NAME``).
         summary: one line saying what the method keeps.
         config_cls: the dataclass config (validated on creation).
-        make_cache: ``make_cache(config, model_config) -> transformers.Cache``, a fresh cache for one batch.
-        apply: ``apply(model) -> model`` that makes the model run with this method's caches; ``None`` means
-            :func:`kvlearn.hf.attach` (the shared attention function, no added modules).
+        make_cache: ``make_cache(config, model_config) -> transformers.Cache``, a fresh cache for one batch; for a
+            method with ``apply``, ``make_cache(config, model)`` (its caches use the model's modules).
+        apply: ``apply(model, config) -> model`` that adds the method's modules and makes the model run with its
+            caches; ``None`` means :func:`kvlearn.hf.attach` (the shared attention function, no added modules).
         protocols: the evaluation protocols the method defines, a subset of :data:`PROTOCOLS`.
+        config_from_budget: ``(budget=, sinks=, context=, **extra) -> config`` for a config class that does not
+            take ``budget`` itself (KVpop's ``sinks + window + topk``); ``None``: ``config_cls(budget=, sinks=, ...)``.
+
+    Use :meth:`prepare` and :meth:`new_cache` rather than ``apply``/``make_cache`` directly.
     """
 
     name: str
     summary: str
     config_cls: type
     make_cache: Callable[[Any, Any], Any]
-    apply: Callable[[Any], Any] | None = None
+    apply: Callable[[Any, Any], Any] | None = None
     protocols: tuple[str, ...] = PROTOCOLS
+    config_from_budget: Callable[..., Any] | None = None
+
+    def prepare(self, model, config):
+        """Make ``model`` run with this method's caches (``apply(model, config)``, or :func:`kvlearn.hf.attach`)."""
+        if self.apply is not None:
+            return self.apply(model, config)
+        from .hf import attach
+
+        return attach(model)
+
+    def new_cache(self, model, config):
+        """A fresh cache of this method for one batch of ``model`` (after :meth:`prepare`)."""
+        return self.make_cache(config, model if self.apply is not None else model.config)
 
     @property
     def compresses(self) -> bool:
@@ -87,7 +112,7 @@ DENSE = Method("dense", "full cache (transformers DynamicCache): every token kep
 
 
 def _load_eviction(name: str) -> Method:
-    modname = f"kvlearn.eviction.{name}"
+    modname = MODULES[name]
     try:
         module = importlib.import_module(modname)
     except ModuleNotFoundError as e:
@@ -102,7 +127,8 @@ def _load_eviction(name: str) -> Method:
     protocols = tuple(module.PROTOCOLS)
     check(protocols and set(protocols) <= set(PROTOCOLS),
           f"{modname}.PROTOCOLS={protocols!r} is invalid: expected a non-empty subset of {PROTOCOLS}")
-    return Method(name, str(module.SUMMARY), module.CONFIG, module.make_cache, getattr(module, "apply", None), protocols)
+    return Method(name, str(module.SUMMARY), module.CONFIG, module.make_cache, getattr(module, "apply", None), protocols,
+                  getattr(module, "config_from_budget", None))
 
 
 _LOADED: dict[str, Method] = {"dense": DENSE}
@@ -110,7 +136,7 @@ _LOADED: dict[str, Method] = {"dense": DENSE}
 
 def method_names() -> tuple[str, ...]:
     """Every registered method name, ``dense`` first (whether or not its module is in this checkout)."""
-    return ("dense",) + EVICTION_METHODS
+    return ("dense",) + EVICTION_METHODS + LEARNED_METHODS
 
 
 def get_method(name: str) -> Method:
@@ -138,7 +164,7 @@ def available_methods() -> tuple[str, ...]:
             out.append(n)
             continue
         try:
-            importlib.import_module(f"kvlearn.eviction.{n}")
+            importlib.import_module(MODULES[n])
             out.append(n)
         except ModuleNotFoundError:
             pass
@@ -159,12 +185,17 @@ def make_config(name: str, budget: int | None = None, sinks: int = 4, context: i
     check(budget is not None, f"method {name!r} needs a budget: expected sinks + 1 = {sinks + 1} <= budget"
           + (f" < context = {context}" if context is not None else ""))
     fields = {f.name for f in dataclasses.fields(method.config_cls)}
+    if method.config_from_budget is not None:  # the budget decides these
+        fields -= {"budget", "sinks", "topk", "context"}
     unknown = sorted(set(extra) - fields)
     check(not unknown, f"method {name!r} has no option(s) {', '.join(unknown)}: its config takes {', '.join(sorted(fields))}")
     if context is not None and "context" in fields:
         extra = {**extra, "context": context}
+    build = method.config_from_budget or method.config_cls
+    if method.config_from_budget is not None:
+        extra = {**extra, "context": context}
     try:
-        config = method.config_cls(budget=budget, sinks=sinks, **extra)
+        config = build(budget=budget, sinks=sinks, **extra)
     except TypeError as e:
         raise KVLearnError(f"method {name!r}: bad config arguments ({e})") from None
     if context is not None:
@@ -182,5 +213,5 @@ def describe() -> list[str]:
             m = get_method(n)
             lines.append(f"{n:<{width}}  {','.join(m.protocols):<16}  {m.summary}")
         except KVLearnError:
-            lines.append(f"{n:<{width}}  {'-':<16}  (registered; module kvlearn.eviction.{n} not in this checkout yet)")
+            lines.append(f"{n:<{width}}  {'-':<16}  (registered; module {MODULES[n]} not in this checkout yet)")
     return lines

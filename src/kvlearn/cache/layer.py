@@ -316,8 +316,9 @@ class CompactCache(Cache):
               f"layer_idx={layer_idx} is invalid: this cache has {len(self.layers)} layers (one cache per model)")
         return self.layers[layer_idx].update(key_states, value_states, step=self._step)
 
-    def check_model(self, num_layers: int) -> None:
-        """Raise a one-line error unless the cache has one layer per decoder layer of the model."""
+    def check_model(self, num_layers: int, model=None) -> None:
+        """Raise a one-line error unless the cache has one layer per decoder layer of the model (``model``, the
+        top-level model of the forward, is for subclasses whose cache uses the model's own modules)."""
         check(num_layers == len(self.layers),
               f"the model has {num_layers} decoder layers but this cache has {len(self.layers)}: make the cache "
               "from the model's config")

@@ -17,7 +17,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import check, check_int
-from ..hf import attach
 from ..methods import PROTOCOLS, get_method, make_config, method_names
 from ..testbed import tasks as testbed_tasks
 from .protocols import DEFAULT_PREFILL_CHUNK, layout, run_batch
@@ -77,7 +76,7 @@ class EvalConfig:
 
     def make_cache(self, model):
         """A fresh cache of the configured method for one batch of ``model``."""
-        return get_method(self.method).make_cache(self.method_config, model.config)
+        return get_method(self.method).new_cache(model, self.method_config)
 
 
 def make_cache(config: EvalConfig, model):
@@ -159,7 +158,7 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
     left out). ``bar``: an outer tqdm bar to advance instead of a bar of this call.
     """
     method = get_method(config.method)
-    (method.apply or attach)(model)
+    method.prepare(model, config.method_config)
     device = next(model.parameters()).device
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     eos_id = model.config.eos_token_id

@@ -143,3 +143,19 @@ class KVpopCache(CompactCache):
               f"{len(scorers)} scorers and {len(decays)} decays: expected one of each per decoder layer")
         super().__init__([KVpopLayer(config, sc, dc) for sc, dc in zip(scorers, decays)])
         self.config = config
+
+    def check_model(self, num_layers: int, model=None) -> None:
+        """Also, for a model with KVpop modules (:func:`kvlearn.kvpop.apply.apply_kvpop`): one-line error unless
+        this cache was made from that model's own scorers and decays (a cache serves one batch of one model)."""
+        super().check_model(num_layers, model)
+        if model is None:
+            return
+        from .apply import has_kvpop, kvpop_modules
+
+        if not has_kvpop(model):
+            return
+        scorers, decays = kvpop_modules(model)
+        mine = [(layer.policy.scorer, layer.policy.decay) for layer in self.layers]
+        check(all(a is s and b is d for (a, b), s, d in zip(mine, scorers, decays)),
+              "this KVpop cache was made from another model's scorers: make one cache per model and batch "
+              "(kvlearn.kvpop.apply.make_kvpop_cache(model))")

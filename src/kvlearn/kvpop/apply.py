@@ -1,0 +1,278 @@
+"""``apply_kvpop``: put KVpop's learned modules on a model, make its caches, and load it back from a checkpoint.
+
+A method is four things (DESIGN.md section 0, rule 1); for KVpop they are :class:`~kvlearn.config.KVpopConfig`,
+one :class:`KVpopModules` (the layer's scorer and its per-KV-head :class:`~kvlearn.kvpop.policy.LearnedDecay`)
+registered as ``self_attn.kvpop`` on every decoder layer, the shared ``"kvlearn"`` attention
+(:func:`kvlearn.hf.attach`) and :class:`~kvlearn.kvpop.cache.KVpopCache`. The modules are ordinary submodules, so
+optimizers, FSDP and ``save_pretrained`` see them (state-dict keys ``model.layers.<i>.self_attn.kvpop.scorer.*`` and
+``...kvpop.decay.alpha``); the config is recorded as ``model.config.kvpop`` (a dict), so ``save_pretrained`` writes
+it into ``config.json`` and :func:`kvlearn.load` (= :func:`kvlearn.hf.load_model`) re-applies KVpop and loads
+the weights (:func:`load_kvpop`).
+Per-sequence state (slot priorities, the mLSTM memory) lives in the cache; the modules hold parameters only.
+
+This module is also the ``kvpop`` entry of the method registry (:mod:`kvlearn.methods`): ``CONFIG``, ``SUMMARY``,
+``PROTOCOLS``, ``make_cache(config, model)``, ``apply(model, config)`` and ``config_from_budget``. What the
+evaluation harness supports: the stateless scorers (``linear``, ``mlp``) under both protocols; the mLSTM scorer
+refuses chunked prefill, which both protocols need, so the harness refuses it with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+
+import torch
+from torch import nn
+
+from ..config import KVpopConfig
+from ..errors import KVLearnError, check, check_int
+from ..hf import attach, check_supported
+from .cache import KVpopCache
+from .policy import LearnedDecay
+from .scorers import LinearScorer, MLPScorer, MLSTMScorer
+
+__all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kvpop_cache", "load_kvpop",
+           "recorded_config", "config_from_budget"]
+
+MODULE_NAME = "kvpop"  # the submodule of each decoder layer's attention module
+CONFIG_KEY = "kvpop"  # the entry of model.config
+
+class KVpopModules(nn.Module):
+    """One decoder layer's learned KVpop modules: ``scorer`` (``[B,H,T,D]`` key/value -> ``[B,H,T]`` float32 scores)
+    and ``decay`` (``() -> log gamma [kv_heads]`` float32). Parameters only; no per-sequence state."""
+
+    def __init__(self, config: KVpopConfig, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        if config.scorer == "linear":
+            self.scorer = LinearScorer(num_kv_heads, head_dim)
+        elif config.scorer == "mlp":
+            self.scorer = MLPScorer(num_kv_heads, head_dim)
+        else:
+            self.scorer = MLSTMScorer(num_kv_heads, head_dim, window=config.window,
+                                      delayed_readout=config.delayed_readout)
+        self.decay = LearnedDecay(num_kv_heads, config.decay_min, config.decay_max)
+        self.scorer_kind = config.scorer
+
+    def extra_repr(self) -> str:
+        return f"scorer={self.scorer_kind!r}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model structure
+
+
+def _attention_modules(model) -> list[nn.Module]:
+    """Every decoder layer's attention module, in layer order."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    check(layers is not None and len(layers) > 0 and all(hasattr(layer, "self_attn") for layer in layers),
+          f"{type(model).__name__} has no decoder layers with a self_attn module: expected a causal LM of a "
+          "supported family")
+    return [layer.self_attn for layer in layers]
+
+
+def _kv_shape(attn: nn.Module) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` of one attention module."""
+    head_dim = int(attn.head_dim)
+    return attn.k_proj.out_features // head_dim, head_dim
+
+
+def has_kvpop(model) -> bool:
+    """Whether :func:`apply_kvpop` has put KVpop modules on ``model``."""
+    try:
+        return all(isinstance(getattr(a, MODULE_NAME, None), KVpopModules) for a in _attention_modules(model))
+    except KVLearnError:
+        return False
+
+
+def kvpop_modules(model) -> tuple[list[nn.Module], list[nn.Module]]:
+    """``(scorers, decays)``: layer ``i``'s scorer and decay modules (registered on the model by
+    :func:`apply_kvpop`); a one-line error for a model without them."""
+    mods = [getattr(a, MODULE_NAME, None) for a in _attention_modules(model)]
+    check(all(isinstance(m, KVpopModules) for m in mods),
+          f"{type(model).__name__} has no KVpop modules: call kvlearn.kvpop.apply.apply_kvpop(model, config) first")
+    return [m.scorer for m in mods], [m.decay for m in mods]
+
+
+def recorded_config(model) -> KVpopConfig | None:
+    """The :class:`KVpopConfig` recorded on ``model.config`` by :func:`apply_kvpop` (``None`` if none)."""
+    saved = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    if saved is None:
+        return None
+    check(isinstance(saved, dict), f"model.config.{CONFIG_KEY}={saved!r} is invalid: expected the dict apply_kvpop records")
+    try:
+        return KVpopConfig(**saved)
+    except TypeError as err:
+        raise KVLearnError(f"model.config.{CONFIG_KEY} is not a KVpopConfig ({err}): expected the dict apply_kvpop records") from None
+
+
+def _check_modules_fit(model, config: KVpopConfig, what: str) -> None:
+    """One-line error unless the model's KVpop modules are what ``config``'s learned fields describe (read from the
+    modules themselves: scorer kind, mLSTM readout, decay range)."""
+    attns = _attention_modules(model)
+    kvpop_modules(model)  # one-line error without modules
+    mods = [getattr(a, MODULE_NAME) for a in attns]
+    first = mods[0]
+    built = {"scorer": first.scorer_kind, "decay_min": first.decay.decay_min, "decay_max": first.decay.decay_max}
+    if first.scorer_kind == "mlstm":  # the readout only exists for the stateful scorer
+        built["delayed_readout"] = first.scorer.delayed_readout
+    for name, have in built.items():
+        want = getattr(config, name)
+        check(have == want,
+              f"{what}: {name}={want!r} but the model's KVpop modules were built with {name}={have!r}: only the "
+              "budget (sinks, window, topk) may differ from the applied config")
+    if config.scorer == "mlstm" and config.delayed_readout:
+        delay = first.scorer.readout_delay
+        check(delay == config.window,
+              f"{what}: window={config.window} but the model's delayed mLSTM scorers read out {delay} tokens late "
+              f"(the window they were built with): use window={delay}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# apply / cache
+
+
+def apply_kvpop(model, config: KVpopConfig):
+    """Make ``model`` a KVpop model: returns ``model`` (modified in place).
+
+    Adds a :class:`KVpopModules` (scorer from ``config.scorer`` with ``config.delayed_readout``, decay in
+    ``[config.decay_min, config.decay_max]``, float32, on the model's device) as ``self_attn.kvpop`` of every
+    decoder layer, records ``model.config.kvpop = asdict(config)`` and attaches the kvlearn attention. On a model
+    that already has KVpop modules (a loaded checkpoint) they are kept, with their weights: ``config`` must then
+    agree on the learned fields (scorer, delayed readout, decay range; the window of a delayed mLSTM scorer) and
+    only the budget may differ; the recorded config becomes ``config``.
+    """
+    check(isinstance(config, KVpopConfig), f"config is {type(config).__name__}: expected a kvlearn.KVpopConfig")
+    check_supported(model)
+    check(config.decay_step == 1,
+          f"decay_step={config.decay_step} is not supported by apply_kvpop: expected 1 (static priorities)")
+    attns = _attention_modules(model)
+    if has_kvpop(model):
+        _check_modules_fit(model, config, "apply_kvpop on a model that already has KVpop modules")
+    else:
+        for attn in attns:
+            heads, head_dim = _kv_shape(attn)
+            device = attn.k_proj.weight.device
+            attn.add_module(MODULE_NAME, KVpopModules(config, heads, head_dim).to(device=device, dtype=torch.float32))
+    setattr(model.config, CONFIG_KEY, asdict(config))
+    return attach(model)
+
+
+def make_kvpop_cache(model, config: KVpopConfig | None = None) -> KVpopCache:
+    """A fresh :class:`KVpopCache` for one batch of ``model``, built from the model's own scorers and decays.
+
+    ``config`` defaults to the one :func:`apply_kvpop` recorded; another config must agree on the learned fields
+    (its budget may differ)."""
+    recorded = recorded_config(model)
+    if config is None:
+        check(recorded is not None,
+              f"{type(model).__name__} has no KVpop config: call apply_kvpop(model, config) first")
+        config = recorded
+    check(isinstance(config, KVpopConfig), f"config is {type(config).__name__}: expected a kvlearn.KVpopConfig")
+    _check_modules_fit(model, config, "make_kvpop_cache")
+    scorers, decays = kvpop_modules(model)
+    return KVpopCache(config, scorers, decays)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def _checkpoint_tensors(path: str, prefix_filter) -> dict[str, torch.Tensor]:
+    """Tensors of the checkpoint folder ``path`` whose names pass ``prefix_filter`` (safetensors or .bin files)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    names = sorted(os.listdir(path))
+    safetensors = [n for n in names if n.endswith(".safetensors")]
+    for name in safetensors:
+        with safe_open(os.path.join(path, name), "pt") as f:
+            for key in f.keys():
+                if prefix_filter(key):
+                    out[key] = f.get_tensor(key)
+    if not safetensors:
+        for name in names:
+            if name.startswith("pytorch_model") and name.endswith(".bin"):
+                state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+                out.update({k: v for k, v in state.items() if prefix_filter(k)})
+    return out
+
+
+def load_kvpop(model, path: str | os.PathLike):
+    """Apply the KVpop config saved in the checkpoint folder ``path`` to ``model`` and load its scorer and decay
+    weights; returns ``model``. ``model`` must have the checkpoint's base shape (decoder layers, KV heads,
+    head_dim): anything else is a one-line :class:`KVLearnError`."""
+    path = os.fspath(path)
+    config_path = os.path.join(path, "config.json")
+    check(os.path.isfile(config_path), f"KVpop checkpoint {path!r} has no config.json: expected a save_pretrained folder")
+    with open(config_path, encoding="utf-8") as f:
+        saved = json.load(f)
+    check(isinstance(saved.get(CONFIG_KEY), dict),
+          f"checkpoint {path!r} has no KVpop config ({CONFIG_KEY!r} in config.json): expected a model saved after apply_kvpop")
+    try:
+        config = KVpopConfig(**saved[CONFIG_KEY])
+    except TypeError as err:
+        raise KVLearnError(f"checkpoint {path!r}: its {CONFIG_KEY!r} entry is not a KVpopConfig ({err})") from None
+    check_supported(model)
+    attns = _attention_modules(model)
+    heads, head_dim = _kv_shape(attns[0])
+    want_heads = saved.get("num_key_value_heads", saved.get("num_attention_heads"))
+    want_dim = saved.get("head_dim") or saved.get("hidden_size", 0) // max(1, saved.get("num_attention_heads", 1))
+    got = (len(attns), heads, head_dim)
+    want = (saved.get("num_hidden_layers"), want_heads, want_dim)
+    check(got == want,
+          f"KVpop checkpoint {path!r} was trained on a base with (layers, kv_heads, head_dim) = {want} but the model "
+          f"has {got}: load it onto the base it was trained on")
+    apply_kvpop(model, config)
+    own = {k for k in model.state_dict() if f".{MODULE_NAME}." in k}
+    tensors = _checkpoint_tensors(path, lambda k: f".{MODULE_NAME}." in k)
+    missing, unexpected = sorted(own - set(tensors)), sorted(set(tensors) - own)
+    check(not missing and not unexpected,
+          f"KVpop checkpoint {path!r}: weights do not match the modules of config {config.scorer!r} "
+          f"(missing {missing[:2]}, unexpected {unexpected[:2]}): expected a checkpoint saved after apply_kvpop")
+    state = model.state_dict()
+    for key, value in tensors.items():
+        check(tuple(value.shape) == tuple(state[key].shape),
+              f"KVpop checkpoint {path!r}: {key} has shape {tuple(value.shape)} but the model expects "
+              f"{tuple(state[key].shape)}: load it onto the base it was trained on")
+    with torch.no_grad():
+        for key, value in tensors.items():
+            state[key].copy_(value.to(torch.float32))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the method registry entry (kvlearn.methods)
+
+CONFIG = KVpopConfig
+SUMMARY = ("KVpop: sinks + window + the top-k older tokens by a learned per-KV-head scorer and decay "
+           "(modules added by apply_kvpop; harness: linear/mlp scorers)")
+PROTOCOLS = ("bounded", "context")
+DEFAULT_WINDOW = 32  # the eviction methods' default window, so budgets compare like for like
+
+
+def make_cache(config: KVpopConfig, model) -> KVpopCache:
+    """Registry ``make_cache``: KVpop needs the model's modules, so it receives the model (not its config)."""
+    return make_kvpop_cache(model, config)
+
+
+def apply(model, config: KVpopConfig):
+    """Registry ``apply``: :func:`apply_kvpop`."""
+    return apply_kvpop(model, config)
+
+
+def config_from_budget(budget: int, sinks: int = 4, context: int | None = None, window: int | None = None,
+                       scorer: str = "mlp", **extra) -> KVpopConfig:
+    """The harness's KVpop config from a budget: ``topk = budget - sinks - window`` (``window`` default 32, like the
+    eviction methods), the ``mlp`` scorer by default. The mLSTM scorer is refused with one line: both evaluation
+    protocols prefill in several forwards, which it does not support yet."""
+    check(scorer != "mlstm",
+          "method 'kvpop' with scorer='mlstm' cannot be evaluated by the harness yet: the mLSTM scorer refuses chunked "
+          "prefill, which both protocols use; use scorer='linear' or 'mlp'")
+    check_int("sinks", sinks, 0)
+    window = DEFAULT_WINDOW if window is None else window
+    check_int("window", window, 1, hint=" (the protected window holds at least the query itself)")
+    check_int("budget", budget, sinks + window + 1,
+              hint=f" (KVpop needs sinks={sinks} + window={window} and at least one ranked slot)")
+    return KVpopConfig(sinks=sinks, window=window, topk=budget - sinks - window, context=context, scorer=scorer, **extra)

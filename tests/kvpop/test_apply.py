@@ -1,0 +1,275 @@
+"""apply_kvpop on tiny random GQA models of every supported family (float32, 2 layers, 2 KV heads, 4 query heads,
+head_dim 16): generate through the KVpop cache built from the model's own modules, memory at the budget, decoding
+logits == the masked full-sequence forward (rule 4), the save_pretrained -> load round trip, the method registry
+entry, and one-line errors for bad input."""
+
+import json
+
+import pytest
+import torch
+from test_kvpop_cache import decode_logits, reference_logits
+from transformers import (
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import kvlearn
+from kvlearn import KVLearnError, KVpopConfig
+from kvlearn.eval.accuracy import cache_bytes
+from kvlearn.kvpop.apply import (
+    KVpopModules,
+    apply_kvpop,
+    has_kvpop,
+    kvpop_modules,
+    load_kvpop,
+    make_kvpop_cache,
+)
+from kvlearn.kvpop.cache import KVpopCache
+from kvlearn.kvpop.scorers import LinearScorer, MLPScorer, MLSTMScorer
+from kvlearn.methods import get_method, make_config
+
+FAMILIES = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "llama": (LlamaConfig, LlamaForCausalLM, {"head_dim": 16}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"head_dim": 16, "sliding_window": None}),
+}
+VOCAB = 71
+KV = dict(sinks=2, window=3, topk=4, decay_min=0.6, decay_max=0.95)  # budget 9; sequences of 40 tokens
+
+
+def tiny(kind="qwen3", seed=0, layers=2, kv_heads=2):
+    config_cls, model_cls, extra = FAMILIES[kind]
+    torch.manual_seed(seed)
+    cfg = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                     num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                     pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra)
+    return model_cls(cfg).eval()
+
+
+def kvpop_model(kind="qwen3", scorer="mlp", seed=0, **kv):
+    """A tiny model with KVpop applied and non-trivial scorers/decays (random weights: rankings differ per head)."""
+    model = tiny(kind, seed)
+    config = KVpopConfig(**{**KV, **kv}, scorer=scorer)
+    apply_kvpop(model, config)
+    torch.manual_seed(seed + 1)
+    scorers, decays = kvpop_modules(model)
+    for sc in scorers:
+        for prm in sc.parameters():
+            torch.nn.init.normal_(prm, std=0.5 if scorer == "mlstm" else 1.0)
+    for dc in decays:
+        torch.nn.init.normal_(dc.alpha, std=1.0)
+    return model, config
+
+
+def one_line(err) -> str:
+    message = str(err.value)
+    assert "\n" not in message and message
+    return message
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# apply
+
+
+def test_apply_registers_float32_modules_and_records_the_config():
+    model, config = kvpop_model(scorer="mlstm")
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn.kvpop, KVpopModules)
+        assert isinstance(layer.self_attn.kvpop.scorer, MLSTMScorer)
+        assert layer.self_attn.kvpop.scorer.readout_delay == config.window
+    names = [n for n, _ in model.named_parameters() if ".kvpop." in n]
+    assert "model.layers.0.self_attn.kvpop.decay.alpha" in names and "model.layers.1.self_attn.kvpop.scorer.w_q" in names
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if ".kvpop." in n)
+    assert model.config.kvpop["scorer"] == "mlstm" and KVpopConfig(**model.config.kvpop) == config
+    assert model.config._attn_implementation == "kvlearn"
+    scorers, decays = kvpop_modules(model)
+    assert len(scorers) == len(decays) == 2 and scorers[1] is model.model.layers[1].self_attn.kvpop.scorer
+    # the scorer classes and options follow the config
+    for scorer, cls in (("linear", LinearScorer), ("mlp", MLPScorer)):
+        assert isinstance(kvpop_modules(kvpop_model(scorer=scorer)[0])[0][0], cls)
+    immediate = kvpop_model(scorer="mlstm", delayed_readout=False)[0]
+    assert kvpop_modules(immediate)[0][0].readout_delay == 0
+
+
+def test_apply_again_keeps_the_learned_modules_and_only_changes_the_budget():
+    model, config = kvpop_model(scorer="mlp")
+    before = {n: p.clone() for n, p in model.named_parameters() if ".kvpop." in n}
+    wider = KVpopConfig(**{**KV, "topk": 20}, scorer="mlp")
+    apply_kvpop(model, wider)
+    after = {n: p for n, p in model.named_parameters() if ".kvpop." in n}
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    assert model.config.kvpop["topk"] == 20
+    assert make_kvpop_cache(model).config == wider
+    with pytest.raises(KVLearnError, match="scorer='linear' but the model's KVpop modules were built with scorer='mlp'") as err:
+        apply_kvpop(model, KVpopConfig(**KV, scorer="linear"))
+    one_line(err)
+    with pytest.raises(KVLearnError, match="decay_min") as err:
+        make_kvpop_cache(model, KVpopConfig(**{**KV, "decay_min": 0.5}, scorer="mlp"))
+    one_line(err)
+    apply_kvpop(model, KVpopConfig(**KV, scorer="mlp", delayed_readout=False))  # no readout for a stateless scorer
+    mlstm, _ = kvpop_model(scorer="mlstm")
+    with pytest.raises(KVLearnError, match="delayed_readout=False but") as err:
+        apply_kvpop(mlstm, KVpopConfig(**KV, scorer="mlstm", delayed_readout=False))
+    one_line(err)
+    with pytest.raises(KVLearnError, match="use window=3") as err:
+        make_kvpop_cache(mlstm, KVpopConfig(**{**KV, "window": 5}, scorer="mlstm"))
+    one_line(err)
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_decode_through_the_applied_model_equals_the_training_mask(kind):
+    """Rule 4 through apply_kvpop: prefill + token-by-token logits through make_kvpop_cache(model) == the full
+    forward under each layer's retention mask from the same modules, for sequences 4x the budget."""
+    model, config = kvpop_model(kind, scorer="mlp", seed=3)
+    scorers, decays = kvpop_modules(model)
+    ids = torch.randint(1, VOCAB, (2, 40))
+    ref = reference_logits(model, scorers, decays, config, ids)
+    assert model.config._attn_implementation == "kvlearn"  # the reference restores the kvlearn attention
+    cache = make_kvpop_cache(model)
+    got = decode_logits(model, cache, ids, prefill=12)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    layer = cache.layers[0]
+    assert layer.keys.shape[2] == config.budget and bool(((layer.slot_positions >= 0).sum(-1) == config.budget).all())
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_generate_runs_at_the_budget(kind, scorer):
+    """generate through the KVpop cache; allocated bytes <= budget / tokens x dense bytes x 1.1 + the scorer state."""
+    model, config = kvpop_model(kind, scorer=scorer, seed=5)
+    ids = torch.randint(1, VOCAB, (2, 36))
+    cache = make_kvpop_cache(model)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        dense = DynamicCache(config=model.config)
+        model.generate(input_ids=ids, past_key_values=dense, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 44)
+    tokens = dense.get_seq_length()
+    assert cache.get_seq_length() == tokens == 43
+    state = sum(layer.allocated_state_bytes() for layer in cache.layers)
+    assert (state > 0) == (scorer == "mlstm")
+    bound = config.budget / tokens * cache_bytes(dense) * 1.1 + state
+    assert cache.allocated_bytes() <= bound, (cache.allocated_bytes(), state, bound)  # allocated_bytes counts the state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# save_pretrained -> load
+
+
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_save_pretrained_and_load_give_identical_logits(scorer, tmp_path):
+    model, config = kvpop_model(scorer=scorer, seed=7)
+    ids = torch.randint(1, VOCAB, (2, 30))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    before = decode_logits(model, make_kvpop_cache(model), ids, prefill=10)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["kvpop"]["scorer"] == scorer
+    loaded = kvlearn.load(tmp_path)
+    assert has_kvpop(loaded) and KVpopConfig(**loaded.config.kvpop) == config
+    want = {k: v for k, v in model.state_dict().items() if ".kvpop." in k}
+    got = {k: v for k, v in loaded.state_dict().items() if ".kvpop." in k}
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, plain, atol=0, rtol=0)
+    after = decode_logits(loaded, make_kvpop_cache(loaded), ids, prefill=10)
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    # kvlearn.load_model is the same entry point
+    again = kvlearn.load_model(tmp_path)
+    assert has_kvpop(again)
+
+
+def test_a_kvpop_checkpoint_on_a_mismatched_base_is_one_line(tmp_path):
+    model, _ = kvpop_model(scorer="mlp")
+    model.save_pretrained(tmp_path)
+    for other in (tiny(layers=3), tiny(kv_heads=1)):
+        with pytest.raises(KVLearnError, match="was trained on a base with") as err:
+            load_kvpop(other, tmp_path)
+        assert str(tmp_path) in one_line(err)
+        assert not has_kvpop(other)
+    base = tiny()
+    base.save_pretrained(tmp_path / "base")
+    with pytest.raises(KVLearnError, match="has no KVpop config") as err:
+        load_kvpop(tiny(), tmp_path / "base")
+    one_line(err)
+    assert not has_kvpop(kvlearn.load(tmp_path / "base"))  # a plain checkpoint loads plain
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_input_is_one_line():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(KVLearnError, match="model type 'gpt2' is not supported") as err:
+        apply_kvpop(gpt2, KVpopConfig(**KV, scorer="mlp"))
+    one_line(err)
+    with pytest.raises(KVLearnError, match=r"budget=9 .* expected budget < context = 9") as err:
+        KVpopConfig(**KV, context=9)
+    one_line(err)
+    assert KVpopConfig(**KV, context=10).context == 10
+    with pytest.raises(KVLearnError, match="expected a kvlearn.KVpopConfig") as err:
+        apply_kvpop(tiny(), {"scorer": "mlp"})
+    one_line(err)
+    with pytest.raises(KVLearnError, match="has no KVpop modules|has no KVpop config") as err:
+        make_kvpop_cache(tiny())
+    one_line(err)
+
+
+def test_a_cache_reused_across_models_is_one_line():
+    a, _ = kvpop_model(scorer="mlp", seed=1)
+    ids = torch.randint(1, VOCAB, (1, 12))
+    cache = make_kvpop_cache(a)
+    with torch.no_grad():
+        a(input_ids=ids, past_key_values=cache, use_cache=True)
+    same_shape, _ = kvpop_model(scorer="mlp", seed=2)
+    fewer_heads = apply_kvpop(tiny(kv_heads=1), KVpopConfig(**KV, scorer="mlp"))
+    deeper = apply_kvpop(tiny(layers=3), KVpopConfig(**KV, scorer="mlp"))
+    for other, needle in ((same_shape, "another model's scorers"), (fewer_heads, "another model's scorers"),
+                          (deeper, "3 decoder layers but this cache has 2")):
+        for c in (cache, make_kvpop_cache(a)):  # used, and fresh
+            with pytest.raises(KVLearnError, match=needle) as err, torch.no_grad():
+                other(input_ids=ids, past_key_values=c, use_cache=True)
+            one_line(err)
+    # a cache of standalone modules (no KVpop on the model) on a model of other shapes: the shape check
+    standalone = KVpopCache(KVpopConfig(**KV, scorer="mlp"), *kvpop_modules(a))
+    with torch.no_grad():
+        a(input_ids=ids, past_key_values=standalone, use_cache=True)
+        plain = kvlearn.attach(tiny(kv_heads=1))
+        with pytest.raises(KVLearnError, match="do not match this cache's") as err:
+            plain(input_ids=ids[:, :1], past_key_values=standalone, use_cache=True)
+    one_line(err)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the method registry
+
+
+def test_registry_entry():
+    method = get_method("kvpop")
+    assert method.protocols == ("bounded", "context") and method.apply is not None
+    config = make_config("kvpop", budget=48, sinks=4, context=256)
+    assert (config.sinks, config.window, config.topk, config.scorer, config.context) == (4, 32, 12, "mlp", 256)
+    assert make_config("kvpop", budget=20, sinks=2, window=8, scorer="linear").topk == 10
+    model = tiny()
+    method.prepare(model, config)
+    assert has_kvpop(model)
+    cache = method.new_cache(model, config)
+    assert isinstance(cache, KVpopCache) and cache.config == config
+    for kwargs, needle in ((dict(budget=48, scorer="mlstm"), "refuses chunked prefill"),
+                           (dict(budget=30), "budget=30 is invalid"),
+                           (dict(budget=300, context=256), "budget < context = 256"),
+                           (dict(budget=48, topk=3), "has no option")):
+        with pytest.raises(KVLearnError, match=needle) as err:
+            make_config("kvpop", **kwargs)
+        one_line(err)
