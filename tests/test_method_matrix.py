@@ -110,6 +110,10 @@ def test_method_contract(name, protocol, kind):
             # the dense cache holds the tokens seen (a little under CONTEXT: the answer is not fully generated)
             bound = (BUDGET + 1) / dense_cache.get_seq_length() * cache_bytes(dense_cache) * 1.05
             assert cache_bytes(single_cache) <= bound, (cache_bytes(single_cache), bound)
+            # the keys/values alone, by hand: layers x kv heads x capacity slots x head_dim x (K, V) x float32
+            capacity = single_cache.layers[0].capacity
+            assert capacity in (BUDGET, BUDGET + 1)
+            assert cache_bytes(single_cache, keys_values_only=True) == 2 * 2 * capacity * 64 * 2 * 4
 
 
 def test_every_registered_method_is_listed_with_its_protocols():
@@ -142,3 +146,4 @@ def test_harness_rows_for_every_method_and_protocol(name, protocol):
     assert (row["method"], row["protocol"], row["split"], row["task"], row["n"]) == (name, protocol, "eval", "vt", 2)
     assert row["compression"] == (0.0 if name == "dense" else pytest.approx(1 - BUDGET / CONTEXT))
     assert row["kv_bytes"] > 0 and "incomplete" not in row
+    assert 0 < row["store_bytes"] <= row["kv_bytes"] and (name != "dense" or row["store_bytes"] == row["kv_bytes"])

@@ -24,3 +24,19 @@ def test_ops_section_rows_notes_and_provenance(tmp_path):
     assert "| attn_sparse_fwd_k1792 | 1.500 | 0.38 | 0.869 | gathered; backend: triton |" in text
     assert "| target_pass | 2.250 |  |  | backend: triton; launch: block_t=128, block_d=64, num_warps=4, num_stages=3 |" in text
     assert '"cutoff_triton_le_1ms": true' in text
+
+
+def test_accuracy_section_ratios_to_dense_per_split_with_and_without_bookkeeping(tmp_path):
+    row = dict(protocol="bounded", compression=0.0, accuracy=1.0, n=10, task="vt", variants={})
+    rows = [
+        {**row, "method": "dense", "split": "eval", "budget": 4096, "kv_bytes": 1000, "store_bytes": 1000},
+        {**row, "method": "dense", "split": "heldout", "budget": 4096, "kv_bytes": 2000, "store_bytes": 2000},
+        {**row, "method": "h2o", "split": "heldout", "budget": 1024, "compression": 0.75, "kv_bytes": 530,
+         "store_bytes": 500},
+    ]
+    data = {"schema": "kvlearn.results.v1", "kind": "accuracy", "command": "x", "commit": "abc", "date": "d",
+            "device": "cpu", "context": 4096, "rows": rows}
+    (tmp_path / "t.json").write_text(json.dumps(data))
+    text = build(tmp_path)
+    # the heldout h2o row is compared with the heldout dense row: 530 / 2000 in all, 500 / 2000 keys/values alone
+    assert "| h2o | bounded | heldout | 1024 | 75% | vt | 1.000 | 10 | 530 | 0.265 | 0.250 |" in text

@@ -327,6 +327,11 @@ class CompactCache(Cache):
         """Bytes held by every layer's buffers."""
         return sum(layer.allocated_bytes() for layer in self.layers)
 
+    def store_bytes(self) -> int:
+        """Bytes of the keys/values alone (every layer's store): :meth:`allocated_bytes` minus the bookkeeping
+        (slot positions, slot state such as scores, policy state)."""
+        return sum(layer.store.allocated_bytes() for layer in self.layers if layer.is_initialized)
+
     def peak_bytes(self, chunk: int) -> int:
         """Allocated bytes plus the transient copy of one ``chunk``-token forward of one layer (budget + one
         chunk); 0 before the first forward."""

@@ -3,7 +3,8 @@
 Each batch of examples is laid out and prefilled under the configured protocol (:mod:`kvlearn.eval.protocols`:
 ``bounded`` or ``context``) and its answers are generated greedily with ``model.generate(..., past_key_values=cache)``;
 a family's ``score`` decides exact match. Every row names its ``method``, ``protocol`` and ``split``. ``kv_bytes`` is
-the cache's allocated bytes at the end of the batch divided by its rows; ``peak_kv_bytes`` the same for the cache's
+the cache's allocated bytes at the end of the batch divided by its rows (``store_bytes``: the keys/values alone,
+without the slot positions and scores a compact cache keeps beside them); ``peak_kv_bytes`` the same for the cache's
 peak during the batch when the cache reports one (``CompactCache.peak_bytes(chunk)`` of its largest forward).
 """
 
@@ -84,10 +85,11 @@ def make_cache(config: EvalConfig, model):
     return config.make_cache(model)
 
 
-def cache_bytes(cache) -> int:
-    """Allocated bytes of a kvlearn compact cache or a transformers ``DynamicCache``."""
+def cache_bytes(cache, keys_values_only: bool = False) -> int:
+    """Allocated bytes of a kvlearn compact cache (all of it, or with ``keys_values_only`` its stores alone, without
+    slot positions and scores) or of a transformers ``DynamicCache`` (keys and values either way)."""
     if hasattr(cache, "allocated_bytes"):
-        return cache.allocated_bytes()
+        return cache.store_bytes() if keys_values_only else cache.allocated_bytes()
     total = 0
     for layer in cache.layers:
         for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
@@ -118,6 +120,7 @@ class TaskResult:
     correct: int = 0
     n: int = 0
     kv_bytes: list[int] = field(default_factory=list)
+    store_bytes: list[int] = field(default_factory=list)
     peak_kv_bytes: list[int] = field(default_factory=list)
     by_variant: dict = field(default_factory=dict)
 
@@ -139,6 +142,7 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
         "accuracy": result.accuracy,
         "n": result.n,
         "kv_bytes": int(sum(result.kv_bytes) / max(1, len(result.kv_bytes))),
+        "store_bytes": int(sum(result.store_bytes) / max(1, len(result.store_bytes))),
     }
     if result.peak_kv_bytes:
         row["peak_kv_bytes"] = int(sum(result.peak_kv_bytes) / len(result.peak_kv_bytes))
@@ -183,6 +187,7 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
             out = run_batch(model, cache, padded, config.protocol, max_new, chunk_size=config.chunk_size,
                             pad_id=pad_id, eos_id=eos_id)
             per_example_bytes = cache_bytes(cache) // len(batch)
+            per_example_store = cache_bytes(cache, keys_values_only=True) // len(batch)
             # the largest forward: one prefill chunk (bounded), or the whole context at once (context)
             largest = padded.split if config.protocol == "context" else min(config.chunk_size, padded.ids.shape[1])
             peak = peak_cache_bytes(cache, largest)
@@ -191,6 +196,7 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
                 result.correct += ok
                 result.n += 1
                 result.kv_bytes.append(per_example_bytes)
+                result.store_bytes.append(per_example_store)
                 if peak is not None:
                     result.peak_kv_bytes.append(peak // len(batch))
                 v = result.by_variant.setdefault(ex.variant or task, [0, 0])

@@ -34,15 +34,24 @@ def _provenance(name: str, data: dict) -> str:
 def accuracy_section(name: str, data: dict) -> str:
     rows = data["rows"]
     out = [f"## Accuracy: {name.removesuffix('.json')} (context {data.get('context')})", "", _provenance(name, data), ""]
-    out.append("| method | protocol | split | budget | CR | task | accuracy | n | kv_bytes (mean per example) | kv_bytes / dense |")
-    out.append("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
-    dense = {r["task"]: r["kv_bytes"] for r in rows if r["method"] == "dense"}
+    has_store = any("store_bytes" in r for r in rows)  # keys/values alone, without slot positions and scores
+    extra = " K/V only / dense |" if has_store else ""
+    out.append("| method | protocol | split | budget | CR | task | accuracy | n | kv_bytes (mean per example) | "
+               f"kv_bytes / dense |{extra}")
+    out.append("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if has_store else ""))
+    key = lambda r: (r["task"], r.get("split", "eval"))  # noqa: E731
+    dense = {key(r): r for r in rows if r["method"] == "dense"}
     for r in rows:
-        ratio = f"{r['kv_bytes'] / dense[r['task']]:.3f}" if dense.get(r["task"]) else ""
+        d = dense.get(key(r))
+        ratio = f"{r['kv_bytes'] / d['kv_bytes']:.3f}" if d else ""
+        store = ""
+        if has_store:
+            store = f" {r['store_bytes'] / d['store_bytes']:.3f} |" if d and "store_bytes" in r and "store_bytes" in d else " |"
         mark = " (incomplete)" if r.get("incomplete") else ""
         out.append(
             f"| {r['method']} | {r.get('protocol', 'bounded')} | {r.get('split', 'eval')} | {r['budget']} | "
             f"{r['compression']:.0%} | {r['task']} | {r['accuracy']:.3f} | {r['n']}{mark} | {r['kv_bytes']:,} | {ratio} |"
+            + store
         )
     variants = [(r["method"], r["task"], k, v) for r in rows for k, v in r.get("variants", {}).items() if len(r.get("variants", {})) > 1]
     if variants:
