@@ -362,9 +362,13 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
     out = Path(config.out)
-    if config.overwrite and out.exists() and not config.resume:
-        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    if config.overwrite and not config.resume:  # remove only what an earlier run of this trainer wrote
+        for p in out.iterdir():
+            if p.name == LOG_FILE:
+                p.unlink()
+            elif p.is_dir() and (p.name == FINAL or p.name.startswith(("step-", ".tmp-", ".old-"))):
+                shutil.rmtree(p)
     teacher, student = build_models(config, device)
     optimizer = make_optimizer(config, student, device)
     kv = config.kvpop
