@@ -16,6 +16,7 @@ from kvlearn import KVLearnError, KVpopConfig
 from kvlearn.cli import main
 from kvlearn.kvpop.apply import kvpop_modules, make_kvpop_cache
 from kvlearn.kvpop.policy import sample_query_positions
+from kvlearn.kvpop.train_attention import TrainForward
 from kvlearn.testbed.data import training_batch
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
 from kvlearn.train.distill import (
@@ -132,6 +133,11 @@ def test_full_budget_attention_is_dense(teacher_path, tmp_path):
     assert sorted(state.records) == [0, 1]
     assert (sparse - dense).abs().max() < 1e-4
     assert (small - dense).abs().max() > 1e-3  # a real budget does change the logits
+    # the per-forward state lives on the TrainForward only: nothing on the modules, and a forward without it is dense
+    assert not any(isinstance(v, TrainForward) for m in student.modules() for v in vars(m).values())
+    with torch.no_grad():
+        plain = student(input_ids=ids).logits
+    assert (plain - dense).abs().max() < 1e-4
 
 
 def _params(path):

@@ -12,6 +12,9 @@ layer, with the forward's :class:`TrainForward` passed as the attention keyword 
    target of the paper's appendix D.3, Eq. 9/34: the normaliser the sparse pass already computed is reused),
    computed without gradient.
 
+Steps 1-2 run with autocast disabled (float32 scores and rankings, rule 5); the attention itself runs in the
+model's (or autocast's) dtype.
+
 What a layer computed is recorded on the per-forward :class:`TrainForward` (``records[layer_idx]``), never on the
 module. Without ``kvpop_train`` the function is transformers' SDPA attention unchanged.
 """
@@ -87,9 +90,10 @@ def kvpop_train_attention(
     kv = getattr(module, "kvpop", None)
     check(kv is not None, "the KVpop training attention needs KVpop modules: call apply_kvpop(model, config) first")
     cfg = kvpop_train.config
-    raw = kv.scorer(key.detach(), value.detach())  # [B, Hkv, T] float32; rule 5: no gradient into the backbone
-    log_gamma = kv.decay()  # [Hkv]
-    priorities = static_priorities(raw, log_gamma)
+    with torch.autocast(device_type=key.device.type, enabled=False):  # rule 5: scores and rankings in float32
+        raw = kv.scorer(key.detach(), value.detach())  # [B, Hkv, T]; detached: no gradient into the backbone
+        log_gamma = kv.decay()  # [Hkv]
+        priorities = static_priorities(raw, log_gamma)
     ranks, cutoffs = running_topk_cutoff(priorities.detach(), cfg.sinks, cfg.window, cfg.topk)
     out, lse = sparse_retention_attention(query, key, value, ranks, cutoffs, cfg.sinks, cfg.window, scale=scaling,
                                           return_lse=True, topk=cfg.topk)

@@ -413,9 +413,9 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
                 with torch.no_grad():
                     teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
                 logits, state = student_forward(student, input_ids, kv)
-                kd = kd_loss(logits, teacher_logits, labels, config.kd_topk)
-                parts = distill_losses(state, queries)
-                loss = kd + config.boundary_weight * parts["boundary"]
+            kd = kd_loss(logits, teacher_logits, labels, config.kd_topk)  # float32
+            parts = distill_losses(state, queries)
+            loss = kd + config.boundary_weight * parts["boundary"]
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
             optimizer.step()
