@@ -220,3 +220,44 @@ def test_cli_errors_and_run(teacher_path, tmp_path, capsys):
     assert code == 0, cap.err
     assert "kvlearn eval --model" in cap.out
     assert kvlearn.load(tmp_path / "o" / "final").config.kvpop["topk"] == 32
+
+
+def test_kd_loss_by_hand():
+    torch.manual_seed(1)
+    s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    labels = torch.tensor([[-100, 3, -100, 4, 5], [-100, -100, -100, -100, 7]])
+    got = kd_loss(s, t, labels, topk=4)
+    want, n = 0.0, 0
+    for b in range(2):
+        for i in range(4):
+            if labels[b, i + 1] == -100:
+                continue
+            top = t[b, i].topk(4)
+            p = torch.softmax(top.values, -1)
+            logq = torch.log_softmax(s[b, i], -1)[top.indices]
+            want += float((p * (p.log() - logq)).sum())
+            n += 1
+    assert abs(float(got) - want / n) < 1e-5
+    assert float(kd_loss(t, t, labels, topk=11)) < 1e-6  # a student equal to the teacher: KL 0
+    assert float(kd_loss(s, t, torch.full_like(labels, -100), topk=4)) == 0.0
+
+
+@pytest.mark.parametrize("scorer", ["linear", "mlstm"])
+def test_other_scorers_run(teacher_path, tmp_path, scorer):
+    config = make_config(teacher_path, tmp_path / scorer, steps=1, kvpop=KVpopConfig(**{**KV, "scorer": scorer}))
+    result = retrofit(config, progress=False)
+    assert math.isfinite(result["log"]["loss"])
+    assert kvlearn.load(result["final"]).config.kvpop["scorer"] == scorer
+
+
+def test_minutes_budget_and_leftover_temp_folder(teacher_path, tmp_path):
+    out = tmp_path / "m"
+    result = retrofit(make_config(teacher_path, out, steps=None, minutes=0.001), progress=False)
+    assert result["final"] is not None and result["step"] >= 0
+    # a crash while writing leaves a .tmp- folder: resume ignores it, and the next save replaces it
+    retrofit(make_config(teacher_path, tmp_path / "k", steps=4), stop_after=2, progress=False)
+    (tmp_path / "k" / ".tmp-step-4").mkdir()
+    assert latest_checkpoint(tmp_path / "k").name == "step-2"
+    resumed = retrofit(make_config(teacher_path, tmp_path / "k", steps=4, resume=True), progress=False)
+    assert resumed["step"] == 4 and not (tmp_path / "k" / ".tmp-step-4").exists()
+    assert sorted(p.name for p in (tmp_path / "k").iterdir() if p.name.startswith("step-")) == ["step-2", "step-4"]
