@@ -261,3 +261,7 @@ def test_minutes_budget_and_leftover_temp_folder(teacher_path, tmp_path):
     resumed = retrofit(make_config(teacher_path, tmp_path / "k", steps=4, resume=True), progress=False)
     assert resumed["step"] == 4 and not (tmp_path / "k" / ".tmp-step-4").exists()
     assert sorted(p.name for p in (tmp_path / "k").iterdir() if p.name.startswith("step-")) == ["step-2", "step-4"]
+    with pytest.raises(KVLearnError) as err:  # resuming with another budget is refused
+        retrofit(make_config(teacher_path, tmp_path / "k", steps=4, resume=True,
+                             kvpop=KVpopConfig(**{**KV, "topk": 40})), progress=False)
+    assert "topk" in one_line(err) and "resume" in one_line(err)

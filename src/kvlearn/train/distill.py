@@ -336,9 +336,18 @@ def _prune(out: Path) -> None:
         shutil.rmtree(p)
 
 
-def load_trainer_state(path: Path, student, optimizer) -> int:
-    """Load the student weights and optimizer state of checkpoint ``path``; returns its step."""
+def load_trainer_state(path: Path, student, optimizer, config: RetrofitConfig) -> int:
+    """Load the student weights and optimizer state of checkpoint ``path``; returns its step. One-line error when
+    the checkpoint was trained with another KVpop config or another run length."""
     from safetensors.torch import load_file
+
+    trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    saved = trainer.get("config", {})
+    for name, want in (("kvpop", asdict(config.kvpop)), ("steps", config.steps), ("minutes", config.minutes),
+                       ("seq_len", config.seq_len), ("batch_size", config.batch_size), ("seed", config.seed)):
+        check(saved.get(name) == want,
+              f"resume: {str(path)!r} was trained with {name}={saved.get(name)!r} but this run has {name}={want!r}: "
+              "resume with the same settings, or start a new run")
 
     state = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -347,7 +356,6 @@ def load_trainer_state(path: Path, student, optimizer) -> int:
     # tied embeddings are saved once: the only keys allowed missing are tied copies
     check(not unexpected and all("lm_head" in k for k in missing),
           f"checkpoint {str(path)!r} does not match the student (missing {missing[:2]}, unexpected {unexpected[:2]})")
-    trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     optimizer.load_state_dict(trainer["optimizer"])
     return int(trainer["step"])
 
@@ -374,7 +382,7 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
     kv = config.kvpop
     step = 0
     if config.resume:
-        step = load_trainer_state(latest_checkpoint(out), student, optimizer)
+        step = load_trainer_state(latest_checkpoint(out), student, optimizer, config)
     log_path = out / LOG_FILE
     if log_path.exists():  # drop the lines of steps that the resumed run will redo
         lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
