@@ -209,15 +209,15 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: 
     supervised, the Hugging Face convention: position ``i - 1`` predicts label ``i``). The teacher's distribution
     is renormalised over its ``topk`` most likely tokens (temperature 1); the student's log-probabilities are over
     the full vocabulary. 0 (still differentiable) when no token is supervised."""
-    s = student_logits[:, :-1].float()
-    t = teacher_logits[:, :-1].float()
     mask = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]
+    s = student_logits[:, :-1][mask].float()  # [N, V]: only the supervised positions (saves memory at large V)
+    t = teacher_logits[:, :-1][mask].float()
     k = min(topk, t.shape[-1])
-    t_top, idx = t.topk(k, dim=-1)  # [B, T-1, k]
+    t_top, idx = t.topk(k, dim=-1)  # [N, k]
     t_logp = torch.log_softmax(t_top, dim=-1)
     s_logp = torch.gather(torch.log_softmax(s, dim=-1), -1, idx)
-    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # [B, T-1]
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
+    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # [N]
+    return kl.sum() / mask.sum().clamp(min=1)
 
 
 def distill_losses(state: TrainForward, query_positions: torch.Tensor) -> dict:
