@@ -1,4 +1,4 @@
-"""The ``kvlearn`` command: ``demo``, ``eval``, ``methods``, ``pretrain`` and ``testbed``.
+"""The ``kvlearn`` command: ``demo``, ``eval``, ``methods``, ``pretrain``, ``retrofit`` and ``testbed``.
 
 Bad input is reported as one line (``kvlearn: error: ...``) with exit status 2, never a traceback.
 """
@@ -203,6 +203,29 @@ def cmd_pretrain(args) -> int:
     return 0
 
 
+def cmd_retrofit(args) -> int:
+    from .config import KVpopConfig
+    from .train.distill import RetrofitConfig, retrofit
+
+    check_int("--budget", args.budget, args.sinks + args.window + 1,
+              hint=f" (KVpop needs sinks={args.sinks} + window={args.window} and at least one ranked slot)")
+    check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
+    kvpop = KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
+                        scorer=args.scorer)
+    length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
+    config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
+                            kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                            lr_new=args.lr_new, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
+                            kd_topk=args.kd_topk, boundary_weight=args.boundary_weight,
+                            save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
+                            num_workers=args.num_workers, **length)
+    _threads(args.threads)
+    result = retrofit(config)
+    print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model {result['final']} "
+          f"--method kvpop --budget {args.budget}")
+    return 0
+
+
 def cmd_testbed(args) -> int:
     from .testbed import tasks
     from .testbed.tokenizer import build_tokenizer
@@ -298,6 +321,33 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stage-fractions", default=None, help="comma list of time fractions, summing to 1")
     sp.add_argument("--family-weights", default=None, help="comma list of sampling weights for trace,niah,vt,recall")
     sp.set_defaults(func=cmd_pretrain)
+
+    sp = sub.add_parser("retrofit", help="distil KVpop's scorers and decays into a trained model (teacher: the dense model)")
+    sp.add_argument("--model", required=True, help="checkpoint folder of the dense model (a supported family)")
+    sp.add_argument("--out", required=True, help="output folder: step-<N>/ checkpoints, final/, train_log.jsonl")
+    sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
+    sp.add_argument("--resume", action="store_true", help="continue from the newest step-<N> checkpoint in --out")
+    sp.add_argument("--scorer", default="mlp", choices=("linear", "mlp", "mlstm"),
+                    help="KVpop scorer (the evaluation harness takes linear and mlp)")
+    sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
+    sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
+    sp.add_argument("--window", type=int, default=32, help="protected recent window (the harness's KVpop default)")
+    sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
+    sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
+    sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    sp.add_argument("--seq-len", type=int, default=4096, help="tokens per training sequence (testbed examples)")
+    sp.add_argument("--lr", type=float, default=1e-5, help="learning rate of the existing weights (constant)")
+    sp.add_argument("--lr-new", type=float, default=1e-3, help="peak learning rate of the new KVpop weights")
+    sp.add_argument("--warmup-steps", type=int, default=100, help="warm-up steps of the new weights' learning rate")
+    sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
+    sp.add_argument("--kd-topk", type=int, default=256, help="teacher logits kept by the distillation loss")
+    sp.add_argument("--boundary-weight", type=float, default=1.0, help="weight of the boundary loss")
+    sp.add_argument("--save-interval", type=int, default=200, help="steps between checkpoints")
+    sp.add_argument("--seed", type=int, default=0, help="random seed (data and query sampling)")
+    sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    sp.add_argument("--num-workers", type=int, default=0, help="data-generation worker processes")
+    sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    sp.set_defaults(func=cmd_retrofit)
 
     sp = sub.add_parser("testbed", help="print one generated example")
     sp.add_argument("--family", required=True, choices=tasks.FAMILIES, help="task family")

@@ -1,0 +1,114 @@
+"""The KVpop training attention: one full-sequence forward under the running top-k of the model's own priorities.
+
+Registered with transformers' ``AttentionInterface`` as ``"kvpop_train"`` (:func:`use_train_attention`). Per
+layer, with the forward's :class:`TrainForward` passed as the attention keyword ``kvpop_train``:
+
+1. raw scores ``r̂ [B, Hkv, T]`` from the layer's scorer on the *detached* keys/values (rule 5);
+2. static priorities ``p̂ = r̂ - t log γ`` (:func:`~kvlearn.kvpop.policy.static_priorities`, float32);
+3. ranks and running cutoffs of ``p̂`` (:func:`~kvlearn.ops.fenwick.running_topk_cutoff`; integers, no gradient);
+4. :func:`~kvlearn.kvpop.attention.sparse_retention_attention` with ``return_lse=True`` (the attention output
+   carries the backbone's gradient; the CPU path is the dense-mask twin);
+5. the future-attention target from this layer's queries/keys and the *sparse* LSE of step 4 (the approximate
+   target of the paper's appendix D.3, Eq. 9/34: the normaliser the sparse pass already computed is reused),
+   computed without gradient.
+
+Steps 1-2 run with autocast disabled (float32 scores and rankings, rule 5); the attention itself runs in the
+model's (or autocast's) dtype.
+
+What a layer computed is recorded on the per-forward :class:`TrainForward` (``records[layer_idx]``), never on the
+module. Without ``kvpop_train`` the function is transformers' SDPA attention unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from ..config import KVpopConfig
+from ..errors import check
+from ..ops.fenwick import running_topk_cutoff
+from ..ops.future_target import future_attention_target
+from .attention import sparse_retention_attention
+from .policy import static_priorities
+
+__all__ = ["TRAIN_ATTENTION", "LayerRecord", "TrainForward", "kvpop_train_attention", "use_train_attention"]
+
+TRAIN_ATTENTION = "kvpop_train"
+
+
+@dataclass
+class LayerRecord:
+    """What one layer's training attention computed (all ``[batch, kv_heads, T]``).
+
+    ``priorities``: float32 student static priorities (differentiable in the scorer and decay parameters only).
+    ``target``: float32 future-attention target ``r^tgt`` (detached). ``ranks``, ``cutoffs``: int32 student
+    ranks and running top-k cutoffs. ``log_gamma``: ``[kv_heads]`` float32 log-decay (differentiable).
+    """
+
+    priorities: Tensor
+    target: Tensor
+    ranks: Tensor
+    cutoffs: Tensor
+    log_gamma: Tensor
+
+
+@dataclass
+class TrainForward:
+    """Per-forward state of the training attention: the budget (``config``) and, filled by the forward, one
+    :class:`LayerRecord` per decoder layer. Make a new one for every forward."""
+
+    config: KVpopConfig
+    records: dict[int, LayerRecord] = field(default_factory=dict)
+
+
+def kvpop_train_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    kvpop_train: TrainForward | None = None,
+    **kwargs,
+):
+    """Attention function (transformers' signature). ``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, T, D]``
+    (post-RoPE, the whole sequence, no cache); returns ``(out [B, T, Hq, D], None)``."""
+    if kvpop_train is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    check(isinstance(kvpop_train, TrainForward),
+          f"kvpop_train of type {type(kvpop_train).__name__} is invalid: expected a TrainForward")
+    check(key.shape[2] == query.shape[2],
+          f"the KVpop training attention needs the whole sequence in one forward (keys {key.shape[2]}, queries "
+          f"{query.shape[2]}): call it without a cache")
+    kv = getattr(module, "kvpop", None)
+    check(kv is not None, "the KVpop training attention needs KVpop modules: call apply_kvpop(model, config) first")
+    cfg = kvpop_train.config
+    with torch.autocast(device_type=key.device.type, enabled=False):  # rule 5: scores and rankings in float32
+        raw = kv.scorer(key.detach(), value.detach())  # [B, Hkv, T]; detached: no gradient into the backbone
+        log_gamma = kv.decay()  # [Hkv]
+        priorities = static_priorities(raw, log_gamma)
+    ranks, cutoffs = running_topk_cutoff(priorities.detach(), cfg.sinks, cfg.window, cfg.topk)
+    out, lse = sparse_retention_attention(query, key, value, ranks, cutoffs, cfg.sinks, cfg.window, scale=scaling,
+                                          return_lse=True, topk=cfg.topk)
+    with torch.no_grad():
+        target = future_attention_target(query.detach(), key.detach(), lse.detach(), cfg.window, eps=cfg.target_eps,
+                                         aggregation=cfg.target_aggregation,
+                                         count_normalize=cfg.target_count_normalize, scale=scaling)
+    kvpop_train.records[module.layer_idx] = LayerRecord(priorities, target.float(), ranks, cutoffs, log_gamma)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_train_attention(model):
+    """Register ``"kvpop_train"`` (attention and mask functions, idempotent) and switch ``model`` to it; returns
+    ``model``. A forward without the ``kvpop_train`` keyword stays plain SDPA attention."""
+    AttentionInterface.register(TRAIN_ATTENTION, kvpop_train_attention)
+    AttentionMaskInterface.register(TRAIN_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(TRAIN_ATTENTION)
+    return model

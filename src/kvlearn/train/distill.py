@@ -1,0 +1,448 @@
+"""Retrofit KVpop onto a trained model by distillation (GitHub issue #10, item 2; single process).
+
+Read top to bottom: config, models, losses, schedule, checkpoints, loop.
+
+* **Teacher**: the frozen dense model (:func:`kvlearn.load`, SDPA attention, no gradient).
+* **Student**: a copy with :func:`~kvlearn.kvpop.apply.apply_kvpop`, run with the ``"kvpop_train"`` attention
+  (:mod:`kvlearn.kvpop.train_attention`): every layer attends under the running top-k cutoff of its own predicted
+  static priorities (scorer on detached keys/values, the layer's decay) through the sparse retention attention.
+* **Target**: the future-attention target is computed from the *student's* queries and keys with the *sparse* LSE
+  its retention attention returned (the paper's approximate target, appendix D.3 / Eq. 9, 34: the normaliser of
+  the sparse pass is reused instead of a second dense causal pass). It is detached.
+* **Teacher policy and decisions**: :func:`~kvlearn.kvpop.policy.teacher_policy` on that target with the layer's
+  (detached) decay, :func:`~kvlearn.kvpop.policy.boundary_decisions` at ``queries_per_step`` positions drawn by
+  :func:`~kvlearn.kvpop.policy.sample_query_positions` (one draw per step, shared by the layers).
+* **Loss** = KL(teacher || student) over the teacher's top-``kd_topk`` tokens (teacher probabilities renormalised
+  over its top-k at temperature 1, student log-probabilities of the full vocabulary), averaged over supervised
+  tokens, + ``boundary_weight`` × the mean over layers of :func:`~kvlearn.kvpop.loss.boundary_loss`. The
+  scorer/decay parameters get only the boundary gradient (their ranks enter the attention as integers); the
+  backbone gets only the KD gradient (scorer inputs are detached).
+* **Optimiser**: AdamW with two groups: existing weights at a constant ``lr``, the new KVpop weights at ``lr_new``
+  with a linear warm-up then a cosine to ``min_lr_ratio`` of it. Gradient clipping; bf16 autocast on CUDA only.
+* **Data**: :class:`~kvlearn.testbed.data.TestbedStream` (batch ``b`` of the stream is step ``b``: a resumed run
+  sees the batches an uninterrupted run would).
+* **Output folder**: ``step-<N>/`` checkpoints every ``save_interval`` steps (a loadable model folder plus
+  ``trainer_state.pt``: optimizer state and step; written to a temporary folder, then renamed), the last two
+  kept; ``final/`` at the end (loadable by :func:`kvlearn.load`, evaluable with ``kvlearn eval --method kvpop``);
+  ``train_log.jsonl`` (one line per step). ``resume=True`` continues from the newest ``step-<N>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import KVpopConfig
+from ..errors import KVLearnError, check, check_int
+from ..kvpop.apply import apply_kvpop
+from ..kvpop.loss import boundary_loss
+from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_policy
+from ..kvpop.train_attention import TrainForward, use_train_attention
+from ..testbed.data import IGNORE_INDEX, TestbedStream
+from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
+
+__all__ = ["RetrofitConfig", "retrofit", "kd_loss", "distill_losses", "student_forward", "latest_checkpoint"]
+
+STATE_FILE = "trainer_state.pt"
+LOG_FILE = "train_log.jsonl"
+FINAL = "final"
+KEEP_CHECKPOINTS = 2
+
+
+def default_out() -> str:
+    """A new folder per run: ``runs/retrofit-<UTC time>`` (``runs/`` is not tracked)."""
+    return "runs/retrofit-" + _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+
+
+def _positive(name: str, value) -> float:
+    check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+          f"{name}={value!r} is invalid: expected a finite number > 0")
+    return float(value)
+
+
+def _non_negative(name: str, value) -> float:
+    check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
+          f"{name}={value!r} is invalid: expected a finite number >= 0")
+    return float(value)
+
+
+@dataclass
+class RetrofitConfig:
+    model: str  # checkpoint folder of the dense model (the teacher)
+    out: str = field(default_factory=default_out)
+    overwrite: bool = False  # an existing non-empty ``out`` is refused unless this is set (or resume)
+    resume: bool = False  # continue from the newest step-<N> checkpoint in ``out``
+    kvpop: KVpopConfig = field(default_factory=lambda: KVpopConfig(window=32, topk=988, scorer="mlp"))
+    # length of the run: ``steps``, or a wall-clock budget in ``minutes`` (then the schedule follows elapsed time)
+    steps: int | None = 1000
+    minutes: float | None = None
+    batch_size: int = 8
+    seq_len: int = 4096
+    # optimisation
+    lr: float = 1e-5  # existing weights, constant
+    lr_new: float = 1e-3  # KVpop scorer/decay weights: warm-up, then cosine
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    kd_topk: int = 256
+    boundary_weight: float = 1.0
+    queries_per_step: int = 64  # boundary-loss query positions per step (appendix B.6)
+    late_fraction: float = 0.5
+    dense_fraction: float = 0.75  # testbed rows with in-context Q/A pairs
+    save_interval: int = 200
+    seed: int = 0
+    device: str = "cpu"
+    num_workers: int = 0  # data-generation worker processes
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kvpop, dict):
+            self.kvpop = KVpopConfig(**self.kvpop)
+        check(isinstance(self.kvpop, KVpopConfig), f"kvpop of type {type(self.kvpop).__name__} is invalid: expected a KVpopConfig")
+        check(self.kvpop.topk >= 1, f"topk={self.kvpop.topk} is invalid: retrofitting needs a long-range budget >= 1")
+        check((self.steps is None) != (self.minutes is None),
+              f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
+        if self.steps is not None:
+            check_int("steps", self.steps, 1)
+        else:
+            _positive("minutes", self.minutes)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("seq_len", self.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
+        budget = self.kvpop.sinks + self.kvpop.window + self.kvpop.topk
+        check(budget < self.seq_len,
+              f"budget sinks + window + topk = {budget} is invalid for seq_len={self.seq_len}: expected < seq_len "
+              "(else nothing is evicted and nothing is learned)")
+        for name in ("lr", "lr_new", "grad_clip"):
+            _positive(name, getattr(self, name))
+        for name in ("weight_decay", "boundary_weight"):
+            _non_negative(name, getattr(self, name))
+        check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
+        check(0 <= self.late_fraction <= 1, f"late_fraction={self.late_fraction!r} is invalid: expected a number in [0, 1]")
+        check_int("warmup_steps", self.warmup_steps, 0)
+        check_int("kd_topk", self.kd_topk, 1)
+        check_int("queries_per_step", self.queries_per_step, 1)
+        check_int("save_interval", self.save_interval, 1)
+        check_int("seed", self.seed, 0)
+        check_int("num_workers", self.num_workers, 0)
+        check(self.device == "cpu" or self.device.startswith("cuda"),
+              f"device={self.device!r} is invalid: expected cpu or cuda[:N]")
+        check(self.device == "cpu" or torch.cuda.is_available(),
+              f"device={self.device!r} requested but CUDA is not available: use device='cpu'")
+        _check_model_folder(self.model, self.seq_len)
+        out = Path(self.out)
+        check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoints")
+        if self.resume:
+            check(latest_checkpoint(out) is not None,
+                  f"resume: out={self.out!r} holds no step-<N> checkpoint: expected the folder of an earlier run")
+        else:
+            check(self.overwrite or not out.exists() or not any(out.iterdir()),
+                  f"out={self.out!r} already holds files: pass overwrite (--overwrite) to replace them, resume "
+                  "(--resume) to continue, or choose a new folder")
+
+
+def _check_model_folder(path: str, seq_len: int) -> None:
+    """One-line errors for a missing checkpoint folder, an unsupported family or a too long ``seq_len``."""
+    from transformers import AutoConfig
+
+    from ..hf import SUPPORTED_MODEL_TYPES
+
+    check(isinstance(path, (str, os.PathLike)) and os.path.isdir(path),
+          f"model path {path!r} does not exist or is not a directory: expected a checkpoint folder")
+    check(os.path.isfile(os.path.join(path, "config.json")),
+          f"model path {path!r} has no config.json: expected a transformers checkpoint folder")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise KVLearnError(f"model path {path!r}: config.json is unreadable ({str(err).splitlines()[0]})") from None
+    model_type = getattr(config, "model_type", None)
+    check(model_type in SUPPORTED_MODEL_TYPES,
+          f"model type {model_type!r} at {path!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+    limit = getattr(config, "max_position_embeddings", None)
+    check(limit is None or seq_len <= limit,
+          f"seq_len={seq_len} exceeds the model's max_position_embeddings={limit}: expected seq_len <= {limit}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# models
+
+
+def build_models(config: RetrofitConfig, device: torch.device):
+    """``(teacher, student)``: the frozen dense model (eval mode, no gradient) and a float32 copy with KVpop applied,
+    switched to the ``"kvpop_train"`` attention, in train mode."""
+    from ..hf import load_model
+
+    teacher = load_model(config.model, dtype=torch.float32, device=device)
+    teacher.requires_grad_(False)
+    student = copy.deepcopy(teacher)
+    apply_kvpop(student, config.kvpop)
+    use_train_attention(student)
+    student.requires_grad_(True)
+    student.train()
+    return teacher, student
+
+
+def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig):
+    """``(logits [B, T, V], TrainForward)``: one student forward under its running top-k retention."""
+    state = TrainForward(kvpop)
+    logits = student(input_ids=input_ids, kvpop_train=state, use_cache=False).logits
+    return logits, state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# losses
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, topk: int) -> torch.Tensor:
+    """KL(teacher top-``topk`` || student) per supervised token, averaged (scalar float32).
+
+    ``student_logits``/``teacher_logits [B, T, V]`` predict the next token; ``labels [B, T]`` (-100 = not
+    supervised, the Hugging Face convention: position ``i - 1`` predicts label ``i``). The teacher's distribution
+    is renormalised over its ``topk`` most likely tokens (temperature 1); the student's log-probabilities are over
+    the full vocabulary. 0 (still differentiable) when no token is supervised."""
+    mask = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]
+    s = student_logits[:, :-1][mask].float()  # [N, V]: only the supervised positions (saves memory at large V)
+    t = teacher_logits[:, :-1][mask].float()
+    k = min(topk, t.shape[-1])
+    t_top, idx = t.topk(k, dim=-1)  # [N, k]
+    t_logp = torch.log_softmax(t_top, dim=-1)
+    s_logp = torch.gather(torch.log_softmax(s, dim=-1), -1, idx)
+    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # [N]
+    return kl.sum() / mask.sum().clamp(min=1)
+
+
+def distill_losses(state: TrainForward, query_positions: torch.Tensor) -> dict:
+    """Boundary loss and retention metrics of one student forward, averaged over its layers.
+
+    ``query_positions``: int64 ``[n]`` (:func:`sample_query_positions`). Returns ``boundary`` (scalar, gradient into
+    the scorer/decay parameters only), and detached floats ``boundary_accuracy``, ``keep_fraction`` (share of
+    valid teacher decisions that keep the new token) and ``recall`` (share of the teacher's retained eligible
+    tokens the student also retains, at the sampled queries)."""
+    cfg = state.config
+    s, w, k = cfg.sinks, cfg.window, cfg.topk
+    losses, acc, keep, recall = [], [], [], []
+    for layer in sorted(state.records):
+        rec = state.records[layer]
+        teacher = teacher_policy(rec.target, rec.log_gamma, s, w, k)
+        decisions = boundary_decisions(teacher, query_positions.to(rec.target.device), s, w, k)
+        result = boundary_loss(rec.priorities, teacher.priorities, decisions, temperature=cfg.loss_temperature,
+                               margin_weighting=cfg.margin_weighting, margin_min_weight=cfg.margin_min_weight,
+                               margin_temperature=cfg.margin_temperature, balance=cfg.balance,
+                               balance_clip=tuple(cfg.balance_clip))
+        losses.append(result.loss)
+        acc.append(float(result.accuracy))
+        n_valid = decisions.valid.sum().clamp(min=1)
+        keep.append(float(((decisions.y > 0) & decisions.valid).sum() / n_valid))
+        recall.append(retention_recall(rec.ranks, rec.cutoffs, teacher.ranks, teacher.cutoffs,
+                                       query_positions.to(rec.target.device), s, w))
+    return {"boundary": torch.stack(losses).mean(), "boundary_accuracy": sum(acc) / len(acc),
+            "keep_fraction": sum(keep) / len(keep), "recall": sum(recall) / len(recall)}
+
+
+@torch.no_grad()
+def retention_recall(ranks, cutoffs, t_ranks, t_cutoffs, queries: torch.Tensor, sinks: int, window: int) -> float:
+    """Share of the teacher's retained eligible tokens that the student retains too, at ``queries [n]`` (ranks and
+    cutoffs int32 ``[B, H, T]``; eligible ``t``: ``sinks <= t <= q - window``, retained iff rank <= cutoff[q])."""
+    T = ranks.shape[-1]
+    t = torch.arange(T, device=ranks.device)
+    q = queries.long()
+    eligible = (t[None, :] >= sinks) & (t[None, :] <= q[:, None] - window)  # [n, T]
+
+    def kept(r, c):  # [B, H, n, T]
+        return (r[:, :, None, :] <= c[:, :, q][..., None]) & eligible
+
+    teacher, student = kept(t_ranks, t_cutoffs), kept(ranks, cutoffs)
+    return float((teacher & student).sum() / teacher.sum().clamp(min=1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# schedule
+
+
+def new_lr_at(config: RetrofitConfig, step: int, fraction: float) -> float:
+    """Learning rate of the new weights: linear warm-up over ``warmup_steps``, then a cosine over the run (``fraction``
+    of it done) down to ``min_lr_ratio`` of ``lr_new``."""
+    warm = min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else 1.0
+    cos = config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction)))
+    return config.lr_new * warm * cos
+
+
+def make_optimizer(config: RetrofitConfig, student, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with group 0 = the existing weights (constant ``lr``), group 1 = the KVpop modules (``lr_new``)."""
+    new = [p for n, p in student.named_parameters() if ".kvpop." in n]
+    old = [p for n, p in student.named_parameters() if ".kvpop." not in n]
+    return torch.optim.AdamW([{"params": old, "lr": config.lr}, {"params": new, "lr": config.lr_new}],
+                             weight_decay=config.weight_decay, betas=(0.9, 0.95))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def latest_checkpoint(out: str | os.PathLike) -> Path | None:
+    """The newest ``step-<N>`` folder of ``out`` that holds a trainer state (None if there is none)."""
+    out = Path(out)
+    if not out.is_dir():
+        return None
+    steps = [(int(p.name[5:]), p) for p in out.iterdir()
+             if p.name.startswith("step-") and p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
+    return max(steps)[1] if steps else None
+
+
+def _copy_tokenizer(source: str, dest: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy2(os.path.join(source, name), dest / name)
+
+
+def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name: str, extra: dict | None = None) -> Path:
+    """Write ``out/<name>/`` atomically: a loadable model folder (float32 safetensors, ``config.json`` with the
+    KVpop config) and ``trainer_state.pt`` (optimizer state, step). Written to a temporary folder, then renamed."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".tmp-{name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    student.save_pretrained(tmp, safe_serialization=True)
+    _copy_tokenizer(config.model, tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": asdict(config), **(extra or {})},
+               tmp / STATE_FILE)
+    dest = out / name
+    if dest.exists():  # replace: move the old one aside first, so a crash leaves one complete copy
+        old = out / f".old-{name}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, dest)
+    return dest
+
+
+def _prune(out: Path) -> None:
+    steps = sorted((int(p.name[5:]), p) for p in out.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit())
+    for _, p in steps[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(p)
+
+
+def load_trainer_state(path: Path, student, optimizer, config: RetrofitConfig) -> int:
+    """Load the student weights and optimizer state of checkpoint ``path``; returns its step. One-line error when
+    the checkpoint was trained with another KVpop config or another run length."""
+    from safetensors.torch import load_file
+
+    trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    saved = trainer.get("config", {})
+    for name, want in (("kvpop", asdict(config.kvpop)), ("steps", config.steps), ("minutes", config.minutes),
+                       ("seq_len", config.seq_len), ("batch_size", config.batch_size), ("seed", config.seed)):
+        check(saved.get(name) == want,
+              f"resume: {str(path)!r} was trained with {name}={saved.get(name)!r} but this run has {name}={want!r}: "
+              "resume with the same settings, or start a new run")
+
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(f))
+    missing, unexpected = student.load_state_dict(state, strict=False)
+    # tied embeddings are saved once: the only keys allowed missing are tied copies
+    check(not unexpected and all("lm_head" in k for k in missing),
+          f"checkpoint {str(path)!r} does not match the student (missing {missing[:2]}, unexpected {unexpected[:2]})")
+    optimizer.load_state_dict(trainer["optimizer"])
+    return int(trainer["step"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the loop
+
+
+def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bool = True) -> dict:
+    """Run the distillation; returns ``{"step", "final", "log"}`` (``final``: the final checkpoint folder, None when
+    ``stop_after`` ended the run early: that simulates a killed run, for tests)."""
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if config.overwrite and not config.resume:  # remove only what an earlier run of this trainer wrote
+        for p in out.iterdir():
+            if p.name == LOG_FILE:
+                p.unlink()
+            elif p.is_dir() and (p.name == FINAL or p.name.startswith(("step-", ".tmp-", ".old-"))):
+                shutil.rmtree(p)
+    teacher, student = build_models(config, device)
+    optimizer = make_optimizer(config, student, device)
+    kv = config.kvpop
+    step = 0
+    if config.resume:
+        step = load_trainer_state(latest_checkpoint(out), student, optimizer, config)
+    log_path = out / LOG_FILE
+    if log_path.exists():  # drop the lines of steps that the resumed run will redo
+        lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        log_path.write_text("".join(ln + "\n" for ln in lines))
+
+    stream = TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,
+                           dense=config.dense_fraction, start_batch=step)
+    batches = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
+                                               pin_memory=device.type == "cuda"))
+    from tqdm import tqdm
+
+    total = config.steps
+    bar = tqdm(total=total, initial=step, disable=not progress, desc="retrofit", unit="step")
+    t0 = time.time()
+    seconds_done = 0.0
+    if config.resume:
+        seconds_done = float(torch.load(latest_checkpoint(out) / STATE_FILE, map_location="cpu",
+                                        weights_only=False).get("seconds", 0.0))
+    last, finished = {}, False
+    with log_path.open("a") as log_file:
+        while True:
+            seconds = seconds_done + time.time() - t0
+            fraction = step / config.steps if config.steps else seconds / (60 * config.minutes)
+            finished = fraction >= 1
+            if finished or (stop_after is not None and step >= stop_after):
+                break
+            input_ids, labels = next(batches)
+            input_ids, labels = input_ids.to(device), labels.to(device)
+            lr_new = new_lr_at(config, step, fraction)
+            optimizer.param_groups[0]["lr"] = config.lr
+            optimizer.param_groups[1]["lr"] = lr_new
+            gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+            queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk, config.queries_per_step,
+                                             config.late_fraction, generator=gen)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
+                logits, state = student_forward(student, input_ids, kv)
+            kd = kd_loss(logits, teacher_logits, labels, config.kd_topk)  # float32
+            parts = distill_losses(state, queries)
+            loss = kd + config.boundary_weight * parts["boundary"]
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            last = {"step": step, "loss": float(loss.detach()), "kd": float(kd.detach()),
+                    "boundary": float(parts["boundary"].detach()), "boundary_accuracy": parts["boundary_accuracy"],
+                    "keep_fraction": parts["keep_fraction"], "recall": parts["recall"],
+                    "grad_norm": float(grad_norm), "lr": config.lr, "lr_new": lr_new,
+                    "seconds": round(seconds_done + time.time() - t0, 3)}
+            log_file.write(json.dumps(last) + "\n")
+            log_file.flush()
+            bar.update(1)
+            bar.set_postfix(kd=f"{last['kd']:.3f}", bnd=f"{last['boundary']:.3f}", recall=f"{last['recall']:.2f}")
+            if step % config.save_interval == 0:
+                save_checkpoint(config, student, optimizer, step, f"step-{step}", {"seconds": last["seconds"]})
+                _prune(out)
+    bar.close()
+    final = None
+    if finished:
+        final = save_checkpoint(config, student, optimizer, step, FINAL, {"seconds": last.get("seconds", 0.0)})
+    return {"step": step, "final": None if final is None else str(final), "log": last}

@@ -1,0 +1,267 @@
+"""The KVpop retrofit trainer on a tiny random GQA Qwen3 (float32, 2 layers, 2 KV heads, 4 query heads, head_dim 16,
+the testbed vocabulary, sequences of 128 tokens): a few steps run with finite loss terms; the KD loss trains only
+the backbone and the boundary loss only the scorers/decays; the training attention with a budget covering the
+sequence is dense attention; a stopped run resumes and matches an uninterrupted one; the final checkpoint
+round-trips through ``kvlearn.load``; bad input gives one-line errors (API and CLI)."""
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+
+import kvlearn
+from kvlearn import KVLearnError, KVpopConfig
+from kvlearn.cli import main
+from kvlearn.kvpop.apply import kvpop_modules, make_kvpop_cache
+from kvlearn.kvpop.policy import sample_query_positions
+from kvlearn.kvpop.train_attention import TrainForward
+from kvlearn.testbed.data import training_batch
+from kvlearn.testbed.tokenizer import VOCAB_SIZE
+from kvlearn.train.distill import (
+    LOG_FILE,
+    RetrofitConfig,
+    build_models,
+    distill_losses,
+    kd_loss,
+    latest_checkpoint,
+    retrofit,
+    student_forward,
+)
+
+SEQ = 128
+KV = dict(sinks=4, window=16, topk=32, scorer="mlp")
+
+
+@pytest.fixture(scope="module")
+def teacher_path(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      pad_token_id=0, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("teacher") / "qwen3"
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def make_config(teacher_path, out, **kw):
+    base = dict(model=teacher_path, out=str(out), kvpop=KVpopConfig(**KV), steps=3, batch_size=2, seq_len=SEQ,
+                save_interval=2, queries_per_step=16, warmup_steps=1, lr=1e-3, lr_new=1e-2)
+    return RetrofitConfig(**{**base, **kw})
+
+
+def one_line(err) -> str:
+    message = str(err.value)
+    assert message and "\n" not in message
+    return message
+
+
+def test_few_steps_finite(teacher_path, tmp_path):
+    result = retrofit(make_config(teacher_path, tmp_path / "run"), progress=False)
+    assert result["step"] == 3
+    lines = [json.loads(ln) for ln in (tmp_path / "run" / LOG_FILE).read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [1, 2, 3]
+    for ln in lines:
+        for key in ("loss", "kd", "boundary", "boundary_accuracy", "keep_fraction", "recall", "grad_norm"):
+            assert math.isfinite(ln[key]), (key, ln)
+        assert 0 <= ln["recall"] <= 1 and 0 <= ln["keep_fraction"] <= 1
+        assert ln["boundary"] > 0 and ln["kd"] >= 0
+    assert (tmp_path / "run" / "final" / "trainer_state.pt").is_file()
+    assert latest_checkpoint(tmp_path / "run").name == "step-2"
+
+
+def _losses(teacher, student, config):
+    ids, labels = training_batch(2, SEQ, 7)
+    with torch.no_grad():
+        t_logits = teacher(input_ids=ids).logits
+    logits, state = student_forward(student, ids, config.kvpop)
+    kv = config.kvpop
+    queries = sample_query_positions(SEQ, kv.sinks, kv.window, kv.topk, 16)
+    return kd_loss(logits, t_logits, labels, config.kd_topk), distill_losses(state, queries)["boundary"]
+
+
+def _grads(student):
+    new = {n: p.grad for n, p in student.named_parameters() if ".kvpop." in n}
+    old = {n: p.grad for n, p in student.named_parameters() if ".kvpop." not in n}
+    nonzero = lambda g: g is not None and bool(g.abs().sum() > 0)  # noqa: E731
+    return {n: nonzero(g) for n, g in new.items()}, {n: nonzero(g) for n, g in old.items()}
+
+
+def test_gradients_reach_only_the_intended_parameters(teacher_path, tmp_path):
+    config = make_config(teacher_path, tmp_path / "g")
+    teacher, student = build_models(config, torch.device("cpu"))
+    scorers, _ = kvpop_modules(student)
+    for sc in scorers:  # a non-zero output layer, so the scorer's first layer gets a gradient too
+        torch.nn.init.normal_(sc.w2, std=0.5) if hasattr(sc, "w2") else None
+    kd, bnd = _losses(teacher, student, config)
+    kd.backward()
+    new, old = _grads(student)
+    assert not any(new.values()), "the KD loss reached the KVpop modules"
+    assert any(old.values())
+    student.zero_grad(set_to_none=True)
+    kd, bnd = _losses(teacher, student, config)
+    bnd.backward()
+    new, old = _grads(student)
+    assert not any(old.values()), "the boundary loss reached the backbone"
+    assert any(v for n, v in new.items() if "scorer" in n) and any(v for n, v in new.items() if "decay" in n)
+    assert all(p.grad is None for p in teacher.parameters())
+    # one AdamW step on the boundary loss alone moves the KVpop weights and leaves the backbone as it was
+    from kvlearn.train.distill import make_optimizer
+
+    opt = make_optimizer(config, student, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    opt.step()
+    for n, p in student.named_parameters():
+        if ".kvpop." not in n:
+            assert torch.equal(p, before[n]), n
+    assert any(not torch.equal(p, before[n]) for n, p in student.named_parameters() if ".kvpop." in n)
+
+
+def test_full_budget_attention_is_dense(teacher_path, tmp_path):
+    config = make_config(teacher_path, tmp_path / "d")
+    teacher, student = build_models(config, torch.device("cpu"))
+    for sc in kvpop_modules(student)[0]:
+        for p in sc.parameters():
+            torch.nn.init.normal_(p)
+    ids, _ = training_batch(2, SEQ, 3)
+    full = KVpopConfig(sinks=4, window=16, topk=SEQ, scorer="mlp")  # every eligible token fits the top-k
+    with torch.no_grad():
+        dense = teacher(input_ids=ids).logits
+        sparse, state = student_forward(student, ids, full)
+        small, _ = student_forward(student, ids, config.kvpop)
+    assert sorted(state.records) == [0, 1]
+    assert (sparse - dense).abs().max() < 1e-4
+    assert (small - dense).abs().max() > 1e-3  # a real budget does change the logits
+    # the per-forward state lives on the TrainForward only: nothing on the modules, and a forward without it is dense
+    assert not any(isinstance(v, TrainForward) for m in student.modules() for v in vars(m).values())
+    with torch.no_grad():
+        plain = student(input_ids=ids).logits
+    assert (plain - dense).abs().max() < 1e-4
+
+
+def _params(path):
+    model = kvlearn.load(path)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_resume_matches_uninterrupted(teacher_path, tmp_path):
+    whole = retrofit(make_config(teacher_path, tmp_path / "a", steps=4), progress=False)
+    stopped = retrofit(make_config(teacher_path, tmp_path / "b", steps=4), stop_after=3, progress=False)
+    assert stopped["final"] is None and latest_checkpoint(tmp_path / "b").name == "step-2"
+    resumed = retrofit(make_config(teacher_path, tmp_path / "b", steps=4, resume=True), progress=False)
+    assert resumed["step"] == 4
+    a, b = _params(whole["final"]), _params(resumed["final"])
+    assert a.keys() == b.keys()
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6, msg=n)
+    steps = [json.loads(ln)["step"] for ln in (tmp_path / "b" / LOG_FILE).read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # step 3 of the stopped run was dropped and redone
+
+
+def test_final_checkpoint_round_trip(teacher_path, tmp_path):
+    config = make_config(teacher_path, tmp_path / "r", steps=2)
+    result = retrofit(config, progress=False)
+    model = kvlearn.load(result["final"])
+    assert model.config.kvpop["topk"] == KV["topk"] and model.config.kvpop["scorer"] == "mlp"
+    # the loaded weights (backbone and KVpop modules) are the trained ones, not the teacher's
+    teacher = kvlearn.load(teacher_path)
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{result['final']}/model.safetensors")
+    state = model.state_dict()
+    for key, value in saved.items():
+        assert torch.equal(state[key], value), key
+    assert any(".kvpop." in k for k in saved)
+    assert any(not torch.equal(p, teacher.state_dict()[n]) for n, p in model.state_dict().items() if ".kvpop." not in n)
+    # it decodes through its KVpop cache
+    ids, _ = training_batch(1, SEQ, 5)
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=make_kvpop_cache(model), use_cache=True)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_bad_input_one_line(teacher_path, tmp_path):
+    with pytest.raises(KVLearnError) as err:
+        make_config(teacher_path, tmp_path / "x", kvpop=KVpopConfig(sinks=4, window=16, topk=108), seq_len=SEQ)
+    assert "budget" in one_line(err) and "seq_len=128" in one_line(err)
+    with pytest.raises(KVLearnError) as err:
+        make_config(str(tmp_path / "missing"), tmp_path / "x")
+    assert "does not exist" in one_line(err)
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_embd=32, n_layer=1, n_head=2)).save_pretrained(gpt2)
+    with pytest.raises(KVLearnError) as err:
+        make_config(str(gpt2), tmp_path / "x")
+    assert "not supported" in one_line(err)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f.txt").write_text("x")
+    with pytest.raises(KVLearnError) as err:
+        make_config(teacher_path, tmp_path / "full")
+    assert "already holds files" in one_line(err)
+    with pytest.raises(KVLearnError) as err:
+        make_config(teacher_path, tmp_path / "empty", resume=True)
+    assert "no step-<N> checkpoint" in one_line(err)
+
+
+def test_cli_errors_and_run(teacher_path, tmp_path, capsys):
+    def run(*args):
+        code = main(["retrofit", *args])
+        return code, capsys.readouterr()
+
+    code, cap = run("--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
+    assert code == 2 and cap.err.count("\n") == 1 and "does not exist" in cap.err
+    code, cap = run("--model", teacher_path, "--out", str(tmp_path / "o"), "--budget", "128", "--window", "16",
+                    "--seq-len", "128")
+    assert code == 2 and cap.err.count("\n") == 1 and "budget" in cap.err
+    code, cap = run("--model", teacher_path, "--out", str(tmp_path / "o"), "--budget", "10", "--window", "16")
+    assert code == 2 and cap.err.count("\n") == 1 and "--budget=10" in cap.err
+    code, cap = run("--model", teacher_path, "--out", str(tmp_path / "o"), "--budget", "52", "--window", "16",
+                    "--seq-len", "128", "--steps", "1", "--batch-size", "1", "--device", "cpu")
+    assert code == 0, cap.err
+    assert "kvlearn eval --model" in cap.out
+    assert kvlearn.load(tmp_path / "o" / "final").config.kvpop["topk"] == 32
+
+
+def test_kd_loss_by_hand():
+    torch.manual_seed(1)
+    s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    labels = torch.tensor([[-100, 3, -100, 4, 5], [-100, -100, -100, -100, 7]])
+    got = kd_loss(s, t, labels, topk=4)
+    want, n = 0.0, 0
+    for b in range(2):
+        for i in range(4):
+            if labels[b, i + 1] == -100:
+                continue
+            top = t[b, i].topk(4)
+            p = torch.softmax(top.values, -1)
+            logq = torch.log_softmax(s[b, i], -1)[top.indices]
+            want += float((p * (p.log() - logq)).sum())
+            n += 1
+    assert abs(float(got) - want / n) < 1e-5
+    assert float(kd_loss(t, t, labels, topk=11)) < 1e-6  # a student equal to the teacher: KL 0
+    assert float(kd_loss(s, t, torch.full_like(labels, -100), topk=4)) == 0.0
+
+
+@pytest.mark.parametrize("scorer", ["linear", "mlstm"])
+def test_other_scorers_run(teacher_path, tmp_path, scorer):
+    config = make_config(teacher_path, tmp_path / scorer, steps=1, kvpop=KVpopConfig(**{**KV, "scorer": scorer}))
+    result = retrofit(config, progress=False)
+    assert math.isfinite(result["log"]["loss"])
+    assert kvlearn.load(result["final"]).config.kvpop["scorer"] == scorer
+
+
+def test_minutes_budget_and_leftover_temp_folder(teacher_path, tmp_path):
+    out = tmp_path / "m"
+    result = retrofit(make_config(teacher_path, out, steps=None, minutes=0.001), progress=False)
+    assert result["final"] is not None and result["step"] >= 0
+    # a crash while writing leaves a .tmp- folder: resume ignores it, and the next save replaces it
+    retrofit(make_config(teacher_path, tmp_path / "k", steps=4), stop_after=2, progress=False)
+    (tmp_path / "k" / ".tmp-step-4").mkdir()
+    assert latest_checkpoint(tmp_path / "k").name == "step-2"
+    resumed = retrofit(make_config(teacher_path, tmp_path / "k", steps=4, resume=True), progress=False)
+    assert resumed["step"] == 4 and not (tmp_path / "k" / ".tmp-step-4").exists()
+    assert sorted(p.name for p in (tmp_path / "k").iterdir() if p.name.startswith("step-")) == ["step-2", "step-4"]
+    with pytest.raises(KVLearnError) as err:  # resuming with another budget is refused
+        retrofit(make_config(teacher_path, tmp_path / "k", steps=4, resume=True,
+                             kvpop=KVpopConfig(**{**KV, "topk": 40})), progress=False)
+    assert "topk" in one_line(err) and "resume" in one_line(err)
