@@ -157,3 +157,13 @@ def test_cost_model_matches_the_paper():
     assert cost == (2 * (128 * 4 + 16), 2 * 128 * 4)
     assert 2 * 128 * 16 / cost.codes == 4.0 and round(2 * 128 * 16 / cost.total, 2) == 3.88
     assert cost_bits_per_token(128, 16, 16) == (4096, 4096)
+
+
+def test_kivi_cost_matches_the_paper():
+    # KV-Kaizen Table 6: 2-bit KIVI, G = 128, bf16 metadata: 7.11x without the window, 5.15x with a 128-token bf16
+    # window in a 2048-token context; 4-bit G = 128: 4.25 bits per element before the window
+    from kvlearn.ops.quant import kivi_bits_per_element
+    assert round(16 / kivi_bits_per_element(2, 128), 2) == 7.11
+    assert round(16 / kivi_bits_per_element(2, 128, residual=128, tokens=2048), 2) == 5.15
+    assert kivi_bits_per_element(4, 128) == 4.25
+    assert round(kivi_bits_per_element(4, 128, residual=128, tokens=16384), 2) == 4.34  # the 3.7x of Table 2

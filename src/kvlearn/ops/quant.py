@@ -192,3 +192,19 @@ def cost_bits_per_token(head_dim: int, bits: int, scale_bits: int) -> BitsPerTok
     check(isinstance(head_dim, int) and head_dim >= 1, f"head_dim={head_dim!r} is invalid: expected an integer >= 1")
     codes = 2 * head_dim * bits
     return BitsPerToken(total=codes if bits == 16 else codes + 2 * scale_bits, codes=codes)
+
+
+def kivi_bits_per_element(bits: int, group_size: int, meta_bits: int = 16, residual: int = 0,
+                          tokens: int | None = None) -> float:
+    """Average bits per stored K/V element under KIVI: ``bits`` per code plus a scale and a zero-point of
+    ``meta_bits`` each per group of ``group_size`` elements, i.e. ``bits + 2 meta_bits / group_size``; with a
+    full-precision residual window of ``residual`` of ``tokens`` tokens (at ``meta_bits`` per element), the
+    token-weighted mean ``((tokens - residual) (bits + 2 meta_bits / G) + residual meta_bits) / tokens``."""
+    check_bits(bits, QUANT_BITS)
+    check(isinstance(group_size, int) and group_size >= 1, f"group_size={group_size!r} is invalid: expected >= 1")
+    quantized = bits + 2 * meta_bits / group_size
+    if not residual:
+        return quantized
+    check(tokens is not None and 0 <= residual <= tokens,
+          f"residual={residual!r} needs tokens >= residual (tokens={tokens!r})")
+    return ((tokens - residual) * quantized + residual * meta_bits) / tokens
