@@ -94,6 +94,7 @@ def test_streaming_on_packed_stores_tiny_qwen3(model):
         got = _decode(model, cache, ids, 12)
         assert bool(torch.isfinite(got).all())
         assert all(isinstance(layer.store, PackedStore) and layer.store.bits == bits for layer in cache.layers)
+        assert all(layer.keys is None and layer.values is None for layer in cache.layers)  # no dequantized copy kept
         errors[bits] = float((got - ref).abs().max())
         # bytes: 2 layers x batch 2 x 2 KV heads x 9 slots x (codes + two float32 scales)
         expected = 2 * 2 * 2 * 9 * cost_bits_per_token(16, bits, 32).total // 8
