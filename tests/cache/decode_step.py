@@ -1,6 +1,7 @@
 """A self-contained decode step of a compact cache, shared by the CPU no-sync test and the GPU compile test.
 
-``decode_case(name, device)`` builds a one-layer cache of the method ``name``, fills it past its budget with a
+``decode_case(name, device, store_factory=None)`` builds a one-layer cache of the method ``name`` (on the store
+``store_factory`` returns; the plain store by default), fills it past its budget with a
 prefill and a few decode steps, and returns ``(cache, step_fn, inputs)``: ``step_fn(*inputs)`` runs one decode step
 exactly as the model would (``begin_forward`` -> ``update`` -> :func:`kvlearn.hf.kvlearn_attention`) and returns the
 attention output and the layer's slot positions after the step.
@@ -17,20 +18,20 @@ from kvlearn.hf import kvlearn_attention
 B, HKV, G, D = 2, 2, 2, 16
 
 
-def make_cache(name, num_layers=1):
+def make_cache(name, num_layers=1, store_factory=None):
     one = SimpleNamespace(num_hidden_layers=num_layers)
     if name == "streaming":
-        return streaming.make_cache(streaming.StreamingConfig(budget=8, sinks=2), one)
+        return streaming.make_cache(streaming.StreamingConfig(budget=8, sinks=2), one, store_factory=store_factory)
     if name == "tova":
-        return tova.make_cache(tova.TOVAConfig(budget=8), one)
+        return tova.make_cache(tova.TOVAConfig(budget=8), one, store_factory=store_factory)
     if name == "h2o":
-        return h2o.make_cache(h2o.H2OConfig(budget=8, window=3), one)
-    return knorm.make_cache(knorm.KnormConfig(budget=8, sinks=2, window=3), one)
+        return h2o.make_cache(h2o.H2OConfig(budget=8, window=3), one, store_factory=store_factory)
+    return knorm.make_cache(knorm.KnormConfig(budget=8, sinks=2, window=3), one, store_factory=store_factory)
 
 
-def decode_case(name, device, seed=0):
+def decode_case(name, device, seed=0, store_factory=None):
     gen = torch.Generator().manual_seed(seed)
-    cache = make_cache(name)
+    cache = make_cache(name, store_factory=store_factory)
     module = SimpleNamespace(layer_idx=0)
     seen = 0
     for q in (11, 1, 1, 1):  # past the budget: decoding evicts

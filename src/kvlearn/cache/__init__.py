@@ -1,6 +1,7 @@
 """The compact-cache contract (v2): a layer = a store + a policy (see :mod:`kvlearn.cache.layer`).
 
-- :mod:`~kvlearn.cache.store`: preallocated buffers (``PlainStore``).
+- :mod:`~kvlearn.cache.store`: preallocated buffers (``PlainStore``); :mod:`~kvlearn.cache.packed`: ``PackedStore``
+  (packed integer codes + one scale per vector).
 - :mod:`~kvlearn.cache.policy`: slot choice and eviction (``Policy``, ``SlotPlan``, ``ForwardStep``, ``NEVER``).
 - :mod:`~kvlearn.cache.layer`: ``CompactLayer`` (transformers' ``CacheLayerMixin``) and ``CompactCache``.
 - :mod:`~kvlearn.cache.scored`: the scored-eviction base (``ScoredPolicy``, ``AttentionScoredPolicy``).
@@ -10,6 +11,7 @@
 
 from .layer import CompactCache, CompactLayer
 from .observe import attention_summary
+from .packed import PackedStore, store_for_bits
 from .policy import NEVER, AttentionRequest, ForwardStep, Policy, SlotPlan
 from .prefill import DEFAULT_PREFILL_CHUNK, prefill
 from .scored import AttentionScoredPolicy, ScoredPolicy
@@ -17,5 +19,6 @@ from .store import PlainStore, Store
 
 __all__ = [
     "NEVER", "AttentionRequest", "AttentionScoredPolicy", "CompactCache", "CompactLayer", "DEFAULT_PREFILL_CHUNK",
-    "ForwardStep", "PlainStore", "Policy", "ScoredPolicy", "SlotPlan", "Store", "attention_summary", "prefill",
+    "ForwardStep", "PackedStore", "PlainStore", "Policy", "ScoredPolicy", "SlotPlan", "Store", "attention_summary", "prefill",
+    "store_for_bits",
 ]

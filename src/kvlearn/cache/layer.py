@@ -69,7 +69,8 @@ class CompactLayer(CacheLayerMixin):
         b, h, _, dk = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store.allocate(b, h, self.capacity, dk, value_states.shape[-1], key_states.dtype, key_states.device)
-        self.keys, self.values = self.store.read()
+        if self.store.read_is_view:  # transformers' layer.keys/values: the live buffers, never a dequantized copy
+            self.keys, self.values = self.store.read()
         p = h if self.per_head else 1
         self.slot_positions = torch.full((b, p, self.capacity), -1, dtype=torch.int32, device=key_states.device)
         for name, (dtype, fill) in self.policy.slot_state.items():
@@ -105,7 +106,6 @@ class CompactLayer(CacheLayerMixin):
         plan = self.policy.plan(self, step, key_states, value_states)
         p = self.slot_positions.shape[1]
         new_pos = step.positions[:, None, :].expand(b, p, q)
-        stored_k, stored_v = self.store.read()
         if q == 1:
             if plan.old_end is not None:
                 self._free(plan.old_end, step.positions.max(dim=1).values[:, None, None])
@@ -113,6 +113,7 @@ class CompactLayer(CacheLayerMixin):
             keys, values = self.store.read()
             self._visible = (self.slot_positions, None, -1)
         else:
+            stored_k, stored_v = self.store.read()
             keys = torch.cat([stored_k, key_states], dim=2)
             values = torch.cat([stored_v, value_states], dim=2)
             start = torch.cat([self.slot_positions.to(torch.int64), new_pos], dim=2)

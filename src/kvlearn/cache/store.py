@@ -11,6 +11,11 @@ latent widths, ``read`` returns the latents the attention expands) implements in
   shape, so the step can be compiled and captured in a CUDA graph.
 - :meth:`Store.read` ``-> (k [batch, kv_heads, capacity, k_dim], v [..., v_dim])`` in the compute dtype.
 - :meth:`Store.allocated_bytes`: bytes of the buffers.
+- :attr:`Store.read_is_view`: True when ``read`` returns the live buffers themselves (no copy); only then does the
+  layer expose them as transformers' ``layer.keys``/``layer.values`` (otherwise those stay None, so no dequantized
+  copy outlives a forward).
+
+:class:`PlainStore` keeps the model dtype; :class:`kvlearn.cache.packed.PackedStore` keeps packed integer codes.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ def scatter_slots(buf: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> 
 class Store:
     """Interface of a store (see the module docstring)."""
 
+    read_is_view = False
+
     def allocate(self, batch: int, kv_heads: int, capacity: int, k_dim: int, v_dim: int, dtype, device) -> None:
         raise NotImplementedError  # pragma: no cover
 
@@ -65,6 +72,8 @@ class Store:
 
 class PlainStore(Store):
     """K/V in the model dtype: ``keys [batch, kv_heads, capacity, k_dim]``, ``values [..., v_dim]``."""
+
+    read_is_view = True
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None

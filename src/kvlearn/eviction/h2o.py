@@ -47,5 +47,8 @@ class H2OPolicy(AttentionScoredPolicy):
         return torch.where(positions >= 0, stored + attention, torch.zeros_like(stored))
 
 
-def make_cache(config: H2OConfig, model_config) -> CompactCache:
-    return CompactCache([CompactLayer(H2OPolicy(config)) for _ in range(model_config.num_hidden_layers)])
+def make_cache(config: H2OConfig, model_config, *, store_factory=None) -> CompactCache:
+    """``store_factory``: a callable returning a fresh :class:`~kvlearn.cache.Store` per layer (for example
+    ``lambda: PackedStore(4)``); ``None`` = :class:`~kvlearn.cache.PlainStore`."""
+    return CompactCache([CompactLayer(H2OPolicy(config), store_factory() if store_factory else None)
+                         for _ in range(model_config.num_hidden_layers)])

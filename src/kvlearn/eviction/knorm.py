@@ -39,5 +39,8 @@ class KnormPolicy(ScoredPolicy):
         return -key_states.float().norm(dim=-1)
 
 
-def make_cache(config: KnormConfig, model_config) -> CompactCache:
-    return CompactCache([CompactLayer(KnormPolicy(config)) for _ in range(model_config.num_hidden_layers)])
+def make_cache(config: KnormConfig, model_config, *, store_factory=None) -> CompactCache:
+    """``store_factory``: a callable returning a fresh :class:`~kvlearn.cache.Store` per layer (for example
+    ``lambda: PackedStore(4)``); ``None`` = :class:`~kvlearn.cache.PlainStore`."""
+    return CompactCache([CompactLayer(KnormPolicy(config), store_factory() if store_factory else None)
+                         for _ in range(model_config.num_hidden_layers)])

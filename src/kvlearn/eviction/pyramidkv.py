@@ -51,6 +51,9 @@ def layer_budgets(config: PyramidKVConfig, num_layers: int) -> list[int]:
     return [round(high - i * steps) for i in range(num_layers)]
 
 
-def make_cache(config: PyramidKVConfig, model_config) -> CompactCache:
+def make_cache(config: PyramidKVConfig, model_config, *, store_factory=None) -> CompactCache:
+    """``store_factory``: a callable returning a fresh :class:`~kvlearn.cache.Store` per layer (for example
+    ``lambda: PackedStore(4)``); ``None`` = :class:`~kvlearn.cache.PlainStore`."""
     budgets = layer_budgets(config, model_config.num_hidden_layers)
-    return CompactCache([CompactLayer(SnapKVPolicy(config, budget=bl)) for bl in budgets])
+    return CompactCache([CompactLayer(SnapKVPolicy(config, budget=bl), store_factory() if store_factory else None)
+                         for bl in budgets])

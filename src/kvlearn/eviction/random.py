@@ -54,5 +54,8 @@ class RandomPolicy(ScoredPolicy):
         return hashed_scores(self.seed, self.layer_idx, key_states.shape[1], step.positions)
 
 
-def make_cache(config: RandomConfig, model_config) -> CompactCache:
-    return CompactCache([CompactLayer(RandomPolicy(config, i)) for i in range(model_config.num_hidden_layers)])
+def make_cache(config: RandomConfig, model_config, *, store_factory=None) -> CompactCache:
+    """``store_factory``: a callable returning a fresh :class:`~kvlearn.cache.Store` per layer (for example
+    ``lambda: PackedStore(4)``); ``None`` = :class:`~kvlearn.cache.PlainStore`."""
+    return CompactCache([CompactLayer(RandomPolicy(config, i), store_factory() if store_factory else None)
+                         for i in range(model_config.num_hidden_layers)])

@@ -111,5 +111,8 @@ class SnapKVPolicy(AttentionScoredPolicy):
         return torch.where(protected, positions.float(), torch.full_like(scores, float("inf")))
 
 
-def make_cache(config: SnapKVConfig, model_config) -> CompactCache:
-    return CompactCache([CompactLayer(SnapKVPolicy(config)) for _ in range(model_config.num_hidden_layers)])
+def make_cache(config: SnapKVConfig, model_config, *, store_factory=None) -> CompactCache:
+    """``store_factory``: a callable returning a fresh :class:`~kvlearn.cache.Store` per layer (for example
+    ``lambda: PackedStore(4)``); ``None`` = :class:`~kvlearn.cache.PlainStore`."""
+    return CompactCache([CompactLayer(SnapKVPolicy(config), store_factory() if store_factory else None)
+                         for _ in range(model_config.num_hidden_layers)])

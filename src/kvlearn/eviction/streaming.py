@@ -15,9 +15,11 @@ sinks and the last ``window`` tokens.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from ..cache import NEVER, CompactCache, CompactLayer, ForwardStep, Policy, SlotPlan
+from ..cache import NEVER, CompactCache, CompactLayer, ForwardStep, Policy, SlotPlan, Store
 from ..config import StreamingConfig
 
 CONFIG = StreamingConfig
@@ -58,19 +60,23 @@ class StreamingPolicy(Policy):
 class StreamingLayer(CompactLayer):
     """One layer of a sinks + window cache (the same tokens in every KV head)."""
 
-    def __init__(self, config: StreamingConfig):
-        super().__init__(StreamingPolicy(config))
+    def __init__(self, config: StreamingConfig, store: Store | None = None):
+        super().__init__(StreamingPolicy(config), store)
         self.config = config
 
 
 class StreamingCache(CompactCache):
-    """A sinks + window cache of ``num_layers`` layers."""
+    """A sinks + window cache of ``num_layers`` layers; ``store_factory`` returns a fresh store per layer (``None``:
+    :class:`~kvlearn.cache.PlainStore`)."""
 
-    def __init__(self, config: StreamingConfig, num_layers: int):
-        super().__init__([StreamingLayer(config) for _ in range(num_layers)])
+    def __init__(self, config: StreamingConfig, num_layers: int, store_factory: Callable[[], Store] | None = None):
+        super().__init__([StreamingLayer(config, store_factory() if store_factory else None)
+                          for _ in range(num_layers)])
         self.config = config
 
 
-def make_cache(config: StreamingConfig, model_config) -> StreamingCache:
-    """A streaming cache for every decoder layer of ``model_config`` (a transformers ``PretrainedConfig``)."""
-    return StreamingCache(config, model_config.num_hidden_layers)
+def make_cache(config: StreamingConfig, model_config, *,
+               store_factory: Callable[[], Store] | None = None) -> StreamingCache:
+    """A streaming cache for every decoder layer of ``model_config`` (a transformers ``PretrainedConfig``);
+    ``store_factory``: a callable returning a fresh store per layer (for example ``lambda: PackedStore(4)``)."""
+    return StreamingCache(config, model_config.num_hidden_layers, store_factory)

@@ -48,5 +48,8 @@ class TOVAPolicy(AttentionScoredPolicy):
         return torch.where(positions >= 0, attention, torch.full_like(attention, float("-inf")))
 
 
-def make_cache(config: TOVAConfig, model_config) -> CompactCache:
-    return CompactCache([CompactLayer(TOVAPolicy(config)) for _ in range(model_config.num_hidden_layers)])
+def make_cache(config: TOVAConfig, model_config, *, store_factory=None) -> CompactCache:
+    """``store_factory``: a callable returning a fresh :class:`~kvlearn.cache.Store` per layer (for example
+    ``lambda: PackedStore(4)``); ``None`` = :class:`~kvlearn.cache.PlainStore`."""
+    return CompactCache([CompactLayer(TOVAPolicy(config), store_factory() if store_factory else None)
+                         for _ in range(model_config.num_hidden_layers)])
