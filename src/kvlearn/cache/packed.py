@@ -1,5 +1,5 @@
 """A packed-integer store: keys and values quantized to ``bits`` in {2, 4, 8} with the symmetric per-vector quantizer
-of :mod:`kvlearn.ops.quant` (KV-Kaizen's precision axis; equations in ``docs/quant_store.md``).
+of :mod:`kvlearn.ops.quant` (KV-Kaizen's precision axis; equations in ``docs/DESIGN.md`` section 7).
 
 Buffers per (batch row, KV head): ``key_codes [batch, kv_heads, capacity, k_dim * bits / 8]`` uint8 (the packed
 codes, :func:`~kvlearn.ops.quant.pack`), ``key_scales [batch, kv_heads, capacity]`` in the model dtype (one scale per

@@ -1,4 +1,4 @@
-"""KV-cache quantization primitives: pure tensor functions, no model knowledge (``docs/quant_store.md``).
+"""KV-cache quantization primitives: pure tensor functions, no model knowledge (``docs/DESIGN.md`` section 7).
 
 1. **Symmetric per-vector quantizer** (KV-Kaizen, appendix C.3): for ``b`` in {2, 4, 8}, ``q = 2^(b-1) - 1``, one
    scale per stored vector ``s = max_i |x_i| / q`` and codes ``c_i = clip(round(x_i / s), -q, q)`` (int8);
