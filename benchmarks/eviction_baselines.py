@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         model, model_name, dtype = tiny_model(), "tiny random Qwen3 (--smoke)", torch.float32
     else:
-        from kvlearn.hf import load_model
+        from kvlearn import load_model
 
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
         model, model_name = load_model(args.model, dtype=dtype, device=args.device), repo_relative(args.model)

@@ -18,7 +18,7 @@ import torch
 from kvlearn.eval.accuracy import EvalConfig, evaluate, format_table
 from kvlearn.eval.plots import plot_accuracy
 from kvlearn.results import make_results, write_results
-from kvlearn.hf import load_model
+from kvlearn import load_model
 
 
 def main() -> int:

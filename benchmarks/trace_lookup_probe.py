@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from kvlearn.hf import load_model
+from kvlearn import load_model
 from kvlearn.results import make_results, write_results
 from kvlearn.testbed import tasks
 from kvlearn.testbed.tokenizer import VOCAB, WORD_TO_ID

@@ -2,17 +2,19 @@
 
 The public API: configs, :func:`attach` (make a model run with kvlearn caches), the compact cache base, the
 streaming cache, :func:`apply_kvpop` / :func:`make_kvpop_cache` (KVpop's learned modules and cache) and
-:func:`load` (= :func:`load_model`: a checkpoint folder, with KVpop re-applied when it was saved with it). Method-specific modules live in ``kvlearn.kvpop``, ``kvlearn.eviction``, ``kvlearn.ops``.
+:func:`load` (= :func:`load_model`: a checkpoint folder, with KVpop re-applied when it was saved with it;
+:mod:`kvlearn.checkpoint`). Method-specific modules live in ``kvlearn.kvpop``, ``kvlearn.eviction``, ``kvlearn.ops``.
 """
 
 from .cache import CompactCache, CompactLayer
 from .config import KVpopConfig, StreamingConfig
 from .errors import KVLearnError
 from .eviction.streaming import StreamingCache
-from .hf import attach, load_model
+from .checkpoint import load
+from .hf import attach
 from .kvpop.apply import apply_kvpop, make_kvpop_cache
 
-load = load_model
+load_model = load
 
 __version__ = "0.1.0"
 

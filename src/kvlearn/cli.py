@@ -63,7 +63,7 @@ def _threads(n: int) -> None:
 def _load(path: str, device: str):
     import torch
 
-    from .hf import load_model
+    from .checkpoint import load as load_model
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     return load_model(path, dtype=dtype, device=device)

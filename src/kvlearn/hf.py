@@ -124,8 +124,13 @@ def kvlearn_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-class _OnlyKVpopKeysFilter(logging.Filter):
-    """Drops transformers' load report when its only complaint is the unexpected KVpop module keys."""
+class _ExpectedExtraKeysFilter(logging.Filter):
+    """Drops transformers' load report when its only complaint is unexpected keys containing ``marker`` (the
+    modules a method added, which its own loader restores)."""
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker = marker
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
@@ -133,18 +138,20 @@ class _OnlyKVpopKeysFilter(logging.Filter):
             return True
         rows = [line for line in text.splitlines() if "|" in line and ("UNEXPECTED" in line or "MISSING" in line
                                                                           or "MISMATCH" in line)]
-        return not rows or not all("UNEXPECTED" in r and ".kvpop." in r for r in rows)
+        return not rows or not all("UNEXPECTED" in r and self.marker in r for r in rows)
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+               extra_keys: str | None = None):
     """Load a causal LM checkpoint from a local directory (what ``save_pretrained`` writes), in eval mode.
 
     Every bad folder is a one-line :class:`KVLearnError` that names the path and what is wrong: no such folder, no
     ``config.json`` or one that is not valid JSON, an unsupported model family, no weights file, or a
     ``*.safetensors`` file that is empty, truncated or garbled.
 
-    A checkpoint saved after :func:`kvlearn.kvpop.apply.apply_kvpop` (``config.json`` records ``kvpop``) comes back
-    with KVpop re-applied and its scorer and decay weights loaded (:func:`kvlearn.kvpop.apply.load_kvpop`).
+    This loads the base model only, whatever method saved the checkpoint: :func:`kvlearn.load` also restores the
+    modules a method added (KVpop's). ``extra_keys``: a substring of state-dict keys the caller will load itself
+    (e.g. ``".kvpop."``); transformers' load report is not printed when those are its only complaint.
     """
     import json
 
@@ -189,22 +196,18 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
             except (SafetensorError, OSError) as err:
                 raise KVLearnError(f"weights {file!r} ({os.path.getsize(file)} bytes) are unreadable ({reason(err)}): "
                                    "expected a complete safetensors file (truncated or garbled?)") from None
-    kvpop = getattr(config, "kvpop", None) is not None
-    # a KVpop checkpoint's scorer/decay weights are loaded by load_kvpop below: keep transformers' load report from
-    # listing them as unexpected (only for this call; a report about any other key still shows)
+    # keys the caller loads itself: keep transformers' load report from listing them as unexpected (only for this
+    # call; a report about any other key still shows)
     report_logger = logging.getLogger("transformers.modeling_utils")
-    only_kvpop = _OnlyKVpopKeysFilter()
-    if kvpop:
-        report_logger.addFilter(only_kvpop)
+    expected_extra = _ExpectedExtraKeysFilter(extra_keys) if extra_keys else None
+    if expected_extra is not None:
+        report_logger.addFilter(expected_extra)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
     except (SafetensorError, OSError) as err:
         raise KVLearnError(f"model path {path!r} could not be loaded ({reason(err)}): expected a complete "
                            "save_pretrained checkpoint") from None
     finally:
-        report_logger.removeFilter(only_kvpop)
-    if kvpop:  # a KVpop checkpoint: re-apply KVpop and load its modules
-        from .kvpop.apply import load_kvpop
-
-        load_kvpop(model, path)
+        if expected_extra is not None:
+            report_logger.removeFilter(expected_extra)
     return model.to(device).eval()

@@ -6,7 +6,7 @@ registered as ``self_attn.kvpop`` on every decoder layer, the shared ``"kvlearn"
 (:func:`kvlearn.hf.attach`) and :class:`~kvlearn.kvpop.cache.KVpopCache`. The modules are ordinary submodules, so
 optimizers, FSDP and ``save_pretrained`` see them (state-dict keys ``model.layers.<i>.self_attn.kvpop.scorer.*`` and
 ``...kvpop.decay.alpha``); the config is recorded as ``model.config.kvpop`` (a dict), so ``save_pretrained`` writes
-it into ``config.json`` and :func:`kvlearn.load` (= :func:`kvlearn.hf.load_model`) re-applies KVpop and loads
+it into ``config.json`` and :func:`kvlearn.load` (:mod:`kvlearn.checkpoint`) re-applies KVpop and loads
 the weights (:func:`load_kvpop`).
 Per-sequence state (slot priorities, the mLSTM memory) lives in the cache; the modules hold parameters only.
 
@@ -29,70 +29,21 @@ from ..config import KVpopConfig
 from ..errors import KVLearnError, check, check_int
 from ..hf import attach, check_supported
 from .cache import KVpopCache
-from .policy import LearnedDecay
-from .scorers import LinearScorer, MLPScorer, MLSTMScorer
+from .modules import MODULE_NAME, KVpopModules, attention_modules, has_kvpop, kvpop_modules
 
 __all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kvpop_cache", "load_kvpop",
            "recorded_config", "config_from_budget"]
 
-MODULE_NAME = "kvpop"  # the submodule of each decoder layer's attention module
 CONFIG_KEY = "kvpop"  # the entry of model.config
-
-class KVpopModules(nn.Module):
-    """One decoder layer's learned KVpop modules: ``scorer`` (``[B,H,T,D]`` key/value -> ``[B,H,T]`` float32 scores)
-    and ``decay`` (``() -> log gamma [kv_heads]`` float32). Parameters only; no per-sequence state."""
-
-    def __init__(self, config: KVpopConfig, num_kv_heads: int, head_dim: int):
-        super().__init__()
-        if config.scorer == "linear":
-            self.scorer = LinearScorer(num_kv_heads, head_dim)
-        elif config.scorer == "mlp":
-            self.scorer = MLPScorer(num_kv_heads, head_dim)
-        else:
-            self.scorer = MLSTMScorer(num_kv_heads, head_dim, window=config.window,
-                                      delayed_readout=config.delayed_readout)
-        self.decay = LearnedDecay(num_kv_heads, config.decay_min, config.decay_max)
-        self.scorer_kind = config.scorer
-
-    def extra_repr(self) -> str:
-        return f"scorer={self.scorer_kind!r}"
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # model structure
-
-
-def _attention_modules(model) -> list[nn.Module]:
-    """Every decoder layer's attention module, in layer order."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    check(layers is not None and len(layers) > 0 and all(hasattr(layer, "self_attn") for layer in layers),
-          f"{type(model).__name__} has no decoder layers with a self_attn module: expected a causal LM of a "
-          "supported family")
-    return [layer.self_attn for layer in layers]
 
 
 def _kv_shape(attn: nn.Module) -> tuple[int, int]:
     """``(num_kv_heads, head_dim)`` of one attention module."""
     head_dim = int(attn.head_dim)
     return attn.k_proj.out_features // head_dim, head_dim
-
-
-def has_kvpop(model) -> bool:
-    """Whether :func:`apply_kvpop` has put KVpop modules on ``model``."""
-    try:
-        return all(isinstance(getattr(a, MODULE_NAME, None), KVpopModules) for a in _attention_modules(model))
-    except KVLearnError:
-        return False
-
-
-def kvpop_modules(model) -> tuple[list[nn.Module], list[nn.Module]]:
-    """``(scorers, decays)``: layer ``i``'s scorer and decay modules (registered on the model by
-    :func:`apply_kvpop`); a one-line error for a model without them."""
-    mods = [getattr(a, MODULE_NAME, None) for a in _attention_modules(model)]
-    check(all(isinstance(m, KVpopModules) for m in mods),
-          f"{type(model).__name__} has no KVpop modules: call kvlearn.kvpop.apply.apply_kvpop(model, config) first")
-    return [m.scorer for m in mods], [m.decay for m in mods]
 
 
 def recorded_config(model) -> KVpopConfig | None:
@@ -110,7 +61,7 @@ def recorded_config(model) -> KVpopConfig | None:
 def _check_modules_fit(model, config: KVpopConfig, what: str) -> None:
     """One-line error unless the model's KVpop modules are what ``config``'s learned fields describe (read from the
     modules themselves: scorer kind, mLSTM readout, decay range)."""
-    attns = _attention_modules(model)
+    attns = attention_modules(model)
     kvpop_modules(model)  # one-line error without modules
     mods = [getattr(a, MODULE_NAME) for a in attns]
     first = mods[0]
@@ -147,7 +98,7 @@ def apply_kvpop(model, config: KVpopConfig):
     check_supported(model)
     check(config.decay_step == 1,
           f"decay_step={config.decay_step} is not supported by apply_kvpop: expected 1 (static priorities)")
-    attns = _attention_modules(model)
+    attns = attention_modules(model)
     if has_kvpop(model):
         _check_modules_fit(model, config, "apply_kvpop on a model that already has KVpop modules")
     else:
@@ -215,7 +166,7 @@ def load_kvpop(model, path: str | os.PathLike):
     except TypeError as err:
         raise KVLearnError(f"checkpoint {path!r}: its {CONFIG_KEY!r} entry is not a KVpopConfig ({err})") from None
     check_supported(model)
-    attns = _attention_modules(model)
+    attns = attention_modules(model)
     heads, head_dim = _kv_shape(attns[0])
     want_heads = saved.get("num_key_value_heads", saved.get("num_attention_heads"))
     want_dim = saved.get("head_dim") or saved.get("hidden_size", 0) // max(1, saved.get("num_attention_heads", 1))

@@ -29,6 +29,7 @@ from torch import nn
 from ..cache import CompactCache, CompactLayer, ForwardStep, ScoredPolicy
 from ..config import KVpopConfig
 from ..errors import KVLearnError, check
+from .modules import has_kvpop, kvpop_modules
 
 
 class KVpopPolicy(ScoredPolicy):
@@ -150,8 +151,6 @@ class KVpopCache(CompactCache):
         super().check_model(num_layers, model)
         if model is None:
             return
-        from .apply import has_kvpop, kvpop_modules
-
         if not has_kvpop(model):
             return
         scorers, decays = kvpop_modules(model)

@@ -179,7 +179,7 @@ def _check_model_folder(path: str, seq_len: int) -> None:
 def build_models(config: RetrofitConfig, device: torch.device):
     """``(teacher, student)``: the frozen dense model (eval mode, no gradient) and a float32 copy with KVpop applied,
     switched to the ``"kvpop_train"`` attention, in train mode."""
-    from ..hf import load_model
+    from ..checkpoint import load as load_model
 
     teacher = load_model(config.model, dtype=torch.float32, device=device)
     teacher.requires_grad_(False)

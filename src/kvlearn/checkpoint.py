@@ -1,0 +1,36 @@
+"""``kvlearn.load``: a checkpoint folder back as a model, with the modules a method added restored.
+
+:func:`kvlearn.hf.load_model` loads the base model (and checks the folder); a checkpoint saved after
+:func:`kvlearn.kvpop.apply.apply_kvpop` records ``kvpop`` in its ``config.json``, and then KVpop is re-applied and its
+scorer and decay weights loaded (:func:`kvlearn.kvpop.apply.load_kvpop`). Keeping this here leaves ``hf`` free of
+any method.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .hf import load_model
+
+
+def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """The model saved in the folder ``path`` (``save_pretrained``), in eval mode, with KVpop re-applied when it was
+    saved with it. Bad folders are one-line :class:`~kvlearn.errors.KVLearnError` s (see
+    :func:`kvlearn.hf.load_model`)."""
+    config_path = os.path.join(os.fspath(path), "config.json")
+    recorded = None
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                recorded = json.load(f).get("kvpop")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            recorded = None  # load_model reports the bad config in one line
+    model = load_model(path, dtype=dtype, device=device, extra_keys=".kvpop." if recorded is not None else None)
+    if recorded is not None:
+        from .kvpop.apply import load_kvpop
+
+        load_kvpop(model, path)
+    return model
