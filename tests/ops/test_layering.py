@@ -1,5 +1,5 @@
-"""ops/ stays a leaf layer: it imports only kvlearn.errors and other ops modules, with no import cycle, and no
-kvlearn module imports another module's private (``_name``) function."""
+"""ops/ stays a leaf layer: it imports only kvlearn.errors and other ops modules, with no import cycle; no kvlearn
+module imports another module's private (``_name``) function; and kvlearn's modules import each other in no circle."""
 
 import ast
 from pathlib import Path
@@ -63,3 +63,38 @@ def test_no_private_name_crosses_modules():
                 for module, names in kvlearn_imports(path)
                 for name in names if name.startswith("_") and not name.startswith("__")]
     assert not crossing, crossing
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Every kvlearn module (a package is its ``__init__``) -> the kvlearn modules it imports, function-level
+    imports included."""
+    graph = {}
+    for path in sorted((SRC / "kvlearn").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        deps = set()
+        for module, names in kvlearn_imports(path):
+            deps.add(module)
+            deps.update(f"{module}.{n}" for n in names if (SRC / module.replace(".", "/") / f"{n}.py").is_file())
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_kvlearn_has_no_import_cycle():
+    """No circle of imports among kvlearn's modules, lazy (function-level) imports included; the top-level package,
+    which only re-exports the public API, is left out."""
+    graph = {m: {d for d in deps if d != "kvlearn"} for m, deps in package_graph().items() if m != "kvlearn"}
+    done, active = set(), []
+
+    def visit(module):
+        assert module not in active, f"import cycle: {' -> '.join(active[active.index(module):] + [module])}"
+        if module in done or module not in graph:
+            return
+        active.append(module)
+        for dep in sorted(graph[module]):
+            visit(dep)
+        active.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
