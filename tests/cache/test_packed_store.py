@@ -4,15 +4,14 @@
 - a streaming cache on a tiny random GQA Qwen3 (float32, 2 layers, 2 KV heads, 4 query heads, head_dim 16) with
   ``PackedStore(8)`` decodes with logits close to the plain store's; 4 and 2 bits run and hold exactly the expected
   bytes; every baseline runs on a packed store;
-- the decode step with a packed store neither syncs nor breaks a ``torch.compile(fullgraph=True)`` trace.
+- the decode step with a packed store neither syncs nor breaks a ``torch.compile(fullgraph=True)`` trace: that is
+  ``tests/cache/test_compile.py``, over the plain and the packed stores.
 """
 
 import importlib
-from types import SimpleNamespace
 
 import pytest
 import torch
-from decode_step import clone_cache, decode_case
 from test_policies import METHODS, tiny_model
 
 from kvlearn import KVLearnError
@@ -22,10 +21,6 @@ from kvlearn.hf import attach
 from kvlearn.ops.quant import cost_bits_per_token, dequantize, quantize
 
 B, H, CAP, D = 2, 2, 6, 16
-
-
-def _forbidden(*args, **kwargs):
-    raise AssertionError("host sync or data-dependent shape on the decode path")
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -123,24 +118,3 @@ def test_every_baseline_runs_on_a_packed_store(name, model):
     torch.testing.assert_close(got, ref, atol=1e-2, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["streaming", "knorm", "tova"])
-def test_packed_decode_step_never_syncs(name, monkeypatch):
-    cache, step_fn, inputs = decode_case(name, "cpu", store_factory=lambda: PackedStore(4))
-    assert isinstance(cache.layers[0].store, PackedStore)
-    expected = step_fn(clone_cache(cache), *inputs)
-    for attr in ("__bool__", "item", "__int__", "__float__", "tolist", "nonzero", "__index__"):
-        monkeypatch.setattr(torch.Tensor, attr, _forbidden)
-    monkeypatch.setattr(torch, "nonzero", _forbidden)
-    out, slots = step_fn(cache, *inputs)
-    monkeypatch.undo()
-    torch.testing.assert_close(out, expected[0])
-    assert torch.equal(slots, expected[1])
-
-
-def test_packed_decode_step_traces_as_one_graph():
-    cache, step_fn, inputs = decode_case("streaming", "cpu", store_factory=lambda: PackedStore(2))
-    eager = step_fn(clone_cache(cache), *inputs)
-    torch._dynamo.reset()
-    out, slots = torch.compile(step_fn, backend="eager", fullgraph=True)(cache, *inputs)
-    torch.testing.assert_close(out, eager[0])
-    assert torch.equal(slots, eager[1])

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, create_mask
+from torch.nn.attention.flex_attention import create_mask
 
 from kvlearn.errors import KVLearnError
 from kvlearn.ops.fenwick import running_topk_cutoff

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import KVLearnError, check
-from .policy import NEVER, ForwardStep, Policy, SlotPlan
+from .policy import NEVER, ForwardStep, Policy
 from .store import PlainStore, Store, scatter_slots
 
 

@@ -22,7 +22,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from ..errors import KVLearnError, check, check_int
-from .filler import HELDOUT_STYLES, STYLES, TRAIN_STYLES, check_style, filler, filler_ok
+from .filler import HELDOUT_STYLES, TRAIN_STYLES, check_style, filler, filler_ok
 from .tokenizer import BOS_ID, EOS_ID, WORD_TO_ID, ids_to_text
 from .vocab import KEYS, THINK_SENTENCES, TRACE_NAMES, VT_NAMES
 

@@ -40,7 +40,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..config import KVpopConfig
 from ..errors import KVLearnError, check, check_int
