@@ -96,18 +96,9 @@ def check_output_path(path: str | os.PathLike, option: str, suffixes: tuple[str,
 def check_model_context(path: str, context: int) -> None:
     """One-line errors for a missing checkpoint, an unsupported family, or ``context`` beyond the model's
     ``max_position_embeddings`` (read from ``config.json``, before the weights load)."""
-    from transformers import AutoConfig
+    from .hf import read_model_config
 
-    from .hf import SUPPORTED_MODEL_TYPES
-
-    check(os.path.isdir(path), f"model path {path!r} does not exist or is not a directory: expected a checkpoint folder")
-    check(os.path.isfile(os.path.join(path, "config.json")),
-          f"model path {path!r} has no config.json: expected a transformers checkpoint folder")
-    config = AutoConfig.from_pretrained(path)
-    model_type = getattr(config, "model_type", None)
-    check(model_type in SUPPORTED_MODEL_TYPES,
-          f"model type {model_type!r} at {path!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = getattr(read_model_config(path), "max_position_embeddings", None)
     check(limit is None or context <= limit,
           f"--context {context} exceeds the model's max_position_embeddings={limit} ({path}): expected --context <= {limit}")
 

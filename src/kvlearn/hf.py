@@ -141,6 +141,45 @@ class _ExpectedExtraKeysFilter(logging.Filter):
         return not rows or not all("UNEXPECTED" in r and self.marker in r for r in rows)
 
 
+def _reason(err: BaseException) -> str:
+    """An exception's cause in one line, without safetensors' generic prefix."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return text.removeprefix("Error while deserializing header: ")
+
+
+def read_model_config(path: str | os.PathLike):
+    """The transformers config of the checkpoint folder ``path``, read before any weight loads; one-line
+    :class:`KVLearnError` s for no such folder, no ``config.json``, one that is not valid JSON or unreadable, and an
+    unsupported model family. The one folder check :func:`load_model`, the CLI and the trainers share."""
+    import json
+
+    from transformers import AutoConfig
+
+    check(isinstance(path, (str, os.PathLike)), f"model path {path!r} is invalid: expected a checkpoint folder")
+    path = os.fspath(path)
+    check(os.path.isdir(path), f"model path {path!r} does not exist or is not a directory: expected a checkpoint folder")
+    config_path = os.path.join(path, "config.json")
+    check(os.path.isfile(config_path),
+          f"model path {path!r} has no config.json: expected a transformers checkpoint folder")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:  # json.JSONDecodeError is a ValueError
+        raise KVLearnError(f"config {config_path!r} is not valid JSON ({_reason(err)}): expected the JSON config that "
+                           "save_pretrained writes") from None
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise KVLearnError(f"config {config_path!r} is unreadable ({_reason(err)}): expected the JSON config that "
+                           "save_pretrained writes") from None
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise KVLearnError(
+            f"model type {model_type!r} at {path!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                extra_keys: str | None = None):
     """Load a causal LM checkpoint from a local directory (what ``save_pretrained`` writes), in eval mode.
@@ -153,36 +192,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
     modules a method added (KVpop's). ``extra_keys``: a substring of state-dict keys the caller will load itself
     (e.g. ``".kvpop."``); transformers' load report is not printed when those are its only complaint.
     """
-    import json
-
     from safetensors import SafetensorError, safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    def reason(err: BaseException) -> str:  # the cause in one line, without safetensors' generic prefix
-        text = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        return text.removeprefix("Error while deserializing header: ")
-
+    read_model_config(path)
     path = os.fspath(path)
-    check(os.path.isdir(path), f"model path {path!r} does not exist or is not a directory: expected a checkpoint folder")
-    config_path = os.path.join(path, "config.json")
-    check(os.path.isfile(config_path),
-          f"model path {path!r} has no config.json: expected a transformers checkpoint folder")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            json.load(f)
-    except (ValueError, UnicodeDecodeError) as err:  # json.JSONDecodeError is a ValueError
-        raise KVLearnError(f"config {config_path!r} is not valid JSON ({reason(err)}): expected the JSON config that "
-                           "save_pretrained writes") from None
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as err:
-        raise KVLearnError(f"config {config_path!r} is unreadable ({reason(err)}): expected the JSON config that "
-                           "save_pretrained writes") from None
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise KVLearnError(
-            f"model type {model_type!r} at {path!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
     weight_names = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                     "pytorch_model.bin.index.json")
     check(any(os.path.isfile(os.path.join(path, name)) for name in weight_names),
@@ -194,7 +208,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
                 with safe_open(file, "pt"):  # reads the header and checks that the data covers the file exactly
                     pass
             except (SafetensorError, OSError) as err:
-                raise KVLearnError(f"weights {file!r} ({os.path.getsize(file)} bytes) are unreadable ({reason(err)}): "
+                raise KVLearnError(f"weights {file!r} ({os.path.getsize(file)} bytes) are unreadable ({_reason(err)}): "
                                    "expected a complete safetensors file (truncated or garbled?)") from None
     # keys the caller loads itself: keep transformers' load report from listing them as unexpected (only for this
     # call; a report about any other key still shows)
@@ -205,7 +219,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa")
     except (SafetensorError, OSError) as err:
-        raise KVLearnError(f"model path {path!r} could not be loaded ({reason(err)}): expected a complete "
+        raise KVLearnError(f"model path {path!r} could not be loaded ({_reason(err)}): expected a complete "
                            "save_pretrained checkpoint") from None
     finally:
         if expected_extra is not None:

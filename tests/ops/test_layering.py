@@ -33,14 +33,8 @@ def ops_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_ops_imports_only_errors_and_ops():
-    for module, deps in ops_graph().items():
-        outside = sorted(d for d in deps if d != "kvlearn.errors" and not d.startswith("kvlearn.ops"))
-        assert not outside, f"{module} imports {outside}"
-
-
-def test_ops_has_no_import_cycle():
-    graph = ops_graph()
+def assert_no_cycle(graph: dict[str, set[str]]) -> None:
+    """Depth-first walk of ``graph`` (module -> imported modules); fails naming the first circle it finds."""
     done, active = set(), []
 
     def visit(module):
@@ -48,13 +42,23 @@ def test_ops_has_no_import_cycle():
         if module in done or module not in graph:
             return
         active.append(module)
-        for dep in graph[module]:
+        for dep in sorted(graph[module]):
             visit(dep)
         active.pop()
         done.add(module)
 
-    for module in graph:
+    for module in sorted(graph):
         visit(module)
+
+
+def test_ops_imports_only_errors_and_ops():
+    for module, deps in ops_graph().items():
+        outside = sorted(d for d in deps if d != "kvlearn.errors" and not d.startswith("kvlearn.ops"))
+        assert not outside, f"{module} imports {outside}"
+
+
+def test_ops_has_no_import_cycle():
+    assert_no_cycle(ops_graph())
 
 
 def test_no_private_name_crosses_modules():
@@ -84,17 +88,4 @@ def test_kvlearn_has_no_import_cycle():
     """No circle of imports among kvlearn's modules, lazy (function-level) imports included; the top-level package,
     which only re-exports the public API, is left out."""
     graph = {m: {d for d in deps if d != "kvlearn"} for m, deps in package_graph().items() if m != "kvlearn"}
-    done, active = set(), []
-
-    def visit(module):
-        assert module not in active, f"import cycle: {' -> '.join(active[active.index(module):] + [module])}"
-        if module in done or module not in graph:
-            return
-        active.append(module)
-        for dep in sorted(graph[module]):
-            visit(dep)
-        active.pop()
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module)
+    assert_no_cycle(graph)

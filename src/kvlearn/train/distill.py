@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from ..config import KVpopConfig
-from ..errors import KVLearnError, check, check_int
+from ..errors import check, check_int
 from ..kvpop.apply import apply_kvpop
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_policy
@@ -151,22 +151,9 @@ class RetrofitConfig:
 
 def _check_model_folder(path: str, seq_len: int) -> None:
     """One-line errors for a missing checkpoint folder, an unsupported family or a too long ``seq_len``."""
-    from transformers import AutoConfig
+    from ..hf import read_model_config
 
-    from ..hf import SUPPORTED_MODEL_TYPES
-
-    check(isinstance(path, (str, os.PathLike)) and os.path.isdir(path),
-          f"model path {path!r} does not exist or is not a directory: expected a checkpoint folder")
-    check(os.path.isfile(os.path.join(path, "config.json")),
-          f"model path {path!r} has no config.json: expected a transformers checkpoint folder")
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as err:
-        raise KVLearnError(f"model path {path!r}: config.json is unreadable ({str(err).splitlines()[0]})") from None
-    model_type = getattr(config, "model_type", None)
-    check(model_type in SUPPORTED_MODEL_TYPES,
-          f"model type {model_type!r} at {path!r} is not supported: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = getattr(read_model_config(path), "max_position_embeddings", None)
     check(limit is None or seq_len <= limit,
           f"seq_len={seq_len} exceeds the model's max_position_embeddings={limit}: expected seq_len <= {limit}")
 
