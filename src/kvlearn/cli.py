@@ -189,7 +189,9 @@ def cmd_pretrain(args) -> int:
                             **({"stages": tuple(int(s) for s in args.stages.split(","))} if args.stages else {}),
                             **({"stage_fractions": tuple(float(s) for s in args.stage_fractions.split(","))} if args.stage_fractions else {}),
                             **({"warmup_steps": args.warmup_steps} if args.warmup_steps is not None else {}),
-                            **({"family_weights": tuple(float(w) for w in args.family_weights.split(","))} if args.family_weights else {}))
+                            **({"family_weights": tuple(float(w) for w in args.family_weights.split(","))} if args.family_weights else {}),
+                            **({"train_styles": tuple(args.train_styles.split(","))} if args.train_styles else {}),
+                            **({"train_regimes": tuple(args.train_regimes.split(","))} if args.train_regimes else {}))
     pretrain(config)
     return 0
 
@@ -254,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.protocols import DEFAULT_PREFILL_CHUNK
     from .methods import PROTOCOLS, method_names
     from .testbed import tasks
+    from .testbed.filler import TRAIN_STYLES
 
     p = _Parser(prog="kvlearn", description="Learned KV-cache compression for Hugging Face models.")
     p.add_argument("--version", action="version", version=f"kvlearn {__version__}")
@@ -311,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stages", default=None, help="comma list of example lengths, e.g. 256,512,1024,2048,4096")
     sp.add_argument("--stage-fractions", default=None, help="comma list of time fractions, summing to 1")
     sp.add_argument("--family-weights", default=None, help="comma list of sampling weights for trace,niah,vt,recall")
+    sp.add_argument("--train-styles", default=None,
+                    help=f"narrow the training haystack to these styles (comma list of {','.join(TRAIN_STYLES)}; default all)")
+    sp.add_argument("--train-regimes", default=None,
+                    help=f"narrow the training depth regimes (comma list of {','.join(tasks.TRAIN_REGIMES)}; default all)")
     sp.set_defaults(func=cmd_pretrain)
 
     sp = sub.add_parser("retrofit", help="distil KVpop's scorers and decays into a trained model (teacher: the dense model)")

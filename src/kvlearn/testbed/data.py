@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import check
-from .tasks import FAMILIES, Example, example_seed, generate
+from .filler import TRAIN_STYLES
+from .tasks import FAMILIES, TRAIN_REGIMES, Example, example_seed, generate
 from .tokenizer import PAD_ID
 
 IGNORE_INDEX = -100
@@ -57,39 +58,59 @@ def dense_share(dense, name: str = "dense") -> float:
     return float(dense)
 
 
+def check_haystack_subset(values, allowed: tuple[str, ...], name: str) -> tuple[str, ...] | None:
+    """``values`` as a non-empty tuple of names from ``allowed`` (None stays None: the seed draws from all of
+    them); a one-line error naming ``name`` and the choices otherwise. Training may narrow the haystack, never
+    widen it to the held-out styles and regimes."""
+    if values is None:
+        return None
+    values = (values,) if isinstance(values, str) else tuple(values)
+    bad = [v for v in values if v not in allowed]
+    check(values and not bad, f"{name}={values!r} is invalid: expected a non-empty subset of the training choices "
+                              f"{', '.join(allowed)}")
+    return values
+
+
 def batch_examples(
     batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None,
-    dense: bool | float = True,
+    dense: bool | float = True, styles: Sequence[str] | None = None, regimes: Sequence[str] | None = None,
 ) -> list[Example]:
     """The examples of training batch ``seed``: row ``j`` is train example ``(seed << 12) | j`` of a family
     drawn from ``families`` with probabilities proportional to ``weights`` (uniform when None).
 
     ``dense``: True (every row in the dense training format), False (every row in the evaluation format, only
-    the final answer supervised) or the share in [0, 1] of dense rows, each row drawn independently."""
+    the final answer supervised) or the share in [0, 1] of dense rows, each row drawn independently.
+    ``styles`` / ``regimes``: when given, each row's haystack style / depth regime is drawn uniformly from them
+    (subsets of the training ones) instead of from the example's seed."""
     check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
     check(_is_int(seed) and seed >= 0, f"seed={seed!r} is invalid: expected an integer >= 0")
     families, weights = _check_mixture(families, weights)
     share = dense_share(dense)
+    styles = check_haystack_subset(styles, TRAIN_STYLES, "styles")
+    regimes = check_haystack_subset(regimes, TRAIN_REGIMES, "regimes")
     rng = random.Random(f"kvlearn-batch:{seed}")
     chosen = rng.choices(families, weights=weights, k=batch_size)
     is_dense = [rng.random() < share for _ in range(batch_size)]  # share 1 -> all, 0 -> none
+    hay_rng = random.Random(f"kvlearn-batch-haystack:{seed}")  # only drawn from when narrowed: default batches unchanged
     return [
-        generate(fam, example_seed(fam, "train", (seed << 12) | j), length, dense=d)
+        generate(fam, example_seed(fam, "train", (seed << 12) | j), length, dense=d,
+                 style=hay_rng.choice(styles) if styles else None, regime=hay_rng.choice(regimes) if regimes else None)
         for j, (fam, d) in enumerate(zip(chosen, is_dense))
     ]
 
 
 def training_batch(
     batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None,
-    dense: bool | float = True,
+    dense: bool | float = True, styles: Sequence[str] | None = None, regimes: Sequence[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, both ``LongTensor [batch_size, length]``: one whole example per row.
 
     ``dense=True`` (default) draws the training format with in-context question/answer pairs; a number in
     [0, 1] is the share of such rows (the others are in the evaluation format). Different ``seed`` values give
-    disjoint train examples; no eval example is ever drawn.
+    disjoint train examples; no eval example is ever drawn. ``styles`` / ``regimes`` narrow the haystack
+    (:func:`batch_examples`).
     """
-    examples = batch_examples(batch_size, length, seed, families, weights, dense)
+    examples = batch_examples(batch_size, length, seed, families, weights, dense, styles, regimes)
     input_ids = torch.tensor([e.input_ids for e in examples], dtype=torch.long)
     labels = torch.tensor([example_labels(e) for e in examples], dtype=torch.long)
     return input_ids, labels
@@ -191,6 +212,8 @@ class TestbedStream(IterableDataset):
         world_size: int = 1,
         dense: bool | float = True,
         start_batch: int = 0,
+        styles: Sequence[str] | None = None,
+        regimes: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         check(_is_int(world_size) and world_size >= 1, f"world_size={world_size!r} is invalid: expected an integer >= 1")
@@ -200,6 +223,8 @@ class TestbedStream(IterableDataset):
         check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
         self.families, self.weights = _check_mixture(families, weights)
         dense_share(dense)
+        self.styles = check_haystack_subset(styles, TRAIN_STYLES, "styles")
+        self.regimes = check_haystack_subset(regimes, TRAIN_REGIMES, "regimes")
         generate(self.families[0], 0, length)  # validates length early, in the main process
         self.length, self.batch_size, self.seed = length, batch_size, seed
         self.rank, self.world_size, self.dense, self.start_batch = rank, world_size, dense, start_batch
@@ -217,7 +242,8 @@ class TestbedStream(IterableDataset):
         wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
         for b in self.batch_numbers(wid, nw):
             yield training_batch(
-                self.batch_size, self.length, (self.seed << 40) | b, self.families, self.weights, self.dense
+                self.batch_size, self.length, (self.seed << 40) | b, self.families, self.weights, self.dense,
+                self.styles, self.regimes,
             )
 
 

@@ -26,7 +26,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ..errors import check, check_int
 from ..testbed import tasks as testbed_tasks
-from ..testbed.data import TestbedStream, dense_share
+from ..testbed.data import TestbedStream, check_haystack_subset, dense_share
+from ..testbed.filler import TRAIN_STYLES
 from ..testbed.tokenizer import build_tokenizer, save_tokenizer
 
 
@@ -61,6 +62,9 @@ class PretrainConfig:
     dense_fraction: float = 0.75
     # sampling weight of each family (testbed FAMILIES order: trace, niah, vt, recall); None = uniform
     family_weights: tuple[float, ...] | None = None
+    # narrow the training haystack to these styles / depth regimes (None: every training one, drawn by the seed)
+    train_styles: tuple[str, ...] | None = None
+    train_regimes: tuple[str, ...] | None = None
     # optimisation
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
@@ -94,6 +98,8 @@ class PretrainConfig:
                   f"numbers ({', '.join(testbed_tasks.FAMILIES)}) with a positive sum")
             self.family_weights = w
         check_int("num_workers", self.num_workers, 0)
+        self.train_styles = check_haystack_subset(self.train_styles, TRAIN_STYLES, "train_styles")
+        self.train_regimes = check_haystack_subset(self.train_regimes, testbed_tasks.TRAIN_REGIMES, "train_regimes")
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoint")
         check(self.overwrite or not out.exists() or not any(out.iterdir()) or out == Path(self.resume or "\0"),
@@ -214,7 +220,9 @@ def model_card(log: dict) -> str:
         + f" (example length: share of the time); AdamW {tuple(c['betas'])}, peak LR {c['lr']:g}, cosine to "
         f"{c['min_lr_ratio']:g} of it, {c['tokens_per_step']:,} tokens per step, dense-format share "
         f"{c['dense_fraction']:g}, seed {c['seed']}. Command: `{log.get('command', 'kvlearn pretrain')}`.",
-        "- Haystacks: training styles and depth regimes only (`kvlearn.testbed.filler.TRAIN_STYLES`,",
+        "- Haystacks: training styles and depth regimes only (`kvlearn.testbed.filler.TRAIN_STYLES`,"
+        + (f" narrowed to {', '.join(c['train_styles'])}" if c.get("train_styles") else "")
+        + (f"; regimes narrowed to {', '.join(c['train_regimes'])}" if c.get("train_regimes") else "") + ",",
         "  `kvlearn.testbed.tasks.TRAIN_REGIMES`); the `heldout` split's style and regime were never seen.", "",
         "Teacher-forced answer accuracy at the end of each stage (64 examples per family unless the log says",
         "otherwise; greedy accuracy through the caches is in the repository's `results/testbed_teacher.json`):", "",
@@ -276,7 +284,8 @@ def pretrain(config: PretrainConfig) -> dict:
     def loader(length: int):
         rows = config.tokens_per_step // length // d.world
         stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world,
-                              dense=config.dense_fraction, weights=config.family_weights)
+                              dense=config.dense_fraction, weights=config.family_weights,
+                              styles=config.train_styles, regimes=config.train_regimes)
         return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                 pin_memory=device.type == "cuda", persistent_workers=False,
                                                 prefetch_factor=4 if config.num_workers else None))
