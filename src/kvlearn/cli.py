@@ -180,6 +180,15 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def _family_weights(text: str):
+    """``--family-weights``: ``'a,b,c,d'`` -> one tuple; ``'a,b,c,d;...'`` -> one tuple per stage."""
+    try:
+        groups = [tuple(float(w) for w in g.split(",")) for g in text.split(";")]
+    except ValueError:
+        raise KVLearnError(f"--family-weights {text!r}: expected comma lists of numbers, separated by ';' per stage") from None
+    return tuple(groups) if ";" in text else groups[0]
+
+
 def cmd_pretrain(args) -> int:
     from .train.pretrain import PretrainConfig, pretrain
 
@@ -189,7 +198,7 @@ def cmd_pretrain(args) -> int:
                             **({"stages": tuple(int(s) for s in args.stages.split(","))} if args.stages else {}),
                             **({"stage_fractions": tuple(float(s) for s in args.stage_fractions.split(","))} if args.stage_fractions else {}),
                             **({"warmup_steps": args.warmup_steps} if args.warmup_steps is not None else {}),
-                            **({"family_weights": tuple(float(w) for w in args.family_weights.split(","))} if args.family_weights else {}),
+                            **({"family_weights": _family_weights(args.family_weights)} if args.family_weights else {}),
                             **({"train_styles": tuple(args.train_styles.split(","))} if args.train_styles else {}),
                             **({"train_regimes": tuple(args.train_regimes.split(","))} if args.train_regimes else {}))
     pretrain(config)
@@ -313,7 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="share of training rows with in-context question/answer pairs (the rest: evaluation format)")
     sp.add_argument("--stages", default=None, help="comma list of example lengths, e.g. 256,512,1024,2048,4096")
     sp.add_argument("--stage-fractions", default=None, help="comma list of time fractions, summing to 1")
-    sp.add_argument("--family-weights", default=None, help="comma list of sampling weights for trace,niah,vt,recall")
+    sp.add_argument("--family-weights", default=None,
+                    help="comma list of sampling weights for trace,niah,vt,recall; or one such list per stage, "
+                         "separated by ';' (e.g. '3,1,1,1;3,1,1,1;1,1,1,1;1,1,1,1;1,1,1,1')")
     sp.add_argument("--train-styles", default=None,
                     help=f"narrow the training haystack to these styles (comma list of {','.join(TRAIN_STYLES)}; default all)")
     sp.add_argument("--train-regimes", default=None,

@@ -65,3 +65,26 @@ def test_tiny_cpu_run_saves_a_plain_loadable_checkpoint(tmp_path):
     with safe_open(str(tmp_path / "t" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # committed checkpoints are bf16
     assert json.loads((tmp_path / "t" / "pretrain_log.json").read_text())["steps"] == log["steps"]
+
+
+def test_family_weights_per_stage_and_narrowed_haystack(tmp_path):
+    from kvlearn.cli import _family_weights
+    from kvlearn.testbed.data import batch_examples
+    from kvlearn.train.pretrain import stage_family_weights
+
+    stages = dict(stages=(256, 512), stage_fractions=(0.5, 0.5), out=str(tmp_path / "a"))
+    flat = PretrainConfig(family_weights=(1, 0, 0, 0), **stages)
+    assert stage_family_weights(flat, 0) == stage_family_weights(flat, 1) == (1.0, 0.0, 0.0, 0.0)
+    per = PretrainConfig(family_weights=_family_weights("3,1,1,1;1,1,1,1"), **stages)
+    assert stage_family_weights(per, 0) == (3.0, 1.0, 1.0, 1.0) and stage_family_weights(per, 1) == (1.0,) * 4
+    assert stage_family_weights(PretrainConfig(**stages), 1) is None
+    for bad in ((1, 0, 0), ((1, 0, 0, 0),), (0, 0, 0, 0), ((1, 1, 1, 1), (1, 1, 1, -1))):
+        with pytest.raises(KVLearnError, match="family_weights"):
+            PretrainConfig(family_weights=bad, **stages)
+    with pytest.raises(KVLearnError, match="--family-weights"):
+        _family_weights("1,x,1,1")
+    # a weight of 0 never draws the family; narrowed haystacks draw only the named style and regime
+    rows = batch_examples(16, 256, 7, weights=stage_family_weights(flat, 0), styles=("salad",), regimes=("tail",))
+    assert {(e.family, e.style, e.regime) for e in rows} == {("trace", "salad", "tail")}
+    with pytest.raises(KVLearnError, match="verb_first"):
+        PretrainConfig(train_styles=("verb_first",), **stages)

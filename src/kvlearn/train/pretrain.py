@@ -60,8 +60,9 @@ class PretrainConfig:
     # share of rows in the dense training format (in-context Q/A pairs); the rest are in the evaluation format, so
     # the teacher also answers prompts with no earlier answer to copy the format from (docs/TESTBED.md)
     dense_fraction: float = 0.75
-    # sampling weight of each family (testbed FAMILIES order: trace, niah, vt, recall); None = uniform
-    family_weights: tuple[float, ...] | None = None
+    # sampling weight of each family (testbed FAMILIES order: trace, niah, vt, recall); None = uniform. One tuple
+    # for every stage, or one tuple per stage (e.g. trace-heavy short stages, so that its lookup forms early)
+    family_weights: tuple[float, ...] | tuple[tuple[float, ...], ...] | None = None
     # narrow the training haystack to these styles / depth regimes (None: every training one, drawn by the seed)
     train_styles: tuple[str, ...] | None = None
     train_regimes: tuple[str, ...] | None = None
@@ -92,11 +93,7 @@ class PretrainConfig:
         check(self.tokens_per_step % max(self.stages) == 0, f"tokens_per_step={self.tokens_per_step} must be a multiple of the longest stage {max(self.stages)}")
         check_int("eval_n", self.eval_n, 1)
         if self.family_weights is not None:
-            w = tuple(float(x) for x in self.family_weights)
-            check(len(w) == len(testbed_tasks.FAMILIES) and all(x >= 0 for x in w) and sum(w) > 0,
-                  f"family_weights={self.family_weights!r} is invalid: expected {len(testbed_tasks.FAMILIES)} non-negative "
-                  f"numbers ({', '.join(testbed_tasks.FAMILIES)}) with a positive sum")
-            self.family_weights = w
+            self.family_weights = _check_family_weights(self.family_weights, len(self.stages))
         check_int("num_workers", self.num_workers, 0)
         self.train_styles = check_haystack_subset(self.train_styles, TRAIN_STYLES, "train_styles")
         self.train_regimes = check_haystack_subset(self.train_regimes, testbed_tasks.TRAIN_REGIMES, "train_regimes")
@@ -104,6 +101,35 @@ class PretrainConfig:
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoint")
         check(self.overwrite or not out.exists() or not any(out.iterdir()) or out == Path(self.resume or "\0"),
               f"out={self.out!r} already holds files: pass --overwrite to replace them, or choose a new folder")
+
+
+def _check_family_weights(weights, n_stages: int):
+    """``weights`` as one tuple of ``len(FAMILIES)`` floats, or a tuple of ``n_stages`` such tuples; a one-line error
+    otherwise."""
+    n = len(testbed_tasks.FAMILIES)
+    per_stage = len(weights) > 0 and all(isinstance(w, (tuple, list)) for w in weights)
+    groups = [tuple(w) for w in weights] if per_stage else [tuple(weights)]
+
+    def ok(w) -> bool:
+        try:
+            w = [float(x) for x in w]
+        except (TypeError, ValueError):
+            return False
+        return len(w) == n and all(x >= 0 for x in w) and sum(w) > 0
+
+    check(all(ok(w) for w in groups) and (not per_stage or len(groups) == n_stages),
+          f"family_weights={weights!r} is invalid: expected {n} non-negative numbers ({', '.join(testbed_tasks.FAMILIES)}) "
+          f"with a positive sum, or {n_stages} such groups (one per stage)")
+    groups = [tuple(float(x) for x in w) for w in groups]
+    return tuple(groups) if per_stage else groups[0]
+
+
+def stage_family_weights(config: PretrainConfig, stage: int) -> tuple[float, ...] | None:
+    """The family sampling weights of curriculum stage ``stage`` (None: uniform)."""
+    w = config.family_weights
+    if w is None or not isinstance(w[0], tuple):
+        return w
+    return w[stage]
 
 
 def build_model(config: PretrainConfig, tokenizer) -> Qwen3ForCausalLM:
@@ -281,10 +307,11 @@ def pretrain(config: PretrainConfig) -> dict:
     if d.world > 1:
         ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if device.type == "cuda" else None)
 
-    def loader(length: int):
+    def loader(stage: int):
+        length = config.stages[stage]
         rows = config.tokens_per_step // length // d.world
         stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world,
-                              dense=config.dense_fraction, weights=config.family_weights,
+                              dense=config.dense_fraction, weights=stage_family_weights(config, stage),
                               styles=config.train_styles, regimes=config.train_regimes)
         return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                 pin_memory=device.type == "cuda", persistent_workers=False,
@@ -318,7 +345,7 @@ def pretrain(config: PretrainConfig) -> dict:
             if new_stage is None:
                 break
             stage = new_stage
-            batches = loader(config.stages[stage])
+            batches = loader(stage)
         input_ids, labels = next(batches)
         input_ids = input_ids.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
