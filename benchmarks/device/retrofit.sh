@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Retrofit KVpop onto the testbed teacher on the GPU (`kvlearn retrofit`), then evaluate the student through its
+# cache at the same budget on both splits (`kvlearn eval --method kvpop`), next to the teacher's streaming rows.
+# SCORER (default mlp), BUDGET (default 1024), MINUTES (default 8), MODEL (default checkpoints/testbed-teacher),
+# N (examples per family, default 100), EXTRA (more retrofit options). Writes $OUT/retrofit_<scorer>_<budget>.log,
+# $OUT/kvpop_<scorer>_<budget>_<split>.json, and the student as $OUT/kvpop_<scorer>_<budget>.tar (bf16 weights).
+# Device time: MINUTES + ~1 minute of start-up + ~1 minute of evaluation per split.
+# Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/retrofit.sh
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+SCORER=${SCORER:-mlp}; BUDGET=${BUDGET:-1024}; MINUTES=${MINUTES:-8}; N=${N:-100}
+MODEL=${MODEL:-checkpoints/testbed-teacher}
+RUN=/tmp/retrofit_${SCORER}_${BUDGET}
+tag=${SCORER}_${BUDGET}
+echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+# shellcheck disable=SC2086
+python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$RUN" --overwrite --device cuda --scorer "$SCORER" \
+    --budget "$BUDGET" --minutes "$MINUTES" --num-workers 8 ${EXTRA:-} > "$OUT/retrofit_$tag.log" 2>&1
+echo "retrofit rc=$?"; tail -n 3 "$OUT/retrofit_$tag.log"
+for split in eval heldout; do
+    python3 -m kvlearn.cli eval --model "$RUN/final" --method kvpop --budget "$BUDGET" --n-per-task "$N" \
+        --split "$split" --device cuda --out "$OUT/kvpop_${tag}_$split.json" >> "$OUT/retrofit_$tag.log" 2>&1
+    echo "eval $split rc=$?"
+done
+grep -E "^kvpop|^method" "$OUT/retrofit_$tag.log" | tail -n 12
+python3 -c "
+import shutil, sys, torch, kvlearn
+src, dst = sys.argv[1], sys.argv[2]
+kvlearn.load(src, dtype=torch.bfloat16).save_pretrained(dst)
+for f in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
+    shutil.copy2(f'{src}/{f}', dst)
+" "$RUN/final" "/tmp/kvpop-$tag" && tar -C /tmp -cf "$OUT/kvpop_$tag.tar" "kvpop-$tag"
