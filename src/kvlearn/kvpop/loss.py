@@ -63,6 +63,7 @@ def boundary_loss(
     margin_temperature: float = 1.0,
     balance: bool = True,
     balance_clip: tuple[float, float] = (0.2, 5.0),
+    reduce_sum=None,
 ) -> BoundaryLoss:
     """Weighted pairwise logistic loss at the teacher's retention boundary.
 
@@ -75,6 +76,11 @@ def boundary_loss(
         margin_weighting: apply Eq. 22-23 (``ω_min = margin_min_weight`` in ``[0, 1]``,
             ``τ_ω = margin_temperature > 0``).
         balance: apply Eq. 24 with ``balance_clip = (c_min, c_max)``, ``0 < c_min <= c_max``.
+        reduce_sum: data parallelism: a function summing a tensor over the processes (e.g.
+            :func:`kvlearn.train.parallel.all_reduce_sum`). Every batch statistic (keep fraction per head, weight
+            mean, number of valid decisions) is then taken over the global batch, and the returned loss is this
+            process's share of the global mean (its sum over the global count): the shares add up to the loss of
+            one process on the whole batch. None: this batch alone.
     """
     check(isinstance(pred_priority, Tensor) and pred_priority.dim() == 3,
           f"pred_priority shape={tuple(getattr(pred_priority, 'shape', ()))} is invalid: expected [batch, kv_heads, seq]")
@@ -102,6 +108,7 @@ def boundary_loss(
           and all(isinstance(c, (int, float)) for c in balance_clip) and 0 < balance_clip[0] <= balance_clip[1],
           f"balance_clip={balance_clip!r} is invalid: expected (c_min, c_max) with 0 < c_min <= c_max")
 
+    reduce = reduce_sum if reduce_sum is not None else (lambda t: t)
     valid = decisions.valid.bool()
     validf = valid.to(torch.float32)
     y = torch.where(valid, decisions.y.to(torch.float32), torch.zeros((), device=valid.device))
@@ -120,20 +127,20 @@ def boundary_loss(
             weights = weights * (margin_min_weight + (1.0 - margin_min_weight) * torch.sigmoid(margin / margin_temperature))
         if balance:
             c_min, c_max = float(balance_clip[0]), float(balance_clip[1])
-            pos = ((y > 0) & valid).to(torch.float32).sum(dim=(0, 2))  # [h]
-            cnt = validf.sum(dim=(0, 2))
+            pos = reduce(((y > 0) & valid).to(torch.float32).sum(dim=(0, 2)))  # [h]
+            cnt = reduce(validf.sum(dim=(0, 2)))
             rho = pos / cnt.clamp(min=1.0)  # fraction of keep labels of head h (over batch and positions)
             w_keep = (0.5 / rho.clamp(min=1e-12)).clamp(c_min, c_max)
             w_drop = (0.5 / (1.0 - rho).clamp(min=1e-12)).clamp(c_min, c_max)
             weights = weights * torch.where(y > 0, w_keep[None, :, None], w_drop[None, :, None])
         weights = weights * validf
-        num_valid = valid.sum()
-        mean_w = weights.sum() / num_valid.clamp(min=1)
+        num_valid = reduce(valid.sum())
+        mean_w = reduce(weights.sum()) / num_valid.clamp(min=1)
         weights = torch.where(mean_w > 0, weights / mean_w.clamp(min=1e-30), weights)
         # Student tie rule: equal static priorities go to the earlier token, and t_bnd < t_new always,
         # so a tie means t_new is dropped.
         agree = torch.where(y > 0, diff.detach() > 0, diff.detach() <= 0) & valid
-        accuracy = agree.to(torch.float32).sum() / num_valid.clamp(min=1)
+        accuracy = reduce(agree.to(torch.float32).sum()) / num_valid.clamp(min=1)
 
     loss = (weights * per_example * validf).sum() / num_valid.clamp(min=1)
     return BoundaryLoss(loss=loss, weights=weights, accuracy=accuracy, num_valid=num_valid)

@@ -21,7 +21,7 @@ module. Without ``kvpop_train`` the function is transformers' SDPA attention unc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -57,13 +57,20 @@ class LayerRecord:
     log_gamma: Tensor
 
 
-@dataclass
 class TrainForward:
     """Per-forward state of the training attention: the budget (``config``) and, filled by the forward, one
-    :class:`LayerRecord` per decoder layer. Make a new one for every forward."""
+    :class:`LayerRecord` per decoder layer. Make a new one for every forward.
 
-    config: KVpopConfig
-    records: dict[int, LayerRecord] = field(default_factory=dict)
+    A plain class on purpose, not a dataclass: FSDP's forward hooks rebuild the dataclasses, dicts and lists they
+    find in a module's arguments (to move their tensors), so the layers would fill copies of ``records`` and the
+    trainer would see only some of them."""
+
+    def __init__(self, config: KVpopConfig) -> None:
+        self.config = config
+        self.records: dict[int, LayerRecord] = {}
+
+    def __repr__(self) -> str:
+        return f"TrainForward(layers recorded={sorted(self.records)})"
 
 
 def kvpop_train_attention(

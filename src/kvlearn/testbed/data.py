@@ -74,6 +74,7 @@ def check_haystack_subset(values, allowed: tuple[str, ...], name: str) -> tuple[
 def batch_examples(
     batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None,
     dense: bool | float = True, styles: Sequence[str] | None = None, regimes: Sequence[str] | None = None,
+    rows: range | None = None,
 ) -> list[Example]:
     """The examples of training batch ``seed``: row ``j`` is train example ``(seed << 12) | j`` of a family
     drawn from ``families`` with probabilities proportional to ``weights`` (uniform when None).
@@ -81,7 +82,8 @@ def batch_examples(
     ``dense``: True (every row in the dense training format), False (every row in the evaluation format, only
     the final answer supervised) or the share in [0, 1] of dense rows, each row drawn independently.
     ``styles`` / ``regimes``: when given, each row's haystack style / depth regime is drawn uniformly from them
-    (subsets of the training ones) instead of from the example's seed."""
+    (subsets of the training ones) instead of from the example's seed. ``rows``: only these rows of the batch
+    (a data-parallel share, :func:`shard_rows`); the rows are the same examples as in the whole batch."""
     check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
     check(_is_int(seed) and seed >= 0, f"seed={seed!r} is invalid: expected an integer >= 0")
     families, weights = _check_mixture(families, weights)
@@ -92,16 +94,37 @@ def batch_examples(
     chosen = rng.choices(families, weights=weights, k=batch_size)
     is_dense = [rng.random() < share for _ in range(batch_size)]  # share 1 -> all, 0 -> none
     hay_rng = random.Random(f"kvlearn-batch-haystack:{seed}")  # only drawn from when narrowed: default batches unchanged
+    hay = [(hay_rng.choice(styles) if styles else None, hay_rng.choice(regimes) if regimes else None)
+           for _ in range(batch_size)]
+    rows = range(batch_size) if rows is None else _check_rows(rows, batch_size)
     return [
-        generate(fam, example_seed(fam, "train", (seed << 12) | j), length, dense=d,
-                 style=hay_rng.choice(styles) if styles else None, regime=hay_rng.choice(regimes) if regimes else None)
-        for j, (fam, d) in enumerate(zip(chosen, is_dense))
+        generate(chosen[j], example_seed(chosen[j], "train", (seed << 12) | j), length, dense=is_dense[j],
+                 style=hay[j][0], regime=hay[j][1])
+        for j in rows
     ]
+
+
+def _check_rows(rows, batch_size: int) -> range:
+    check(isinstance(rows, range) and rows.step == 1 and 0 <= rows.start <= rows.stop <= batch_size,
+          f"rows={rows!r} is invalid: expected a range(start, stop) within [0, batch_size={batch_size}]")
+    return rows
+
+
+def shard_rows(batch_size: int, index: int, count: int) -> range:
+    """The rows of a global batch of ``batch_size`` that data-parallel process ``index`` of ``count`` trains on
+    (contiguous, equal shares; one-line error when ``batch_size`` is not a multiple of ``count``)."""
+    check(_is_int(count) and count >= 1 and _is_int(index) and 0 <= index < count,
+          f"row shard {index!r} of {count!r} is invalid: expected 0 <= index < count")
+    check(batch_size % count == 0,
+          f"batch_size={batch_size} is invalid for {count} processes: expected a multiple of {count}")
+    share = batch_size // count
+    return range(index * share, (index + 1) * share)
 
 
 def training_batch(
     batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None,
     dense: bool | float = True, styles: Sequence[str] | None = None, regimes: Sequence[str] | None = None,
+    rows: range | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, both ``LongTensor [batch_size, length]``: one whole example per row.
 
@@ -110,7 +133,7 @@ def training_batch(
     disjoint train examples; no eval example is ever drawn. ``styles`` / ``regimes`` narrow the haystack
     (:func:`batch_examples`).
     """
-    examples = batch_examples(batch_size, length, seed, families, weights, dense, styles, regimes)
+    examples = batch_examples(batch_size, length, seed, families, weights, dense, styles, regimes, rows)
     input_ids = torch.tensor([e.input_ids for e in examples], dtype=torch.long)
     labels = torch.tensor([example_labels(e) for e in examples], dtype=torch.long)
     return input_ids, labels
@@ -196,7 +219,9 @@ class TestbedStream(IterableDataset):
     ``start_batch + stream + k * world_size * n``), so workers and ranks never draw the same train example,
     and with ``DataLoader``'s in-order delivery a rank sees batches in increasing order. Batch ``b`` is
     :func:`training_batch` with seed ``(seed << 40) | b``: streams with different ``seed`` are disjoint too
-    (give each curriculum stage its own ``seed``, or resume with ``start_batch``).
+    (give each curriculum stage its own ``seed``, or resume with ``start_batch``). ``rows`` (a range from
+    :func:`shard_rows`) keeps only those rows of every batch: data-parallel processes that each take one share of
+    the same batches (``world_size=1`` then) together see exactly the batches one process would.
     """
 
     __test__ = False  # not a pytest class
@@ -214,6 +239,7 @@ class TestbedStream(IterableDataset):
         start_batch: int = 0,
         styles: Sequence[str] | None = None,
         regimes: Sequence[str] | None = None,
+        rows: range | None = None,
     ) -> None:
         super().__init__()
         check(_is_int(world_size) and world_size >= 1, f"world_size={world_size!r} is invalid: expected an integer >= 1")
@@ -225,6 +251,7 @@ class TestbedStream(IterableDataset):
         dense_share(dense)
         self.styles = check_haystack_subset(styles, TRAIN_STYLES, "styles")
         self.regimes = check_haystack_subset(regimes, TRAIN_REGIMES, "regimes")
+        self.rows = None if rows is None else _check_rows(rows, batch_size)
         generate(self.families[0], 0, length)  # validates length early, in the main process
         self.length, self.batch_size, self.seed = length, batch_size, seed
         self.rank, self.world_size, self.dense, self.start_batch = rank, world_size, dense, start_batch
@@ -243,7 +270,7 @@ class TestbedStream(IterableDataset):
         for b in self.batch_numbers(wid, nw):
             yield training_batch(
                 self.batch_size, self.length, (self.seed << 40) | b, self.families, self.weights, self.dense,
-                self.styles, self.regimes,
+                self.styles, self.regimes, self.rows,
             )
 
 

@@ -21,6 +21,11 @@ Read top to bottom: config, models, losses, schedule, checkpoints, loop.
   with a linear warm-up then a cosine to ``min_lr_ratio`` of it. Gradient clipping; bf16 autocast on CUDA only.
 * **Data**: :class:`~kvlearn.testbed.data.TestbedStream` (batch ``b`` of the stream is step ``b``: a resumed run
   sees the batches an uninterrupted run would).
+* **Processes**: one, or several under ``torchrun`` (:mod:`kvlearn.train.parallel`): the student and the teacher
+  are FSDP2-sharded per decoder layer, each process trains on its share of the rows of the same global batch
+  (``batch_size`` is global and must be a multiple of the process count), and every loss statistic is reduced over
+  the processes, so ``N`` processes take the same steps as one (tested with gloo on the CPU). Rank 0 logs and
+  writes the checkpoints, in the single-process format.
 * **Output folder**: ``step-<N>/`` checkpoints every ``save_interval`` steps (a loadable model folder plus
   ``trainer_state.pt``: optimizer state and step; written to a temporary folder, then renamed), the last two
   kept; ``final/`` at the end (loadable by :func:`kvlearn.load`, evaluable with ``kvlearn eval --method kvpop``);
@@ -47,7 +52,8 @@ from ..kvpop.apply import apply_kvpop
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_policy
 from ..kvpop.train_attention import TrainForward, use_train_attention
-from ..testbed.data import IGNORE_INDEX, TestbedStream
+from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
+from . import parallel
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 
 __all__ = ["RetrofitConfig", "retrofit", "kd_loss", "distill_losses", "student_forward", "latest_checkpoint"]
@@ -164,7 +170,7 @@ def _check_model_folder(path: str, seq_len: int) -> None:
 
 def build_models(config: RetrofitConfig, device: torch.device):
     """``(teacher, student)``: the frozen dense model (eval mode, no gradient) and a float32 copy with KVpop applied,
-    switched to the ``"kvpop_train"`` attention, in train mode."""
+    switched to the ``"kvpop_train"`` attention, in train mode (unsharded: see :func:`parallel.shard_model`)."""
     from ..checkpoint import load as load_model
 
     teacher = load_model(config.model, dtype=torch.float32, device=device)
@@ -188,13 +194,16 @@ def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig):
 # losses
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, topk: int) -> torch.Tensor:
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, topk: int,
+            reduce_sum=None) -> torch.Tensor:
     """KL(teacher top-``topk`` || student) per supervised token, averaged (scalar float32).
 
     ``student_logits``/``teacher_logits [B, T, V]`` predict the next token; ``labels [B, T]`` (-100 = not
     supervised, the Hugging Face convention: position ``i - 1`` predicts label ``i``). The teacher's distribution
     is renormalised over its ``topk`` most likely tokens (temperature 1); the student's log-probabilities are over
-    the full vocabulary. 0 (still differentiable) when no token is supervised."""
+    the full vocabulary. 0 (still differentiable) when no token is supervised. ``reduce_sum`` (data parallelism,
+    :func:`kvlearn.train.parallel.all_reduce_sum`): divide by the supervised tokens of the global batch, so the
+    processes' values add up to the loss of the whole batch."""
     mask = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]
     s = student_logits[:, :-1][mask].float()  # [N, V]: only the supervised positions (saves memory at large V)
     t = teacher_logits[:, :-1][mask].float()
@@ -203,16 +212,18 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: 
     t_logp = torch.log_softmax(t_top, dim=-1)
     s_logp = torch.gather(torch.log_softmax(s, dim=-1), -1, idx)
     kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # [N]
-    return kl.sum() / mask.sum().clamp(min=1)
+    count = mask.sum() if reduce_sum is None else reduce_sum(mask.sum())
+    return kl.sum() / count.clamp(min=1)
 
 
-def distill_losses(state: TrainForward, query_positions: torch.Tensor) -> dict:
+def distill_losses(state: TrainForward, query_positions: torch.Tensor, reduce_sum=None) -> dict:
     """Boundary loss and retention metrics of one student forward, averaged over its layers.
 
     ``query_positions``: int64 ``[n]`` (:func:`sample_query_positions`). Returns ``boundary`` (scalar, gradient into
     the scorer/decay parameters only), and detached floats ``boundary_accuracy``, ``keep_fraction`` (share of
     valid teacher decisions that keep the new token) and ``recall`` (share of the teacher's retained eligible
-    tokens the student also retains, at the sampled queries)."""
+    tokens the student also retains, at the sampled queries). ``reduce_sum``: global-batch statistics under data
+    parallelism (:func:`~kvlearn.kvpop.loss.boundary_loss`); the metrics stay this process's."""
     cfg = state.config
     s, w, k = cfg.sinks, cfg.window, cfg.topk
     losses, acc, keep, recall = [], [], [], []
@@ -223,7 +234,7 @@ def distill_losses(state: TrainForward, query_positions: torch.Tensor) -> dict:
         result = boundary_loss(rec.priorities, teacher.priorities, decisions, temperature=cfg.loss_temperature,
                                margin_weighting=cfg.margin_weighting, margin_min_weight=cfg.margin_min_weight,
                                margin_temperature=cfg.margin_temperature, balance=cfg.balance,
-                               balance_clip=tuple(cfg.balance_clip))
+                               balance_clip=tuple(cfg.balance_clip), reduce_sum=reduce_sum)
         losses.append(result.loss)
         acc.append(float(result.accuracy))
         n_valid = decisions.valid.sum().clamp(min=1)
@@ -290,18 +301,25 @@ def _copy_tokenizer(source: str, dest: Path) -> None:
             shutil.copy2(os.path.join(source, name), dest / name)
 
 
-def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name: str, extra: dict | None = None) -> Path:
+def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name: str, extra: dict | None = None,
+                    main: bool = True) -> Path:
     """Write ``out/<name>/`` atomically: a loadable model folder (float32 safetensors, ``config.json`` with the
-    KVpop config) and ``trainer_state.pt`` (optimizer state, step). Written to a temporary folder, then renamed."""
+    KVpop config) and ``trainer_state.pt`` (optimizer state keyed by parameter name, step). Written to a temporary
+    folder, then renamed. Under data parallelism every process calls it (the state is gathered collectively) and
+    only ``main`` writes."""
+    weights = parallel.full_state_dict(student)
+    optimizer_state = parallel.full_optimizer_state_dict(student, optimizer)
     out = Path(config.out)
+    if not main:
+        return out / name
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".tmp-{name}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    student.save_pretrained(tmp, safe_serialization=True)
+    student.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
     _copy_tokenizer(config.model, tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "config": asdict(config), **(extra or {})},
+    torch.save({"step": step, "optimizer": optimizer_state, "config": asdict(config), **(extra or {})},
                tmp / STATE_FILE)
     dest = out / name
     if dest.exists():  # replace: move the old one aside first, so a crash leaves one complete copy
@@ -322,9 +340,10 @@ def _prune(out: Path) -> None:
         shutil.rmtree(p)
 
 
-def load_trainer_state(path: Path, student, optimizer, config: RetrofitConfig) -> int:
-    """Load the student weights and optimizer state of checkpoint ``path``; returns its step. One-line error when
-    the checkpoint was trained with another KVpop config or another run length."""
+def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
+    """Load the student weights of checkpoint ``path`` (into the unsharded student) and return its trainer state
+    (``step``, ``optimizer``: load it with :func:`parallel.load_optimizer_state_dict` once the optimizer exists).
+    One-line error when the checkpoint was trained with another KVpop config or another run length."""
     from safetensors.torch import load_file
 
     trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
@@ -342,8 +361,7 @@ def load_trainer_state(path: Path, student, optimizer, config: RetrofitConfig) -
     # tied embeddings are saved once: the only keys allowed missing are tied copies
     check(not unexpected and all("lm_head" in k for k in missing),
           f"checkpoint {str(path)!r} does not match the student (missing {missing[:2]}, unexpected {unexpected[:2]})")
-    optimizer.load_state_dict(trainer["optimizer"])
-    return int(trainer["step"])
+    return trainer
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -353,45 +371,52 @@ def load_trainer_state(path: Path, student, optimizer, config: RetrofitConfig) -
 def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bool = True) -> dict:
     """Run the distillation; returns ``{"step", "final", "log"}`` (``final``: the final checkpoint folder, None when
     ``stop_after`` ended the run early: that simulates a killed run, for tests)."""
-    device = torch.device(config.device)
+    d = parallel.init_distributed(config.device)
+    device = torch.device(f"cuda:{d.local_rank}" if d.world > 1 and config.device.startswith("cuda") else config.device)
+    rows = shard_rows(config.batch_size, d.rank, d.world)  # one-line error unless batch_size % world == 0
+    reduce_sum = parallel.all_reduce_sum if d.world > 1 else None
     torch.manual_seed(config.seed)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if config.overwrite and not config.resume:  # remove only what an earlier run of this trainer wrote
-        for p in out.iterdir():
-            if p.name == LOG_FILE:
-                p.unlink()
-            elif p.is_dir() and (p.name == FINAL or p.name.startswith(("step-", ".tmp-", ".old-"))):
-                shutil.rmtree(p)
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        if config.overwrite and not config.resume:  # remove only what an earlier run of this trainer wrote
+            for p in out.iterdir():
+                if p.name == LOG_FILE:
+                    p.unlink()
+                elif p.is_dir() and (p.name == FINAL or p.name.startswith(("step-", ".tmp-", ".old-"))):
+                    shutil.rmtree(p)
     teacher, student = build_models(config, device)
-    optimizer = make_optimizer(config, student, device)
     kv = config.kvpop
-    step = 0
+    step, trainer_state = 0, None
     if config.resume:
-        step = load_trainer_state(latest_checkpoint(out), student, optimizer, config)
+        trainer_state = load_trainer_state(latest_checkpoint(out), student, config)
+        step = int(trainer_state["step"])
+    if d.world > 1:
+        parallel.shard_model(teacher)
+        parallel.shard_model(student)
+    optimizer = make_optimizer(config, student, device)
+    if trainer_state is not None:
+        parallel.load_optimizer_state_dict(student, optimizer, trainer_state["optimizer"])
     log_path = out / LOG_FILE
-    if log_path.exists():  # drop the lines of steps that the resumed run will redo
+    if d.main and log_path.exists():  # drop the lines of steps that the resumed run will redo
         lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
         log_path.write_text("".join(ln + "\n" for ln in lines))
 
     stream = TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,
-                           dense=config.dense_fraction, start_batch=step)
+                           dense=config.dense_fraction, start_batch=step, rows=rows)
     batches = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                pin_memory=device.type == "cuda"))
     from tqdm import tqdm
 
     total = config.steps
-    bar = tqdm(total=total, initial=step, disable=not progress, desc="retrofit", unit="step")
+    bar = tqdm(total=total, initial=step, disable=not progress or not d.main, desc="retrofit", unit="step")
     t0 = time.time()
-    seconds_done = 0.0
-    if config.resume:
-        seconds_done = float(torch.load(latest_checkpoint(out) / STATE_FILE, map_location="cpu",
-                                        weights_only=False).get("seconds", 0.0))
+    seconds_done = float(trainer_state.get("seconds", 0.0)) if trainer_state is not None else 0.0
     last, finished = {}, False
-    with log_path.open("a") as log_file:
+    with open(log_path if d.main else os.devnull, "a") as log_file:
         while True:
             seconds = seconds_done + time.time() - t0
-            fraction = step / config.steps if config.steps else seconds / (60 * config.minutes)
+            fraction = step / config.steps if config.steps else _agreed(seconds / (60 * config.minutes), d, device)
             finished = fraction >= 1
             if finished or (stop_after is not None and step >= stop_after):
                 break
@@ -407,28 +432,50 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
                 with torch.no_grad():
                     teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
                 logits, state = student_forward(student, input_ids, kv)
-            kd = kd_loss(logits, teacher_logits, labels, config.kd_topk)  # float32
-            parts = distill_losses(state, queries)
+            # float32; under data parallelism each is this process's share of the global-batch value
+            kd = kd_loss(logits, teacher_logits, labels, config.kd_topk, reduce_sum=reduce_sum)
+            parts = distill_losses(state, queries, reduce_sum=reduce_sum)
             loss = kd + config.boundary_weight * parts["boundary"]
-            loss.backward()
+            (loss * d.world).backward()  # FSDP averages the gradients over the processes: the shares' sum
             grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            last = {"step": step, "loss": float(loss.detach()), "kd": float(kd.detach()),
-                    "boundary": float(parts["boundary"].detach()), "boundary_accuracy": parts["boundary_accuracy"],
-                    "keep_fraction": parts["keep_fraction"], "recall": parts["recall"],
-                    "grad_norm": float(grad_norm), "lr": config.lr, "lr_new": lr_new,
+            totals = _global_sums([loss.detach(), kd.detach(), parts["boundary"].detach()], d)
+            metrics = _global_sums([torch.tensor([parts[k] for k in ("boundary_accuracy", "keep_fraction", "recall")],
+                                                 device=device)], d)[0] / d.world
+            last = {"step": step, "loss": float(totals[0]), "kd": float(totals[1]),
+                    "boundary": float(totals[2]), "boundary_accuracy": float(metrics[0]),
+                    "keep_fraction": float(metrics[1]), "recall": float(metrics[2]),
+                    "grad_norm": parallel.scalar(grad_norm), "lr": config.lr, "lr_new": lr_new,
                     "seconds": round(seconds_done + time.time() - t0, 3)}
             log_file.write(json.dumps(last) + "\n")
             log_file.flush()
             bar.update(1)
             bar.set_postfix(kd=f"{last['kd']:.3f}", bnd=f"{last['boundary']:.3f}", recall=f"{last['recall']:.2f}")
             if step % config.save_interval == 0:
-                save_checkpoint(config, student, optimizer, step, f"step-{step}", {"seconds": last["seconds"]})
-                _prune(out)
+                save_checkpoint(config, student, optimizer, step, f"step-{step}", {"seconds": last["seconds"]}, d.main)
+                if d.main:
+                    _prune(out)
     bar.close()
     final = None
     if finished:
-        final = save_checkpoint(config, student, optimizer, step, FINAL, {"seconds": last.get("seconds", 0.0)})
+        final = save_checkpoint(config, student, optimizer, step, FINAL, {"seconds": last.get("seconds", 0.0)}, d.main)
+    parallel.close_distributed(d)
     return {"step": step, "final": None if final is None else str(final), "log": last}
+
+
+def _global_sums(values: list[torch.Tensor], d) -> list[torch.Tensor]:
+    """Each tensor summed over the processes (itself with one process), on the CPU."""
+    return [(parallel.all_reduce_sum(v) if d.world > 1 else v).detach().float().cpu() for v in values]
+
+
+def _agreed(fraction: float, d, device: torch.device) -> float:
+    """Rank 0's elapsed fraction on every process, so that a wall-clock run ends at the same step everywhere."""
+    if d.world == 1:
+        return fraction
+    import torch.distributed as dist
+
+    t = torch.tensor([fraction], dtype=torch.float64, device=device)
+    dist.broadcast(t, 0)
+    return float(t)

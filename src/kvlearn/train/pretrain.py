@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..testbed import tasks as testbed_tasks
 from ..testbed.data import TestbedStream, check_haystack_subset, dense_share
 from ..testbed.filler import TRAIN_STYLES
 from ..testbed.tokenizer import build_tokenizer, save_tokenizer
+from . import parallel
 
 
 def default_out() -> str:
@@ -262,30 +262,9 @@ def model_card(log: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@dataclass
-class _Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def _init_distributed() -> _Dist:
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return _Dist()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    d = _Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(d.local_rank)
-    return d
-
-
 def pretrain(config: PretrainConfig) -> dict:
     """Run the time-budgeted curriculum; returns the training log (also written next to the checkpoint)."""
-    d = _init_distributed()
+    d = parallel.init_distributed(config.device)
     device = torch.device(config.device if config.device == "cpu" else f"cuda:{d.local_rank}")
     torch.manual_seed(config.seed)
     tokenizer = build_tokenizer()

@@ -1,0 +1,96 @@
+"""The retrofit trainer under ``torchrun`` with FSDP2 (2 processes, gloo, CPU) takes the same steps as one process on
+the whole batch: equal loss terms at every step and equal final weights (float32, tiny random GQA Qwen3). The
+single-process run is the reference; the 2-process run shards the student and the teacher per decoder layer and
+splits every batch's rows."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from kvlearn import KVLearnError, KVpopConfig
+from kvlearn.testbed.data import shard_rows
+from kvlearn.testbed.tokenizer import VOCAB_SIZE
+from kvlearn.train.distill import LOG_FILE, RetrofitConfig, retrofit
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+SETTINGS = dict(kvpop=dict(sinks=4, window=16, topk=32, scorer="mlp"), steps=3, batch_size=4, seq_len=128,
+                save_interval=2, queries_per_step=16, warmup_steps=1, lr=1e-3, lr_new=1e-2)
+
+DRIVER = """
+import json, sys
+from kvlearn import KVpopConfig
+from kvlearn.train.distill import RetrofitConfig, retrofit
+settings = json.loads(sys.argv[3])
+settings["kvpop"] = KVpopConfig(**settings["kvpop"])
+retrofit(RetrofitConfig(model=sys.argv[1], out=sys.argv[2], **settings), progress=False)
+"""
+
+
+@pytest.fixture(scope="module")
+def teacher_path(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      pad_token_id=0, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("teacher") / "qwen3"
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
+
+
+def test_two_gloo_processes_equal_one(teacher_path, tmp_path):
+    single = tmp_path / "single"
+    settings = {**SETTINGS, "kvpop": KVpopConfig(**SETTINGS["kvpop"])}
+    retrofit(RetrofitConfig(model=teacher_path, out=str(single), **settings), progress=False)
+
+    sharded = tmp_path / "fsdp"
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), str(driver), teacher_path, str(sharded), json.dumps(SETTINGS)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    one, two = _log(single), _log(sharded)
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        for key in ("loss", "kd", "boundary"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    # the same final weights, written once in the single-process format, and the same optimizer state layout
+    w1, w2 = load_file(single / "final" / "model.safetensors"), load_file(sharded / "final" / "model.safetensors")
+    assert w1.keys() == w2.keys() and any(".kvpop." in k for k in w1)
+    # the scorer's output bias shifts every priority of a head alike, so the pairwise boundary loss does not see it:
+    # its gradient is round-off, which Adam scales up to steps of size lr_new in either run; it is left out
+    compared = [k for k in w1 if not k.endswith("scorer.b2")]
+    assert len(compared) == len(w1) - 2
+    for k in compared:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
+    s1 = torch.load(single / "final" / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    s2 = torch.load(sharded / "final" / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    assert s1.keys() == s2.keys()
+    assert sorted(p.name for p in sharded.iterdir()) == sorted(p.name for p in single.iterdir())
+
+
+def test_row_shards_cover_the_batch_once():
+    assert [list(shard_rows(6, i, 3)) for i in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(KVLearnError, match="batch_size=5 is invalid for 2 processes"):
+        shard_rows(5, 0, 2)
