@@ -85,6 +85,14 @@ class Backbone:
         rope = getattr(model_config, "qk_rope_head_dim", 0) if rank is not None else 0
         return cls(model_config.num_hidden_layers, kv, head_dim, rank, rope, scale_bits)
 
+    def check_model(self, model_config) -> None:
+        """One-line error unless this backbone has the layers, KV heads, head dim and latent of ``model_config``."""
+        theirs = Backbone.from_config(model_config)
+        ours = (self.num_layers, self.kv_heads, self.head_dim, self.mla_rank)
+        got = (theirs.num_layers, theirs.kv_heads, theirs.head_dim, theirs.mla_rank)
+        check(ours == got, f"the KV-Kaizen configuration is for (layers, kv_heads, head_dim, mla_rank) = {ours}, the "
+                           f"model has {got}: build it with Backbone.from_config(model.config)")
+
     @property
     def is_mla(self) -> bool:
         return self.mla_rank is not None
