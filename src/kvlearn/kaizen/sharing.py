@@ -35,7 +35,7 @@ from transformers.masking_utils import sdpa_mask
 from ..cache.observe import attention_summary
 from ..errors import check
 from ..hf import attach as attach_kvlearn
-from ..hf import masked_attention
+from ..hf import kvlearn_attention, masked_attention
 from ..ops.quant import fake_quantize
 from .actions import KaizenConfig
 from .cache import KaizenCache
@@ -106,8 +106,6 @@ def kaizen_attention(
         ``(out [batch, q, q_heads, head_dim], None)``.
     """
     if kaizen_forward is None:  # no configuration: kvlearn's attention (a plain compact cache, or plain SDPA)
-        from ..hf import kvlearn_attention
-
         return kvlearn_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  kvlearn_cache=kvlearn_cache, **kwargs)
     l = module.layer_idx
