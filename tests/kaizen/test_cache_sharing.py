@@ -3,7 +3,7 @@ heads, 4 query heads, head_dim 16).
 
 - a forward with ``use_cache=False`` (anchors' K/V fake-quantized, sharing through the per-forward anchor dictionary)
   equals prefill + token-by-token decoding through a :class:`KaizenCache` (sharing through the anchor's store), and
-  equals ``generate()`` through the cache, to 1e-4;
+  equals ``generate()`` through the cache, to 1e-4; a left-padded batch equals its rows alone;
 - the cache holds exactly the bytes of the cost model (hand-computed case), within 1% with the bookkeeping at
   8 KV heads of 128; a shared layer holds 0 bytes;
 - training: gradients flow to a shared layer's anchor through the dictionary; bad input is a one-line error.
@@ -157,3 +157,21 @@ def test_bad_input_is_refused_in_one_line():
     cache = make_cache(config(model, *CONFIGS["one anchor"]), model.config, capacity=8)
     with torch.no_grad(), pytest.raises(KVLearnError, match="exceed the capacity of this full cache .8 slots"):
         model(input_ids=torch.ones(1, 9, dtype=torch.long), past_key_values=cache, use_cache=True)
+
+
+def test_padded_batch_equals_rows_alone():
+    model = tiny(10)
+    cfg = config(model, *CONFIGS["sharing, mixed bits"])
+    rows = [torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 6)]
+    ids = torch.zeros(2, 11, dtype=torch.long)
+    am = torch.zeros(2, 11, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, 11 - len(r):], am[i, 11 - len(r):] = r, 1
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=am, past_key_values=make_cache(cfg, model.config, 16), **kw)
+        for i, r in enumerate(rows):
+            solo = model.generate(input_ids=r[None], past_key_values=make_cache(cfg, model.config, 16), **kw)
+            assert out.sequences[i, 11:].tolist() == solo.sequences[0, len(r):].tolist()
+            for a, b in zip(out.logits, solo.logits):
+                torch.testing.assert_close(a[i], b[0], atol=1e-4, rtol=1e-4)
