@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvlearn import KVLearnError
-from kvlearn.kaizen.actions import (AXES, Backbone, KaizenConfig, LayerAction, action_bits, action_space,
-                                    check_budget, feasible_range)
+from kvlearn.kaizen.actions import (AXES, Backbone, KaizenConfig, LayerAction, action_bits, action_mask,
+                                    action_space, check_budget, feasible_range)
 from kvlearn.kaizen.budget import BudgetMultiplier, excess, selection_cost
 
 QWEN14 = Backbone(num_layers=48, kv_heads=8, head_dim=128)  # Qwen2.5-14B: 2 n_kv d_h = 2048
@@ -105,6 +105,8 @@ def test_from_indices_is_the_selector_interface():
     space = action_space(QWEN14, ("precision", "depth"))
     config = KaizenConfig.from_indices(QWEN14, [0, 4, 2] + [1] * 45, ("precision", "depth"))
     assert config.actions[:3] == (space[0], LayerAction.shared(), LayerAction(4)) and config.anchor_of(1) == 0
+    mask = action_mask(QWEN14, ("precision", "depth"))
+    assert mask[0] == [True] * 4 + [False] and all(mask[l] == [True] * 5 for l in range(1, 48))
 
 
 def test_multiplier_dynamics_hand_computed():

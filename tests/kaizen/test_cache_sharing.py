@@ -175,3 +175,23 @@ def test_padded_batch_equals_rows_alone():
             assert out.sequences[i, 11:].tolist() == solo.sequences[0, len(r):].tolist()
             for a, b in zip(out.logits, solo.logits):
                 torch.testing.assert_close(a[i], b[0], atol=1e-4, rtol=1e-4)
+
+
+def test_eviction_composes_with_the_configuration():
+    """``policy_factory``: a streaming policy under every own layer. Token by token (every forward attends the store)
+    a 4-bit configuration equals a streaming cache on PackedStore(4); with sharing, the sharing layers follow their
+    anchor's evictions and hold nothing."""
+    from kvlearn.eviction import streaming
+
+    model = tiny(11)
+    scfg = streaming.StreamingConfig(budget=9, sinks=2)
+    ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    policy = lambda: streaming.StreamingPolicy(scfg)  # noqa: E731
+    got = decode_through(model, KaizenCache(KaizenConfig.static(Backbone.from_config(model.config), 4), 9, policy),
+                         ids, 1)
+    ref = decode_through(model, streaming.make_cache(scfg, model.config, store_factory=lambda: PackedStore(4)), ids, 1)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    cache = KaizenCache(config(model, LayerAction(8), S, LayerAction(4), S), 9, policy)
+    shared = decode_through(model, cache, ids, 10)
+    assert bool(torch.isfinite(shared).all()) and cache.get_seq_length() == 24
+    assert cache.layers[1].allocated_bytes() == 0 and cache.layers[0].store.shape[2] == 9

@@ -182,6 +182,13 @@ def action_space(backbone: Backbone, axes: tuple[str, ...] | None = None) -> tup
     return tuple(own) + ((LayerAction.shared(),) if "depth" in axes else ())
 
 
+def action_mask(backbone: Backbone, axes: tuple[str, ...] | None = None) -> list[list[bool]]:
+    """``[L][A]`` which actions of ``action_space(backbone, axes)`` each layer may take (the selector sets the logits
+    of the others to -inf): every action, except ``share`` at layer 0."""
+    space = action_space(backbone, axes)
+    return [[not (a.share and l == 0) for a in space] for l in range(backbone.num_layers)]
+
+
 def check_axes(axes, backbone: Backbone) -> tuple[str, ...]:
     """One-line error unless ``axes`` is a non-empty subset of :data:`AXES` valid on ``backbone``; return it.
     ``None``: every axis the backbone has (rank only on MLA)."""
