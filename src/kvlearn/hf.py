@@ -103,7 +103,22 @@ def kvlearn_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     step = kvlearn_cache.step
     layer = kvlearn_cache.layers[module.layer_idx]
+    check(not getattr(layer, "borrows", False),
+          f"layer {module.layer_idx} shares its anchor's cache: run the model with kvlearn.kaizen.attach(model)")
     mask = layer.visibility_mask(step.positions, step.has_padding)  # [batch, P, q, kv]
+    out = masked_attention(query, key, value, mask, scaling)
+    if layer.policy.observes:  # the policy evicts after attending
+        request = layer.policy.attention_request(step)
+        attention = None if request is None else attention_summary(query, key, mask, scaling, request, step.positions)
+        layer.observe_attention(step, attention)
+    return out, None
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scaling: float | None) -> torch.Tensor:
+    """SDPA of ``query [batch, q_heads, q, head_dim]`` over ``key, value [batch, kv_heads, kv, head_dim]`` (GQA, not
+    expanded) under the boolean ``mask [batch, P, q, kv]`` (``P`` = 1: one mask for every head, or ``kv_heads``).
+    Returns ``[batch, q, q_heads, head_dim]`` (transformers' attention output layout)."""
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -117,11 +132,7 @@ def kvlearn_attention(
         qf = query.reshape(b, hkv, g * q, d)
         mf = mask[:, :, None].expand(b, hkv, g, q, mask.shape[-1]).reshape(b, hkv, g * q, mask.shape[-1])
         out = F.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scaling).reshape(b, hq, q, -1)
-    if layer.policy.observes:  # the policy evicts after attending
-        request = layer.policy.attention_request(step)
-        attention = None if request is None else attention_summary(query, key, mask, scaling, request, step.positions)
-        layer.observe_attention(step, attention)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 class _ExpectedExtraKeysFilter(logging.Filter):

@@ -38,7 +38,8 @@ from .store import PlainStore, Store, scatter_slots
 
 class CompactLayer(CacheLayerMixin):
     """One layer of a compact cache: a :class:`Store` of ``policy.capacity`` slots per (batch row, KV head) and the
-    :class:`Policy` that fills it.
+    :class:`Policy` that fills it. ``attend_stored_form``: a multi-token forward attends its own new tokens as the
+    store will read them back (:meth:`Store.round_trip`, e.g. quantized) instead of in full precision.
 
     State (per sequence, reset by :meth:`reset`): ``slot_positions [batch, P, capacity]`` int32 (``-1`` = empty),
     ``slot_state[name] [batch, P, capacity]`` for each name the policy declares, ``seen`` (tokens seen).
@@ -47,11 +48,15 @@ class CompactLayer(CacheLayerMixin):
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, policy: Policy, store: Store | None = None):
+    def __init__(self, policy: Policy, store: Store | None = None, attend_stored_form: bool = False):
         super().__init__()
         check(isinstance(policy, Policy), f"policy {type(policy).__name__} is not a kvlearn.cache.Policy")
         self.policy = policy
         self.store = store if store is not None else PlainStore()
+        check(not self.store.requires_append_only or policy.append_only,
+              f"{type(self.store).__name__} needs a policy that never evicts (slots written in position order, never "
+              f"overwritten: KeepAllPolicy); {type(policy).__name__} evicts")
+        self.attend_stored_form = attend_stored_form
         self.capacity = policy.capacity
         self.seen = 0
         self.slot_positions: torch.Tensor | None = None
@@ -114,8 +119,10 @@ class CompactLayer(CacheLayerMixin):
             self._visible = (self.slot_positions, None, -1)
         else:
             stored_k, stored_v = self.store.read()
-            keys = torch.cat([stored_k, key_states], dim=2)
-            values = torch.cat([stored_v, value_states], dim=2)
+            new_k, new_v = (self.store.round_trip(key_states, value_states) if self.attend_stored_form
+                            else (key_states, value_states))
+            keys = torch.cat([stored_k, new_k], dim=2)
+            values = torch.cat([stored_v, new_v], dim=2)
             start = torch.cat([self.slot_positions.to(torch.int64), new_pos], dim=2)
             end = None
             if not (step.dense or plan.defer):

@@ -59,6 +59,10 @@ class PackedStore(Store):
             scatter_slots(codes_buf, slots, pack(codes, self.bits))
             scatter_slots(scale_buf, slots, scale)
 
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v [batch, kv_heads, q, dim]`` quantized and dequantized as a write then a read would (bit-exact)."""
+        return tuple(dequantize(*quantize(x.to(self.dtype), self.bits), self.dtype) for x in (k, v))
+
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot dequantized into a full-size temporary in the compute dtype (CPU reference path; an empty slot
         reads as zeros)."""

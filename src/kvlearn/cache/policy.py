@@ -95,6 +95,7 @@ class Policy:
     per_head: bool = False
     slot_state: dict[str, tuple[torch.dtype, float]] = {}
     observes: bool = False  # evicts after attending: the attention function calls layer.observe_attention
+    append_only: bool = False  # writes slots in position order and never overwrites one (KeepAllPolicy)
 
     def __init__(self, capacity: int):
         from ..errors import check_int

@@ -14,6 +14,12 @@ latent widths, ``read`` returns the latents the attention expands) implements in
 - :attr:`Store.read_is_view`: True when ``read`` returns the live buffers themselves (no copy); only then does the
   layer expose them as transformers' ``layer.keys``/``layer.values`` (otherwise those stay None, so no dequantized
   copy outlives a forward).
+- :meth:`Store.round_trip` ``(k, v) -> (k, v)``: the new tokens as ``read`` would give them back once written
+  (identity for a plain store; quantize + dequantize for a packed one). A layer built with
+  ``attend_stored_form=True`` attends the chunk of a multi-token forward in that form, so a prefill attends exactly
+  what training with fake-quantized K/V attends.
+- :attr:`Store.requires_append_only`: the store's layout needs slots written in position order and never
+  overwritten (KIVI's token groups); a layer refuses to join it to a policy that is not ``append_only``.
 
 :class:`PlainStore` keeps the model dtype; :class:`kvlearn.cache.packed.PackedStore` keeps packed integer codes.
 """
@@ -47,6 +53,11 @@ class Store:
     """Interface of a store (see the module docstring)."""
 
     read_is_view = False
+    requires_append_only = False
+
+    def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v [batch, kv_heads, q, dim]`` as :meth:`read` returns them after a write (default: unchanged)."""
+        return k, v
 
     def allocate(self, batch: int, kv_heads: int, capacity: int, k_dim: int, v_dim: int, dtype, device) -> None:
         raise NotImplementedError  # pragma: no cover
