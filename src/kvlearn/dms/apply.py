@@ -22,42 +22,17 @@ import os
 from dataclasses import asdict
 
 import torch
-from torch import nn
 
 from ..config import DMSConfig
 from ..errors import KVLearnError, check, check_int
-from ..hf import attach, check_supported
+from ..hf import attach, check_supported, checkpoint_tensors
 from .cache import DMSCache
-from .gates import DMSGate
+from .gates import MODULE_NAME, DMSGate, decoder_layers, dms_gates, has_dms
 
 __all__ = ["apply_dms", "has_dms", "dms_gates", "make_dms_cache", "load_dms", "recorded_config", "config_from_budget"]
 
-MODULE_NAME = "dms"  # the submodule of each decoder layer's attention module
 CONFIG_KEY = "dms"  # the entry of model.config
 LEARNED_FIELDS = ("gate_hidden", "alpha_scale", "alpha_offset")
-
-
-def _decoder_layers(model) -> list[nn.Module]:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    check(layers is not None and len(layers) > 0 and all(hasattr(layer, "self_attn") for layer in layers),
-          f"{type(model).__name__} has no decoder layers with a self_attn module: expected a causal LM of a "
-          "supported family")
-    return list(layers)
-
-
-def has_dms(model) -> bool:
-    """Whether :func:`apply_dms` has put DMS gates on ``model``."""
-    try:
-        return all(isinstance(getattr(layer.self_attn, MODULE_NAME, None), DMSGate) for layer in _decoder_layers(model))
-    except KVLearnError:
-        return False
-
-
-def dms_gates(model) -> list[DMSGate]:
-    """Layer ``i``'s gate; a one-line error for a model without them."""
-    check(has_dms(model), f"{type(model).__name__} has no DMS gates: call kvlearn.dms.apply.apply_dms(model, config) first")
-    return [getattr(layer.self_attn, MODULE_NAME) for layer in _decoder_layers(model)]
 
 
 def _gate_hook(layer, args, kwargs):
@@ -98,7 +73,7 @@ def apply_dms(model, config: DMSConfig):
     must agree on the learned fields (``gate_hidden``, ``alpha_scale``, ``alpha_offset``)."""
     check(isinstance(config, DMSConfig), f"config is {type(config).__name__}: expected a kvlearn.config.DMSConfig")
     check_supported(model)
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     if has_dms(model):
         first = dms_gates(model)[0]
         for name in LEARNED_FIELDS:
@@ -133,8 +108,6 @@ def make_dms_cache(model, config: DMSConfig | None = None) -> DMSCache:
 def load_dms(model, path: str | os.PathLike):
     """Apply the DMS config saved in the checkpoint folder ``path`` to ``model`` and load its gate weights; returns
     ``model``. A base of another shape is a one-line :class:`KVLearnError`."""
-    from ..kvpop.apply import _checkpoint_tensors
-
     path = os.fspath(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         saved = json.load(f)
@@ -147,7 +120,7 @@ def load_dms(model, path: str | os.PathLike):
     apply_dms(model, config)
     marker = f".{MODULE_NAME}."
     own = {k for k in model.state_dict() if marker in k}
-    tensors = _checkpoint_tensors(path, lambda k: marker in k)
+    tensors = checkpoint_tensors(path, lambda k: marker in k)
     missing, unexpected = sorted(own - set(tensors)), sorted(set(tensors) - own)
     check(not missing and not unexpected,
           f"DMS checkpoint {path!r}: weights do not match the gates of gate_hidden={config.gate_hidden} "

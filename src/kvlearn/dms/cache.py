@@ -30,6 +30,7 @@ from ..cache import CompactCache, CompactLayer, ForwardStep, ScoredPolicy
 from ..cache.scored import position_order
 from ..config import DMSConfig
 from ..errors import check
+from .gates import has_dms
 
 PROVISIONAL = float("inf")  # score of a token whose decision (the next token's logit) is not known yet
 
@@ -118,7 +119,5 @@ class DMSCache(CompactCache):
         """Also: one-line error unless ``model`` has DMS gates (:func:`kvlearn.dms.apply.apply_dms`)."""
         super().check_model(num_layers, model)
         if model is not None:
-            from .apply import has_dms
-
             check(has_dms(model), f"{type(model).__name__} has no DMS gates: call kvlearn.dms.apply.apply_dms(model, "
                                   "config) before using a DMS cache")

@@ -22,7 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..errors import check_int
+from ..errors import KVLearnError, check, check_int
+
+
+MODULE_NAME = "dms"  # the submodule of each decoder layer's attention module
 
 
 class DMSGate(nn.Module):
@@ -73,3 +76,26 @@ def matched_gate_hidden(hidden_size: int, num_kv_heads: int, target: int) -> int
     best = min(range(0, 4 * hidden_size + 1),
                key=lambda m: (abs(gate_parameter_count(hidden_size, num_kv_heads, m) - target), m))
     return best
+
+
+def decoder_layers(model) -> list[nn.Module]:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    check(layers is not None and len(layers) > 0 and all(hasattr(layer, "self_attn") for layer in layers),
+          f"{type(model).__name__} has no decoder layers with a self_attn module: expected a causal LM of a "
+          "supported family")
+    return list(layers)
+
+
+def has_dms(model) -> bool:
+    """Whether :func:`apply_dms` has put DMS gates on ``model``."""
+    try:
+        return all(isinstance(getattr(layer.self_attn, MODULE_NAME, None), DMSGate) for layer in decoder_layers(model))
+    except KVLearnError:
+        return False
+
+
+def dms_gates(model) -> list[DMSGate]:
+    """Layer ``i``'s gate; a one-line error for a model without them."""
+    check(has_dms(model), f"{type(model).__name__} has no DMS gates: call kvlearn.dms.apply.apply_dms(model, config) first")
+    return [getattr(layer.self_attn, MODULE_NAME) for layer in decoder_layers(model)]
