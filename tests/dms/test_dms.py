@@ -313,3 +313,38 @@ def test_registry_entry():
     assert m.protocols == ("bounded", "context") and m.apply is not None
     config = make_config("dms", budget=48, sinks=4, context=256)
     assert (config.sinks, config.window, config.budget, config.topk) == (4, 32, 48, 12)
+
+
+def _attention_inputs(device, requires_grad=False):
+    torch.manual_seed(11)
+    B, Hq, Hkv, T, D = 2, 4, 2, 200, 16  # T > 128: more than one flex block
+    q, k, v = (torch.randn(B, h, T, D, device=device, requires_grad=requires_grad) for h in (Hq, Hkv, Hkv))
+    z = (torch.randn(B, Hkv, T, device=device) * 3).requires_grad_(requires_grad)
+    return q, k, v, z
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_flex_execution_equals_the_dense_bias_forward(hard):
+    from kvlearn.dms.attention import dms_attention
+
+    q, k, v, z = _attention_inputs("cpu")
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        dense = dms_attention(q, k, v, z, 3, 17, hard=hard, backend="dense")
+        flex = dms_attention(q, k, v, z, 3, 17, hard=hard, backend="flex")
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+    with pytest.raises(KVLearnError) as err:
+        dms_attention(q, k, v, z, 3, 17, backend="triton")
+    assert "backend='triton'" in one_line(err)
+
+
+@pytest.mark.gpu
+def test_flex_execution_equals_the_dense_bias_with_gradients_on_cuda():
+    from kvlearn.dms.attention import dms_attention
+
+    q, k, v, z = _attention_inputs("cuda", requires_grad=True)
+    outs = [dms_attention(q, k, v, z, 3, 17, backend=b) for b in ("dense", "flex")]
+    grads = [torch.autograd.grad(o.square().sum(), (q, k, v, z)) for o in outs]
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    for g_flex, g_dense in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g_flex, g_dense, atol=1e-3, rtol=1e-3)
+    assert grads[1][3].abs().sum() > 0  # the gate logits get gradient through the score_mod

@@ -86,3 +86,27 @@ def test_registry_entry_and_bad_input():
         streaming_train_attention(model.model.layers[0].self_attn, torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16),
                                   torch.zeros(1, 2, 3, 16), None, streaming_train={"budget": 9})
     assert "expected a StreamingConfig" in str(err.value)
+
+
+def test_flex_execution_equals_the_dense_twin():
+    from kvlearn.eviction.streaming_plus import streaming_attention
+
+    torch.manual_seed(5)
+    q, k, v = torch.randn(2, 4, 200, 16), torch.randn(2, 2, 200, 16), torch.randn(2, 2, 200, 16)
+    with torch.no_grad():  # FlexAttention has no CPU backward
+        dense = streaming_attention(q, k, v, 4, 60, backend="dense")
+        flex = streaming_attention(q, k, v, 4, 60, backend="flex")
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_flex_execution_equals_the_dense_twin_with_gradients_on_cuda():
+    from kvlearn.eviction.streaming_plus import streaming_attention
+
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, h, 300, 16, device="cuda", requires_grad=True) for h in (4, 2, 2))
+    outs = [streaming_attention(q, k, v, 4, 60, backend=b) for b in ("dense", "flex")]
+    grads = [torch.autograd.grad(o.square().sum(), (q, k, v)) for o in outs]
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)

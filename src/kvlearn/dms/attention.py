@@ -18,7 +18,10 @@ Per layer, with ``alpha [B, Hkv, T]`` the gate logits (:class:`~kvlearn.dms.gate
   ``0..T-2`` (the keys that have a decision), per batch row, averaged over layers; the one-sided hinge
   ``mean_b clamp(target - closed_b, min=0)``; ``target = 1 - 1/cr`` ramped (:meth:`kvlearn.config.DMSConfig.target_fraction`).
 
-The dense bias is the CPU reference execution (the brief's "dense twin"); memory ``B * Hq * T^2`` per layer.
+Two executions of the bias (:func:`dms_attention`): ``"dense"`` materialises it (the CPU reference; memory
+``B * Hq * T^2`` per layer) and ``"flex"`` is FlexAttention with a causal block mask and a ``score_mod`` that adds the
+per-key penalty ``[B, Hkv, T]`` (what the reference compiles; FlexAttention has no backward on the CPU, so
+``"auto"`` picks flex on CUDA and dense elsewhere).
 Gate inputs are detached from the backbone (ARCHITECTURE rule 5): the KD loss reaches the gates through the bias
 and the backbone through the attention; the compression loss reaches only the gates.
 """
@@ -38,8 +41,10 @@ from transformers.masking_utils import sdpa_mask
 from ..config import DMSConfig
 from ..errors import check
 
-__all__ = ["TRAIN_ATTENTION", "DMSRecord", "DMSTrainForward", "shift_left", "dms_bias", "logistic_noise",
-           "compression_loss", "dms_train_attention", "use_train_attention"]
+__all__ = ["TRAIN_ATTENTION", "BACKENDS", "DMSRecord", "DMSTrainForward", "shift_left", "dms_penalty", "dms_bias",
+           "dms_attention", "logistic_noise", "compression_loss", "dms_train_attention", "use_train_attention"]
+
+BACKENDS = ("auto", "dense", "flex")
 
 TRAIN_ATTENTION = "dms_train"
 
@@ -55,21 +60,60 @@ def logistic_noise(shape, generator: torch.Generator | None, device) -> Tensor:
     return (u.log() - (-u).log1p()).to(device)
 
 
+def dms_penalty(z: Tensor, hard: bool = False) -> Tensor:
+    """Per-key log keep-probability ``[B, Hkv, T]`` float32 once the key has left the window: ``logsigmoid(-z[k+1])``
+    (``hard``: ``-inf`` iff ``z[k + 1] > 0``, else 0); the last key (no decision yet) gets 0."""
+    decision = shift_left(z.float(), float("-inf"))  # [B, H, T]: decision logit of key k (the last key: keep)
+    if hard:
+        return torch.where(decision > 0, torch.full_like(decision, float("-inf")), torch.zeros_like(decision))
+    return F.logsigmoid(-decision)
+
+
 def dms_bias(z: Tensor, sinks: int, window: int, hard: bool = False) -> Tensor:
     """Additive attention bias ``[B, Hkv, T, T]`` float32 from the (relaxed) logits ``z [B, Hkv, T]`` produced at
     each token (see the module docstring; the shift by one is applied here)."""
     T = z.shape[-1]
-    decision = shift_left(z.float(), float("-inf"))  # [B, H, T]: decision logit of key k (the last key: keep)
+    penalty = dms_penalty(z, hard)
     t = torch.arange(T, device=z.device)
     q, k = t[:, None], t[None, :]
     causal = k <= q
     evictable = causal & (k >= sinks) & (q - k >= window)  # [T, T]
-    if hard:
-        penalty = torch.where(decision > 0, torch.full_like(decision, float("-inf")), torch.zeros_like(decision))
-    else:
-        penalty = F.logsigmoid(-decision)
     bias = torch.where(evictable, penalty[:, :, None, :], torch.zeros((), device=z.device))
     return bias.masked_fill(~causal, float("-inf"))
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def dms_attention(query: Tensor, key: Tensor, value: Tensor, z: Tensor, sinks: int, window: int,
+                  scale: float | None = None, hard: bool = False, backend: str = "auto") -> Tensor:
+    """Causal GQA attention with DMS's delayed soft eviction: ``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, T,
+    D]``, ``z [B, Hkv, T]`` (relaxed logits produced at each token); returns ``[B, Hq, T, D]``. Query head ``h`` reads
+    KV head ``h // (Hq / Hkv)`` (transformers' ``repeat_kv`` order) and its penalty."""
+    check(backend in BACKENDS, f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}")
+    b, hq, T, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    if backend == "flex" or (backend == "auto" and query.device.type == "cuda"):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from ..ops.flex import flex_attention_lse
+
+        penalty = dms_penalty(z, hard)  # [B, Hkv, T] float32
+
+        def score_mod(score, bi, hi, q_idx, kv_idx):
+            evict = (kv_idx >= sinks) & (q_idx - kv_idx >= window)
+            return torch.where(evict, score + penalty[bi, hi // g, kv_idx], score)
+
+        block_mask = create_block_mask(_causal, None, None, T, T, device=query.device)
+        out, _ = flex_attention_lse(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                    enable_gqa=g > 1, return_lse=False)
+        return out
+    bias = dms_bias(z, sinks, window, hard=hard)  # [B, Hkv, T, T]
+    qf = query.reshape(b, hkv, g * T, d)  # the g query heads of a KV head share its bias
+    bf = bias[:, :, None].expand(b, hkv, g, T, T).reshape(b, hkv, g * T, T).to(query.dtype)
+    return F.scaled_dot_product_attention(qf, key, value, attn_mask=bf, scale=scale).reshape(b, hq, T, d)
 
 
 @dataclass
@@ -87,7 +131,7 @@ class DMSRecord:
 class DMSTrainForward:
     """Per-forward state of the DMS training attention (make one per forward; nothing is kept on modules).
 
-    ``hard``: the inference rule (``alpha > 0``, no noise, no budget). ``noise``: Gumbel noise in soft mode (off:
+    ``hard``: the inference rule (``alpha > 0``, no noise, no budget). ``backend``: see :func:`dms_attention`. ``noise``: Gumbel noise in soft mode (off:
     deterministic ``sigmoid(alpha / tau)``). ``generator``: CPU generator of the noise (seeded per step by the
     trainer). ``keep_mask``: tests only, ``fn(alpha [B, Hkv, T]) -> bool [B, Hkv, T, T]`` replacing the rule by an
     independent reference (the decisions of the same logits)."""
@@ -97,6 +141,7 @@ class DMSTrainForward:
     noise: bool = True
     generator: torch.Generator | None = None
     keep_mask: Callable[[Tensor], Tensor] | None = None
+    backend: str = "auto"
     records: dict[int, DMSRecord] = field(default_factory=dict)
 
     def add_gate(self, layer_idx: int, alpha: Tensor) -> None:
@@ -144,11 +189,12 @@ def dms_train_attention(module: torch.nn.Module, query: Tensor, key: Tensor, val
     b, hq, T, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
-    if dms_train.keep_mask is not None:
-        keep = dms_train.keep_mask(rec.alpha.detach())  # [B, Hkv, T, T]
-        bias = torch.zeros(keep.shape, dtype=torch.float32, device=query.device).masked_fill(~keep, float("-inf"))
-    else:
-        bias = dms_bias(rec.z, cfg.sinks, cfg.window, hard=dms_train.hard)  # [B, Hkv, T, T]
+    if dms_train.keep_mask is None:
+        out = dms_attention(query, key, value, rec.z, cfg.sinks, cfg.window, scale=scaling, hard=dms_train.hard,
+                            backend=dms_train.backend)
+        return out.transpose(1, 2).contiguous(), None
+    keep = dms_train.keep_mask(rec.alpha.detach())  # [B, Hkv, T, T]
+    bias = torch.zeros(keep.shape, dtype=torch.float32, device=query.device).masked_fill(~keep, float("-inf"))
     # GQA: query head h reads KV head h // g (transformers' repeat_kv order); the g heads of a group share the bias
     qf = query.reshape(b, hkv, g * T, d)
     bf = bias[:, :, None].expand(b, hkv, g, T, T).reshape(b, hkv, g * T, T).to(query.dtype)

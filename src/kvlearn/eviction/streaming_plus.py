@@ -10,8 +10,8 @@ The training attention is dense attention under the same mask, for query ``q`` a
 
     M[q, k] = k <= q and (k < sinks or q - k < window)
 
-as a FlexAttention ``mask_mod`` (:func:`streaming_mask_mod`) and as its dense twin ``[T, T]`` bool
-(:func:`streaming_mask_dense`, the CPU execution): the attention function ``"streaming_train"`` takes the per-forward
+as a FlexAttention ``mask_mod`` (:func:`streaming_mask_mod`, the block-sparse CUDA execution) and as its dense twin
+``[T, T]`` bool (:func:`streaming_mask_dense`, the CPU execution; :func:`streaming_attention`): the attention function ``"streaming_train"`` takes the per-forward
 config as the keyword ``streaming_train`` (a :class:`~kvlearn.config.StreamingConfig`); without it, it is
 transformers' SDPA attention unchanged. :func:`apply` records the config as ``model.config.streaming_plus`` (so a
 checkpoint says which budget it was distilled for); :func:`kvlearn.load` loads such a checkpoint as a plain model.
@@ -70,11 +70,29 @@ def streaming_train_attention(module: torch.nn.Module, query: Tensor, key: Tenso
     check(key.shape[2] == query.shape[2],
           f"the StreamingLLM+ training attention needs the whole sequence in one forward (keys {key.shape[2]}, "
           f"queries {query.shape[2]}): call it without a cache")
-    T = query.shape[2]
-    mask = streaming_mask_dense(T, streaming_train.sinks, streaming_train.window, query.device)  # [T, T]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                         enable_gqa=key.shape[1] != query.shape[1])
+    out = streaming_attention(query, key, value, streaming_train.sinks, streaming_train.window, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def streaming_attention(query: Tensor, key: Tensor, value: Tensor, sinks: int, window: int,
+                        scale: float | None = None, backend: str = "auto") -> Tensor:
+    """GQA attention under the rule: ``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, T, D]`` -> ``[B, Hq, T, D]``.
+    ``backend``: ``"dense"`` (SDPA with the ``[T, T]`` bool twin), ``"flex"`` (FlexAttention with the block mask of
+    :func:`streaming_mask_mod`: block-sparse; no backward on the CPU) or ``"auto"`` (flex on CUDA, dense elsewhere)."""
+    check(backend in ("auto", "dense", "flex"), f"backend={backend!r} is invalid: expected one of auto, dense, flex")
+    T = query.shape[2]
+    gqa = key.shape[1] != query.shape[1]
+    if backend == "flex" or (backend == "auto" and query.device.type == "cuda"):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from ..ops.flex import flex_attention_lse
+
+        block_mask = create_block_mask(streaming_mask_mod(sinks, window), None, None, T, T, device=query.device)
+        out, _ = flex_attention_lse(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                                    return_lse=False)
+        return out
+    mask = streaming_mask_dense(T, sinks, window, query.device)  # [T, T]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def use_train_attention(model):
