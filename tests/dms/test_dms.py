@@ -348,3 +348,16 @@ def test_flex_execution_equals_the_dense_bias_with_gradients_on_cuda():
     for g_flex, g_dense in zip(grads[1], grads[0]):
         torch.testing.assert_close(g_flex, g_dense, atol=1e-3, rtol=1e-3)
     assert grads[1][3].abs().sum() > 0  # the gate logits get gradient through the score_mod
+
+
+def test_the_harness_evaluates_a_checkpoint_with_a_wider_gate(tmp_path):
+    model = apply_dms(tiny(8), DMSConfig(sinks=2, window=4, budget=12, gate_hidden=8))
+    model.save_pretrained(tmp_path / "ck")
+    loaded = kvlearn.load(tmp_path / "ck")
+    method = get_method("dms")
+    config = make_config("dms", budget=20, sinks=2, context=64, window=4)  # gate_hidden defaults to 0
+    method.prepare(loaded, config)
+    assert loaded.config.dms["gate_hidden"] == 8 and loaded.config.dms["budget"] == 20
+    with pytest.raises(KVLearnError) as err:  # the direct API stays strict
+        apply_dms(loaded, DMSConfig(gate_hidden=4))
+    assert "gate_hidden=4" in one_line(err) and "gate_hidden=8" in one_line(err)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -152,7 +152,12 @@ def make_cache(config: DMSConfig, model) -> DMSCache:
 
 
 def apply(model, config: DMSConfig):
-    """Registry ``apply``: :func:`apply_dms`."""
+    """Registry ``apply``: :func:`apply_dms`. On a model that already has gates (a trained checkpoint) the gates'
+    own learned fields (``gate_hidden``, ``alpha_scale``, ``alpha_offset``) replace the harness config's defaults,
+    so ``kvlearn eval --method dms --budget B`` evaluates any DMS checkpoint at budget ``B``."""
+    if has_dms(model):
+        first = dms_gates(model)[0]
+        config = replace(config, **{name: getattr(first, name) for name in LEARNED_FIELDS})
     return apply_dms(model, config)
 
 
