@@ -361,3 +361,54 @@ def test_the_harness_evaluates_a_checkpoint_with_a_wider_gate(tmp_path):
     with pytest.raises(KVLearnError) as err:  # the direct API stays strict
         apply_dms(loaded, DMSConfig(gate_hidden=4))
     assert "gate_hidden=4" in one_line(err) and "gate_hidden=8" in one_line(err)
+
+
+def test_left_padded_batch_equals_rows_alone():
+    """Padding columns are skipped by the shift (by position): each padded row generates with the logits it has
+    alone, at a binding budget."""
+    config = DMSConfig(sinks=2, window=4, budget=9)
+    model = dms_model(config, seed=9)
+    lengths = [30, 21, 12]
+    t = max(lengths)
+    torch.manual_seed(3)
+    rows = [torch.randint(1, VOCAB, (n,)) for n in lengths]
+    ids = torch.zeros(3, t, dtype=torch.long)
+    am = torch.zeros(3, t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, t - len(r):] = r
+        am[i, t - len(r):] = 1
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        batch = model.generate(input_ids=ids, attention_mask=am, past_key_values=make_dms_cache(model, config), **kw)
+    for i, r in enumerate(rows):
+        with torch.no_grad():
+            solo = model.generate(input_ids=r[None], past_key_values=make_dms_cache(model, config), **kw)
+        assert batch.sequences[i, t:].tolist() == solo.sequences[0, len(r):].tolist()
+        for step_batch, step_solo in zip(batch.logits, solo.logits):
+            torch.testing.assert_close(step_batch[i], step_solo[0], atol=1e-4, rtol=1e-4)
+
+
+def test_padding_inside_a_row_is_skipped_by_the_shift():
+    """Pad columns in the middle of a row and at a chunk boundary: the decision of the last real token before them
+    comes from the first real token after them (positions, not columns)."""
+    config = DMSConfig(sinks=2, window=4, budget=10)
+    model = dms_model(config, seed=10)
+    torch.manual_seed(4)
+    row = torch.randint(1, VOCAB, (1, 30))
+    ref, _ = masked_logits(model, config, row,
+                           keep_mask=lambda alpha: reference_keep(alpha, config.sinks, config.window, 10))
+    pads = {0, 1, 9, 10, 11, 16, 17}  # two on the left, three mid-chunk, two that open the second chunk
+    n = 30 + len(pads)
+    real = torch.tensor([c not in pads for c in range(n)])
+    ids = torch.zeros(1, n, dtype=torch.long)
+    ids[0, real] = row[0]
+    am = real.long()[None]
+    pos = (am.cumsum(1) - 1).clamp(min=0)
+    cache = make_dms_cache(model, config)
+    out = []
+    with torch.no_grad():
+        for a, b in [(0, 16), (16, 25)] + [(c, c + 1) for c in range(25, n)]:
+            out.append(model(input_ids=ids[:, a:b], attention_mask=am[:, :b], position_ids=pos[:, a:b],
+                             past_key_values=cache, use_cache=True).logits)
+    got = torch.cat(out, 1)[:, real]
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
