@@ -1,4 +1,5 @@
-"""Retrofit KVpop onto a trained model by distillation (GitHub issue #10, item 2; single process).
+"""Retrofit KVpop (or the trained baselines StreamingLLM+ and DMS, below) onto a trained model by distillation
+(GitHub issue #10, item 2; single process).
 
 Read top to bottom: config, models, losses, schedule, checkpoints, loop.
 
