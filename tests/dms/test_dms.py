@@ -414,10 +414,11 @@ def test_padding_inside_a_row_is_skipped_by_the_shift():
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_context_protocol_keeps_what_the_rule_keeps_at_the_last_query():
+@pytest.mark.parametrize("budget", [10, T + 1])
+def test_context_protocol_keeps_what_the_rule_keeps_at_the_last_query(budget):
     """A dense forward (``cache.dense()``, the context protocol) compresses once: the held positions per KV head are
     the keys the brute-force rule shows the last query, on the gate logits of that dense forward."""
-    config = DMSConfig(sinks=2, window=4, budget=10)
+    config = DMSConfig(sinks=2, window=4, budget=budget)
     model = dms_model(config, seed=12)
     ids = torch.randint(1, VOCAB, (2, T))
     causal = lambda alpha: torch.ones(*alpha.shape, T, dtype=torch.bool).tril()  # noqa: E731
@@ -426,7 +427,7 @@ def test_context_protocol_keeps_what_the_rule_keeps_at_the_last_query():
     with torch.no_grad(), cache.dense():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
     for i, layer in enumerate(cache.layers):
-        want = reference_keep(state.records[i].alpha, config.sinks, config.window, config.budget)[:, :, -1]  # [B, H, T]
+        want = reference_keep(state.records[i].alpha, config.sinks, config.window, budget)[:, :, -1]  # [B, H, T]
         for b in range(2):
             for h in range(2):
                 held = sorted(p for p in layer.slot_positions[b, h].tolist() if p >= 0)
