@@ -71,7 +71,7 @@ def examples():
 def run(model, name: str, protocol: str, exs):
     m = get_method(name)
     config = make_config(name, budget=None if name == "dense" else BUDGET, sinks=4, context=CONTEXT)
-    m.prepare(model, config)  # kvpop adds its (untrained) modules; the others attach
+    m.prepare(model, config)  # kvpop and dms add their (untrained) modules; the others attach
     cache = m.new_cache(model, config)
     batch = layout(exs, protocol, pad_id=0, chunk_size=CHUNK)
     out = run_batch(model, cache, batch, protocol, NEW, chunk_size=CHUNK, pad_id=0, eos_id=None)
@@ -119,7 +119,7 @@ def test_method_contract(name, protocol, kind):
 def test_every_registered_method_is_listed_with_its_protocols():
     assert method_names()[:2] == ("dense", "streaming")
     assert set(method_names()) == {"dense", "streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random",
-                                   "kvpop"}
+                                   "kvpop", "streaming_plus", "dms"}
     for name in method_names():
         try:
             m = get_method(name)

@@ -3,7 +3,9 @@
 :func:`kvlearn.hf.load_model` loads the base model (and checks the folder); a checkpoint saved after
 :func:`kvlearn.kvpop.apply.apply_kvpop` records ``kvpop`` in its ``config.json``, and then KVpop is re-applied and its
 scorer and decay weights loaded (:func:`kvlearn.kvpop.apply.load_kvpop`). Keeping this here leaves ``hf`` free of
-any method.
+any method. A checkpoint saved after :func:`kvlearn.dms.apply.apply_dms` records ``dms``: DMS is re-applied and its
+gate weights loaded (:func:`kvlearn.dms.apply.load_dms`). A ``streaming_plus`` checkpoint has no added modules (it
+loads as a plain model).
 """
 
 from __future__ import annotations
@@ -21,16 +23,22 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str 
     saved with it. Bad folders are one-line :class:`~kvlearn.errors.KVLearnError` s (see
     :func:`kvlearn.hf.load_model`)."""
     config_path = os.path.join(os.fspath(path), "config.json")
-    recorded = None
+    recorded, dms = None, None
     if os.path.isfile(config_path):
         try:
             with open(config_path, encoding="utf-8") as f:
-                recorded = json.load(f).get("kvpop")
+                saved = json.load(f)
+            recorded, dms = saved.get("kvpop"), saved.get("dms")
         except (ValueError, UnicodeDecodeError, AttributeError):
-            recorded = None  # load_model reports the bad config in one line
-    model = load_model(path, dtype=dtype, device=device, extra_keys=".kvpop." if recorded is not None else None)
+            recorded = dms = None  # load_model reports the bad config in one line
+    extra = ".kvpop." if recorded is not None else ".dms." if dms is not None else None
+    model = load_model(path, dtype=dtype, device=device, extra_keys=extra)
     if recorded is not None:
         from .kvpop.apply import load_kvpop
 
         load_kvpop(model, path)
+    if dms is not None:
+        from .dms.apply import load_dms
+
+        load_dms(model, path)
     return model

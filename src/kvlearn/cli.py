@@ -205,26 +205,43 @@ def cmd_pretrain(args) -> int:
     return 0
 
 
+RETROFIT_METHODS = ("kvpop", "streaming_plus", "dms")
+
+
 def cmd_retrofit(args) -> int:
-    from .config import KVpopConfig
+    from .config import DMSConfig, KVpopConfig, StreamingConfig
     from .train.distill import RetrofitConfig, retrofit
 
-    check_int("--budget", args.budget, args.sinks + args.window + 1,
-              hint=f" (KVpop needs sinks={args.sinks} + window={args.window} and at least one ranked slot)")
+    check(args.method in RETROFIT_METHODS,
+          f"--method {args.method!r} is unknown: expected one of {', '.join(RETROFIT_METHODS)}")
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
-    kvpop = KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
-                        scorer=args.scorer)
+    method_kw = {}
+    if args.method == "streaming_plus":  # the window is budget - sinks
+        check_int("--budget", args.budget, args.sinks + 1,
+                  hint=f" (StreamingLLM+ keeps sinks={args.sinks} and a window of budget - sinks >= 1)")
+        method_kw["streaming"] = StreamingConfig(budget=args.budget, sinks=args.sinks)
+        kvpop = KVpopConfig(scorer=args.scorer)
+    else:
+        check_int("--budget", args.budget, args.sinks + args.window + 1,
+                  hint=f" ({args.method} needs sinks={args.sinks} + window={args.window} and at least one long-range slot)")
+        kvpop = (KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
+                             scorer=args.scorer) if args.method == "kvpop" else KVpopConfig(scorer=args.scorer))
+    if args.method == "dms":
+        target_cr = args.target_cr if args.target_cr is not None else args.seq_len / args.budget
+        method_kw["dms"] = DMSConfig(sinks=args.sinks, window=args.window, budget=args.budget,
+                                     gate_hidden=args.gate_hidden, target_cr=target_cr)
+        method_kw["compression_weight"] = args.compression_weight
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             lr_new=args.lr_new, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
                             kd_topk=args.kd_topk, boundary_weight=args.boundary_weight,
                             save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
-                            num_workers=args.num_workers, **length)
+                            num_workers=args.num_workers, method=args.method, **method_kw, **length)
     _threads(args.threads)
     result = retrofit(config)
     print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model {result['final']} "
-          f"--method kvpop --budget {args.budget}")
+          f"--method {args.method} --budget {args.budget}")
     return 0
 
 
@@ -331,22 +348,32 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"narrow the training depth regimes (comma list of {','.join(tasks.TRAIN_REGIMES)}; default all)")
     sp.set_defaults(func=cmd_pretrain)
 
-    sp = sub.add_parser("retrofit", help="distil KVpop's scorers and decays into a trained model (teacher: the dense model)")
+    sp = sub.add_parser("retrofit", help="distil a trained cache method into a model (teacher: the dense model): KVpop's "
+                                         "scorers and decays, StreamingLLM+ or DMS gates")
     sp.add_argument("--model", required=True, help="checkpoint folder of the dense model (a supported family)")
     sp.add_argument("--out", required=True, help="output folder: step-<N>/ checkpoints, final/, train_log.jsonl")
     sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
     sp.add_argument("--resume", action="store_true", help="continue from the newest step-<N> checkpoint in --out")
+    sp.add_argument("--method", default="kvpop", choices=RETROFIT_METHODS,
+                    help="kvpop (learned scorers), streaming_plus (KD under the sinks + window mask, no new modules) "
+                         "or dms (learned eviction gates, KD + compression hinge)")
+    sp.add_argument("--target-cr", type=float, default=None,
+                    help="dms: final compression ratio of the ramped target (default: seq-len / budget)")
+    sp.add_argument("--gate-hidden", type=int, default=0,
+                    help="dms: width of the gate MLP (0: the reference Linear(hidden, kv_heads) gate)")
+    sp.add_argument("--compression-weight", type=float, default=1.0, help="dms: weight of the compression hinge")
     sp.add_argument("--scorer", default="mlp", choices=("linear", "mlp", "mlstm"),
                     help="KVpop scorer (the evaluation harness takes linear and mlp)")
     sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
-    sp.add_argument("--window", type=int, default=32, help="protected recent window (the harness's KVpop default)")
+    sp.add_argument("--window", type=int, default=32,
+                    help="protected recent window (the harness's KVpop default; streaming_plus: budget - sinks)")
     sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
     sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
     sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     sp.add_argument("--seq-len", type=int, default=4096, help="tokens per training sequence (testbed examples)")
     sp.add_argument("--lr", type=float, default=1e-5, help="learning rate of the existing weights (constant)")
-    sp.add_argument("--lr-new", type=float, default=1e-3, help="peak learning rate of the new KVpop weights")
+    sp.add_argument("--lr-new", type=float, default=1e-3, help="peak learning rate of the new weights (KVpop, DMS gates)")
     sp.add_argument("--warmup-steps", type=int, default=100, help="warm-up steps of the new weights' learning rate")
     sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
     sp.add_argument("--kd-topk", type=int, default=256, help="teacher logits kept by the distillation loss")

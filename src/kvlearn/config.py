@@ -154,3 +154,73 @@ class KVpopConfig:
     def budget(self) -> int:
         """Per-head KV budget ``B = s + w + k``."""
         return self.sinks + self.window + self.topk
+
+
+@dataclass(frozen=True)
+class DMSConfig:
+    """Dynamic Memory Sparsification (Łańcucki et al. 2025, arXiv 2506.05345), adapter variant (paper section 3.2).
+
+    Per layer a gate ``RMSNorm(hidden) -> Linear(hidden, kv_heads)`` (or, with ``gate_hidden > 0``, the MLP
+    ``Linear(hidden, gate_hidden) -> SiLU -> Linear(gate_hidden, kv_heads)``; the last layer zero-initialised either
+    way) reads the pre-layernorm residual stream; the eviction logit is ``alpha_scale * proj - alpha_offset`` (-5 at
+    initialisation: keep). The decision of token ``t + 1`` applies to key ``t`` (shift by one); a key is never masked
+    while ``q - t < window`` (``window`` counts the query itself, as every kvlearn method: the reference's
+    ``window_size`` is ``window - 1``) nor when ``t < sinks``.
+
+    Training: Gumbel-sigmoid with temperature ``tau`` (straight-through decisions for the compression loss), the
+    one-sided hinge ``clamp(target - closed_fraction, min=0)`` with the target closed fraction ``1 - 1/cr`` and
+    ``cr`` ramped linearly from 1 to ``target_cr`` over the first ``ramp_fraction`` of the run.
+
+    Inference: a key leaving the window is dropped iff its logit > 0. ``budget`` (optional): a hard per-(row, KV
+    head) limit for like-for-like comparisons; when the ``topk = budget - sinks - window`` long-range slots are full,
+    the kept token with the highest eviction logit is evicted (:class:`kvlearn.dms.cache.DMSPolicy`). ``None``: no
+    budget (the paper); the cache then needs one (use a budget >= the sequence length to keep every kept token).
+    """
+
+    sinks: int = 4
+    window: int = 32
+    budget: int | None = None
+    gate_hidden: int = 0
+    tau: float = 0.1
+    alpha_scale: float = 100.0
+    alpha_offset: float = 5.0
+    target_cr: float = 4.0
+    ramp_fraction: float = 0.9
+    context: int | None = None
+
+    def __post_init__(self) -> None:
+        import math
+
+        check_int("sinks", self.sinks, 0)
+        check_int("window", self.window, 1, hint=" (the protected window holds at least the query itself)")
+        if self.budget is not None:
+            check_int("budget", self.budget, self.sinks + self.window + 1,
+                      hint=f" (DMS needs sinks={self.sinks} + window={self.window} and at least one long-range slot)")
+        check_int("gate_hidden", self.gate_hidden, 0, hint=" (0: the reference's Linear(hidden, kv_heads) gate)")
+        for name in ("tau", "alpha_scale"):
+            v = getattr(self, name)
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+                  f"{name}={v!r} is invalid: expected a finite number > 0")
+        check(isinstance(self.alpha_offset, (int, float)) and math.isfinite(self.alpha_offset),
+              f"alpha_offset={self.alpha_offset!r} is invalid: expected a finite number")
+        check(isinstance(self.target_cr, (int, float)) and not isinstance(self.target_cr, bool)
+              and math.isfinite(self.target_cr) and self.target_cr >= 1,
+              f"target_cr={self.target_cr!r} is invalid: expected a compression ratio >= 1")
+        check(isinstance(self.ramp_fraction, (int, float)) and 0 < self.ramp_fraction <= 1,
+              f"ramp_fraction={self.ramp_fraction!r} is invalid: expected a number in (0, 1]")
+        if self.context is not None:
+            check_int("context", self.context, 1)
+            check(self.budget is None or self.budget < self.context,
+                  f"budget={self.budget} is invalid: expected sinks + window + 1 = {self.sinks + self.window + 1} "
+                  f"<= budget < context = {self.context}")
+
+    @property
+    def topk(self) -> int | None:
+        """Long-range slots of the hard budget (None without one)."""
+        return None if self.budget is None else self.budget - self.sinks - self.window
+
+    def target_fraction(self, progress: float) -> float:
+        """Target closed fraction ``1 - 1/cr`` at ``progress`` in [0, 1] of the run (``cr`` ramped 1 -> target_cr
+        over ``ramp_fraction`` of it)."""
+        cr = 1.0 + (self.target_cr - 1.0) * min(max(progress, 0.0) / self.ramp_fraction, 1.0)
+        return 1.0 - 1.0 / cr

@@ -236,3 +236,25 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
         if expected_extra is not None:
             report_logger.removeFilter(expected_extra)
     return model.to(device).eval()
+
+
+def checkpoint_tensors(path: str, prefix_filter) -> dict[str, torch.Tensor]:
+    """Tensors of the checkpoint folder ``path`` whose names pass ``prefix_filter`` (safetensors or .bin files)."""
+    import os
+
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    names = sorted(os.listdir(path))
+    safetensors = [n for n in names if n.endswith(".safetensors")]
+    for name in safetensors:
+        with safe_open(os.path.join(path, name), "pt") as f:
+            for key in f.keys():
+                if prefix_filter(key):
+                    out[key] = f.get_tensor(key)
+    if not safetensors:
+        for name in names:
+            if name.startswith("pytorch_model") and name.endswith(".bin"):
+                state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+                out.update({k: v for k, v in state.items() if prefix_filter(k)})
+    return out

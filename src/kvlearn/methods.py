@@ -7,6 +7,9 @@ contract test matrix) resolves a method here, so a method registered once is eva
 - the eviction methods :data:`EVICTION_METHODS`: each is a module ``kvlearn.eviction.<name>`` exposing ``CONFIG``
   (a frozen dataclass config taking at least ``budget`` and ``sinks``, validated on creation), ``SUMMARY`` (one
   line), ``PROTOCOLS`` (a tuple from :data:`PROTOCOLS`) and ``make_cache(config, model_config) -> Cache``.
+- the trained methods :data:`LEARNED_METHODS` (``kvlearn retrofit --method NAME``): ``streaming_plus``
+  (:mod:`kvlearn.eviction.streaming_plus`: the streaming rule, model distilled under it, no modules) and ``dms``
+  (:mod:`kvlearn.dms.apply`: learned per-layer eviction gates) besides KVpop.
 - ``kvpop`` (:mod:`kvlearn.kvpop.apply`): the same contract plus ``apply(model, config)``, which adds the learned
   modules to the model, and ``config_from_budget(budget, sinks, context, **extra)`` (its config has no ``budget``
   field). A method with ``apply`` needs the model's modules for its caches, so its ``make_cache`` receives the
@@ -31,8 +34,9 @@ from .errors import KVLearnError, check
 
 PROTOCOLS: tuple[str, ...] = ("bounded", "context")
 EVICTION_METHODS: tuple[str, ...] = ("streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random")
-LEARNED_METHODS: tuple[str, ...] = ("kvpop",)
-MODULES: dict[str, str] = {**{n: f"kvlearn.eviction.{n}" for n in EVICTION_METHODS}, "kvpop": "kvlearn.kvpop.apply"}
+LEARNED_METHODS: tuple[str, ...] = ("kvpop", "streaming_plus", "dms")
+MODULES: dict[str, str] = {**{n: f"kvlearn.eviction.{n}" for n in EVICTION_METHODS}, "kvpop": "kvlearn.kvpop.apply",
+                           "streaming_plus": "kvlearn.eviction.streaming_plus", "dms": "kvlearn.dms.apply"}
 
 
 @dataclass(frozen=True)

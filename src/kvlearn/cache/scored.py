@@ -57,6 +57,10 @@ class ScoredPolicy(Policy):
 
     per_head = True
     slot_state = {"score": (torch.float32, float("-inf"))}
+    # ``None``: the plain rule. A number ``c``: additionally, an eligible token whose score is below ``c`` is evicted
+    # the moment it leaves the window (even with free slots): DMS's threshold rule (score = -logit, c = 0). Every
+    # kept token then scores >= c > every dropped one, so top-k of the kept = (top-k of all) minus the dropped.
+    drop_below: float | None = None
 
     def __init__(self, budget: int, sinks: int, window: int, capacity: int | None = None):
         check(window >= 1 and sinks >= 0 and sinks + window <= budget,
@@ -91,6 +95,9 @@ class ScoredPolicy(Policy):
         eligible = (pos >= self.sinks) & (pos <= (p - self.window)[:, None, None])
         worst = worst_eligible(pos, layer.slot_state["score"], eligible)
         evict = eligible.sum(dim=2) > self.topk
+        if self.drop_below is not None:  # the token leaving the window now is the only eligible one that can be low
+            low = eligible & (layer.slot_state["score"] < self.drop_below)
+            evict = evict | low.any(dim=2)
         free = (pos < 0).long().argmax(dim=2)  # first free slot (exists whenever nothing is evicted)
         target = torch.where(evict, worst, free)
         target = torch.where((p >= 0)[:, None], target, torch.full_like(target, -1))[..., None]
@@ -116,6 +123,10 @@ class ScoredPolicy(Policy):
         n = seq_pos.shape[2]
         ranks, cutoffs = running_topk_cutoff(seq_prio, self.sinks, self.window, self.topk)
         end_idx = eviction_positions(ranks, cutoffs, self.sinks, self.window).long()  # index of the first blind query
+        if self.drop_below is not None:  # dropped when it leaves the window: index + window (the tail is contiguous)
+            low = (seq_prio < self.drop_below) & (seq_pos >= self.sinks)
+            idx = torch.arange(n, device=seq_pos.device)
+            end_idx = torch.where(low, torch.minimum(end_idx, (idx + self.window).clamp(max=n)), end_idx)
         n_real = (seq_pos >= 0).sum(dim=2, keepdim=True)
         survives = end_idx >= n_real
         end_pos = torch.gather(seq_pos, 2, end_idx.clamp(max=n - 1))

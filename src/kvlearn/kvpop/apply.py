@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import KVpopConfig
 from ..errors import KVLearnError, check, check_int
-from ..hf import attach, check_supported
+from ..hf import attach, check_supported, checkpoint_tensors
 from .cache import KVpopCache
 from .modules import MODULE_NAME, KVpopModules, attention_modules, has_kvpop, kvpop_modules
 
@@ -130,26 +130,6 @@ def make_kvpop_cache(model, config: KVpopConfig | None = None) -> KVpopCache:
 # loading
 
 
-def _checkpoint_tensors(path: str, prefix_filter) -> dict[str, torch.Tensor]:
-    """Tensors of the checkpoint folder ``path`` whose names pass ``prefix_filter`` (safetensors or .bin files)."""
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    names = sorted(os.listdir(path))
-    safetensors = [n for n in names if n.endswith(".safetensors")]
-    for name in safetensors:
-        with safe_open(os.path.join(path, name), "pt") as f:
-            for key in f.keys():
-                if prefix_filter(key):
-                    out[key] = f.get_tensor(key)
-    if not safetensors:
-        for name in names:
-            if name.startswith("pytorch_model") and name.endswith(".bin"):
-                state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
-                out.update({k: v for k, v in state.items() if prefix_filter(k)})
-    return out
-
-
 def load_kvpop(model, path: str | os.PathLike):
     """Apply the KVpop config saved in the checkpoint folder ``path`` to ``model`` and load its scorer and decay
     weights; returns ``model``. ``model`` must have the checkpoint's base shape (decoder layers, KV heads,
@@ -177,7 +157,7 @@ def load_kvpop(model, path: str | os.PathLike):
           f"has {got}: load it onto the base it was trained on")
     apply_kvpop(model, config)
     own = {k for k in model.state_dict() if f".{MODULE_NAME}." in k}
-    tensors = _checkpoint_tensors(path, lambda k: f".{MODULE_NAME}." in k)
+    tensors = checkpoint_tensors(path, lambda k: f".{MODULE_NAME}." in k)
     missing, unexpected = sorted(own - set(tensors)), sorted(set(tensors) - own)
     check(not missing and not unexpected,
           f"KVpop checkpoint {path!r}: weights do not match the modules of config {config.scorer!r} "

@@ -1,4 +1,5 @@
-"""Retrofit KVpop onto a trained model by distillation (GitHub issue #10, item 2; single process).
+"""Retrofit KVpop (or the trained baselines StreamingLLM+ and DMS, below) onto a trained model by distillation
+(GitHub issue #10, item 2; single process).
 
 Read top to bottom: config, models, losses, schedule, checkpoints, loop.
 
@@ -30,6 +31,16 @@ Read top to bottom: config, models, losses, schedule, checkpoints, loop.
   ``trainer_state.pt``: optimizer state and step; written to a temporary folder, then renamed), the last two
   kept; ``final/`` at the end (loadable by :func:`kvlearn.load`, evaluable with ``kvlearn eval --method kvpop``);
   ``train_log.jsonl`` (one line per step). ``resume=True`` continues from the newest ``step-<N>``.
+
+**The other trained baselines** (``method``, issue #10; docs/DESIGN.md "DMS and StreamingLLM+"), by the same loop,
+KD loss, optimiser, data and checkpoints:
+
+* ``streaming_plus``: no new modules; the student attends under the sinks + window mask of ``streaming``
+  (:mod:`kvlearn.eviction.streaming_plus`, the ``"streaming_train"`` attention). Loss = KD only.
+* ``dms``: :func:`~kvlearn.dms.apply.apply_dms` gates (optimiser group 1, ``lr_new``); the student attends with
+  DMS's soft delayed eviction under Gumbel noise drawn from a generator seeded by ``(seed, step)``
+  (:mod:`kvlearn.dms.attention`). Loss = KD + ``compression_weight`` × the compression hinge with the target
+  closed fraction ramped by :meth:`~kvlearn.config.DMSConfig.target_fraction` over the run.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import KVpopConfig
+from ..config import DMSConfig, KVpopConfig, StreamingConfig
 from ..errors import check, check_int
 from ..kvpop.apply import apply_kvpop
 from ..kvpop.loss import boundary_loss
@@ -55,6 +66,9 @@ from ..kvpop.train_attention import TrainForward, use_train_attention
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
 from . import parallel
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
+
+METHODS = ("kvpop", "streaming_plus", "dms")
+NEW_MODULES = {"kvpop": ".kvpop.", "streaming_plus": None, "dms": ".dms."}  # parameter-name marker of the new weights
 
 __all__ = ["RetrofitConfig", "retrofit", "kd_loss", "distill_losses", "student_forward", "latest_checkpoint"]
 
@@ -88,6 +102,11 @@ class RetrofitConfig:
     overwrite: bool = False  # an existing non-empty ``out`` is refused unless this is set (or resume)
     resume: bool = False  # continue from the newest step-<N> checkpoint in ``out``
     kvpop: KVpopConfig = field(default_factory=lambda: KVpopConfig(window=32, topk=988, scorer="mlp"))
+    # which trained method: kvpop (the config above), streaming_plus (``streaming``) or dms (``dms``)
+    method: str = "kvpop"
+    streaming: StreamingConfig | None = None
+    dms: DMSConfig | None = None
+    compression_weight: float = 1.0  # dms: weight of the compression hinge
     # length of the run: ``steps``, or a wall-clock budget in ``minutes`` (then the schedule follows elapsed time)
     steps: int | None = 1000
     minutes: float | None = None
@@ -111,10 +130,25 @@ class RetrofitConfig:
     num_workers: int = 0  # data-generation worker processes
 
     def __post_init__(self) -> None:
+        check(self.method in METHODS, f"method={self.method!r} is unknown: expected one of {', '.join(METHODS)}")
         if isinstance(self.kvpop, dict):
             self.kvpop = KVpopConfig(**self.kvpop)
+        if isinstance(self.streaming, dict):
+            self.streaming = StreamingConfig(**self.streaming)
+        if isinstance(self.dms, dict):
+            self.dms = DMSConfig(**self.dms)
         check(isinstance(self.kvpop, KVpopConfig), f"kvpop of type {type(self.kvpop).__name__} is invalid: expected a KVpopConfig")
-        check(self.kvpop.topk >= 1, f"topk={self.kvpop.topk} is invalid: retrofitting needs a long-range budget >= 1")
+        if self.method == "kvpop":
+            check(self.kvpop.topk >= 1, f"topk={self.kvpop.topk} is invalid: retrofitting needs a long-range budget >= 1")
+            budget = self.kvpop.sinks + self.kvpop.window + self.kvpop.topk
+        elif self.method == "streaming_plus":
+            check(isinstance(self.streaming, StreamingConfig),
+                  f"method 'streaming_plus' needs streaming=StreamingConfig(budget=..., sinks=...), got {self.streaming!r}")
+            budget = self.streaming.budget
+        else:
+            check(isinstance(self.dms, DMSConfig), f"method 'dms' needs dms=DMSConfig(...), got {self.dms!r}")
+            budget = self.dms.sinks + self.dms.window if self.dms.budget is None else self.dms.budget
+        _non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
         if self.steps is not None:
@@ -123,9 +157,8 @@ class RetrofitConfig:
             _positive("minutes", self.minutes)
         check_int("batch_size", self.batch_size, 1)
         check_int("seq_len", self.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
-        budget = self.kvpop.sinks + self.kvpop.window + self.kvpop.topk
         check(budget < self.seq_len,
-              f"budget sinks + window + topk = {budget} is invalid for seq_len={self.seq_len}: expected < seq_len "
+              f"budget = {budget} is invalid for seq_len={self.seq_len}: expected < seq_len "
               "(else nothing is evicted and nothing is learned)")
         for name in ("lr", "lr_new", "grad_clip"):
             _positive(name, getattr(self, name))
@@ -176,11 +209,41 @@ def build_models(config: RetrofitConfig, device: torch.device):
     teacher = load_model(config.model, dtype=torch.float32, device=device)
     teacher.requires_grad_(False)
     student = copy.deepcopy(teacher)
-    apply_kvpop(student, config.kvpop)
-    use_train_attention(student)
+    if config.method == "kvpop":
+        apply_kvpop(student, config.kvpop)
+        use_train_attention(student)
+    elif config.method == "streaming_plus":
+        from ..eviction import streaming_plus
+
+        streaming_plus.apply(student, config.streaming)
+        streaming_plus.use_train_attention(student)
+    else:
+        from ..dms.apply import apply_dms
+        from ..dms.attention import use_train_attention as use_dms_attention
+
+        apply_dms(student, config.dms)
+        use_dms_attention(student)
     student.requires_grad_(True)
     student.train()
     return teacher, student
+
+
+def method_forward(config: RetrofitConfig, student, input_ids: torch.Tensor, step: int, fraction: float):
+    """``(logits [B, T, V], loss, log)`` of one student forward of a non-KVpop method: ``loss`` its own term
+    (a float32 scalar, 0 for streaming_plus) and ``log`` its detached metrics. dms: Gumbel noise from a CPU
+    generator seeded by ``(seed, step)`` (a resumed run draws the same noise); target closed fraction at
+    ``fraction`` of the run."""
+    if config.method == "streaming_plus":
+        logits = student(input_ids=input_ids, streaming_train=config.streaming, use_cache=False).logits
+        return logits, torch.zeros((), device=logits.device), {}
+    from ..dms.attention import DMSTrainForward, compression_loss
+
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step + 7)
+    state = DMSTrainForward(config.dms, generator=gen)
+    logits = student(input_ids=input_ids, dms_train=state, use_cache=False).logits
+    target = config.dms.target_fraction(fraction)
+    loss, closed = compression_loss(state.records, target)
+    return logits, loss, {"compression": float(loss.detach()), "closed_fraction": closed, "target_fraction": target}
 
 
 def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig):
@@ -274,9 +337,11 @@ def new_lr_at(config: RetrofitConfig, step: int, fraction: float) -> float:
 
 
 def make_optimizer(config: RetrofitConfig, student, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with group 0 = the existing weights (constant ``lr``), group 1 = the KVpop modules (``lr_new``)."""
-    new = [p for n, p in student.named_parameters() if ".kvpop." in n]
-    old = [p for n, p in student.named_parameters() if ".kvpop." not in n]
+    """AdamW with group 0 = the existing weights (constant ``lr``), group 1 = the method's new modules (``lr_new``;
+    empty for ``streaming_plus``)."""
+    marker = NEW_MODULES[config.method]
+    new = [p for n, p in student.named_parameters() if marker is not None and marker in n]
+    old = [p for n, p in student.named_parameters() if marker is None or marker not in n]
     return torch.optim.AdamW([{"params": old, "lr": config.lr}, {"params": new, "lr": config.lr_new}],
                              weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
@@ -340,18 +405,27 @@ def _prune(out: Path) -> None:
         shutil.rmtree(p)
 
 
+def _config_field(method: str) -> str:
+    """The RetrofitConfig field holding ``method``'s config."""
+    return {"kvpop": "kvpop", "streaming_plus": "streaming", "dms": "dms"}[method]
+
+
 def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
     """Load the student weights of checkpoint ``path`` (into the unsharded student) and return its trainer state
     (``step``, ``optimizer``: load it with :func:`parallel.load_optimizer_state_dict` once the optimizer exists).
-    One-line error when the checkpoint was trained with another KVpop config or another run length."""
+    One-line error when the checkpoint was trained with another method, method config or run length."""
     from safetensors.torch import load_file
 
     trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     saved = trainer.get("config", {})
-    for name, want in (("kvpop", asdict(config.kvpop)), ("steps", config.steps), ("minutes", config.minutes),
+    method_config = {"kvpop": config.kvpop, "streaming_plus": config.streaming, "dms": config.dms}[config.method]
+    for name, want in (("method", config.method), (_config_field(config.method), asdict(method_config)), ("steps", config.steps), ("minutes", config.minutes),
                        ("seq_len", config.seq_len), ("batch_size", config.batch_size), ("seed", config.seed)):
-        check(saved.get(name) == want,
-              f"resume: {str(path)!r} was trained with {name}={saved.get(name)!r} but this run has {name}={want!r}: "
+        have = saved.get(name, "kvpop" if name == "method" else None)
+        if isinstance(have, dict) and isinstance(want, dict):  # a JSON-like round trip may turn tuples into lists
+            have, want = json.loads(json.dumps(have)), json.loads(json.dumps(want))
+        check(have == want,
+              f"resume: {str(path)!r} was trained with {name}={have!r} but this run has {name}={want!r}: "
               "resume with the same settings, or start a new run")
 
     state = {}
@@ -425,34 +499,43 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
             lr_new = new_lr_at(config, step, fraction)
             optimizer.param_groups[0]["lr"] = config.lr
             optimizer.param_groups[1]["lr"] = lr_new
-            gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-            queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk, config.queries_per_step,
-                                             config.late_fraction, generator=gen)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 with torch.no_grad():
                     teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
-                logits, state = student_forward(student, input_ids, kv)
-            # float32; under data parallelism each is this process's share of the global-batch value
+                if config.method == "kvpop":
+                    logits, state = student_forward(student, input_ids, kv)
+                else:
+                    logits, extra_loss, extra_log = method_forward(config, student, input_ids, step, fraction)
+            # float32; under data parallelism each loss is this process's share of the global-batch value
             kd = kd_loss(logits, teacher_logits, labels, config.kd_topk, reduce_sum=reduce_sum)
-            parts = distill_losses(state, queries, reduce_sum=reduce_sum)
-            loss = kd + config.boundary_weight * parts["boundary"]
+            if config.method == "kvpop":
+                gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+                queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk,
+                                                 config.queries_per_step, config.late_fraction, generator=gen)
+                parts = distill_losses(state, queries, reduce_sum=reduce_sum)
+                loss = kd + config.boundary_weight * parts["boundary"]
+                shares = {"boundary": parts["boundary"].detach()}
+                means = {k: parts[k] for k in ("boundary_accuracy", "keep_fraction", "recall")}
+            else:  # the compression term is a mean over rows: every process holds as many rows
+                loss = kd + config.compression_weight * extra_loss / d.world
+                shares, means = {}, dict(extra_log)
             (loss * d.world).backward()  # FSDP averages the gradients over the processes: the shares' sum
             grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            totals = _global_sums([loss.detach(), kd.detach(), parts["boundary"].detach()], d)
-            metrics = _global_sums([torch.tensor([parts[k] for k in ("boundary_accuracy", "keep_fraction", "recall")],
-                                                 device=device)], d)[0] / d.world
-            last = {"step": step, "loss": float(totals[0]), "kd": float(totals[1]),
-                    "boundary": float(totals[2]), "boundary_accuracy": float(metrics[0]),
-                    "keep_fraction": float(metrics[1]), "recall": float(metrics[2]),
+            totals = _global_sums([loss.detach(), kd.detach(), *shares.values()], d)
+            averaged = (_global_sums([torch.tensor(list(means.values()), dtype=torch.float32, device=device)], d)[0]
+                        / d.world) if means else []
+            last = {"step": step, **{k: float(v) for k, v in zip(["loss", "kd", *shares], totals)},
+                    **{k: float(v) for k, v in zip(means, averaged)},
                     "grad_norm": parallel.scalar(grad_norm), "lr": config.lr, "lr_new": lr_new,
                     "seconds": round(seconds_done + time.time() - t0, 3)}
             log_file.write(json.dumps(last) + "\n")
             log_file.flush()
             bar.update(1)
-            bar.set_postfix(kd=f"{last['kd']:.3f}", bnd=f"{last['boundary']:.3f}", recall=f"{last['recall']:.2f}")
+            bar.set_postfix(kd=f"{last['kd']:.3f}", **{k: f"{last[k]:.3f}" for k in ("boundary", "recall",
+                                                                                     "closed_fraction") if k in last})
             if step % config.save_interval == 0:
                 save_checkpoint(config, student, optimizer, step, f"step-{step}", {"seconds": last["seconds"]}, d.main)
                 if d.main:

@@ -1,0 +1,160 @@
+"""``kvlearn retrofit --method streaming_plus|dms`` on a tiny random GQA Qwen3 (float32, 2 layers, 2 KV heads, 4
+query heads, head_dim 16, sequences of 128 tokens): a 2-step CPU run writes a final checkpoint that ``kvlearn.load``
+reloads with identical logits (through the method's cache); the DMS gates receive gradient and the target ramps;
+KVpop stays the default; bad input is one line (API and CLI)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import kvlearn
+from kvlearn import KVLearnError, StreamingConfig
+from kvlearn.cli import main
+from kvlearn.config import DMSConfig
+from kvlearn.dms.apply import dms_gates, has_dms
+from kvlearn.methods import get_method, make_config
+from kvlearn.testbed.tokenizer import VOCAB_SIZE
+from kvlearn.train.distill import LOG_FILE, RetrofitConfig, retrofit
+
+SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def teacher_path(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      pad_token_id=0, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("teacher") / "qwen3"
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def cli_retrofit(teacher_path, out, method, *extra):
+    return main(["retrofit", "--model", teacher_path, "--out", str(out), "--method", method, "--budget", "48",
+                 "--window", "16", "--steps", "2", "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
+                 "--save-interval", "1", "--warmup-steps", "1", "--lr", "1e-3", "--lr-new", "1e-2", *extra])
+
+
+def logits_through_cache(model, name, ids):
+    method = get_method(name)
+    config = make_config(name, budget=48, sinks=4, context=SEQ, **({"window": 16} if name == "dms" else {}))
+    method.prepare(model, config)
+    cache = method.new_cache(model, config)
+    with torch.no_grad():
+        out = [model(input_ids=ids[:, :40], past_key_values=cache, use_cache=True).logits]
+        for t in range(40, ids.shape[1]):
+            out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, 1)
+
+
+def reference_student(teacher_path, final, name):
+    """The trained student rebuilt by hand: the teacher, the method applied, every saved tensor loaded strictly."""
+    model = kvlearn.load(teacher_path)
+    saved = json.loads((final / "config.json").read_text())
+    if name == "dms":
+        from kvlearn.dms.apply import apply_dms
+
+        apply_dms(model, DMSConfig(**saved["dms"]))
+    state = load_file(final / "model.safetensors")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing)  # tied embeddings are saved once
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["streaming_plus", "dms"])
+def test_two_step_retrofit_writes_a_loadable_checkpoint(teacher_path, tmp_path, name):
+    assert cli_retrofit(teacher_path, tmp_path / "run", name) == 0
+    lines = [json.loads(ln) for ln in (tmp_path / "run" / LOG_FILE).read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [1, 2] and all(ln["kd"] >= 0 for ln in lines)
+    final = tmp_path / "run" / "final"
+    saved = json.loads((final / "config.json").read_text())
+    teacher = kvlearn.load(teacher_path)
+    loaded = kvlearn.load(final)
+    if name == "dms":
+        assert saved["dms"]["budget"] == 48 and saved["dms"]["target_cr"] == SEQ / 48
+        assert has_dms(loaded)
+        assert any(torch.count_nonzero(g.proj.weight) > 0 for g in dms_gates(loaded))  # the gates were trained
+        assert lines[0]["target_fraction"] == 0.0 and 0 < lines[1]["target_fraction"] < 1 - 48 / SEQ
+        assert all(0 <= ln["closed_fraction"] <= 1 and ln["compression"] >= 0 for ln in lines)
+    else:
+        assert saved["streaming_plus"] == {"budget": 48, "sinks": 4, "window": 44}
+        assert not has_dms(loaded) and "dms" not in saved and "kvpop" not in saved
+    # the backbone was trained (lr 1e-3): the student differs from its teacher
+    t_state = teacher.state_dict()
+    assert any(not torch.equal(v, t_state[k]) for k, v in loaded.state_dict().items() if k in t_state)
+    ids = torch.randint(1, VOCAB_SIZE, (1, 70))
+    got = logits_through_cache(loaded, name, ids)
+    want = logits_through_cache(reference_student(teacher_path, final, name), name, ids)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, reference_student(teacher_path, final, name)(input_ids=ids).logits)
+
+
+def test_resume_refuses_another_method(teacher_path, tmp_path):
+    out = tmp_path / "run"
+    config = RetrofitConfig(model=teacher_path, out=str(out), method="streaming_plus",
+                            streaming=StreamingConfig(budget=48, sinks=4), steps=2, batch_size=2, seq_len=SEQ,
+                            save_interval=1)
+    retrofit(config, stop_after=1, progress=False)
+    other = RetrofitConfig(model=teacher_path, out=str(out), method="streaming_plus", resume=True,
+                           streaming=StreamingConfig(budget=40, sinks=4), steps=2, batch_size=2, seq_len=SEQ,
+                           save_interval=1)
+    with pytest.raises(KVLearnError) as err:
+        retrofit(other, progress=False)
+    assert "\n" not in str(err.value) and "streaming" in str(err.value)
+
+
+def test_bad_input_is_one_line(teacher_path, tmp_path, capsys):
+    base = dict(model=teacher_path, out=str(tmp_path / "x"), steps=2, batch_size=2, seq_len=SEQ)
+    for kw, expect in ((dict(method="h2o"), "method='h2o' is unknown"),
+                       (dict(method="streaming_plus"), "needs streaming=StreamingConfig"),
+                       (dict(method="dms"), "needs dms=DMSConfig"),
+                       (dict(method="dms", dms=DMSConfig(sinks=4, window=16, budget=200)), "budget = 200"),
+                       (dict(method="streaming_plus", streaming=StreamingConfig(budget=128, sinks=4)), "budget = 128"),
+                       (dict(method="dms", dms=DMSConfig(), compression_weight=-1), "compression_weight=-1")):
+        with pytest.raises(KVLearnError) as err:
+            RetrofitConfig(**base, **kw)
+        assert expect in str(err.value) and "\n" not in str(err.value)
+    for args, expect in ((["--method", "bogus"], "invalid choice: 'bogus'"),
+                         (["--method", "streaming_plus", "--budget", "4"], "--budget=4 is invalid"),
+                         (["--method", "dms", "--budget", "20"], "--budget=20 is invalid")):
+        argv = ["retrofit", "--model", teacher_path, "--out", str(tmp_path / "y"), "--seq-len", str(SEQ),
+                "--device", "cpu", "--steps", "1", *args]
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and expect in err and len(err.splitlines()) == 1, err
+    try:
+        code = main(["retrofit", "--model", teacher_path, "--out", str(tmp_path / "z"), "--method", "dms",
+                     "--budget", "48", "--window", "16", "--seq-len", str(SEQ), "--device", "cpu", "--steps", "1",
+                     "--target-cr", "0.5"])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "target_cr=0.5" in err and len(err.splitlines()) == 1, err
+
+
+def test_dms_resume_matches_uninterrupted(teacher_path, tmp_path):
+    """The Gumbel noise is drawn per step from (seed, step): a stopped and resumed run ends where an uninterrupted
+    one does."""
+    def config(out, **kw):
+        return RetrofitConfig(model=teacher_path, out=str(out), method="dms",
+                              dms=DMSConfig(sinks=4, window=16, budget=48, target_cr=SEQ / 48), steps=3,
+                              batch_size=2, seq_len=SEQ, save_interval=1, warmup_steps=1, lr=1e-3, lr_new=1e-2, **kw)
+
+    whole = retrofit(config(tmp_path / "a"), progress=False)
+    retrofit(config(tmp_path / "b"), stop_after=2, progress=False)
+    resumed = retrofit(config(tmp_path / "b", resume=True), progress=False)
+    a = load_file(f"{whole['final']}/model.safetensors")
+    b = load_file(f"{resumed['final']}/model.safetensors")
+    assert a.keys() == b.keys() and any(".dms." in k for k in a)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6, msg=n)
+    logs = [(tmp_path / d / LOG_FILE).read_text().splitlines() for d in ("a", "b")]
+    assert [json.loads(x)["closed_fraction"] for x in logs[0]] == [json.loads(x)["closed_fraction"] for x in logs[1]]
