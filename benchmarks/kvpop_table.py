@@ -1,0 +1,176 @@
+"""The KVpop paper's Table 1 on the testbed: the teacher, every training-free eviction method and the retrofitted
+students (KVpop with the MLP and the mLSTM scorer, StreamingLLM+, DMS) at budgets 1024, 512 and 256 (CR 75%, 88%,
+94% at context 4096), every family, both splits, under the ``bounded`` protocol (``context`` too with
+``--protocols all``).
+
+On the device (H200, bf16), after the retrofits (``benchmarks/device/retrofit.sh``):
+
+    PYTHONPATH=src python benchmarks/kvpop_table.py \\
+        --student kvpop_mlp=kvpop:runs/kvpop-mlp --student kvpop=kvpop:runs/kvpop-mlstm \\
+        --student streaming_plus=streaming_plus:runs/streaming-plus --student dms=dms:runs/dms \\
+        --n-per-task 100 --minutes 9 --out results/kvpop_table.json
+
+writes ``results/kvpop_table.json`` (schema ``kvlearn.results.v1``, kind ``accuracy``; every row has ``method`` =
+the row's label, ``registry_method`` = the cache method it ran, ``model``, ``protocol``, ``split``, ``budget``,
+``compression``, ``kv_bytes``) and ``results/kvpop_table.png`` (mean accuracy against compression, one line per
+label). ``--student LABEL=METHOD:PATH`` adds a trained checkpoint evaluated with registered method ``METHOD``; a
+student trained at one budget is evaluated at every budget of ``--budgets`` (its top-k follows the budget). Runs
+go in priority order (the teacher; then per budget from the tightest, the students, then the baselines), the
+file is rewritten after every run, and ``--minutes`` stops cleanly as in ``eviction_baselines.py`` (``not_run``
+lists what was cut).
+
+``--smoke`` runs the same code on the CPU in about a minute: a tiny random Qwen3 as the teacher and as an
+untrained KVpop "student", context 256, budgets 96 and 48, 2 examples of niah and vt, into ``runs/smoke/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from eviction_baselines import _budgets, _list, recorded_command, repo_relative, tiny_model  # noqa: E402
+
+from kvlearn.errors import KVLearnError, check  # noqa: E402
+from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
+from kvlearn.eval.plots import plot_pareto  # noqa: E402
+from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method  # noqa: E402
+from kvlearn.results import make_results, write_results  # noqa: E402
+
+
+def parse_student(text: str) -> tuple[str, str, str]:
+    """``LABEL=METHOD:PATH`` -> ``(label, method, path)``; one-line error otherwise."""
+    label, _, rest = text.partition("=")
+    method, _, path = rest.partition(":")
+    check(label and method and path, f"--student {text!r}: expected LABEL=METHOD:PATH, e.g. kvpop=kvpop:runs/kvpop/final")
+    get_method(method)  # one-line error for an unknown method
+    return label, method, path
+
+
+def plan_runs(args, students: list[tuple[str, str, str]]) -> list[tuple[str, str, str | None, EvalConfig]]:
+    """``[(label, registry method, model path or None = the teacher, config)]`` in priority order."""
+    protocols = _list(args.protocols, PROTOCOLS, "--protocols")
+    splits = _list(args.splits, eval_splits(), "--splits")
+    baselines = _list(args.baselines, EVICTION_METHODS, "--baselines") if args.baselines != "none" else ()
+    budgets = sorted(_budgets(args.budgets))  # tightest first: it separates the methods
+    common = dict(tasks=tuple(args.tasks.split(",")) if args.tasks != "all" else EvalConfig().tasks,
+                  n_per_task=args.n_per_task, context=args.context, batch_size=args.batch_size,
+                  chunk_size=args.chunk_size, sinks=args.sinks)
+    runs = [("teacher", "dense", None, EvalConfig(method="dense", split=s, protocol=protocols[0], **common)) for s in splits]
+    for budget in budgets:
+        for split in splits:
+            for p in protocols:
+                for label, method, path in students:
+                    if p in get_method(method).protocols:
+                        runs.append((label, method, path, EvalConfig(method=method, budget=budget, split=split, protocol=p, **common)))
+                for m in baselines:
+                    if p in get_method(m).protocols:
+                        runs.append((m, m, None, EvalConfig(method=m, budget=budget, split=split, protocol=p, **common)))
+    return runs
+
+
+def describe(label: str, c: EvalConfig) -> str:
+    return f"{label}/{c.protocol}/{c.split}" + (f"/B={c.budget}" if c.method != "dense" else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=str(REPO / "checkpoints" / "testbed-teacher"), help="the teacher's checkpoint folder")
+    ap.add_argument("--student", action="append", default=[], metavar="LABEL=METHOD:PATH",
+                    help="a trained checkpoint and the registered method it runs with (repeat the option)")
+    ap.add_argument("--baselines", default="all", help=f"comma list of {','.join(EVICTION_METHODS)}, 'all' or 'none'")
+    ap.add_argument("--budgets", default="1024,512,256", help="comma list of budgets (tokens per KV head)")
+    ap.add_argument("--protocols", default="bounded", help=f"comma list of {','.join(PROTOCOLS)} or 'all'")
+    ap.add_argument("--splits", default="all", help=f"comma list of {','.join(eval_splits())} or 'all'")
+    ap.add_argument("--tasks", default="all", help="comma list of task families or 'all'")
+    ap.add_argument("--n-per-task", type=int, default=100, help="examples per family per run")
+    ap.add_argument("--context", type=int, default=4096, help="tokens per example")
+    ap.add_argument("--sinks", type=int, default=4, help="sinks of every method")
+    ap.add_argument("--batch-size", type=int, default=64, help="examples per batch")
+    ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk of the bounded cache")
+    ap.add_argument("--minutes", type=float, default=25.0, help="time guard: no batch starts after it")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--out", default=None, help="results file (default: results/kvpop_table.json, "
+                                                "runs/smoke/kvpop_table.json with --smoke)")
+    ap.add_argument("--plot", default=None, help="plot (default: next to --out, kvpop_table.png)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models, context 256, budgets 96,48, n 2")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.device, args.context, args.budgets, args.n_per_task, args.batch_size, args.chunk_size = "cpu", 256, "96,48", 2, 4, 64
+        args.tasks = "niah,vt" if args.tasks == "all" else args.tasks
+        args.baselines = "streaming,tova" if args.baselines == "all" else args.baselines
+        args.student = args.student or ["kvpop_untrained=kvpop:smoke"]
+    out = Path(args.out or ("runs/smoke/kvpop_table.json" if args.smoke else "results/kvpop_table.json"))
+    plot = Path(args.plot or out.with_name("kvpop_table.png"))
+    try:
+        students = [parse_student(s) for s in args.student]
+        check(len({s[0] for s in students}) == len(students), f"--student labels repeat: {[s[0] for s in students]}")
+        runs = plan_runs(args, students)
+    except KVLearnError as e:
+        print(f"kvpop_table: error: {e}", file=sys.stderr)
+        return 2
+
+    start = time.monotonic()
+    deadline = start + 60 * args.minutes
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    models: dict[str | None, torch.nn.Module] = {}
+
+    def model_for(path: str | None):
+        if path not in models:
+            models.clear()  # one model in memory at a time (runs are grouped by budget, not by model)
+            if args.smoke:
+                models[path] = tiny_model()
+            else:
+                from kvlearn import load
+
+                models[path] = load(path or args.model, dtype=dtype, device=args.device)
+        return models[path]
+
+    rows: list[dict] = []
+    not_run: list[str] = []
+    command = recorded_command(argv).replace("benchmarks/eviction_baselines.py", "benchmarks/kvpop_table.py")
+
+    def save():
+        results = make_results("accuracy", rows, device=args.device, command=command,
+                               model="tiny random Qwen3 (--smoke)" if args.smoke else repo_relative(args.model),
+                               students={label: f"{method}:{repo_relative(path)}" for label, method, path in students},
+                               context=args.context, dtype=str(dtype).replace("torch.", ""), n_per_task=args.n_per_task,
+                               wall_seconds=round(time.monotonic() - start, 1), not_run=not_run,
+                               complete=not not_run and not any(r.get("incomplete") for r in rows))
+        write_results(out, results)
+
+    total = sum(len(c.tasks) * c.n_per_task for *_, c in runs)
+    bar = tqdm(total=total, desc="table", unit="ex", mininterval=0.1 if sys.stderr.isatty() else 20.0)
+    for i, (label, method, path, config) in enumerate(runs):
+        if time.monotonic() >= deadline:
+            not_run.extend(describe(lbl, c) for lbl, _, _, c in runs[i:])
+            print(f"time guard ({args.minutes} min): {len(runs) - i} run(s) not started", flush=True)
+            break
+        bar.set_description(describe(label, config))
+        new = evaluate(model_for(path), config, progress=False, deadline=deadline, bar=bar)
+        for r in new:
+            r["registry_method"], r["method"] = r["method"], label
+            r["model"] = "teacher" if path is None else repo_relative(path)
+        rows += new
+        save()
+    bar.close()
+    save()
+    print(format_table(rows))
+    print(f"wrote {out}")
+    if rows:
+        print(f"wrote {plot_pareto(rows, plot, title=f'KVpop Table 1 analog, context {args.context}')}")
+    print(f"wall time {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""benchmarks/kvpop_table.py --smoke: the Table 1 analog's rows, labels, priority order and bad --student values."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_script():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("kvpop_table", BENCH / "kvpop_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_rows_carry_the_label_and_the_registry_method(tmp_path):
+    script = load_script()
+    out = tmp_path / "table.json"
+    assert script.main(["--smoke", "--splits", "eval", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["complete"] is True and data["command"].startswith("python benchmarks/kvpop_table.py --smoke")
+    keys = {(r["method"], r["registry_method"], r["budget"]) for r in data["rows"]}
+    assert keys == ({("teacher", "dense", 256)} | {("kvpop_untrained", "kvpop", b) for b in (96, 48)}
+                    | {(m, m, b) for m in ("streaming", "tova") for b in (96, 48)})
+    assert all(r["protocol"] == "bounded" and r["n"] == 2 for r in data["rows"])
+    assert (tmp_path / "kvpop_table.png").stat().st_size > 1000
+
+
+def test_time_guard_order_and_bad_students(tmp_path):
+    script = load_script()
+    out = tmp_path / "t.json"
+    assert script.main(["--smoke", "--minutes", "0", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    # the teacher first, then the tightest budget with the students before the baselines
+    assert data["not_run"][:4] == ["teacher/bounded/eval", "teacher/bounded/heldout",
+                                   "kvpop_untrained/bounded/eval/B=48", "streaming/bounded/eval/B=48"]
+    assert script.main(["--smoke", "--student", "x=kvpop", "--out", str(out)]) == 2
+    assert script.main(["--smoke", "--student", "x=bogus:p", "--out", str(out)]) == 2
