@@ -1,8 +1,11 @@
-"""kvlearn.results.command_line: the recorded command carries no absolute machine path."""
+"""kvlearn.results: the recorded command carries no absolute machine path; parts of a split run merge into one file."""
 
 import sys
 import tempfile
 
+import pytest
+
+from kvlearn.errors import KVLearnError
 from kvlearn.results import command_line, portable_path, repo_root
 
 
@@ -30,3 +33,25 @@ def test_kvlearn_entry_point_and_paths_elsewhere(monkeypatch):
     assert command_line() == "kvlearn eval --model checkpoints/testbed-teacher"
     assert portable_path("/opt/models/x") == "/opt/models/x"  # outside the repository, $OUT and the temp folder
     assert portable_path("relative/path") == "relative/path"
+
+
+def test_merge_results_of_a_run_split_over_gpus(tmp_path):
+    from kvlearn.results import main as results_main
+    from kvlearn.results import make_results, merge_results, read_results, write_results
+
+    def row(method, task):
+        return {"method": method, "protocol": "bounded", "split": "eval", "budget": 1024, "task": task, "accuracy": 1.0}
+
+    a = make_results("accuracy", [row("dense", "niah"), row("tova", "niah")], device="cpu", command="a", commit="c1",
+                     not_run=[], complete=True, wall_seconds=3.0)
+    b = make_results("accuracy", [row("dense", "niah"), row("h2o", "niah")], device="cpu", command="b", commit="c1",
+                     not_run=["h2o/context/eval/B=512"], complete=False, wall_seconds=5.0)
+    m = merge_results([a, b], "a && b")
+    assert [r["method"] for r in m["rows"]] == ["dense", "tova", "h2o"]  # the repeated full-cache row once
+    assert m["not_run"] == ["h2o/context/eval/B=512"] and m["complete"] is False and m["wall_seconds"] == 5.0
+    with pytest.raises(KVLearnError, match="differ in commit"):
+        merge_results([a, {**b, "commit": "c2"}], "x")
+    pa, pb = write_results(tmp_path / "a.json", a), write_results(tmp_path / "b.json", b)
+    assert results_main(["merge", str(tmp_path / "m.json"), str(pa), str(pb)]) == 0
+    assert read_results(tmp_path / "m.json")["command"] == "a && b"
+    assert results_main(["merge", str(tmp_path / "m.json"), str(pa), str(tmp_path / "missing.json")]) == 2

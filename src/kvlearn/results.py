@@ -121,3 +121,64 @@ def read_results(path: str | os.PathLike) -> dict:
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: schema {data.get('schema')!r} is not {SCHEMA!r}")
     return data
+
+
+def merge_results(parts: list[dict], command: str) -> dict:
+    """One results file from the files of runs split over processes or GPUs (same kind, commit and device).
+
+    Rows are concatenated in order; a row whose ``(method, protocol, split, budget, task)`` already appeared (the
+    full cache, which every part measures first) is dropped. ``not_run`` and ``skipped`` are united, ``complete``
+    holds when every part is complete, ``wall_seconds`` is the longest part's."""
+    from .errors import check
+
+    check(len(parts) > 0, "merge_results: no results to merge")
+    for field in ("schema", "kind", "commit", "device"):
+        values = {p.get(field) for p in parts}
+        check(len(values) == 1, f"merge_results: the parts differ in {field} ({sorted(map(str, values))}): merge "
+                                "only parts of one run")
+    merged = {k: v for k, v in parts[0].items() if k != "rows"}
+    merged["command"] = command
+    seen, rows = set(), []
+    for p in parts:
+        for r in p["rows"]:
+            key = (r.get("method"), r.get("protocol"), r.get("split"), r.get("budget"), r.get("task"))
+            if key not in seen:
+                seen.add(key)
+                rows.append(r)
+    if any("not_run" in p for p in parts):
+        merged["not_run"] = [x for p in parts for x in p.get("not_run", [])]
+    if any("skipped" in p for p in parts):
+        merged["skipped"] = {k: v for p in parts for k, v in p.get("skipped", {}).items()}
+    if any("complete" in p for p in parts):
+        merged["complete"] = all(p.get("complete", False) for p in parts)
+    if any("wall_seconds" in p for p in parts):
+        merged["wall_seconds"] = max(p.get("wall_seconds", 0) for p in parts)
+    merged["rows"] = rows
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvlearn.results merge OUT IN [IN ...]``: :func:`merge_results` of the IN files into OUT."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m kvlearn.results")
+    sub = ap.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("merge", help="merge results files of one run split over processes or GPUs")
+    m.add_argument("out")
+    m.add_argument("inputs", nargs="+")
+    args = ap.parse_args(argv)
+    from .errors import KVLearnError
+
+    try:
+        parts = [read_results(p) for p in args.inputs]
+        command = " && ".join(p["command"] for p in parts)
+        print(write_results(args.out, merge_results(parts, command)))
+    except (KVLearnError, ValueError, OSError) as e:
+        print(f"python -m kvlearn.results: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
