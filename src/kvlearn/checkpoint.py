@@ -2,7 +2,8 @@
 
 :func:`kvlearn.hf.load_model` loads the base model (and checks the folder); a checkpoint saved after
 :func:`kvlearn.kvpop.apply.apply_kvpop` records ``kvpop`` in its ``config.json``, and then KVpop is re-applied and its
-scorer and decay weights loaded (:func:`kvlearn.kvpop.apply.load_kvpop`). Keeping this here leaves ``hf`` free of
+scorer and decay weights loaded (:func:`kvlearn.kvpop.apply.load_kvpop`); one saved with a KV-Kaizen selector records
+``kaizen``, and the selector is re-attached with its weights (:func:`kvlearn.kaizen.apply.load_kaizen`). Keeping this here leaves ``hf`` free of
 any method.
 """
 
@@ -21,16 +22,22 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str 
     saved with it. Bad folders are one-line :class:`~kvlearn.errors.KVLearnError` s (see
     :func:`kvlearn.hf.load_model`)."""
     config_path = os.path.join(os.fspath(path), "config.json")
-    recorded = None
+    recorded = kaizen = None
     if os.path.isfile(config_path):
         try:
             with open(config_path, encoding="utf-8") as f:
-                recorded = json.load(f).get("kvpop")
+                saved = json.load(f)
+            recorded, kaizen = saved.get("kvpop"), saved.get("kaizen")
         except (ValueError, UnicodeDecodeError, AttributeError):
-            recorded = None  # load_model reports the bad config in one line
-    model = load_model(path, dtype=dtype, device=device, extra_keys=".kvpop." if recorded is not None else None)
+            recorded = kaizen = None  # load_model reports the bad config in one line
+    extra = ".kvpop." if recorded is not None else "kaizen_selector." if kaizen is not None else None
+    model = load_model(path, dtype=dtype, device=device, extra_keys=extra)
     if recorded is not None:
         from .kvpop.apply import load_kvpop
 
         load_kvpop(model, path)
+    if kaizen is not None:
+        from .kaizen.apply import load_kaizen
+
+        load_kaizen(model, path)
     return model

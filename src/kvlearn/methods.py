@@ -12,6 +12,10 @@ contract test matrix) resolves a method here, so a method registered once is eva
   field). A method with ``apply`` needs the model's modules for its caches, so its ``make_cache`` receives the
   model instead of the model config: callers use :meth:`Method.prepare` and :meth:`Method.new_cache`, which pass
   the right one.
+- ``kaizen`` (:mod:`kvlearn.kaizen.apply`): a learned method whose budget is a compression factor, not tokens
+  (``TOKEN_BUDGET = False``: ``make_config(name, target=...)`` without ``budget``), and whose cache depends on the
+  prompt: ``make_prompt_cache(config, model, input_ids, attention_mask, max_new_tokens)`` (its selector runs once
+  per prompt); the harness then evaluates one prompt per batch.
 
 Modules are imported lazily, on :func:`get_method`: a method whose module is not in this checkout fails with a
 one-line :class:`~kvlearn.errors.KVLearnError` when it is asked for, never when this module is imported.
@@ -31,8 +35,9 @@ from .errors import KVLearnError, check
 
 PROTOCOLS: tuple[str, ...] = ("bounded", "context")
 EVICTION_METHODS: tuple[str, ...] = ("streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random")
-LEARNED_METHODS: tuple[str, ...] = ("kvpop",)
-MODULES: dict[str, str] = {**{n: f"kvlearn.eviction.{n}" for n in EVICTION_METHODS}, "kvpop": "kvlearn.kvpop.apply"}
+LEARNED_METHODS: tuple[str, ...] = ("kvpop", "kaizen")
+MODULES: dict[str, str] = {**{n: f"kvlearn.eviction.{n}" for n in EVICTION_METHODS}, "kvpop": "kvlearn.kvpop.apply",
+                           "kaizen": "kvlearn.kaizen.apply"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,9 @@ class Method:
         protocols: the evaluation protocols the method defines, a subset of :data:`PROTOCOLS`.
         config_from_budget: ``(budget=, sinks=, context=, **extra) -> config`` for a config class that does not
             take ``budget`` itself (KVpop's ``sinks + window + topk``); ``None``: ``config_cls(budget=, sinks=, ...)``.
+        make_prompt_cache: ``(config, model, input_ids [1, seq], attention_mask, max_new_tokens) -> Cache`` for a
+            method that configures its cache from the prompt (``kaizen``); ``None``: :meth:`new_cache`.
+        token_budget: whether the budget is in tokens (``False``: ``kaizen``, a compression ``target``).
 
     Use :meth:`prepare` and :meth:`new_cache` rather than ``apply``/``make_cache`` directly.
     """
@@ -61,6 +69,8 @@ class Method:
     apply: Callable[[Any, Any], Any] | None = None
     protocols: tuple[str, ...] = PROTOCOLS
     config_from_budget: Callable[..., Any] | None = None
+    make_prompt_cache: Callable[..., Any] | None = None
+    token_budget: bool = True
 
     def prepare(self, model, config):
         """Make ``model`` run with this method's caches (``apply(model, config)``, or :func:`kvlearn.hf.attach`)."""
@@ -128,7 +138,8 @@ def _load_eviction(name: str) -> Method:
     check(protocols and set(protocols) <= set(PROTOCOLS),
           f"{modname}.PROTOCOLS={protocols!r} is invalid: expected a non-empty subset of {PROTOCOLS}")
     return Method(name, str(module.SUMMARY), module.CONFIG, module.make_cache, getattr(module, "apply", None), protocols,
-                  getattr(module, "config_from_budget", None))
+                  getattr(module, "config_from_budget", None), getattr(module, "make_prompt_cache", None),
+                  bool(getattr(module, "TOKEN_BUDGET", True)))
 
 
 _LOADED: dict[str, Method] = {"dense": DENSE}
@@ -182,6 +193,11 @@ def make_config(name: str, budget: int | None = None, sinks: int = 4, context: i
         check(budget is None, f"method 'dense' keeps every token: it takes no budget (got budget={budget!r})")
         check(not extra, f"method 'dense' has no options (got {', '.join(sorted(extra))})")
         return DenseConfig()
+    if not method.token_budget:  # a compression target (kaizen), every token kept
+        try:
+            return method.config_from_budget(budget=budget, sinks=sinks, context=context, **extra)
+        except TypeError as e:
+            raise KVLearnError(f"method {name!r}: bad config arguments ({e})") from None
     check(budget is not None, f"method {name!r} needs a budget: expected sinks + 1 = {sinks + 1} <= budget"
           + (f" < context = {context}" if context is not None else ""))
     fields = {f.name for f in dataclasses.fields(method.config_cls)}
