@@ -156,6 +156,7 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
         row["peak_kv_bytes"] = int(sum(result.peak_kv_bytes) / len(result.peak_kv_bytes))
     if result.factors:  # a compression-factor method (kaizen): every token kept, the bits per token reduced
         row["budget"] = config.context
+        row["sinks"] = None
         row["factor"] = round(sum(result.factors) / len(result.factors), 6)
         row["target"] = round(sum(result.targets) / len(result.targets), 6)
         row["compression"] = round(1.0 - 1.0 / row["factor"], 6)
