@@ -123,7 +123,7 @@ def test_method_contract(name, protocol, kind):
 def test_every_registered_method_is_listed_with_its_protocols():
     assert method_names()[:2] == ("dense", "streaming")
     assert set(method_names()) == {"dense", "streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random",
-                                   "kvpop", "kaizen"}
+                                   "kvpop", "kaizen", "kaizen_static", "kaizen_random"}
     for name in method_names():
         try:
             m = get_method(name)

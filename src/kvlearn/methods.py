@@ -15,7 +15,8 @@ contract test matrix) resolves a method here, so a method registered once is eva
 - ``kaizen`` (:mod:`kvlearn.kaizen.apply`): a learned method whose budget is a compression factor, not tokens
   (``TOKEN_BUDGET = False``: ``make_config(name, target=...)`` without ``budget``), and whose cache depends on the
   prompt: ``make_prompt_cache(config, model, input_ids, attention_mask, max_new_tokens)`` (its selector runs once
-  per prompt); the harness then evaluates one prompt per batch.
+  per prompt); the harness then evaluates one prompt per batch. Its prompt-independent baselines ``kaizen_static``
+  and ``kaizen_random`` (:mod:`kvlearn.kaizen.fixed`) follow the same contract.
 
 Modules are imported lazily, on :func:`get_method`: a method whose module is not in this checkout fails with a
 one-line :class:`~kvlearn.errors.KVLearnError` when it is asked for, never when this module is imported.
@@ -35,9 +36,10 @@ from .errors import KVLearnError, check
 
 PROTOCOLS: tuple[str, ...] = ("bounded", "context")
 EVICTION_METHODS: tuple[str, ...] = ("streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random")
-LEARNED_METHODS: tuple[str, ...] = ("kvpop", "kaizen")
+LEARNED_METHODS: tuple[str, ...] = ("kvpop", "kaizen", "kaizen_static", "kaizen_random")
 MODULES: dict[str, str] = {**{n: f"kvlearn.eviction.{n}" for n in EVICTION_METHODS}, "kvpop": "kvlearn.kvpop.apply",
-                           "kaizen": "kvlearn.kaizen.apply"}
+                           "kaizen": "kvlearn.kaizen.apply", "kaizen_static": "kvlearn.kaizen.static_method",
+                           "kaizen_random": "kvlearn.kaizen.random_method"}
 
 
 @dataclass(frozen=True)

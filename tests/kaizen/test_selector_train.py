@@ -349,3 +349,35 @@ def test_cli_one_line_errors(teacher_path, tmp_path, capsys):
     code, err = run("eval", "--method", "streaming", "--model", teacher_path, "--budget", "64", "--context", "256",
                     "--target", "4")
     assert code == 2 and "\n" not in err and "token budget" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the baselines kaizen_static and kaizen_random
+
+
+def test_static_config_by_hand():
+    from kvlearn.kaizen.fixed import static_config
+
+    bb = Backbone(num_layers=4, kv_heads=2, head_dim=16)
+    assert static_config(bb, 4.0) == KaizenConfig.static(bb, 4)  # ties (b8 g2, b16 g4) go to less sharing
+    assert static_config(bb, 2.0) == KaizenConfig.static(bb, 8)
+    assert static_config(bb, 5.0) == KaizenConfig.static(bb, 2)  # 8x: the least compressed uniform choice >= 5
+    assert static_config(bb, 9.0) == KaizenConfig.evenly_shared(bb, 2, 2)  # 16x
+    assert static_config(bb, 1.5) == KaizenConfig.static(bb, 8)
+    assert static_config(bb, 3.0, axes=("depth",)) == KaizenConfig.evenly_shared(bb, 4, 16)  # 4x
+    with pytest.raises(KVLearnError) as e:
+        static_config(bb, 9.0, axes=("precision",))
+    assert "[1x, 8x]" in one_line(e)
+
+
+@pytest.mark.parametrize("name", ["kaizen_static", "kaizen_random"])
+def test_baselines_through_the_harness(teacher_path, name):
+    from kvlearn.eval.accuracy import EvalConfig, evaluate
+
+    model = kvlearn.load(teacher_path)
+    config = EvalConfig(method=name, context=256, tasks=("vt",), n_per_task=2, batch_size=2, target=4.0)
+    (row,) = evaluate(model, config, progress=False)
+    assert row["method"] == name and row["target"] == 4.0 and row["n"] == 2
+    assert 4.0 <= row["factor"] < 4.0 * 1.35
+    if name == "kaizen_static":  # 2 layers at 4 bits: a quarter of the dense cache's codes, plus the scales
+        assert row["factor"] == 4.0
