@@ -381,3 +381,29 @@ def test_baselines_through_the_harness(teacher_path, name):
     assert 4.0 <= row["factor"] < 4.0 * 1.35
     if name == "kaizen_static":  # 2 layers at 4 bits: a quarter of the dense cache's codes, plus the scales
         assert row["factor"] == 4.0
+
+
+def test_cli_run_with_several_targets_then_eval(teacher_path, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["kaizen-train", "--model", teacher_path, "--out", str(out), "--target", "2,8", "--steps", "3",
+                 "--seq-len", str(SEQ), "--batch-size", "4", "--save-interval", "2", "--warmup-steps", "0",
+                 "--lr-new", "0.05", "--beta", "5", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "--method kaizen --target 2.0" in printed
+    log = _log(out)
+    assert {ln["target"] for ln in log} <= {2.0, 3.5, 5.0, 6.5, 8.0}  # per-step mean of 4 draws from {2, 8}
+    from kvlearn.train.kaizen_train import sample_targets
+
+    draws = sample_targets(train_config(teacher_path, tmp_path / "x", targets=(2.0, 8.0)), 64,
+                           torch.Generator().manual_seed(0))
+    assert set(draws.tolist()) == {2.0, 8.0}
+    model = kvlearn.load(out / "final")
+    assert model.config.kaizen["train_targets"] == [2.0, 8.0]
+    sel = selector_of(model)
+    assert float(sel.film.weight.detach().abs().sum()) > 0  # the budget conditioning was trained
+    for target in ("2", "8"):
+        dest = tmp_path / f"k{target}.json"
+        assert main(["eval", "--method", "kaizen", "--model", str(out / "final"), "--context", "256",
+                     "--n-per-task", "1", "--tasks", "vt", "--target", target, "--out", str(dest)]) == 0
+        (row,) = json.loads(dest.read_text())["rows"]
+        assert row["target"] == float(target) and row["factor"] >= 1.0

@@ -25,8 +25,6 @@ method's ``apply``, not built yet. The MLA rank axis is not built yet (a rank ac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -43,18 +41,16 @@ from .cache import KaizenCache
 ATTENTION_NAME = "kvlearn_kaizen"
 
 
-@dataclass
 class KaizenForward:
     """Per-forward state: the configuration, and ``shared {anchor layer: (K [batch, kv_heads, kv, head_dim], V,
     mask)}`` filled by the anchors of this forward and read by the layers sharing them. Made fresh by the hook for
-    every forward; never kept between forwards."""
+    every forward; never kept between forwards. A plain class, not a dataclass: FSDP's hooks rebuild dataclasses
+    found in module arguments (the layers would fill copies of ``shared``)."""
 
-    config: KaizenConfig
-    shared: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        shared_by = {self.config.anchor_of(l) for l, a in enumerate(self.config.actions) if a.share}
-        self.needed = frozenset(shared_by)
+    def __init__(self, config: KaizenConfig, shared: dict | None = None):
+        self.config = config
+        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {} if shared is None else shared
+        self.needed = frozenset(config.anchor_of(l) for l, a in enumerate(config.actions) if a.share)
 
 
 class KaizenTrainForward:
