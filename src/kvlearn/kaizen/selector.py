@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import check
+from .budget import selection_cost
 from .actions import Backbone, KaizenConfig, action_bits, action_mask, action_space, check_axes
 
 __all__ = ["KaizenSelector", "gumbel_straight_through", "temperature_at", "SELECTOR_NAME"]
@@ -147,8 +148,9 @@ class KaizenSelector(nn.Module):
         return [KaizenConfig.from_indices(self.backbone, row.tolist(), self.axes) for row in indices]
 
     def cost(self, weights: torch.Tensor) -> torch.Tensor:
-        """``Ĉ [batch]``: bits per token (no metadata) of the per-layer action weights ``[batch, layers, actions]``."""
-        return (weights * self.costs.to(weights.dtype)).sum(dim=(-1, -2))
+        """``Ĉ [batch]``: bits per token (no metadata) of the per-layer action weights ``[batch, layers, actions]``
+        (:func:`kvlearn.kaizen.budget.selection_cost`)."""
+        return selection_cost(weights, self.costs)
 
     def target_bits(self, target: torch.Tensor) -> torch.Tensor:
         """``C* = C_ref / ρ*`` per sequence."""
