@@ -2,10 +2,11 @@
 
 :func:`kvlearn.hf.load_model` loads the base model (and checks the folder); a checkpoint saved after
 :func:`kvlearn.kvpop.apply.apply_kvpop` records ``kvpop`` in its ``config.json``, and then KVpop is re-applied and its
-scorer and decay weights loaded (:func:`kvlearn.kvpop.apply.load_kvpop`). Keeping this here leaves ``hf`` free of
-any method. A checkpoint saved after :func:`kvlearn.dms.apply.apply_dms` records ``dms``: DMS is re-applied and its
-gate weights loaded (:func:`kvlearn.dms.apply.load_dms`). A ``streaming_plus`` checkpoint has no added modules (it
-loads as a plain model).
+scorer and decay weights loaded (:func:`kvlearn.kvpop.apply.load_kvpop`). A checkpoint saved after
+:func:`kvlearn.dms.apply.apply_dms` records ``dms``: DMS is re-applied and its gate weights loaded
+(:func:`kvlearn.dms.apply.load_dms`). One saved with a KV-Kaizen selector records ``kaizen``, and the selector is
+re-attached with its weights (:func:`kvlearn.kaizen.apply.load_kaizen`). A ``streaming_plus`` checkpoint has no
+added modules (it loads as a plain model). Keeping this here leaves ``hf`` free of any method.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str 
     saved with it. Bad folders are one-line :class:`~kvlearn.errors.KVLearnError` s (see
     :func:`kvlearn.hf.load_model`)."""
     config_path = os.path.join(os.fspath(path), "config.json")
-    recorded, dms = None, None
+    recorded = dms = kaizen = None
     if os.path.isfile(config_path):
         try:
             with open(config_path, encoding="utf-8") as f:
                 saved = json.load(f)
-            recorded, dms = saved.get("kvpop"), saved.get("dms")
+            recorded, dms, kaizen = saved.get("kvpop"), saved.get("dms"), saved.get("kaizen")
         except (ValueError, UnicodeDecodeError, AttributeError):
-            recorded = dms = None  # load_model reports the bad config in one line
-    extra = ".kvpop." if recorded is not None else ".dms." if dms is not None else None
+            recorded = dms = kaizen = None  # load_model reports the bad config in one line
+    extra = (".kvpop." if recorded is not None else ".dms." if dms is not None
+             else "kaizen_selector." if kaizen is not None else None)
     model = load_model(path, dtype=dtype, device=device, extra_keys=extra)
     if recorded is not None:
         from .kvpop.apply import load_kvpop
@@ -41,4 +43,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str 
         from .dms.apply import load_dms
 
         load_dms(model, path)
+    if kaizen is not None:
+        from .kaizen.apply import load_kaizen
+
+        load_kaizen(model, path)
     return model

@@ -1,4 +1,4 @@
-"""The ``kvlearn`` command: ``demo``, ``eval``, ``methods``, ``pretrain``, ``retrofit`` and ``testbed``.
+"""The ``kvlearn`` command: ``demo``, ``eval``, ``methods``, ``pretrain``, ``retrofit``, ``kaizen-train`` and ``testbed``.
 
 Bad input is reported as one line (``kvlearn: error: ...``) with exit status 2, never a traceback.
 """
@@ -108,7 +108,7 @@ def _eval_config(args, method: str, budget, tasks):
 
     return EvalConfig(method=method, budget=budget, sinks=args.sinks, tasks=tasks, n_per_task=args.n_per_task,
                       context=args.context, batch_size=args.batch_size, split=args.split, protocol=args.protocol,
-                      chunk_size=args.chunk_size)
+                      chunk_size=args.chunk_size, target=getattr(args, "target", None))
 
 
 def cmd_eval(args) -> int:
@@ -245,6 +245,30 @@ def cmd_retrofit(args) -> int:
     return 0
 
 
+def cmd_kaizen_train(args) -> int:
+    from .train.kaizen_train import KaizenTrainConfig, kaizen_train
+
+    check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
+    try:
+        targets = tuple(float(t) for t in args.target.split(","))
+    except ValueError:
+        targets = ()
+    check(len(targets) > 0, f"--target {args.target!r} is invalid: expected a compression factor or a comma list, e.g. 4 or 2,4,8")
+    length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
+    axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
+    config = KaizenTrainConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
+                               targets=targets, axes=axes, batch_size=args.batch_size, seq_len=args.seq_len,
+                               lr=args.lr, lr_new=args.lr_new, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
+                               kd_topk=args.kd_topk, beta=args.beta, eta=args.eta, budget_cap=args.budget_cap,
+                               save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
+                               num_workers=args.num_workers, **length)
+    _threads(args.threads)
+    result = kaizen_train(config)
+    print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model {result['final']} "
+          f"--method kaizen --target {targets[0]}")
+    return 0
+
+
 def cmd_testbed(args) -> int:
     from .testbed import tasks
     from .testbed.tokenizer import build_tokenizer
@@ -315,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("eval", help="accuracy of one method on the testbed")
     common_eval(sp, 10, 8)
     sp.add_argument("--method", required=True, choices=method_names(), help="cache method (see: kvlearn methods)")
-    sp.add_argument("--budget", type=int, default=None, help="tokens kept per KV head (every method but dense)")
+    sp.add_argument("--budget", type=int, default=None, help="tokens kept per KV head (every method but dense and kaizen)")
+    sp.add_argument("--target", type=float, default=None,
+                    help="kaizen: target compression factor of the selector (default: the one it was trained for)")
     sp.add_argument("--out", default=None, help="results file (.json); nothing is written without it")
     sp.add_argument("--plot", default=None, help=f"plot file ({', '.join(PLOT_SUFFIXES)}); needs --out")
     sp.set_defaults(func=cmd_eval)
@@ -384,6 +410,32 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--num-workers", type=int, default=0, help="data-generation worker processes")
     sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     sp.set_defaults(func=cmd_retrofit)
+
+    sp = sub.add_parser("kaizen-train", help="train a KV-Kaizen selector and the backbone jointly (teacher: the dense model)")
+    sp.add_argument("--model", required=True, help="checkpoint folder of the dense model (a supported family)")
+    sp.add_argument("--out", required=True, help="output folder: step-<N>/ checkpoints, final/, train_log.jsonl")
+    sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
+    sp.add_argument("--resume", action="store_true", help="continue from the newest step-<N> checkpoint in --out")
+    sp.add_argument("--target", default="4.0", help="target compression factor, or a comma list sampled per sequence")
+    sp.add_argument("--axes", default=None, help="comma list of precision,depth (default: both)")
+    sp.add_argument("--beta", type=float, default=0.0, help="initial budget multiplier")
+    sp.add_argument("--eta", type=float, default=0.01, help="multiplier step (0: constant --beta)")
+    sp.add_argument("--budget-cap", type=float, default=1e4, help="largest budget multiplier")
+    sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
+    sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
+    sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    sp.add_argument("--seq-len", type=int, default=4096, help="tokens per training sequence (testbed examples)")
+    sp.add_argument("--lr", type=float, default=1e-5, help="learning rate of the backbone (constant)")
+    sp.add_argument("--lr-new", type=float, default=1e-3, help="peak learning rate of the selector")
+    sp.add_argument("--warmup-steps", type=int, default=100, help="warm-up steps of the selector's learning rate")
+    sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
+    sp.add_argument("--kd-topk", type=int, default=256, help="teacher logits kept by the distillation loss")
+    sp.add_argument("--save-interval", type=int, default=200, help="steps between checkpoints")
+    sp.add_argument("--seed", type=int, default=0, help="random seed")
+    sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    sp.add_argument("--num-workers", type=int, default=0, help="data-generation worker processes")
+    sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    sp.set_defaults(func=cmd_kaizen_train)
 
     sp = sub.add_parser("testbed", help="print one generated example")
     sp.add_argument("--family", required=True, choices=tasks.FAMILIES, help="task family")

@@ -15,6 +15,11 @@ contract test matrix) resolves a method here, so a method registered once is eva
   field). A method with ``apply`` needs the model's modules for its caches, so its ``make_cache`` receives the
   model instead of the model config: callers use :meth:`Method.prepare` and :meth:`Method.new_cache`, which pass
   the right one.
+- ``kaizen`` (:mod:`kvlearn.kaizen.apply`): a learned method whose budget is a compression factor, not tokens
+  (``TOKEN_BUDGET = False``: ``make_config(name, target=...)`` without ``budget``), and whose cache depends on the
+  prompt: ``make_prompt_cache(config, model, input_ids, attention_mask, max_new_tokens)`` (its selector runs once
+  per prompt); the harness then evaluates one prompt per batch. Its prompt-independent baselines ``kaizen_static``
+  and ``kaizen_random`` (:mod:`kvlearn.kaizen.fixed`) follow the same contract.
 
 Modules are imported lazily, on :func:`get_method`: a method whose module is not in this checkout fails with a
 one-line :class:`~kvlearn.errors.KVLearnError` when it is asked for, never when this module is imported.
@@ -34,9 +39,11 @@ from .errors import KVLearnError, check
 
 PROTOCOLS: tuple[str, ...] = ("bounded", "context")
 EVICTION_METHODS: tuple[str, ...] = ("streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random")
-LEARNED_METHODS: tuple[str, ...] = ("kvpop", "streaming_plus", "dms")
+LEARNED_METHODS: tuple[str, ...] = ("kvpop", "streaming_plus", "dms", "kaizen", "kaizen_static", "kaizen_random")
 MODULES: dict[str, str] = {**{n: f"kvlearn.eviction.{n}" for n in EVICTION_METHODS}, "kvpop": "kvlearn.kvpop.apply",
-                           "streaming_plus": "kvlearn.eviction.streaming_plus", "dms": "kvlearn.dms.apply"}
+                           "streaming_plus": "kvlearn.eviction.streaming_plus", "dms": "kvlearn.dms.apply",
+                           "kaizen": "kvlearn.kaizen.apply", "kaizen_static": "kvlearn.kaizen.static_method",
+                           "kaizen_random": "kvlearn.kaizen.random_method"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,9 @@ class Method:
         protocols: the evaluation protocols the method defines, a subset of :data:`PROTOCOLS`.
         config_from_budget: ``(budget=, sinks=, context=, **extra) -> config`` for a config class that does not
             take ``budget`` itself (KVpop's ``sinks + window + topk``); ``None``: ``config_cls(budget=, sinks=, ...)``.
+        make_prompt_cache: ``(config, model, input_ids [1, seq], attention_mask, max_new_tokens) -> Cache`` for a
+            method that configures its cache from the prompt (``kaizen``); ``None``: :meth:`new_cache`.
+        token_budget: whether the budget is in tokens (``False``: ``kaizen``, a compression ``target``).
 
     Use :meth:`prepare` and :meth:`new_cache` rather than ``apply``/``make_cache`` directly.
     """
@@ -65,6 +75,8 @@ class Method:
     apply: Callable[[Any, Any], Any] | None = None
     protocols: tuple[str, ...] = PROTOCOLS
     config_from_budget: Callable[..., Any] | None = None
+    make_prompt_cache: Callable[..., Any] | None = None
+    token_budget: bool = True
 
     def prepare(self, model, config):
         """Make ``model`` run with this method's caches (``apply(model, config)``, or :func:`kvlearn.hf.attach`)."""
@@ -132,7 +144,8 @@ def _load_eviction(name: str) -> Method:
     check(protocols and set(protocols) <= set(PROTOCOLS),
           f"{modname}.PROTOCOLS={protocols!r} is invalid: expected a non-empty subset of {PROTOCOLS}")
     return Method(name, str(module.SUMMARY), module.CONFIG, module.make_cache, getattr(module, "apply", None), protocols,
-                  getattr(module, "config_from_budget", None))
+                  getattr(module, "config_from_budget", None), getattr(module, "make_prompt_cache", None),
+                  bool(getattr(module, "TOKEN_BUDGET", True)))
 
 
 _LOADED: dict[str, Method] = {"dense": DENSE}
@@ -186,6 +199,11 @@ def make_config(name: str, budget: int | None = None, sinks: int = 4, context: i
         check(budget is None, f"method 'dense' keeps every token: it takes no budget (got budget={budget!r})")
         check(not extra, f"method 'dense' has no options (got {', '.join(sorted(extra))})")
         return DenseConfig()
+    if not method.token_budget:  # a compression target (kaizen), every token kept
+        try:
+            return method.config_from_budget(budget=budget, sinks=sinks, context=context, **extra)
+        except TypeError as e:
+            raise KVLearnError(f"method {name!r}: bad config arguments ({e})") from None
     check(budget is not None, f"method {name!r} needs a budget: expected sinks + 1 = {sinks + 1} <= budget"
           + (f" < context = {context}" if context is not None else ""))
     fields = {f.name for f in dataclasses.fields(method.config_cls)}

@@ -51,6 +51,7 @@ class EvalConfig:
     protocol: str = "bounded"
     chunk_size: int = DEFAULT_PREFILL_CHUNK
     seed_offset: int = 0
+    target: float | None = None  # kaizen: the target compression factor (None: the one it was trained for)
 
     def __post_init__(self) -> None:
         method = get_method(self.method)
@@ -67,13 +68,18 @@ class EvalConfig:
         check_int("batch_size", self.batch_size, 1)
         check_int("chunk_size", self.chunk_size, 1)
         check_int("seed_offset", self.seed_offset, 0)
+        extra = {} if self.target is None else {"target": self.target}
+        check(self.target is None or not method.token_budget,
+              f"target={self.target!r}: method {self.method!r} takes a token budget, not a compression target")
         object.__setattr__(self, "method_config", make_config(self.method, budget=self.budget, sinks=self.sinks,
-                                                              context=self.context))
+                                                              context=self.context, **extra))
 
     @property
     def compression(self) -> float:
-        """``1 - budget / context`` (0 for dense)."""
-        return 0.0 if self.method == "dense" else 1.0 - self.budget / self.context
+        """``1 - budget / context`` (0 for dense and for methods that keep every token, like ``kaizen``)."""
+        if self.method == "dense" or self.budget is None:
+            return 0.0
+        return 1.0 - self.budget / self.context
 
     def make_cache(self, model):
         """A fresh cache of the configured method for one batch of ``model``."""
@@ -123,6 +129,8 @@ class TaskResult:
     store_bytes: list[int] = field(default_factory=list)
     peak_kv_bytes: list[int] = field(default_factory=list)
     by_variant: dict = field(default_factory=dict)
+    factors: list[float] = field(default_factory=list)  # kaizen: realised cache reduction per example
+    targets: list[float] = field(default_factory=list)
 
     @property
     def accuracy(self) -> float:
@@ -146,6 +154,12 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
     }
     if result.peak_kv_bytes:
         row["peak_kv_bytes"] = int(sum(result.peak_kv_bytes) / len(result.peak_kv_bytes))
+    if result.factors:  # a compression-factor method (kaizen): every token kept, the bits per token reduced
+        row["budget"] = config.context
+        row["sinks"] = None
+        row["factor"] = round(sum(result.factors) / len(result.factors), 6)
+        row["target"] = round(sum(result.targets) / len(result.targets), 6)
+        row["compression"] = round(1.0 - 1.0 / row["factor"], 6)
     row["variants"] = {k: {"accuracy": c / n, "n": n} for k, (c, n) in sorted(result.by_variant.items())}
     if result.n < config.n_per_task:
         row["incomplete"] = True
@@ -176,14 +190,19 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
             break
         result = TaskResult(task)
         examples = examples_for(config, task)
-        for start in range(0, len(examples), config.batch_size):
+        per_prompt = method.make_prompt_cache is not None  # the cache depends on the prompt: one row per batch
+        rows_per_batch = 1 if per_prompt else config.batch_size
+        for start in range(0, len(examples), rows_per_batch):
             if deadline is not None and clock() >= deadline:
                 break
-            batch = examples[start : start + config.batch_size]
+            batch = examples[start : start + rows_per_batch]
             max_new = max(len(ex.answer_ids) for ex in batch) + (32 if task == "trace" else 0)
             padded = layout(batch, config.protocol, pad_id, config.chunk_size)
             padded.ids, padded.mask = padded.ids.to(device), padded.mask.to(device)
-            cache = config.make_cache(model)
+            if per_prompt:
+                cache = method.make_prompt_cache(config.method_config, model, padded.ids, padded.mask, max_new)
+            else:
+                cache = config.make_cache(model)
             out = run_batch(model, cache, padded, config.protocol, max_new, chunk_size=config.chunk_size,
                             pad_id=pad_id, eos_id=eos_id)
             per_example_bytes = cache_bytes(cache) // len(batch)
@@ -199,6 +218,9 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
                 result.store_bytes.append(per_example_store)
                 if peak is not None:
                     result.peak_kv_bytes.append(peak // len(batch))
+                if per_prompt and hasattr(cache, "config"):
+                    result.factors.append(cache.config.compression(metadata=False))
+                    result.targets.append(float(cache.target))
                 v = result.by_variant.setdefault(ex.variant or task, [0, 0])
                 v[0] += ok
                 v[1] += 1

@@ -7,5 +7,10 @@
 - :mod:`~kvlearn.kaizen.sharing`: ``attach(model)`` and the attention function (fake quantization and the
   per-forward anchor dictionary for training, the cache for decoding).
 
-Not built yet: GQA -> MLA conversion and the latent store (rank axis), the selector, training.
+- :mod:`~kvlearn.kaizen.selector`: the per-prompt selector (Gumbel straight-through, budget-conditioned);
+- :mod:`~kvlearn.kaizen.apply`: the ``kaizen`` method (apply, save/load, per-prompt caches);
+  :mod:`~kvlearn.kaizen.fixed`: the ``kaizen_static`` and ``kaizen_random`` baselines;
+- training: :mod:`kvlearn.train.kaizen_train` (``kvlearn kaizen-train``).
+
+Not built yet: GQA -> MLA conversion and the latent store (rank axis).
 """

@@ -25,8 +25,6 @@ method's ``apply``, not built yet. The MLA rank axis is not built yet (a rank ac
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -43,18 +41,54 @@ from .cache import KaizenCache
 ATTENTION_NAME = "kvlearn_kaizen"
 
 
-@dataclass
 class KaizenForward:
     """Per-forward state: the configuration, and ``shared {anchor layer: (K [batch, kv_heads, kv, head_dim], V,
     mask)}`` filled by the anchors of this forward and read by the layers sharing them. Made fresh by the hook for
-    every forward; never kept between forwards."""
+    every forward; never kept between forwards. A plain class, not a dataclass: FSDP's hooks rebuild dataclasses
+    found in module arguments (the layers would fill copies of ``shared``)."""
 
-    config: KaizenConfig
-    shared: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    def __init__(self, config: KaizenConfig, shared: dict | None = None):
+        self.config = config
+        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {} if shared is None else shared
+        self.needed = frozenset(config.anchor_of(l) for l, a in enumerate(config.actions) if a.share)
 
-    def __post_init__(self) -> None:
-        shared_by = {self.config.anchor_of(l) for l, a in enumerate(self.config.actions) if a.share}
-        self.needed = frozenset(shared_by)
+
+class KaizenTrainForward:
+    """Per-forward state of a *training* forward (``use_cache=False``): the selector's straight-through one-hot
+    weights ``weights [batch, layers, actions]`` over ``space`` (:func:`~kvlearn.kaizen.actions.action_space`) and
+    ``carried``, the K/V ``(K, V) [batch, kv_heads, T, head_dim]`` the previous layer attended (what a ``share`` of
+    the next layer attends). A plain class, not a dataclass: FSDP's hooks rebuild dataclasses found in module
+    arguments. Made fresh for every forward (pass it as ``model(..., kaizen_train=state, use_cache=False)``).
+
+    Layer ``l`` attends the mixture ``Σ_a w[:, l, a] KV_a`` with ``KV_b = fake_quantize(K/V, b)`` for an own-cache
+    action at ``b`` bits and ``KV_share = carried`` (the previous layer's attended K/V; by induction that is the
+    anchor's, since a sharing layer attends its anchor's). With hard one-hot weights this is exactly the chosen
+    configuration's forward; the gradient reaches the weights (straight-through) and through them the selector."""
+
+    def __init__(self, space, weights: torch.Tensor):
+        check(weights.dim() == 3 and weights.shape[-1] == len(space),
+              f"weights of shape {tuple(weights.shape)} are invalid: expected [batch, layers, {len(space)} actions]")
+        self.space = tuple(space)
+        self.weights = weights
+        self.carried: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _mixture(state: KaizenTrainForward, layer: int, key: torch.Tensor, value: torch.Tensor):
+    """The layer's mixed ``(K, V)`` (class docstring)."""
+    w = state.weights[:, layer].to(key.dtype)  # [B, A]
+    k_out, v_out = torch.zeros_like(key), torch.zeros_like(value)
+    for a, action in enumerate(state.space):
+        wa = w[:, a].view(-1, 1, 1, 1)
+        if action.share:
+            if state.carried is None:  # layer 0: share is masked (weight 0); nothing to mix
+                continue
+            k_a, v_a = state.carried
+        else:
+            k_a, v_a = fake_quantize(key, action.bits), fake_quantize(value, action.bits)
+        k_out = k_out + wa * k_a
+        v_out = v_out + wa * v_a
+    state.carried = (k_out, v_out)
+    return k_out, v_out
 
 
 def _kaizen_hook(module, args, kwargs):
@@ -95,6 +129,7 @@ def kaizen_attention(
     scaling: float | None = None,
     kvlearn_cache=None,
     kaizen_forward: KaizenForward | None = None,
+    kaizen_train: KaizenTrainForward | None = None,
     **kwargs,
 ):
     """Attention of one layer under its KV-Kaizen action (module docstring).
@@ -105,6 +140,12 @@ def kaizen_attention(
     Returns:
         ``(out [batch, q, q_heads, head_dim], None)``.
     """
+    if kaizen_train is not None:  # training: the selector's mixture of candidate actions
+        check(kaizen_forward is None and kvlearn_cache is None,
+              "kaizen_train is for use_cache=False training forwards without kaizen_config: pass one of them")
+        key, value = _mixture(kaizen_train, module.layer_idx, key, value)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if kaizen_forward is None:  # no configuration: kvlearn's attention (a plain compact cache, or plain SDPA)
         return kvlearn_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  kvlearn_cache=kvlearn_cache, **kwargs)

@@ -1,0 +1,316 @@
+"""Train a KV-Kaizen selector and the backbone jointly by distillation (GitHub issue #11; single process).
+
+Read top to bottom: config, models, one step's losses, checkpoints, loop. ``docs/DESIGN.md`` section 8, "Training".
+
+* **Teacher**: the frozen dense model (:func:`kvlearn.load`, no gradient).
+* **Student**: a float32 copy with :func:`~kvlearn.kaizen.apply.apply_kaizen` (the selector as ``kaizen_selector``,
+  the ``kvlearn_kaizen`` attention).
+* **Step**: per sequence a target compression ``ρ*`` (``targets``: one factor, or several sampled per sequence, the
+  selector being conditioned on ``log2 ρ*``); the selector reads the sequence and gives logits ``[B, L, A]``;
+  :func:`~kvlearn.kaizen.selector.gumbel_straight_through` at temperature ``τ`` (geometric from 2.0 to 0.1 over the
+  run) gives hard one-hot weights; the student runs the mixture forward
+  (:class:`~kvlearn.kaizen.sharing.KaizenTrainForward`: every layer attends the fake-quantized K/V of its sampled
+  bit-width, or its anchor's K/V for ``share``, exactly the sampled configuration's forward).
+* **Loss** = KD (:func:`kvlearn.train.distill.kd_loss`: KL to the teacher's top-``kd_topk`` logits) + the budget
+  penalty ``β · mean relu(Ĉ / C* - 1)`` (:class:`~kvlearn.kaizen.budget.BudgetMultiplier`; ``Ĉ`` the one-hots'
+  cost in bits per token without metadata, ``C* = C_ref / ρ*``). Gradients reach the selector through the weights
+  (both terms: straight-through) and the backbone through the attention (KD).
+* **Multiplier**: after each step ``β`` is updated from the *realised* cost, the argmax configuration of each
+  sequence (what evaluation runs): up while over budget, slowly down once under it, capped at ``budget_cap``.
+* **Optimiser**: AdamW, group 0 the backbone (constant ``lr``), group 1 the selector (``lr_new``, warm-up then
+  cosine, :func:`kvlearn.train.distill.new_lr_at`). Gradient clipping; bf16 autocast on CUDA.
+* **Output**: as :mod:`kvlearn.train.distill`: atomic ``step-<N>/`` checkpoints (model folder + ``trainer_state.pt``
+  with the optimizer, the multiplier and the step), ``final/`` (loadable by :func:`kvlearn.load`, evaluable with
+  ``kvlearn eval --method kaizen``), ``train_log.jsonl`` (``kd``, ``penalty``, ``beta``, ``tau``, ``bits``: the
+  realised bits per token, ``factor``: the realised compression ``C_ref / C``, ``target``, ``sampled_factor``).
+  ``resume=True`` continues from the newest ``step-<N>``.
+
+Single process only: the FSDP2 path of :mod:`kvlearn.train.parallel` is not wired here yet.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import check, check_int
+from ..kaizen.actions import Backbone
+from ..kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
+from ..kaizen.budget import BudgetMultiplier
+from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight_through
+from ..kaizen.sharing import KaizenTrainForward
+from ..testbed.data import TestbedStream
+from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
+from .distill import (FINAL, LOG_FILE, STATE_FILE, _check_model_folder, _non_negative, _positive, _prune, kd_loss,
+                      latest_checkpoint, new_lr_at, save_checkpoint)
+
+__all__ = ["KaizenTrainConfig", "kaizen_train", "build_models", "step_losses", "temperature"]
+
+
+def default_out() -> str:
+    import datetime as _dt
+
+    return "runs/kaizen-" + _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+
+
+@dataclass
+class KaizenTrainConfig:
+    model: str  # checkpoint folder of the dense model (the teacher)
+    out: str = field(default_factory=default_out)
+    overwrite: bool = False
+    resume: bool = False
+    targets: tuple[float, ...] = (4.0,)  # target compression factor(s); several: sampled per sequence
+    axes: tuple[str, ...] | None = None  # None: precision + depth on GQA
+    width: int = 64
+    heads: int = 2
+    blocks: int = 2
+    init_margin: float = 2.0
+    steps: int | None = 1000
+    minutes: float | None = None
+    batch_size: int = 8
+    seq_len: int = 4096
+    lr: float = 1e-5  # backbone, constant
+    lr_new: float = 1e-3  # selector: warm-up then cosine
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    kd_topk: int = 256
+    tau_start: float = TAU_START
+    tau_end: float = TAU_END
+    beta: float = 0.0  # initial multiplier
+    eta: float = 0.01  # multiplier step (0: constant beta)
+    delta: float = 0.1
+    budget_cap: float = 1e4
+    dense_fraction: float = 0.75
+    save_interval: int = 200
+    seed: int = 0
+    device: str = "cpu"
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.targets, (int, float)):
+            self.targets = (self.targets,)
+        self.targets = tuple(self.targets)
+        check(len(self.targets) > 0, "targets is empty: expected one or more compression factors, e.g. 4.0")
+        for t in self.targets:
+            _positive("target", t)
+        self.targets = tuple(float(t) for t in self.targets)
+        if self.axes is not None:
+            self.axes = tuple(self.axes)
+        check((self.steps is None) != (self.minutes is None),
+              f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
+        if self.steps is not None:
+            check_int("steps", self.steps, 1)
+        else:
+            _positive("minutes", self.minutes)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("seq_len", self.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
+        for name in ("lr", "lr_new", "grad_clip", "tau_start", "tau_end"):
+            _positive(name, getattr(self, name))
+        for name in ("weight_decay", "beta", "eta", "delta", "budget_cap"):
+            _non_negative(name, getattr(self, name))
+        check(self.beta <= self.budget_cap, f"beta={self.beta} is invalid: expected beta <= budget_cap={self.budget_cap}")
+        check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
+        check_int("warmup_steps", self.warmup_steps, 0)
+        check_int("kd_topk", self.kd_topk, 1)
+        check_int("save_interval", self.save_interval, 1)
+        check_int("seed", self.seed, 0)
+        check_int("num_workers", self.num_workers, 0)
+        check(self.device == "cpu" or self.device.startswith("cuda"),
+              f"device={self.device!r} is invalid: expected cpu or cuda[:N]")
+        check(self.device == "cpu" or torch.cuda.is_available(),
+              f"device={self.device!r} requested but CUDA is not available: use device='cpu'")
+        _check_model_folder(self.model, self.seq_len)
+        from ..hf import read_model_config
+
+        self.method_config().check_targets(Backbone.from_config(read_model_config(self.model)))
+        out = Path(self.out)
+        check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoints")
+        if self.resume:
+            check(latest_checkpoint(out) is not None,
+                  f"resume: out={self.out!r} holds no step-<N> checkpoint: expected the folder of an earlier run")
+        else:
+            check(self.overwrite or not out.exists() or not any(out.iterdir()),
+                  f"out={self.out!r} already holds files: pass overwrite (--overwrite) to replace them, resume "
+                  "(--resume) to continue, or choose a new folder")
+
+    def method_config(self) -> KaizenMethodConfig:
+        return KaizenMethodConfig(target=None, axes=self.axes, width=self.width, heads=self.heads, blocks=self.blocks,
+                                  max_positions=max(self.seq_len, 8192), init_margin=self.init_margin,
+                                  train_targets=self.targets)
+
+
+def temperature(config: KaizenTrainConfig, fraction: float) -> float:
+    """Gumbel temperature ``fraction`` of the way through the run: geometric from ``tau_start`` to ``tau_end``."""
+    f = min(1.0, max(0.0, fraction))
+    return config.tau_start * (config.tau_end / config.tau_start) ** f
+
+
+def build_models(config: KaizenTrainConfig, device: torch.device):
+    """``(teacher, student)``: the frozen dense model and a float32 copy with the selector applied, in train mode."""
+    from ..checkpoint import load as load_model
+
+    teacher = load_model(config.model, dtype=torch.float32, device=device)
+    teacher.requires_grad_(False)
+    student = copy.deepcopy(teacher)
+    apply_kaizen(student, config.method_config())
+    student.requires_grad_(True)
+    student.train()
+    return teacher, student
+
+
+def sample_targets(config: KaizenTrainConfig, batch: int, generator: torch.Generator) -> torch.Tensor:
+    """``ρ*`` per sequence ``[batch]``: the single target, or one of ``targets`` drawn uniformly per sequence."""
+    choices = torch.tensor(config.targets, dtype=torch.float32)
+    return choices[torch.randint(len(choices), (batch,), generator=generator)]
+
+
+def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tensor, tau: float,
+                multiplier: BudgetMultiplier, kd_topk: int, generator: torch.Generator | None = None) -> dict:
+    """One training forward: ``{"loss", "kd", "penalty"}`` (differentiable) and detached ``bits`` (realised, argmax,
+    ``[batch]``), ``sampled_bits [batch]``, ``target_bits [batch]``, ``logits`` (the selector's)."""
+    sel = selector_of(student)
+    logits = sel(input_ids, None, targets)  # [B, L, A]
+    weights = gumbel_straight_through(logits, tau, generator=generator)
+    state = KaizenTrainForward(sel.space, weights)
+    out = student(input_ids=input_ids, kaizen_train=state, use_cache=False).logits
+    kd = kd_loss(out, teacher_logits, labels, kd_topk)
+    cost = sel.cost(weights.float())  # [B] bits per token (no metadata), hard forward
+    target_bits = sel.target_bits(targets).to(cost.device)
+    penalty = multiplier.penalty(cost, target_bits)
+    with torch.no_grad():
+        hard = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        bits = sel.cost(hard)
+    return {"loss": kd + penalty, "kd": kd, "penalty": penalty, "bits": bits, "sampled_bits": cost.detach(),
+            "target_bits": target_bits, "logits": logits.detach()}
+
+
+def make_optimizer(config: KaizenTrainConfig, student) -> torch.optim.AdamW:
+    """AdamW: group 0 the backbone (``lr``), group 1 the selector (``lr_new``)."""
+    prefix = SELECTOR_NAME + "."
+    new = [p for n, p in student.named_parameters() if n.startswith(prefix)]
+    old = [p for n, p in student.named_parameters() if not n.startswith(prefix)]
+    return torch.optim.AdamW([{"params": old, "lr": config.lr}, {"params": new, "lr": config.lr_new}],
+                             weight_decay=config.weight_decay, betas=(0.9, 0.95))
+
+
+RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed")
+
+
+def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
+    """Load the student weights of checkpoint ``path`` and return its trainer state; one-line error when it was
+    trained with other settings."""
+    from safetensors.torch import load_file
+
+    trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    saved = trainer.get("config", {})
+    mine = asdict(config)
+    for name in RESUME_FIELDS:
+        have = saved.get(name)
+        have = tuple(have) if isinstance(have, list) else have
+        check(have == mine[name],
+              f"resume: {str(path)!r} was trained with {name}={have!r} but this run has {name}={mine[name]!r}: "
+              "resume with the same settings, or start a new run")
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        state.update(load_file(f))
+    missing, unexpected = student.load_state_dict(state, strict=False)
+    check(not unexpected and all("lm_head" in k for k in missing),
+          f"checkpoint {str(path)!r} does not match the student (missing {missing[:2]}, unexpected {unexpected[:2]})")
+    return trainer
+
+
+def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progress: bool = True) -> dict:
+    """Run the training; returns ``{"step", "final", "log"}`` (``final`` None when ``stop_after`` ended it early)."""
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if config.overwrite and not config.resume:
+        for p in out.iterdir():
+            if p.name == LOG_FILE:
+                p.unlink()
+            elif p.is_dir() and (p.name == FINAL or p.name.startswith(("step-", ".tmp-", ".old-"))):
+                shutil.rmtree(p)
+    teacher, student = build_models(config, device)
+    multiplier = BudgetMultiplier(eta=config.eta, delta=config.delta, cap=config.budget_cap, beta=config.beta)
+    step, trainer_state = 0, None
+    if config.resume:
+        trainer_state = load_trainer_state(latest_checkpoint(out), student, config)
+        step = int(trainer_state["step"])
+        multiplier.load_state_dict(trainer_state["multiplier"])
+    optimizer = make_optimizer(config, student)
+    if trainer_state is not None:
+        from . import parallel
+
+        parallel.load_optimizer_state_dict(student, optimizer, trainer_state["optimizer"])
+    log_path = out / LOG_FILE
+    if log_path.exists():
+        lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        log_path.write_text("".join(ln + "\n" for ln in lines))
+    stream = TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,
+                           dense=config.dense_fraction, start_batch=step)
+    batches = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
+                                               pin_memory=device.type == "cuda"))
+    from tqdm import tqdm
+
+    bar = tqdm(total=config.steps, initial=step, disable=not progress, desc="kaizen-train", unit="step")
+    t0 = time.time()
+    seconds_done = float(trainer_state.get("seconds", 0.0)) if trainer_state is not None else 0.0
+    reference = selector_of(student).backbone.reference_bits
+    last, finished = {}, False
+    with open(log_path, "a") as log_file:
+        while True:
+            seconds = seconds_done + time.time() - t0
+            fraction = step / config.steps if config.steps else seconds / (60 * config.minutes)
+            finished = fraction >= 1
+            if finished or (stop_after is not None and step >= stop_after):
+                break
+            input_ids, labels = next(batches)
+            input_ids, labels = input_ids.to(device), labels.to(device)
+            lr_new = new_lr_at(config, step, fraction)
+            optimizer.param_groups[0]["lr"] = config.lr
+            optimizer.param_groups[1]["lr"] = lr_new
+            gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+            targets = sample_targets(config, input_ids.shape[0], gen)
+            tau = temperature(config, fraction)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
+                parts = step_losses(student, teacher_logits, input_ids, labels, targets, tau, multiplier,
+                                    config.kd_topk, generator=gen)
+            parts["loss"].backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            beta_used = multiplier.beta
+            multiplier.update(parts["bits"].cpu(), parts["target_bits"].cpu())
+            step += 1
+            bits = float(parts["bits"].mean())
+            last = {"step": step, "loss": float(parts["loss"].detach()), "kd": float(parts["kd"].detach()),
+                    "penalty": float(parts["penalty"].detach()), "beta": beta_used, "beta_next": multiplier.beta, "tau": tau,
+                    "bits": bits, "factor": float((reference / parts["bits"].clamp(min=1)).mean()),
+                    "sampled_factor": float((reference / parts["sampled_bits"].clamp(min=1)).mean()),
+                    "target": float(targets.mean()), "grad_norm": float(grad_norm), "lr": config.lr,
+                    "lr_new": lr_new, "seconds": round(seconds_done + time.time() - t0, 3)}
+            log_file.write(json.dumps(last) + "\n")
+            log_file.flush()
+            bar.update(1)
+            bar.set_postfix(kd=f"{last['kd']:.3f}", factor=f"{last['factor']:.2f}", beta=f"{multiplier.beta:.3g}")
+            if step % config.save_interval == 0:
+                save_checkpoint(config, student, optimizer, step, f"step-{step}",
+                                {"seconds": last["seconds"], "multiplier": multiplier.state_dict()})
+                _prune(out)
+    bar.close()
+    final = None
+    if finished:
+        final = save_checkpoint(config, student, optimizer, step, FINAL,
+                                {"seconds": last.get("seconds", 0.0), "multiplier": multiplier.state_dict()})
+    return {"step": step, "final": None if final is None else str(final), "log": last}

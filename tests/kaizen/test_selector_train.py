@@ -1,0 +1,409 @@
+"""The KV-Kaizen selector, its training forward, the trainer and the ``kaizen`` method, on tiny random GQA Qwen3
+models (float32; 4 layers, 2 KV heads, 4 query heads, head_dim 16 for the forward; 2 layers with the testbed
+vocabulary for training):
+
+- at init the selector picks the least compressed action (16 bits, own cache) at every layer for every prompt and
+  target; layer 0 never shares, even with every bias pushed towards share (argmax and Gumbel samples);
+- with hard one-hot weights the training mixture forward equals, per row, the chosen :class:`KaizenConfig` run
+  without a cache (``kaizen_config=``), through prefill + decoding in a :class:`KaizenCache`, and ``generate()``
+  through it, to 1e-4;
+- the budget penalty's gradient reaches the selector and points to cheaper actions; the KD loss reaches it through
+  the mixture weights; budget conditioning changes the logits per sequence once FiLM is non-zero;
+- a few training steps from factor 1.0 at target 4.0 with a high constant multiplier raise the realised factor; the
+  final folder round-trips through ``kvlearn.load`` with identical logits and choices; ``kvlearn eval --method
+  kaizen`` reports ``factor`` and ``target``; a resumed run equals an uninterrupted one;
+- bad input is a one-line error (target outside the feasible range, naming it; unknown action index; a token budget
+  for kaizen; CLI).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import kvlearn
+from kvlearn import KVLearnError
+from kvlearn.cli import main
+from kvlearn.kaizen.actions import Backbone, KaizenConfig, action_space, check_budget
+from kvlearn.kaizen.apply import KaizenMethodConfig, apply_kaizen, make_prompt_cache, select, selector_of
+from kvlearn.kaizen.budget import BudgetMultiplier
+from kvlearn.kaizen.cache import make_cache
+from kvlearn.kaizen.selector import KaizenSelector, gumbel_straight_through, temperature_at
+from kvlearn.kaizen.sharing import KaizenTrainForward
+from kvlearn.methods import get_method
+from kvlearn.methods import make_config as method_config
+from kvlearn.testbed.tokenizer import VOCAB_SIZE
+from kvlearn.train.kaizen_train import LOG_FILE, KaizenTrainConfig, kaizen_train, latest_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_cache_sharing import VOCAB, decode_through, tiny  # noqa: E402
+
+SEQ = 128
+
+
+def one_line(err) -> str:
+    message = str(err.value)
+    assert message and "\n" not in message
+    return message
+
+
+def ids_of(batch=3, length=30, seed=2, vocab=VOCAB):
+    return torch.randint(1, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# selector
+
+
+def test_init_picks_the_least_compressed_action_everywhere():
+    model = tiny(0)
+    bb = Backbone.from_config(model.config)
+    sel = KaizenSelector(VOCAB, bb)
+    space = action_space(bb)
+    assert space[0].bits == 16 and not space[0].share and space[-1].share
+    mask = torch.ones(3, 30, dtype=torch.long)
+    mask[1, :7] = 0  # a left-padded row
+    for target in (1.0, 4.0, torch.tensor([2.0, 8.0, 30.0])):
+        logits = sel(ids_of(), mask, target)
+        assert logits.shape == (3, 4, len(space))
+        assert bool((logits[..., 0] > logits[..., 1:].max(-1).values).all())  # strictly: not a tie broken by index
+        assert bool(torch.isinf(logits[:, 0, -1]).all()) and bool(torch.isfinite(logits[:, 1:]).all())
+        for cfg in sel.configs(sel.choose(ids_of(), mask, target)):
+            assert cfg == KaizenConfig.static(bb, 16) and cfg.compression() == 1.0
+
+
+def test_layer_0_never_shares_even_when_pushed_towards_share():
+    model = tiny(0)
+    sel = KaizenSelector(VOCAB, Backbone.from_config(model.config))
+    with torch.no_grad():
+        sel.head_bias[:, -1] = 100.0  # share everywhere it is allowed
+    logits = sel(ids_of())
+    choice = logits.argmax(-1)
+    assert bool((choice[:, 0] != sel.num_actions - 1).all()) and bool((choice[:, 1:] == sel.num_actions - 1).all())
+    gen = torch.Generator().manual_seed(0)
+    for tau in (2.0, 0.1):
+        w = gumbel_straight_through(logits.expand(64, -1, -1) if logits.shape[0] == 1 else logits.repeat(20, 1, 1),
+                                    tau, generator=gen)
+        assert float(w.detach()[:, 0, -1].abs().max()) == 0.0
+        assert torch.allclose(w.sum(-1), torch.ones_like(w.sum(-1)))
+    configs = sel.configs(choice)
+    assert all(not c.actions[0].share and all(a.share for a in c.actions[1:]) for c in configs)
+
+
+def test_gumbel_straight_through_is_one_hot_forward_softmax_backward():
+    logits = torch.tensor([[[1.0, 0.5, -1.0]]], requires_grad=True)
+    w = gumbel_straight_through(logits, 1.0, noise=False)
+    assert w.tolist() == [[[1.0, 0.0, 0.0]]]
+    (w * torch.tensor([3.0, 2.0, 1.0])).sum().backward()
+    p = torch.softmax(logits.detach(), -1)[0, 0]
+    c = torch.tensor([3.0, 2.0, 1.0])
+    torch.testing.assert_close(logits.grad[0, 0], p * (c - (p * c).sum()))  # d/dz sum(softmax(z) c)
+    assert temperature_at(0.0) == 2.0 and abs(temperature_at(1.0) - 0.1) < 1e-12
+    assert abs(temperature_at(0.5) - (2.0 * 0.1) ** 0.5) < 1e-12
+
+
+def test_budget_conditioning_is_per_sequence_and_zero_at_init():
+    model = tiny(0)
+    sel = KaizenSelector(VOCAB, Backbone.from_config(model.config))
+    ids = ids_of(1).repeat(2, 1)
+    same = sel(ids, None, torch.tensor([1.0, 16.0]))
+    torch.testing.assert_close(same[0], same[1])  # FiLM starts at zero
+    with torch.no_grad():
+        sel.film.weight.normal_()
+        sel.head_weight.normal_()
+    got = sel(ids, None, torch.tensor([1.0, 16.0]))
+    assert float((got[0, 1:] - got[1, 1:]).detach().abs().max()) > 1e-3
+    torch.testing.assert_close(got[0], sel(ids[:1], None, 1.0)[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the training forward
+
+
+INDICES = [[2, 4, 0, 4], [1, 3, 4, 2], [0, 4, 4, 4], [3, 0, 1, 2]]  # actions: b16 b8 b4 b2 share
+
+
+def test_hard_one_hot_training_forward_equals_the_chosen_configs():
+    model = tiny(1)
+    bb = Backbone.from_config(model.config)
+    space = action_space(bb)
+    ids = ids_of(len(INDICES))
+    idx = torch.tensor(INDICES)
+    logits = torch.randn(len(INDICES), 4, len(space)) + 20 * torch.nn.functional.one_hot(idx, len(space))
+    logits[:, 0, -1] = float("-inf")
+    weights = gumbel_straight_through(logits, 0.5, generator=torch.Generator().manual_seed(0))
+    assert bool((weights.argmax(-1) == idx).all())
+    with torch.no_grad():
+        got = model(input_ids=ids, use_cache=False, kaizen_train=KaizenTrainForward(space, weights)).logits
+        plain = model(input_ids=ids, use_cache=False).logits
+    for r, row in enumerate(INDICES):
+        cfg = KaizenConfig.from_indices(bb, row)
+        with torch.no_grad():
+            ref = model(input_ids=ids[r:r + 1], use_cache=False, kaizen_config=cfg).logits
+        torch.testing.assert_close(got[r:r + 1], ref, atol=1e-4, rtol=1e-4)
+        cached = decode_through(model, make_cache(cfg, model.config, capacity=32), ids[r:r + 1], 11)
+        torch.testing.assert_close(got[r:r + 1], cached, atol=1e-4, rtol=1e-4)
+        assert float((got[r] - plain[r]).abs().max()) > 1e-3  # every configuration here changes the model
+    # generate() through the chosen config's cache follows the training forward's greedy continuation
+    cfg = KaizenConfig.from_indices(bb, INDICES[1])
+    prompt = ids[1:2, :12]
+    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                         past_key_values=make_cache(cfg, model.config, capacity=20), pad_token_id=0)
+    with torch.no_grad():
+        full = model(input_ids=out[:, :-1], use_cache=False,
+                     kaizen_train=KaizenTrainForward(space, weights[1:2])).logits
+    assert out[0, 12:].tolist() == full[0, 11:].argmax(-1).tolist()
+
+
+def test_penalty_and_kd_gradients_reach_the_selector():
+    model = tiny(1)
+    sel = KaizenSelector(VOCAB, Backbone.from_config(model.config))
+    ids = ids_of(2)
+    targets = torch.tensor([4.0, 4.0])
+    logits = sel(ids, None, targets)
+    weights = gumbel_straight_through(logits, 1.0, noise=False)  # the least compressed: 4x over budget
+    cost = sel.cost(weights)
+    assert cost.tolist() == [Backbone.from_config(model.config).reference_bits] * 2
+    BudgetMultiplier(beta=10.0).penalty(cost, sel.target_bits(targets)).backward()
+    g = sel.head_bias.grad
+    assert float(g[:, 0].min()) > 0  # descending lowers the 16-bit logit ...
+    assert float(g[:, 1:4].max()) < 0  # ... and raises the cheaper precisions'
+    assert sel.head_weight.grad is not None and float(sel.head_weight.grad.abs().sum()) > 0
+    sel.zero_grad()
+    logits = sel(ids, None, targets)
+    weights = gumbel_straight_through(logits, 1.0, generator=torch.Generator().manual_seed(1))
+    out = model(input_ids=ids, use_cache=False, kaizen_train=KaizenTrainForward(sel.space, weights)).logits
+    out.logsumexp(-1).mean().backward()  # any task loss: its gradient reaches the selector through the weights
+    assert float(sel.head_bias.grad.abs().sum()) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# training, checkpoints, evaluation
+
+
+@pytest.fixture(scope="module")
+def teacher_path(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      pad_token_id=0, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("teacher") / "qwen3"
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def train_config(teacher_path, out, **kw):
+    base = dict(model=teacher_path, out=str(out), targets=(4.0,), steps=6, batch_size=2, seq_len=SEQ,
+                save_interval=3, warmup_steps=0, lr=1e-3, lr_new=0.2, beta=50.0, eta=0.0)
+    return KaizenTrainConfig(**{**base, **kw})
+
+
+def _log(out) -> list[dict]:
+    return [json.loads(ln) for ln in (Path(out) / LOG_FILE).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(teacher_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kaizen") / "run"
+    result = kaizen_train(train_config(teacher_path, out), progress=False)
+    return out, result
+
+
+def test_training_raises_the_realised_factor_toward_the_target(trained):
+    out, result = trained
+    log = _log(out)
+    assert result["step"] == 6 and [ln["step"] for ln in log] == list(range(1, 7))
+    assert log[0]["factor"] == 1.0 and log[0]["penalty"] > 0  # starts uncompressed, over budget
+    assert log[-1]["factor"] >= 2.0  # the selector moved to cheaper actions
+    assert log[0]["tau"] == 2.0 and log[-1]["tau"] < log[0]["tau"]
+    for ln in log:
+        for key in ("loss", "kd", "penalty", "beta", "bits", "factor", "target", "grad_norm"):
+            assert ln[key] == ln[key] and abs(ln[key]) < float("inf"), (key, ln)
+        assert ln["target"] == 4.0 and ln["beta"] == 50.0
+    assert latest_checkpoint(out).name == "step-6" and (out / "final" / "trainer_state.pt").is_file()
+
+
+def test_adaptive_multiplier_rises_while_over_budget(teacher_path, tmp_path):
+    kaizen_train(train_config(teacher_path, tmp_path / "run", steps=3, beta=0.0, eta=1.0, lr_new=1e-6,
+                             save_interval=10), progress=False)
+    log = _log(tmp_path / "run")
+    assert log[0]["beta"] == 0.0 and log[0]["penalty"] == 0.0
+    assert log[1]["beta"] == pytest.approx(3.0)  # excess 4/1 - 1 = 3 at factor 1.0
+    assert log[2]["beta"] > log[1]["beta"]
+
+
+def test_final_checkpoint_round_trips_with_identical_choices(trained):
+    out, result = trained
+    model = kvlearn.load(result["final"])
+    sel = selector_of(model)
+    assert model.config.kaizen["train_targets"] == [4.0]
+    ids = ids_of(3, 40, seed=5, vocab=VOCAB_SIZE)
+    # the trained student, rebuilt independently from its safetensors
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(result["final"]) / "model.safetensors"))
+    ref = KaizenSelector(VOCAB_SIZE, Backbone.from_config(model.config), max_positions=8192)
+    ref.load_state_dict({k[len("kaizen_selector."):]: v for k, v in state.items() if k.startswith("kaizen_selector.")})
+    for target in (4.0, torch.tensor([2.0, 4.0, 6.0])):
+        torch.testing.assert_close(sel(ids, None, target), ref(ids, None, target), atol=0, rtol=0)
+    configs, logits = select(model, ids)
+    assert [c.compression(metadata=False) for c in configs] == [sel.backbone.reference_bits / float(b)
+                                                                 for b in sel.cost(torch.nn.functional.one_hot(
+                                                                     logits.argmax(-1), sel.num_actions).float())]
+    assert float(sel.head_bias.detach()[:, 0].max()) < 2.0  # trained away from its init
+
+
+def test_eval_reports_factor_and_target(trained, tmp_path, capsys):
+    out, result = trained
+    dest = tmp_path / "k.json"
+    assert main(["eval", "--method", "kaizen", "--model", result["final"], "--context", "256", "--n-per-task", "2",
+                 "--tasks", "niah", "--batch-size", "2", "--out", str(dest)]) == 0
+    (row,) = json.loads(dest.read_text())["rows"]
+    model = kvlearn.load(result["final"])
+    assert row["method"] == "kaizen" and row["target"] == 4.0 and row["n"] == 2
+    from kvlearn.eval.accuracy import EvalConfig, examples_for
+    from kvlearn.eval.protocols import layout
+
+    config = EvalConfig(method="kaizen", context=256, tasks=("niah",), n_per_task=2)
+    get_method("kaizen").prepare(model, config.method_config)
+    factors = []
+    for ex in examples_for(config, "niah"):
+        batch = layout([ex], "bounded", 0, config.chunk_size)
+        cache = make_prompt_cache(config.method_config, model, batch.ids, batch.mask, 8)
+        factors.append(cache.config.compression(metadata=False))
+    assert row["factor"] == pytest.approx(sum(factors) / 2) and row["factor"] > 1.0
+    assert row["compression"] == pytest.approx(1 - 1 / row["factor"])
+
+
+def test_resume_matches_uninterrupted(teacher_path, tmp_path):
+    full = kaizen_train(train_config(teacher_path, tmp_path / "a", steps=4, save_interval=2), progress=False)
+    kaizen_train(train_config(teacher_path, tmp_path / "b", steps=4, save_interval=2), stop_after=2, progress=False)
+    resumed = kaizen_train(train_config(teacher_path, tmp_path / "b", steps=4, save_interval=2, resume=True),
+                           progress=False)
+    assert resumed["step"] == 4
+    a, b = _log(tmp_path / "a"), _log(tmp_path / "b")
+    assert [ln["step"] for ln in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert x["factor"] == y["factor"] and x["kd"] == pytest.approx(y["kd"], rel=1e-5, abs=1e-6)
+    from safetensors.torch import load_file
+
+    sa = load_file(str(Path(full["final"]) / "model.safetensors"))
+    sb = load_file(str(Path(resumed["final"]) / "model.safetensors"))
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_input_is_one_line(teacher_path, tmp_path):
+    bb = Backbone(num_layers=2, kv_heads=2, head_dim=16)
+    with pytest.raises(KVLearnError) as e:
+        check_budget(9.0, bb, ("precision",))
+    assert "[1x, 8x]" in one_line(e)
+    with pytest.raises(KVLearnError) as e:
+        train_config(teacher_path, tmp_path / "x", targets=(100.0,))
+    msg = one_line(e)
+    assert "100.0" in msg and "[1x, 16x]" in msg
+    with pytest.raises(KVLearnError) as e:
+        train_config(teacher_path, tmp_path / "x", targets=(9.0,), axes=("precision",))
+    assert "[1x, 8x]" in one_line(e)
+    with pytest.raises(KVLearnError) as e:
+        KaizenConfig.from_indices(bb, [0, 7])
+    assert "0 .. 4" in one_line(e)
+    with pytest.raises(KVLearnError) as e:
+        train_config(teacher_path, tmp_path / "x", axes=("colour",))
+    one_line(e)
+    with pytest.raises(KVLearnError) as e:
+        train_config(teacher_path, tmp_path / "x", targets=())
+    one_line(e)
+    with pytest.raises(KVLearnError) as e:
+        method_config("kaizen", budget=64)
+    assert "--target" in one_line(e)
+    model = tiny(0)
+    with pytest.raises(KVLearnError) as e:
+        apply_kaizen(model, KaizenMethodConfig(target=50.0))
+    assert "[1x, 32x]" in one_line(e)  # 4 layers: 16 bits / one 2-bit layer
+    with pytest.raises(KVLearnError) as e:
+        selector_of(tiny(0))
+    one_line(e)
+
+
+def test_cli_one_line_errors(teacher_path, tmp_path, capsys):
+    def run(*args):
+        code = main(list(args))
+        err = capsys.readouterr().err.strip()
+        return code, err
+
+    code, err = run("kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "o"), "--target", "100",
+                    "--seq-len", "128", "--steps", "1")
+    assert code == 2 and "\n" not in err and "feasible range" in err
+    code, err = run("kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "o"), "--target", "four")
+    assert code == 2 and "\n" not in err and "--target" in err
+    code, err = run("eval", "--method", "kaizen", "--model", teacher_path, "--budget", "64", "--context", "256")
+    assert code == 2 and "\n" not in err and "--target" in err
+    code, err = run("eval", "--method", "streaming", "--model", teacher_path, "--budget", "64", "--context", "256",
+                    "--target", "4")
+    assert code == 2 and "\n" not in err and "token budget" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the baselines kaizen_static and kaizen_random
+
+
+def test_static_config_by_hand():
+    from kvlearn.kaizen.fixed import static_config
+
+    bb = Backbone(num_layers=4, kv_heads=2, head_dim=16)
+    assert static_config(bb, 4.0) == KaizenConfig.static(bb, 4)  # ties (b8 g2, b16 g4) go to less sharing
+    assert static_config(bb, 2.0) == KaizenConfig.static(bb, 8)
+    assert static_config(bb, 5.0) == KaizenConfig.static(bb, 2)  # 8x: the least compressed uniform choice >= 5
+    assert static_config(bb, 9.0) == KaizenConfig.evenly_shared(bb, 2, 2)  # 16x
+    assert static_config(bb, 1.5) == KaizenConfig.static(bb, 8)
+    assert static_config(bb, 3.0, axes=("depth",)) == KaizenConfig.evenly_shared(bb, 4, 16)  # 4x
+    with pytest.raises(KVLearnError) as e:
+        static_config(bb, 9.0, axes=("precision",))
+    assert "[1x, 8x]" in one_line(e)
+
+
+@pytest.mark.parametrize("name", ["kaizen_static", "kaizen_random"])
+def test_baselines_through_the_harness(teacher_path, name):
+    from kvlearn.eval.accuracy import EvalConfig, evaluate
+
+    model = kvlearn.load(teacher_path)
+    config = EvalConfig(method=name, context=256, tasks=("vt",), n_per_task=2, batch_size=2, target=4.0)
+    (row,) = evaluate(model, config, progress=False)
+    assert row["method"] == name and row["target"] == 4.0 and row["n"] == 2
+    assert 4.0 <= row["factor"] < 4.0 * 1.35
+    if name == "kaizen_static":  # 2 layers at 4 bits: a quarter of the dense cache's codes, plus the scales
+        assert row["factor"] == 4.0
+
+
+def test_cli_run_with_several_targets_then_eval(teacher_path, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["kaizen-train", "--model", teacher_path, "--out", str(out), "--target", "2,8", "--steps", "3",
+                 "--seq-len", str(SEQ), "--batch-size", "4", "--save-interval", "2", "--warmup-steps", "0",
+                 "--lr-new", "0.05", "--beta", "5", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "--method kaizen --target 2.0" in printed
+    log = _log(out)
+    assert {ln["target"] for ln in log} <= {2.0, 3.5, 5.0, 6.5, 8.0}  # per-step mean of 4 draws from {2, 8}
+    from kvlearn.train.kaizen_train import sample_targets
+
+    draws = sample_targets(train_config(teacher_path, tmp_path / "x", targets=(2.0, 8.0)), 64,
+                           torch.Generator().manual_seed(0))
+    assert set(draws.tolist()) == {2.0, 8.0}
+    model = kvlearn.load(out / "final")
+    assert model.config.kaizen["train_targets"] == [2.0, 8.0]
+    sel = selector_of(model)
+    assert float(sel.film.weight.detach().abs().sum()) > 0  # the budget conditioning was trained
+    for target in ("2", "8"):
+        dest = tmp_path / f"k{target}.json"
+        assert main(["eval", "--method", "kaizen", "--model", str(out / "final"), "--context", "256",
+                     "--n-per-task", "1", "--tasks", "vt", "--target", target, "--out", str(dest)]) == 0
+        (row,) = json.loads(dest.read_text())["rows"]
+        assert row["target"] == float(target) and row["factor"] >= 1.0
