@@ -35,3 +35,19 @@ def check_int(name: str, value, low: int, high: float = math.inf, hint: str = ""
     bound = f">= {low}" if high == math.inf else f"in [{low}, {int(high)}]"
     check(is_int(value) and low <= value <= high, f"{name}={value!r} is invalid: expected an integer {bound}{hint}")
     return value
+
+
+def check_positive(name: str, value) -> float:
+    """``value`` as a float when it is a finite number > 0, else a one-line error naming ``name``."""
+    check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+          f"{name}={value!r} is invalid: expected a finite number > 0")
+    return float(value)
+
+
+def check_non_negative(name: str, value, allow_inf: bool = False) -> float:
+    """``value`` as a float when it is a number >= 0 (finite unless ``allow_inf``), else a one-line error."""
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+          and (math.isfinite(value) or (allow_inf and value == math.inf)))
+    check(ok, f"{name}={value!r} is invalid: expected a {'' if allow_inf else 'finite '}number >= 0")
+    return float(value)
+

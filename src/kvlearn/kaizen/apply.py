@@ -129,7 +129,7 @@ def load_kaizen(model, path) -> object:
     """Re-apply the recorded :class:`KaizenMethodConfig` of checkpoint ``path`` to ``model`` (loaded by
     :func:`kvlearn.hf.load_model`) and load its selector weights. One-line errors for a missing or mismatching
     selector."""
-    from ..kvpop.apply import _checkpoint_tensors
+    from ..hf import checkpoint_tensors
 
     path = os.fspath(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -143,7 +143,7 @@ def load_kaizen(model, path) -> object:
         delattr(model, SELECTOR_NAME)
     apply_kaizen(model, config)
     prefix = SELECTOR_NAME + "."
-    tensors = _checkpoint_tensors(path, lambda k: k.startswith(prefix))
+    tensors = checkpoint_tensors(path, lambda k: k.startswith(prefix))
     sel = selector_of(model)
     own = sel.state_dict()
     got = {k[len(prefix):]: v for k, v in tensors.items()}

@@ -26,13 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import check
-
-
-def _positive(name: str, value) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and value == value
-    check(ok, f"{name}={value!r} is invalid: expected a number >= 0")
-    return float(value)
+from ..errors import check, check_non_negative
 
 
 def excess(cost, target) -> torch.Tensor:
@@ -70,10 +64,10 @@ class BudgetMultiplier:
     beta: float = 0.0
 
     def __post_init__(self) -> None:
-        self.eta = _positive("eta", self.eta)
-        self.delta = _positive("delta", self.delta)
-        self.cap = _positive("cap", self.cap)
-        self.beta = _positive("beta", self.beta)
+        self.eta = check_non_negative("eta", self.eta)
+        self.delta = check_non_negative("delta", self.delta)
+        self.cap = check_non_negative("cap", self.cap, allow_inf=True)
+        self.beta = check_non_negative("beta", self.beta)
         check(self.beta <= self.cap, f"beta={self.beta} is invalid: expected 0 <= beta <= cap = {self.cap}")
 
     def penalty(self, cost: torch.Tensor, target) -> torch.Tensor:

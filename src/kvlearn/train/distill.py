@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from ..config import DMSConfig, KVpopConfig, StreamingConfig
-from ..errors import check, check_int
+from ..errors import check, check_int, check_non_negative, check_positive
 from ..kvpop.apply import apply_kvpop
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_policy
@@ -81,18 +81,6 @@ KEEP_CHECKPOINTS = 2
 def default_out() -> str:
     """A new folder per run: ``runs/retrofit-<UTC time>`` (``runs/`` is not tracked)."""
     return "runs/retrofit-" + _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-
-
-def _positive(name: str, value) -> float:
-    check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
-          f"{name}={value!r} is invalid: expected a finite number > 0")
-    return float(value)
-
-
-def _non_negative(name: str, value) -> float:
-    check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0,
-          f"{name}={value!r} is invalid: expected a finite number >= 0")
-    return float(value)
 
 
 @dataclass
@@ -148,22 +136,22 @@ class RetrofitConfig:
         else:
             check(isinstance(self.dms, DMSConfig), f"method 'dms' needs dms=DMSConfig(...), got {self.dms!r}")
             budget = self.dms.sinks + self.dms.window if self.dms.budget is None else self.dms.budget
-        _non_negative("compression_weight", self.compression_weight)
+        check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
         if self.steps is not None:
             check_int("steps", self.steps, 1)
         else:
-            _positive("minutes", self.minutes)
+            check_positive("minutes", self.minutes)
         check_int("batch_size", self.batch_size, 1)
         check_int("seq_len", self.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
         check(budget < self.seq_len,
               f"budget = {budget} is invalid for seq_len={self.seq_len}: expected < seq_len "
               "(else nothing is evicted and nothing is learned)")
         for name in ("lr", "lr_new", "grad_clip"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name in ("weight_decay", "boundary_weight"):
-            _non_negative(name, getattr(self, name))
+            check_non_negative(name, getattr(self, name))
         check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
         check(0 <= self.late_fraction <= 1, f"late_fraction={self.late_fraction!r} is invalid: expected a number in [0, 1]")
         check_int("warmup_steps", self.warmup_steps, 0)
@@ -176,7 +164,7 @@ class RetrofitConfig:
               f"device={self.device!r} is invalid: expected cpu or cuda[:N]")
         check(self.device == "cpu" or torch.cuda.is_available(),
               f"device={self.device!r} requested but CUDA is not available: use device='cpu'")
-        _check_model_folder(self.model, self.seq_len)
+        check_model_folder(self.model, self.seq_len)
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoints")
         if self.resume:
@@ -188,7 +176,7 @@ class RetrofitConfig:
                   "(--resume) to continue, or choose a new folder")
 
 
-def _check_model_folder(path: str, seq_len: int) -> None:
+def check_model_folder(path: str, seq_len: int) -> None:
     """One-line errors for a missing checkpoint folder, an unsupported family or a too long ``seq_len``."""
     from ..hf import read_model_config
 
@@ -399,7 +387,7 @@ def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name:
     return dest
 
 
-def _prune(out: Path) -> None:
+def prune_checkpoints(out: Path) -> None:
     steps = sorted((int(p.name[5:]), p) for p in out.iterdir() if p.name.startswith("step-") and p.name[5:].isdigit())
     for _, p in steps[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(p)
@@ -539,7 +527,7 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
             if step % config.save_interval == 0:
                 save_checkpoint(config, student, optimizer, step, f"step-{step}", {"seconds": last["seconds"]}, d.main)
                 if d.main:
-                    _prune(out)
+                    prune_checkpoints(out)
     bar.close()
     final = None
     if finished:

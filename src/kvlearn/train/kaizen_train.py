@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import check, check_int
+from ..errors import check, check_int, check_non_negative, check_positive
 from ..kaizen.actions import Backbone
 from ..kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
 from ..kaizen.budget import BudgetMultiplier
@@ -47,7 +47,7 @@ from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight
 from ..kaizen.sharing import KaizenTrainForward
 from ..testbed.data import TestbedStream
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
-from .distill import (FINAL, LOG_FILE, STATE_FILE, _check_model_folder, _non_negative, _positive, _prune, kd_loss,
+from .distill import (FINAL, LOG_FILE, STATE_FILE, check_model_folder, prune_checkpoints, kd_loss,
                       latest_checkpoint, new_lr_at, save_checkpoint)
 
 __all__ = ["KaizenTrainConfig", "kaizen_train", "build_models", "step_losses", "temperature"]
@@ -100,7 +100,7 @@ class KaizenTrainConfig:
         self.targets = tuple(self.targets)
         check(len(self.targets) > 0, "targets is empty: expected one or more compression factors, e.g. 4.0")
         for t in self.targets:
-            _positive("target", t)
+            check_positive("target", t)
         self.targets = tuple(float(t) for t in self.targets)
         if self.axes is not None:
             self.axes = tuple(self.axes)
@@ -109,13 +109,13 @@ class KaizenTrainConfig:
         if self.steps is not None:
             check_int("steps", self.steps, 1)
         else:
-            _positive("minutes", self.minutes)
+            check_positive("minutes", self.minutes)
         check_int("batch_size", self.batch_size, 1)
         check_int("seq_len", self.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
         for name in ("lr", "lr_new", "grad_clip", "tau_start", "tau_end"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name in ("weight_decay", "beta", "eta", "delta", "budget_cap"):
-            _non_negative(name, getattr(self, name))
+            check_non_negative(name, getattr(self, name))
         check(self.beta <= self.budget_cap, f"beta={self.beta} is invalid: expected beta <= budget_cap={self.budget_cap}")
         check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
         check_int("warmup_steps", self.warmup_steps, 0)
@@ -127,7 +127,7 @@ class KaizenTrainConfig:
               f"device={self.device!r} is invalid: expected cpu or cuda[:N]")
         check(self.device == "cpu" or torch.cuda.is_available(),
               f"device={self.device!r} requested but CUDA is not available: use device='cpu'")
-        _check_model_folder(self.model, self.seq_len)
+        check_model_folder(self.model, self.seq_len)
         from ..hf import read_model_config
 
         self.method_config().check_targets(Backbone.from_config(read_model_config(self.model)))
@@ -307,7 +307,7 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
             if step % config.save_interval == 0:
                 save_checkpoint(config, student, optimizer, step, f"step-{step}",
                                 {"seconds": last["seconds"], "multiplier": multiplier.state_dict()})
-                _prune(out)
+                prune_checkpoints(out)
     bar.close()
     final = None
     if finished:
