@@ -9,6 +9,10 @@ anything else. ``--format direct`` feeds answers as the first testbed version wr
 7 + 3 = 0 ; c = 0 .``: the value of ``a`` follows four tokens after its name), ``--format restated`` as they are now
 (``step 1 : c = a + b ; a = 7 ; b = 3 ; 7 + 3 = 0 ; c = 0 .``: the value follows the bigram ``a =``). It also counts
 how often the model predicts ``answer`` after the last step (knowing when the program is done).
+
+``neighbour`` is tested before ``other_def``, and with 3-6 definitions most other definitions are neighbours, so a
+model that writes a random other definition's value scores mostly ``neighbour``: ``trace_lookup_diag.py`` compares
+the offsets with that null (``docs/notes/trace_diagnosis.md``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from kvlearn.results import make_results, write_results
 from kvlearn.testbed import tasks
 from kvlearn.testbed.tokenizer import VOCAB, WORD_TO_ID
 
-_STEP, _SEMI, _EQ = WORD_TO_ID["step"], WORD_TO_ID[";"], WORD_TO_ID["="]
+_STEP, _SEMI, _EQ, _COLON = WORD_TO_ID["step"], WORD_TO_ID[";"], WORD_TO_ID["="], WORD_TO_ID[":"]
 
 
 def direct_answer(answer: list[int]) -> list[int]:
@@ -41,9 +45,10 @@ def direct_answer(answer: list[int]) -> list[int]:
 
 
 def definitions(example) -> list[tuple[int, int]]:
-    """``(name id, value)`` of every ``let NAME = D .`` of the prompt, in prompt order."""
+    """``(name id, value)`` of every ``let NAME : D .`` (before the trace diagnosis: ``let NAME = D .``) of the prompt,
+    in prompt order."""
     p, let = example.prompt_ids, WORD_TO_ID["let"]
-    return [(p[i + 1], int(VOCAB[p[i + 3]])) for i in range(len(p) - 4) if p[i] == let and p[i + 2] == _EQ]
+    return [(p[i + 1], int(VOCAB[p[i + 3]])) for i in range(len(p) - 4) if p[i] == let and p[i + 2] in (_EQ, _COLON)]
 
 
 def value_positions(answer: list[int], fmt: str) -> list[tuple[int, int]]:
