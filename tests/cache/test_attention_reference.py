@@ -151,3 +151,35 @@ def test_static_methods_equal_their_rule_over_the_full_sequence(name):
         got = [model(input_ids=ids[:, a:min(a + 5, n)], past_key_values=cache, use_cache=True).logits for a in range(0, n, 5)]
         got += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(n, 30)]
     torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tova_chunked_prefill_with_sinks_keeps_what_the_literal_rule_keeps():
+    """TOVA as evaluated (``bounded`` protocol: chunked prefill, then decoding; sinks > 0; GQA; 2 rows): after every
+    forward, each (row, layer, KV head) holds exactly the alive set of the masking simulation, and the logits agree."""
+    cfg = tova.TOVAConfig(budget=7, sinks=2)
+    model = attach(tiny_model(9))
+    ids = torch.randint(1, VOCAB, (2, 30))
+    spans = [(a, min(a + 5, 14)) for a in range(0, 14, 5)] + [(t, t + 1) for t in range(14, 30)]
+    reference = Reference("tova", cfg)
+    AttentionInterface.register("kvlearn_tova_chunk_reference_test", reference)
+    model.set_attn_implementation("kvlearn_tova_chunk_reference_test")
+    ref_logits, ref_alive = [], []
+    try:
+        with torch.no_grad():
+            dense = DynamicCache()
+            for a, z in spans:
+                ref_logits.append(model(input_ids=ids[:, a:z], past_key_values=dense, use_cache=True).logits)
+                ref_alive.append([reference.alive[i].clone() for i in range(2)])  # [b, kv_heads, z] per layer
+    finally:
+        attach(model)
+    cache = tova.make_cache(cfg, model.config)
+    got_logits = []
+    with torch.no_grad():
+        for (a, z), alive in zip(spans, ref_alive):
+            got_logits.append(model(input_ids=ids[:, a:z], past_key_values=cache, use_cache=True).logits)
+            for layer, expect in zip(cache.layers, alive):
+                pos = layer.slot_positions.long()  # [b, kv_heads, capacity], -1 = empty (goes to column z)
+                held = torch.zeros(*expect.shape[:2], z + 1, dtype=torch.bool)
+                held.scatter_(2, torch.where(pos >= 0, pos, z), True)
+                assert torch.equal(held[..., :z], expect), (z, torch.nonzero(held[..., :z] != expect).tolist())
+    torch.testing.assert_close(torch.cat(got_logits, 1), torch.cat(ref_logits, 1), atol=1e-4, rtol=1e-4)
