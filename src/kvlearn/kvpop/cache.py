@@ -28,7 +28,7 @@ from torch import nn
 
 from ..cache import CompactCache, CompactLayer, ForwardStep, ScoredPolicy
 from ..config import KVpopConfig
-from ..errors import KVLearnError, check
+from ..errors import check
 from .modules import has_kvpop, kvpop_modules
 
 
@@ -60,21 +60,45 @@ class KVpopPolicy(ScoredPolicy):
 
     def score(self, layer, step: ForwardStep, key_states, value_states) -> torch.Tensor:
         """Static priorities of a multi-token forward's tokens ``[b, h, q]`` (provisional for the last ``delay``
-        tokens of a delayed stateful scorer)."""
+        real tokens of a delayed stateful scorer).
+
+        A stateful scorer continues its memory from the tokens seen (chunked prefill; padding anywhere in a row).
+        With the delayed readout the held tokens ``u`` whose ``u + w`` arrives in this forward (the last ``w``
+        tokens seen, all in the protected window) get their final score here, read from the memory after
+        ``u + w`` with their key/value from the store; their slot priorities are updated before the running top-k
+        ranks the buffer and the chunk."""
         with torch.no_grad():
             if not self.stateful:
                 return self._static(self.scorer(key_states, value_states), step.positions)
-            if layer.seen > 0:
-                raise KVLearnError(
-                    f"KVpop cache with a stateful scorer: a {step.query_length}-token forward after {layer.seen} tokens "
-                    "(chunked prefill) is not supported: prefill the prompt in one forward, then decode one token at a time"
-                )
             valid = step.positions >= 0
-            # left padding only: once a row's real tokens start they continue to the end
-            check(bool((valid.long().cummax(dim=1).values == valid.long()).all()),
-                  "KVpop cache with a stateful scorer: padding must be on the left of each row")
-            raw, self.scorer_state = self.scorer.prefill(key_states, value_states, valid=valid)
+            past_key = past_value = None
+            if self.delay > 0 and layer.seen > 0:
+                past_key, past_value, want, match = self._window_tokens(layer, step, valid)
+            raw, past_raw, self.scorer_state = self.scorer.continue_prefill(
+                key_states, value_states, valid, self.scorer_state, past_key, past_value)
+            if past_key is not None:  # re-score the window tokens in their slots (each slot holds one position)
+                new = self._static(past_raw, want)  # [b, h, w]
+                hit = match.any(dim=2)  # [b, h, C]
+                value = torch.where(match, new[..., None], torch.zeros_like(new[..., None])).sum(dim=2)
+                stored = layer.slot_state["score"]
+                stored.copy_(torch.where(hit, value, stored))
             return self._static(raw, step.positions)
+
+    def _window_tokens(self, layer, step: ForwardStep, valid: torch.Tensor):
+        """Key/value ``[b, h, w, d]`` of the ``w`` real tokens before this forward, oldest first (zeros where a
+        row has fewer), read from the store; with their positions ``[b, w]`` (negative: none) and the slot match
+        ``[b, h, w, C]``. They are the protected window of the last query, so the cache holds all of them."""
+        w = self.delay
+        before = step.real_after - valid.sum(dim=1)  # [b] real tokens seen before this forward
+        want = before[:, None] - w + torch.arange(w, device=before.device)  # [b, w]
+        pos = layer.slot_positions.long()  # [b, h, C]
+        match = (pos[:, :, None, :] == want[:, None, :, None]) & (want >= 0)[:, None, :, None]  # [b, h, w, C]
+        slot = match.long().argmax(dim=3)  # [b, h, w]
+        found = match.any(dim=3)[..., None]
+        keys, values = layer.store.read()
+        k = torch.gather(keys, 2, slot[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        v = torch.gather(values, 2, slot[..., None].expand(-1, -1, -1, values.shape[-1]))
+        return torch.where(found, k, torch.zeros_like(k)), torch.where(found, v, torch.zeros_like(v)), want, match
 
     def decode_score(self, layer, step: ForwardStep, key_states, value_states) -> torch.Tensor:
         """Priority of the new token ``[b, h, 1]``; with the delayed readout also re-score token ``p - w`` (it
