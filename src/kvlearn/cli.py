@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dms: width of the gate MLP (0: the reference Linear(hidden, kv_heads) gate)")
     sp.add_argument("--compression-weight", type=float, default=1.0, help="dms: weight of the compression hinge")
     sp.add_argument("--scorer", default="mlp", choices=("linear", "mlp", "mlstm"),
-                    help="KVpop scorer (the evaluation harness takes linear and mlp)")
+                    help="KVpop scorer (mlstm: the paper's stateful scorer with the delayed readout)")
     sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
     sp.add_argument("--window", type=int, default=32,

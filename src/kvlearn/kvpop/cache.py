@@ -102,32 +102,43 @@ class KVpopPolicy(ScoredPolicy):
 
     def decode_score(self, layer, step: ForwardStep, key_states, value_states) -> torch.Tensor:
         """Priority of the new token ``[b, h, 1]``; with the delayed readout also re-score token ``p - w`` (it
-        leaves the window now) in its slot."""
+        leaves the window now) in its slot. A padding row (``p = -1``, e.g. a one-token prefill chunk of a padded
+        batch) leaves its scorer memory and slots untouched."""
         p = step.positions[:, 0]  # [b]
-        check(not bool((p < 0).any()), "KVpop cache: a padding token while decoding is not supported")
         if not self.stateful:
             with torch.no_grad():
                 raw = self.scorer(key_states, value_states)
             return self._static(raw, p[:, None])
         k_t, v_t = key_states[:, :, 0], value_states[:, :, 0]
+        old = self.scorer_state
         if self.delay == 0:
             with torch.no_grad():
-                score, self.scorer_state = self.scorer.step(k_t, v_t, None, None, self.scorer_state)
+                score, new_state = self.scorer.step(k_t, v_t, None, None, old)
+            self.scorer_state = self._keep_padding_rows(old, new_state, p)
             return self._static(score[..., None], p[:, None])
         u = p - self.delay  # [b]
         slot_pos = layer.slot_positions.long()
-        has_u = (slot_pos == u[:, None, None]) & (u[:, None, None] >= 0)  # [b, h, C]
+        has_u = (slot_pos == u[:, None, None]) & (u[:, None, None] >= 0) & (p[:, None, None] >= 0)  # [b, h, C]
         slot_u = has_u.long().argmax(dim=2)  # [b, h]
         keys, values = layer.store.read()
         k_u = torch.gather(keys, 2, slot_u[..., None, None].expand(-1, -1, 1, keys.shape[-1]))[:, :, 0]
         v_u = torch.gather(values, 2, slot_u[..., None, None].expand(-1, -1, 1, values.shape[-1]))[:, :, 0]
         with torch.no_grad():
-            score_u, self.scorer_state = self.scorer.step(k_t, v_t, k_u, v_u, self.scorer_state)
+            score_u, new_state = self.scorer.step(k_t, v_t, k_u, v_u, old)
+        self.scorer_state = self._keep_padding_rows(old, new_state, p)
         new_u = self._static(score_u[..., None], u[:, None])[..., 0]  # [b, h]
         stored = layer.slot_state["score"]
         current = torch.gather(stored, 2, slot_u[..., None])[..., 0]
         stored.scatter_(2, slot_u[..., None], torch.where(has_u.any(dim=2), new_u, current)[..., None])
         return torch.full_like(k_t[..., :1], float("-inf"))  # the new token is scored w tokens from now
+
+    def _keep_padding_rows(self, old, new, p: torch.Tensor):
+        """The scorer state after a decode step: ``new`` for real rows, ``old`` (empty if None) for padding rows
+        (tensor ops only: no device sync)."""
+        if old is None:
+            old = self.scorer.init_state(p.shape[0], p.device)
+        real = p >= 0
+        return type(new)(*(torch.where(real.view((-1,) + (1,) * (n.dim() - 1)), n, o) for n, o in zip(new, old)))
 
     def state_bytes(self) -> int:
         """Bytes of the scorer memory (mLSTM C, n, m) held for the batch."""
