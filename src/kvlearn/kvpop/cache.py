@@ -12,10 +12,13 @@ Per-sequence state lives here (slot priorities, the mLSTM scorer state); the lea
 per-head decay) live on the model and are only called. A stateful scorer with the delayed readout scores token
 ``u`` when token ``u + w`` arrives, from the memory after ``u + w`` and ``u``'s cached key/value: exactly when
 ``u`` leaves the window and first competes, so the decision uses the same score as the training mask. Supported:
-linear, MLP and mLSTM scorers (delayed or immediate readout), then one token per forward (what ``generate`` does).
-Stateless scorers (linear, MLP) also support chunked prefill into a non-empty cache (the running top-k of the
-scored base, :class:`kvlearn.cache.ScoredPolicy`); the stateful mLSTM scorer prefills in one forward into an empty
-cache (left padding only) and refuses a later multi-token forward.
+linear, MLP and mLSTM scorers (delayed or immediate readout), prefilled in one forward or in chunks into a non-empty
+cache (the running top-k of the scored base, :class:`kvlearn.cache.ScoredPolicy`), then one token per forward (what
+``generate`` does). A chunk continues the mLSTM memory from the policy's state
+(:meth:`~kvlearn.kvpop.scorers.MLSTMScorer.continue_prefill`); with the delayed readout the held window tokens whose
+``u + w`` falls into the chunk get their final scores there, in their slots, before the chunk is ranked. Padding may
+sit anywhere in a row (each row's real tokens are scored as the row alone); a padding row of a one-token forward
+keeps its memory.
 
 This is the scored-eviction base with KVpop's static priority as the score; the priorities are the layer's declared
 slot state ``"score"`` and the mLSTM memory is per-sequence state of the policy, so both live in the cache.

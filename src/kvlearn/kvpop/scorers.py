@@ -12,6 +12,8 @@ Contract shared by all scorers (what the cache and the training loop rely on):
 - ``prefill(key, value) -> (scores [B, H, T], state)``: the same scores as ``forward``; the last
   ``readout_delay`` of them are *provisional* (see :class:`MLSTMScorer`). ``state`` continues into ``step``.
 - ``init_state(batch, device)``: the state before any token (``None`` for stateless scorers).
+- stateful (mLSTM) only: ``continue_prefill(key, value, valid, state, past_key, past_value) -> (scores, past_scores,
+  state)`` continues a sequence by a chunk (chunked prefill), re-scoring the ``readout_delay`` tokens before it.
 - ``step(key_t, value_t, key_u=None, value_u=None, state=None) -> (score_u [B, H] | None, state)``: token ``t``
   arrives; returns the final score of ``u = t - readout_delay``. With ``readout_delay > 0`` the caller passes
   the cached key/value of ``u`` (still inside the protected window), or ``None`` while ``u < 0`` (then the
