@@ -331,3 +331,24 @@ def test_the_harness_evaluates_an_mlstm_kvpop_model(protocol, delayed):
     (row,) = evaluate(model, eval_config, progress=False)
     assert (row["method"], row["protocol"], row["n"], row["options"]) == ("kvpop", protocol, 2, options)
     assert row["kv_bytes"] > 0 and "incomplete" not in row
+
+
+def test_kvlearn_eval_takes_an_mlstm_checkpoints_learned_fields(tmp_path, capsys):
+    """``kvlearn eval --method kvpop`` on a saved mLSTM KVpop checkpoint: the scorer, readout, decay range and the
+    delayed readout's window come from its config.json (the registry default would be the MLP scorer), so the
+    bounded protocol evaluates the checkpoint's own mLSTM scorers through chunked prefill."""
+    from kvlearn.cli import checkpoint_kvpop_options, main
+
+    model, config, _ = mlstm_harness_model(True)
+    model.save_pretrained(tmp_path)
+    options = checkpoint_kvpop_options(tmp_path)
+    assert options == {"scorer": "mlstm", "delayed_readout": True, "decay_min": config.decay_min,
+                       "decay_max": config.decay_max, "window": 32}
+    assert checkpoint_kvpop_options(tmp_path / "nope") == {}
+    out = tmp_path / "rows.json"
+    code = main(["eval", "--model", str(tmp_path), "--method", "kvpop", "--budget", "48", "--context", "256",
+                 "--tasks", "vt", "--n-per-task", "1", "--batch-size", "1", "--chunk-size", "64", "--device", "cpu",
+                 "--out", str(out)])
+    assert code == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["method"] == "kvpop" and row["options"]["scorer"] == "mlstm" and row["n"] == 1
