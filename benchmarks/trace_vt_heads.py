@@ -7,7 +7,9 @@ three heads with the most attention mass from the query (the token before each a
 (``var NAME = ...``), with the mass on the item that defines the name being written. Compare with the per-head
 trace numbers of ``trace_lookup_diag.py`` (``docs/notes/trace_diagnosis.md``).
 """
-import torch, collections, sys
+import sys
+
+import torch
 from transformers import AutoModelForCausalLM
 from kvlearn.testbed import tasks
 from kvlearn.testbed.tokenizer import WORD_TO_ID

@@ -103,12 +103,36 @@ def check_model_context(path: str, context: int) -> None:
           f"--context {context} exceeds the model's max_position_embeddings={limit} ({path}): expected --context <= {limit}")
 
 
+KVPOP_LEARNED_FIELDS = ("scorer", "delayed_readout", "decay_min", "decay_max")
+
+
+def checkpoint_kvpop_options(path) -> dict:
+    """KVpop's learned fields recorded in the checkpoint folder's ``config.json`` (scorer, delayed readout, decay
+    range; the window too for a delayed mLSTM scorer, whose readout is tied to it), or ``{}`` when it records none
+    (or cannot be read: the folder checks report that later). ``kvlearn eval --method kvpop`` on a KVpop checkpoint
+    thus evaluates the checkpoint's own scorers, the mLSTM included; only the budget comes from the command line."""
+    import json
+
+    try:
+        with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
+            saved = json.load(f).get("kvpop")
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    options = {k: saved[k] for k in KVPOP_LEARNED_FIELDS if k in saved}
+    if saved.get("scorer") == "mlstm" and saved.get("delayed_readout", True) and "window" in saved:
+        options["window"] = saved["window"]
+    return options
+
+
 def _eval_config(args, method: str, budget, tasks):
     from .eval.accuracy import EvalConfig
 
+    options = checkpoint_kvpop_options(args.model) if method == "kvpop" else {}
     return EvalConfig(method=method, budget=budget, sinks=args.sinks, tasks=tasks, n_per_task=args.n_per_task,
                       context=args.context, batch_size=args.batch_size, split=args.split, protocol=args.protocol,
-                      chunk_size=args.chunk_size, target=getattr(args, "target", None))
+                      chunk_size=args.chunk_size, target=getattr(args, "target", None), options=options or None)
 
 
 def cmd_eval(args) -> int:
@@ -389,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dms: width of the gate MLP (0: the reference Linear(hidden, kv_heads) gate)")
     sp.add_argument("--compression-weight", type=float, default=1.0, help="dms: weight of the compression hinge")
     sp.add_argument("--scorer", default="mlp", choices=("linear", "mlp", "mlstm"),
-                    help="KVpop scorer (the evaluation harness takes linear and mlp)")
+                    help="KVpop scorer (mlstm: the paper's stateful scorer with the delayed readout)")
     sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
     sp.add_argument("--window", type=int, default=32,

@@ -266,10 +266,89 @@ def test_registry_entry():
     assert has_kvpop(model)
     cache = method.new_cache(model, config)
     assert isinstance(cache, KVpopCache) and cache.config == config
-    for kwargs, needle in ((dict(budget=48, scorer="mlstm"), "refuses chunked prefill"),
-                           (dict(budget=30), "budget=30 is invalid"),
+    mlstm = make_config("kvpop", budget=48, sinks=4, scorer="mlstm")  # the harness takes the stateful scorer
+    assert (mlstm.scorer, mlstm.window, mlstm.topk, mlstm.delayed_readout) == ("mlstm", 32, 12, True)
+    for kwargs, needle in ((dict(budget=30), "budget=30 is invalid"),
                            (dict(budget=300, context=256), "budget < context = 256"),
                            (dict(budget=48, topk=3), "has no option")):
         with pytest.raises(KVLearnError, match=needle) as err:
             make_config("kvpop", **kwargs)
         one_line(err)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the evaluation harness with the mLSTM scorer (chunked prefill from the scorer memory)
+
+
+def mlstm_harness_model(delayed: bool):
+    """A tiny Qwen3 on the testbed vocabulary (head_dim 64) with KVpop mLSTM modules of the harness's config
+    (budget 48 = sinks 4 + window 32 + topk 12), randomised so that the rankings are not recency."""
+    from kvlearn.testbed.tokenizer import VOCAB_SIZE
+
+    torch.manual_seed(17)
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    model = Qwen3ForCausalLM(cfg).eval()
+    options = {"scorer": "mlstm", "delayed_readout": delayed}
+    config = make_config("kvpop", budget=48, sinks=4, context=256, **options)
+    apply_kvpop(model, config)
+    scorers, decays = kvpop_modules(model)
+    for sc in scorers:
+        for prm in sc.parameters():
+            torch.nn.init.normal_(prm, std=0.5)
+    for dc in decays:
+        torch.nn.init.normal_(dc.alpha, std=1.0)
+    return model, config, options
+
+
+@pytest.mark.parametrize("protocol, delayed", [("bounded", True), ("context", True), ("bounded", False)])
+def test_the_harness_evaluates_an_mlstm_kvpop_model(protocol, delayed):
+    """Both protocols prefill in chunks (64 tokens; the testbed layout puts padding before and inside a row's
+    chunks): a padded batch of 3 generates exactly what each example does alone, and kvlearn.eval's evaluate
+    runs with scorer='mlstm' (EvalConfig.options) and records it."""
+    from kvlearn.eval.accuracy import EvalConfig, evaluate
+    from kvlearn.eval.protocols import layout, run_batch
+    from kvlearn.testbed import tasks
+
+    model, config, options = mlstm_harness_model(delayed)
+    exs = [tasks.generate(f, tasks.example_seed(f, "eval", 0), 256) for f in ("niah", "recall", "trace")]
+
+    def run(batch_examples):
+        cache = make_kvpop_cache(model, config)
+        batch = layout(batch_examples, protocol, pad_id=0, chunk_size=64)
+        return run_batch(model, cache, batch, protocol, 5, chunk_size=64, pad_id=0), cache, batch
+
+    out, cache, batch = run(exs)
+    assert out.shape == (3, 5) and (batch.mask == 0).any()
+    assert cache.get_seq_length() == batch.ids.shape[1] + 4
+    assert all(layer.allocated_state_bytes() > 0 for layer in cache.layers)
+    for i, ex in enumerate(exs):
+        assert out[i].tolist() == run([ex])[0][0].tolist(), f"row {i} ({ex.family}) differs from its single run"
+    eval_config = EvalConfig(method="kvpop", budget=48, sinks=4, context=256, protocol=protocol, tasks=("vt",),
+                             n_per_task=2, batch_size=2, chunk_size=64, options=options)
+    assert eval_config.method_config == config
+    (row,) = evaluate(model, eval_config, progress=False)
+    assert (row["method"], row["protocol"], row["n"], row["options"]) == ("kvpop", protocol, 2, options)
+    assert row["kv_bytes"] > 0 and "incomplete" not in row
+
+
+def test_kvlearn_eval_takes_an_mlstm_checkpoints_learned_fields(tmp_path, capsys):
+    """``kvlearn eval --method kvpop`` on a saved mLSTM KVpop checkpoint: the scorer, readout, decay range and the
+    delayed readout's window come from its config.json (the registry default would be the MLP scorer), so the
+    bounded protocol evaluates the checkpoint's own mLSTM scorers through chunked prefill."""
+    from kvlearn.cli import checkpoint_kvpop_options, main
+
+    model, config, _ = mlstm_harness_model(True)
+    model.save_pretrained(tmp_path)
+    options = checkpoint_kvpop_options(tmp_path)
+    assert options == {"scorer": "mlstm", "delayed_readout": True, "decay_min": config.decay_min,
+                       "decay_max": config.decay_max, "window": 32}
+    assert checkpoint_kvpop_options(tmp_path / "nope") == {}
+    out = tmp_path / "rows.json"
+    code = main(["eval", "--model", str(tmp_path), "--method", "kvpop", "--budget", "48", "--context", "256",
+                 "--tasks", "vt", "--n-per-task", "1", "--batch-size", "1", "--chunk-size", "64", "--device", "cpu",
+                 "--out", str(out)])
+    assert code == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["method"] == "kvpop" and row["options"]["scorer"] == "mlstm" and row["n"] == 1

@@ -137,25 +137,8 @@ def test_left_padded_batch_matches_rows_alone():
 
 
 def test_unsupported_uses_are_refused():
-    model, scorers, decays = make(0)
-    attach(model)
+    _, scorers, decays = make(0)
     kv = KVpopConfig(sinks=1, window=2, topk=3)
-    ids = torch.randint(1, 71, (1, 12))
-    mlstm = [MLSTMScorer(2, 16, window=2, chunk_size=8) for _ in range(LAYERS)]
-    cache = KVpopCache(kv, mlstm, decays)  # a stateful scorer cannot continue a prefill
-    with torch.no_grad():
-        model(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
-        with pytest.raises(KVLearnError, match="chunked prefill"):
-            model(input_ids=ids[:, 6:9], past_key_values=cache, use_cache=True)
-    cache = KVpopCache(kv, scorers, decays)
-    with torch.no_grad():
-        model(input_ids=ids[:, :6], attention_mask=torch.ones(1, 6, dtype=torch.long), past_key_values=cache,
-              use_cache=True)
-        model(input_ids=ids[:, 6:7], attention_mask=torch.ones(1, 7, dtype=torch.long), past_key_values=cache,
-              use_cache=True)  # a real token decodes
-        with pytest.raises(KVLearnError, match="a padding token while decoding is not supported"):
-            model(input_ids=ids[:, 7:8], attention_mask=torch.tensor([[1] * 7 + [0]]), past_key_values=cache,
-                  use_cache=True)
     with pytest.raises(KVLearnError, match="readout delay 5 is invalid"):
         KVpopCache(kv, [MLSTMScorer(2, 16, window=5)] * LAYERS, decays)
     with pytest.raises(KVLearnError, match="decay_step=2"):
@@ -195,3 +178,109 @@ def test_mlstm_padding_leaves_the_scorer_memory_untouched():
             model(input_ids=r[None], past_key_values=solo, use_cache=True)
             for got, want in zip(batch_cache.layers[1].scorer_state, solo.layers[1].scorer_state):
                 torch.testing.assert_close(got[i], want[0], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# chunked prefill with the stateful mLSTM scorer (issue #10 item 3)
+
+MLSTM_KV = dict(sinks=2, topk=6, decay_min=0.6, decay_max=0.95)
+LENGTH, PREFILL = 64, 53  # the sequence is several times the budget (12 with window 4)
+
+
+def chunked_logits(model, cache, ids, prefill, chunk):
+    """Prefill ``prefill`` tokens in forwards of ``chunk`` tokens, then decode the rest; all logits."""
+    got = []
+    with torch.no_grad():
+        for a in range(0, prefill, chunk):
+            got.append(model(input_ids=ids[:, a : min(prefill, a + chunk)], past_key_values=cache, use_cache=True).logits)
+        got += [model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
+                for t in range(prefill, ids.shape[1])]
+    return torch.cat(got, 1)
+
+
+def held(cache):
+    """Per layer, row and KV head: the held positions and their slot priorities, in position order."""
+    out = []
+    for layer in cache.layers:
+        pos = layer.slot_positions.long()
+        order = torch.argsort(torch.where(pos >= 0, pos, torch.full_like(pos, 1 << 30)), dim=2)
+        out.append((torch.gather(pos, 2, order), torch.gather(layer.slot_priority, 2, order)))
+    return out
+
+
+@pytest.mark.parametrize("delayed, window, chunk", [(True, 4, 1), (True, 4, 7), (True, 4, 11), (True, 4, 64),
+                                                    (True, 1, 7), (True, 9, 7), (False, 4, 7), (False, 4, 11),
+                                                    (False, 4, 64)])
+def test_mlstm_chunked_prefill_equals_single_shot_and_training_mask(delayed, window, chunk):
+    """Chunked prefill + decode == one-forward prefill + decode == the full forward under the KVpop training mask
+    (chunks of 1 token, ones that divide nothing, shorter than the window, longer than the prompt); after the
+    prefill both caches hold the same tokens with the same final priorities (a delayed readout's last ``w`` are
+    provisional: a one-token forward leaves them unscored) and the same scorer memory."""
+    model, scorers, decays = make(31 + window + chunk, MLSTMScorer, window=window, delayed_readout=delayed,
+                                  chunk_size=8)
+    kv = KVpopConfig(window=window, **MLSTM_KV)
+    ids = torch.randint(1, 71, (2, LENGTH))
+    ref = reference_logits(model, scorers, decays, kv, ids)
+    attach(model)
+    single = KVpopCache(kv, scorers, decays)
+    torch.testing.assert_close(decode_logits(model, single, ids, PREFILL), ref, atol=1e-4, rtol=1e-4)
+    chunked = KVpopCache(kv, scorers, decays)
+    torch.testing.assert_close(chunked_logits(model, chunked, ids, PREFILL, chunk), ref, atol=1e-4, rtol=1e-4)
+    # the same state after prefill
+    single, chunked = KVpopCache(kv, scorers, decays), KVpopCache(kv, scorers, decays)
+    decode_logits(model, single, ids[:, :PREFILL], PREFILL)
+    chunked_logits(model, chunked, ids[:, :PREFILL], PREFILL, chunk)
+    final = PREFILL - 1 - scorers[0].readout_delay  # last position whose score is final
+    for (pos_a, prio_a), (pos_b, prio_b) in zip(held(single), held(chunked)):
+        assert torch.equal(pos_a, pos_b)
+        keep = (pos_a >= 0) & (pos_a <= final)
+        torch.testing.assert_close(prio_a[keep], prio_b[keep], atol=1e-4, rtol=1e-5)
+    for a, b in zip(single.layers[1].scorer_state, chunked.layers[1].scorer_state):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def padded_batch(lengths, gaps):
+    """Rows of ``lengths`` real tokens; row ``i`` has ``gaps[i]`` padding columns inside it (after its first third)
+    and left padding to the common width. The last column is real in every row."""
+    rows, cols = [], []
+    for n, g in zip(lengths, gaps):
+        r = torch.randint(1, 71, (n,))
+        cut = n // 3
+        mask = torch.cat([torch.ones(cut), torch.zeros(g), torch.ones(n - cut)]).long()
+        rows.append(r)
+        cols.append(mask)
+    width = max(len(m) for m in cols)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    am = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (r, m) in enumerate(zip(rows, cols)):
+        am[i, width - len(m):] = m
+        ids[i, width - len(m):][m.bool()] = r
+    return rows, ids, am
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_mlstm_chunked_prefill_of_a_padded_batch_equals_rows_alone(delayed, chunk):
+    """A batch of 3 with left padding and padding inside rows (so inside later chunks, and chunks of padding only),
+    prefilled in chunks through kvlearn.cache.prefill, then generate: every decoding step's logits, the generated
+    tokens and the scorer memory equal each row's own run."""
+    from kvlearn.cache import prefill
+
+    model, scorers, decays = make(41 + chunk, MLSTMScorer, window=4, delayed_readout=delayed, chunk_size=8)
+    attach(model)
+    kv = KVpopConfig(window=4, **MLSTM_KV)
+    rows, ids, am = padded_batch((50, 23, 37), (0, 9, 3))
+    new = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        cache = KVpopCache(kv, scorers, decays)
+        prefill(model, cache, ids[:, :-1], am[:, :-1], chunk_size=chunk)
+        out = model.generate(input_ids=ids, attention_mask=am, past_key_values=cache, **new)
+        for i, r in enumerate(rows):
+            solo = KVpopCache(kv, scorers, decays)
+            prefill(model, solo, r[None, :-1], chunk_size=chunk)
+            want = model.generate(input_ids=r[None], past_key_values=solo, **new)
+            assert out.sequences[i, ids.shape[1]:].tolist() == want.sequences[0, len(r):].tolist()
+            for got_step, want_step in zip(out.scores, want.scores):
+                torch.testing.assert_close(got_step[i], want_step[0], atol=1e-4, rtol=1e-4)
+            for got, ref in zip(cache.layers[1].scorer_state, solo.layers[1].scorer_state):
+                torch.testing.assert_close(got[i], ref[0], atol=1e-5, rtol=1e-5)

@@ -315,6 +315,97 @@ def test_mlstm_prefill_ignores_left_padding_marked_invalid():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def _continue_in_chunks(s, k, v, bounds, valid=None):
+    """Scores of the whole sequence from ``continue_prefill`` over the chunks ``bounds``: each token's last score
+    (a delayed readout's past tokens are re-scored by the next chunk) and the final state."""
+    d, t = s.readout_delay, k.shape[2]
+    scores = torch.full(k.shape[:3], float("nan"))
+    state = None
+    for a, z in zip(bounds[:-1], bounds[1:]):
+        past_k = past_v = None
+        if d and a > 0:
+            idx = torch.arange(a - d, a)
+            have = (idx >= 0)[None, None, :, None]
+            past_k = torch.where(have, k[:, :, idx.clamp(min=0)], 0.0)
+            past_v = torch.where(have, v[:, :, idx.clamp(min=0)], 0.0)
+        sc, past, state = s.continue_prefill(k[:, :, a:z], v[:, :, a:z], None, state, past_k, past_v)
+        assert (past is None) == (d == 0)
+        scores[:, :, a:z] = sc
+        for j in range(d if a > 0 else 0):
+            if a - d + j >= 0:
+                scores[:, :, a - d + j] = past[:, :, j]
+    assert t == bounds[-1]
+    return scores, state
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+@pytest.mark.parametrize("window", [1, 3, 7])
+@pytest.mark.parametrize("bounds", [[0, 5, 6, 20, 37], [0, 1, 2, 3, 37], [0, 2, 4, 30, 31, 37], [0, 37]])
+def test_continue_prefill_in_chunks_equals_forward(delayed, window, bounds):
+    """Chunked prefill from the carried state (chunks of 1 token, shorter and longer than the window, not dividing
+    the length): every score (the last window's provisional ones too) and the state equal the one-pass forward,
+    to float32 rounding; and the forward equals the float64 brute force."""
+    s = _mlstm(d=16, window=window, seed=window + len(bounds), chunk_size=4, delayed_readout=delayed, use_norm=delayed)
+    k, v = _kv(window, d=16, t=37)
+    full, state_full = s.prefill(k, v)
+    scores, state = _continue_in_chunks(s, k, v, bounds)
+    torch.testing.assert_close(scores, full, atol=1e-5, rtol=1e-5)
+    for a, b in zip(state, state_full):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # prefill(state=...) gives the chunk's scores of continue_prefill
+    head, st = s.prefill(k[:, :, :10], v[:, :, :10])
+    tail, st2 = s.prefill(k[:, :, 10:], v[:, :, 10:], state=st)
+    torch.testing.assert_close(tail, full[:, :, 10:], atol=1e-5, rtol=1e-5)
+    for a, b in zip(st2, state_full):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+def test_continue_prefill_with_padding_anywhere_equals_the_row_alone(delayed):
+    """Padding inside a chunk (left, in the middle, right, a whole row of it) neither writes nor decays the memory
+    and the delayed readout counts real tokens: the real tokens' scores equal the unpadded run's."""
+    s = _mlstm(d=16, window=3, seed=23, chunk_size=4, delayed_readout=delayed)
+    k, v = _kv(24, b=1, d=16, t=30)
+    full, state_full = s.prefill(k, v)
+    _, state = s.prefill(k[:, :, :12], v[:, :, :12])
+    # the second chunk: real tokens 12..29 spread over 26 columns, batch row 1 all padding
+    cols = torch.tensor([0, 1, 2, 5, 6, 7, 8, 9, 10, 11, 15, 16, 17, 18, 19, 20, 21, 24])
+    kc, vc = torch.zeros(2, 2, 26, 16), torch.zeros(2, 2, 26, 16)
+    kc[0, :, cols], vc[0, :, cols] = k[0, :, 12:], v[0, :, 12:]
+    kc[1], vc[1] = torch.randn(2, 26, 16), torch.randn(2, 26, 16)
+    valid = torch.zeros(2, 26, dtype=torch.bool)
+    valid[0, cols] = True
+    state2 = type(state)(*(torch.cat([x, x]) for x in state))
+    past_k = past_v = None
+    if delayed:
+        past_k, past_v = k[:, :, 9:12].expand(2, -1, -1, -1), v[:, :, 9:12].expand(2, -1, -1, -1)
+    sc, past, new = s.continue_prefill(kc, vc, valid, state2, past_k, past_v)
+    torch.testing.assert_close(sc[0][:, cols], full[0, :, 12:], atol=1e-5, rtol=1e-5)
+    for a, b, old in zip(new, state_full, state):
+        torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(a[1], old[0])  # a row of padding only: its memory is untouched
+    if delayed:
+        torch.testing.assert_close(past[0], full[0, :, 9:12], atol=1e-5, rtol=1e-5)
+
+
+def test_continue_prefill_bad_inputs_are_one_line():
+    s = _mlstm(window=3, seed=1)
+    k, v = _kv(2, t=6)
+    _, state = s.prefill(k, v)
+    for call, needle in (
+        (lambda: s.continue_prefill(k, v, None, state, k[:, :, :2], v[:, :, :2]), "past_key.shape"),
+        (lambda: s.continue_prefill(k, v, None, state, k[:, :, :3], None), "only one of past_key/past_value"),
+        (lambda: s.continue_prefill(k, v, torch.ones(2, 5, dtype=torch.bool), state), "valid shape"),
+        (lambda: s.continue_prefill(k, v, None, state[:2]), "expected an MLSTMState"),
+        (lambda: s.continue_prefill(k, v, None, type(state)(state.C[:1], state.n[:1], state.m[:1])), "state.C.shape"),
+        (lambda: _mlstm(window=3, delayed_readout=False).continue_prefill(k, v, None, None, k[:, :, :3], v[:, :, :3]),
+         "delayed_readout=False"),
+    ):
+        with pytest.raises(KVLearnError, match=needle) as err:
+            call()
+        assert "\n" not in str(err.value)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # compiled path (CUDA by default; here traced on the CPU)
 

@@ -37,7 +37,9 @@ class EvalConfig:
 
     ``split``: the testbed split the examples are drawn from (:func:`eval_splits`). ``protocol``: ``bounded`` or
     ``context`` (:mod:`kvlearn.eval.protocols`), one the method defines. ``chunk_size``: prefill chunk of the
-    bounded cache. Every bad value is a one-line :class:`~kvlearn.errors.KVLearnError`.
+    bounded cache. ``options``: further fields of the method's config (``make_config(method, ..., **options)``,
+    e.g. ``{"scorer": "mlstm"}`` for ``kvpop``; recorded in each row when given). Every bad value is a one-line
+    :class:`~kvlearn.errors.KVLearnError`.
     """
 
     method: str = "dense"
@@ -52,6 +54,7 @@ class EvalConfig:
     chunk_size: int = DEFAULT_PREFILL_CHUNK
     seed_offset: int = 0
     target: float | None = None  # kaizen: the target compression factor (None: the one it was trained for)
+    options: dict | None = None
 
     def __post_init__(self) -> None:
         method = get_method(self.method)
@@ -71,8 +74,10 @@ class EvalConfig:
         extra = {} if self.target is None else {"target": self.target}
         check(self.target is None or not method.token_budget,
               f"target={self.target!r}: method {self.method!r} takes a token budget, not a compression target")
+        check(self.options is None or isinstance(self.options, dict),
+              f"options={self.options!r} is invalid: expected None or a dict of the method's config fields")
         object.__setattr__(self, "method_config", make_config(self.method, budget=self.budget, sinks=self.sinks,
-                                                              context=self.context, **extra))
+                                                              context=self.context, **extra, **(self.options or {})))
 
     @property
     def compression(self) -> float:
@@ -152,6 +157,8 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
         "kv_bytes": int(sum(result.kv_bytes) / max(1, len(result.kv_bytes))),
         "store_bytes": int(sum(result.store_bytes) / max(1, len(result.store_bytes))),
     }
+    if config.options:
+        row["options"] = dict(config.options)
     if result.peak_kv_bytes:
         row["peak_kv_bytes"] = int(sum(result.peak_kv_bytes) / len(result.peak_kv_bytes))
     if result.factors:  # a compression-factor method (kaizen): every token kept, the bits per token reduced

@@ -12,8 +12,9 @@ Per-sequence state (slot priorities, the mLSTM memory) lives in the cache; the m
 
 This module is also the ``kvpop`` entry of the method registry (:mod:`kvlearn.methods`): ``CONFIG``, ``SUMMARY``,
 ``PROTOCOLS``, ``make_cache(config, model)``, ``apply(model, config)`` and ``config_from_budget``. What the
-evaluation harness supports: the stateless scorers (``linear``, ``mlp``) under both protocols; the mLSTM scorer
-refuses chunked prefill, which both protocols need, so the harness refuses it with one line.
+evaluation harness supports: every scorer (``linear``, ``mlp``, ``mlstm`` with the delayed or immediate readout)
+under both protocols; both prefill in several forwards, which the mLSTM scorer continues from its memory
+(:meth:`~kvlearn.kvpop.scorers.MLSTMScorer.continue_prefill`).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def load_kvpop(model, path: str | os.PathLike):
 
 CONFIG = KVpopConfig
 SUMMARY = ("KVpop: sinks + window + the top-k older tokens by a learned per-KV-head scorer and decay "
-           "(modules added by apply_kvpop; harness: linear/mlp scorers)")
+           "(modules added by apply_kvpop; scorer linear/mlp/mlstm)")
 PROTOCOLS = ("bounded", "context")
 DEFAULT_WINDOW = 32  # the eviction methods' default window, so budgets compare like for like
 
@@ -196,11 +197,7 @@ def apply(model, config: KVpopConfig):
 def config_from_budget(budget: int, sinks: int = 4, context: int | None = None, window: int | None = None,
                        scorer: str = "mlp", **extra) -> KVpopConfig:
     """The harness's KVpop config from a budget: ``topk = budget - sinks - window`` (``window`` default 32, like the
-    eviction methods), the ``mlp`` scorer by default. The mLSTM scorer is refused with one line: both evaluation
-    protocols prefill in several forwards, which it does not support yet."""
-    check(scorer != "mlstm",
-          "method 'kvpop' with scorer='mlstm' cannot be evaluated by the harness yet: the mLSTM scorer refuses chunked "
-          "prefill, which both protocols use; use scorer='linear' or 'mlp'")
+    eviction methods), the ``mlp`` scorer by default (``scorer='mlstm'``: the paper's stateful scorer)."""
     check_int("sinks", sinks, 0)
     window = DEFAULT_WINDOW if window is None else window
     check_int("window", window, 1, hint=" (the protected window holds at least the query itself)")

@@ -12,10 +12,13 @@ Per-sequence state lives here (slot priorities, the mLSTM scorer state); the lea
 per-head decay) live on the model and are only called. A stateful scorer with the delayed readout scores token
 ``u`` when token ``u + w`` arrives, from the memory after ``u + w`` and ``u``'s cached key/value: exactly when
 ``u`` leaves the window and first competes, so the decision uses the same score as the training mask. Supported:
-linear, MLP and mLSTM scorers (delayed or immediate readout), then one token per forward (what ``generate`` does).
-Stateless scorers (linear, MLP) also support chunked prefill into a non-empty cache (the running top-k of the
-scored base, :class:`kvlearn.cache.ScoredPolicy`); the stateful mLSTM scorer prefills in one forward into an empty
-cache (left padding only) and refuses a later multi-token forward.
+linear, MLP and mLSTM scorers (delayed or immediate readout), prefilled in one forward or in chunks into a non-empty
+cache (the running top-k of the scored base, :class:`kvlearn.cache.ScoredPolicy`), then one token per forward (what
+``generate`` does). A chunk continues the mLSTM memory from the policy's state
+(:meth:`~kvlearn.kvpop.scorers.MLSTMScorer.continue_prefill`); with the delayed readout the held window tokens whose
+``u + w`` falls into the chunk get their final scores there, in their slots, before the chunk is ranked. Padding may
+sit anywhere in a row (each row's real tokens are scored as the row alone); a padding row of a one-token forward
+keeps its memory.
 
 This is the scored-eviction base with KVpop's static priority as the score; the priorities are the layer's declared
 slot state ``"score"`` and the mLSTM memory is per-sequence state of the policy, so both live in the cache.
@@ -28,7 +31,7 @@ from torch import nn
 
 from ..cache import CompactCache, CompactLayer, ForwardStep, ScoredPolicy
 from ..config import KVpopConfig
-from ..errors import KVLearnError, check
+from ..errors import check
 from .modules import has_kvpop, kvpop_modules
 
 
@@ -60,50 +63,85 @@ class KVpopPolicy(ScoredPolicy):
 
     def score(self, layer, step: ForwardStep, key_states, value_states) -> torch.Tensor:
         """Static priorities of a multi-token forward's tokens ``[b, h, q]`` (provisional for the last ``delay``
-        tokens of a delayed stateful scorer)."""
+        real tokens of a delayed stateful scorer).
+
+        A stateful scorer continues its memory from the tokens seen (chunked prefill; padding anywhere in a row).
+        With the delayed readout the held tokens ``u`` whose ``u + w`` arrives in this forward (the last ``w``
+        tokens seen, all in the protected window) get their final score here, read from the memory after
+        ``u + w`` with their key/value from the store; their slot priorities are updated before the running top-k
+        ranks the buffer and the chunk."""
         with torch.no_grad():
             if not self.stateful:
                 return self._static(self.scorer(key_states, value_states), step.positions)
-            if layer.seen > 0:
-                raise KVLearnError(
-                    f"KVpop cache with a stateful scorer: a {step.query_length}-token forward after {layer.seen} tokens "
-                    "(chunked prefill) is not supported: prefill the prompt in one forward, then decode one token at a time"
-                )
             valid = step.positions >= 0
-            # left padding only: once a row's real tokens start they continue to the end
-            check(bool((valid.long().cummax(dim=1).values == valid.long()).all()),
-                  "KVpop cache with a stateful scorer: padding must be on the left of each row")
-            raw, self.scorer_state = self.scorer.prefill(key_states, value_states, valid=valid)
+            past_key = past_value = None
+            if self.delay > 0 and layer.seen > 0:
+                past_key, past_value, want, match = self._window_tokens(layer, step, valid)
+            raw, past_raw, self.scorer_state = self.scorer.continue_prefill(
+                key_states, value_states, valid, self.scorer_state, past_key, past_value)
+            if past_key is not None:  # re-score the window tokens in their slots (each slot holds one position)
+                new = self._static(past_raw, want)  # [b, h, w]
+                hit = match.any(dim=2)  # [b, h, C]
+                value = torch.where(match, new[..., None], torch.zeros_like(new[..., None])).sum(dim=2)
+                stored = layer.slot_state["score"]
+                stored.copy_(torch.where(hit, value, stored))
             return self._static(raw, step.positions)
+
+    def _window_tokens(self, layer, step: ForwardStep, valid: torch.Tensor):
+        """Key/value ``[b, h, w, d]`` of the ``w`` real tokens before this forward, oldest first (zeros where a
+        row has fewer), read from the store; with their positions ``[b, w]`` (negative: none) and the slot match
+        ``[b, h, w, C]``. They are the protected window of the last query, so the cache holds all of them."""
+        w = self.delay
+        before = step.real_after - valid.sum(dim=1)  # [b] real tokens seen before this forward
+        want = before[:, None] - w + torch.arange(w, device=before.device)  # [b, w]
+        pos = layer.slot_positions.long()  # [b, h, C]
+        match = (pos[:, :, None, :] == want[:, None, :, None]) & (want >= 0)[:, None, :, None]  # [b, h, w, C]
+        slot = match.long().argmax(dim=3)  # [b, h, w]
+        found = match.any(dim=3)[..., None]
+        keys, values = layer.store.read()
+        k = torch.gather(keys, 2, slot[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        v = torch.gather(values, 2, slot[..., None].expand(-1, -1, -1, values.shape[-1]))
+        return torch.where(found, k, torch.zeros_like(k)), torch.where(found, v, torch.zeros_like(v)), want, match
 
     def decode_score(self, layer, step: ForwardStep, key_states, value_states) -> torch.Tensor:
         """Priority of the new token ``[b, h, 1]``; with the delayed readout also re-score token ``p - w`` (it
-        leaves the window now) in its slot."""
+        leaves the window now) in its slot. A padding row (``p = -1``, e.g. a one-token prefill chunk of a padded
+        batch) leaves its scorer memory and slots untouched."""
         p = step.positions[:, 0]  # [b]
-        check(not bool((p < 0).any()), "KVpop cache: a padding token while decoding is not supported")
         if not self.stateful:
             with torch.no_grad():
                 raw = self.scorer(key_states, value_states)
             return self._static(raw, p[:, None])
         k_t, v_t = key_states[:, :, 0], value_states[:, :, 0]
+        old = self.scorer_state
         if self.delay == 0:
             with torch.no_grad():
-                score, self.scorer_state = self.scorer.step(k_t, v_t, None, None, self.scorer_state)
+                score, new_state = self.scorer.step(k_t, v_t, None, None, old)
+            self.scorer_state = self._keep_padding_rows(old, new_state, p)
             return self._static(score[..., None], p[:, None])
         u = p - self.delay  # [b]
         slot_pos = layer.slot_positions.long()
-        has_u = (slot_pos == u[:, None, None]) & (u[:, None, None] >= 0)  # [b, h, C]
+        has_u = (slot_pos == u[:, None, None]) & (u[:, None, None] >= 0) & (p[:, None, None] >= 0)  # [b, h, C]
         slot_u = has_u.long().argmax(dim=2)  # [b, h]
         keys, values = layer.store.read()
         k_u = torch.gather(keys, 2, slot_u[..., None, None].expand(-1, -1, 1, keys.shape[-1]))[:, :, 0]
         v_u = torch.gather(values, 2, slot_u[..., None, None].expand(-1, -1, 1, values.shape[-1]))[:, :, 0]
         with torch.no_grad():
-            score_u, self.scorer_state = self.scorer.step(k_t, v_t, k_u, v_u, self.scorer_state)
+            score_u, new_state = self.scorer.step(k_t, v_t, k_u, v_u, old)
+        self.scorer_state = self._keep_padding_rows(old, new_state, p)
         new_u = self._static(score_u[..., None], u[:, None])[..., 0]  # [b, h]
         stored = layer.slot_state["score"]
         current = torch.gather(stored, 2, slot_u[..., None])[..., 0]
         stored.scatter_(2, slot_u[..., None], torch.where(has_u.any(dim=2), new_u, current)[..., None])
         return torch.full_like(k_t[..., :1], float("-inf"))  # the new token is scored w tokens from now
+
+    def _keep_padding_rows(self, old, new, p: torch.Tensor):
+        """The scorer state after a decode step: ``new`` for real rows, ``old`` (empty if None) for padding rows
+        (tensor ops only: no device sync)."""
+        if old is None:
+            old = self.scorer.init_state(p.shape[0], p.device)
+        real = p >= 0
+        return type(new)(*(torch.where(real.view((-1,) + (1,) * (n.dim() - 1)), n, o) for n, o in zip(new, old)))
 
     def state_bytes(self) -> int:
         """Bytes of the scorer memory (mLSTM C, n, m) held for the batch."""

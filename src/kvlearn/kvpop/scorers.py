@@ -12,6 +12,8 @@ Contract shared by all scorers (what the cache and the training loop rely on):
 - ``prefill(key, value) -> (scores [B, H, T], state)``: the same scores as ``forward``; the last
   ``readout_delay`` of them are *provisional* (see :class:`MLSTMScorer`). ``state`` continues into ``step``.
 - ``init_state(batch, device)``: the state before any token (``None`` for stateless scorers).
+- stateful (mLSTM) only: ``continue_prefill(key, value, valid, state, past_key, past_value) -> (scores, past_scores,
+  state)`` continues a sequence by a chunk (chunked prefill), re-scoring the ``readout_delay`` tokens before it.
 - ``step(key_t, value_t, key_u=None, value_u=None, state=None) -> (score_u [B, H] | None, state)``: token ``t``
   arrives; returns the final score of ``u = t - readout_delay``. With ``readout_delay > 0`` the caller passes
   the cached key/value of ``u`` (still inside the protected window), or ``None`` while ``u < 0`` (then the
@@ -31,13 +33,14 @@ from torch import Tensor, nn
 from kvlearn.errors import check, check_int
 from kvlearn.ops.mlstm import (
     MLSTMState,
+    _check_state,
     mlstm_chunkwise_unchecked,
     mlstm_readout_unchecked,
     mlstm_step,
     mlstm_zero_state,
 )
 
-__all__ = ["KVScorer", "LinearScorer", "MLPScorer", "MLSTMScorer", "hedgehog", "mlstm_scores"]
+__all__ = ["KVScorer", "LinearScorer", "MLPScorer", "MLSTMScorer", "hedgehog", "mlstm_scores", "mlstm_continue_scores"]
 
 
 def _cat_kv(key: Tensor, value: Tensor) -> Tensor:
@@ -257,6 +260,76 @@ def mlstm_scores(
     return (_score_head(h, a, b, norm_weight, norm_eps), *state)
 
 
+def mlstm_continue_scores(
+    key: Tensor,
+    value: Tensor,
+    valid: Tensor | None,
+    state: MLSTMState | None,
+    past_key: Tensor | None,
+    past_value: Tensor | None,
+    params: tuple,
+    delay: int,
+    chunk_size: int,
+    softcap: float | None,
+    eps: float,
+    norm_eps: float,
+) -> tuple[Tensor, Tensor | None, MLSTMState]:
+    """Continue a sequence from ``state`` by the forward's tokens ``key, value [B,H,T,D]`` (validated).
+
+    ``valid [B, T]`` (None: no padding) may mark padding anywhere: the real tokens of each row are processed in
+    order as if the padding were not there (they are first moved to the front of the row, stably; padding then
+    neither writes nor decays the memory and its scores are garbage). With the delayed readout (``delay = w``)
+    ``past_key, past_value [B,H,w,D]`` are the ``w`` real tokens before the forward, oldest first (None, or rows
+    of zeros, where there is no such token: its readout is discarded anyway). Token ``u`` is read from the memory
+    after token ``u + w``, i.e. real token ``j`` of the forward reads the past token ``j`` (``j < w``) or the
+    forward's real token ``j - w``; the tokens whose ``u + w`` lies beyond the forward are read from the final
+    memory (*provisional*).
+
+    Returns ``scores [B,H,T]`` of the forward's tokens (column order), ``past_scores [B,H,w]`` of the past tokens
+    (final for ``j < n_real``, provisional after; None without the delayed readout) and the state after the
+    forward's last real token.
+    """
+    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b = params
+    bsz, heads, t, _ = key.shape
+    q, k, v, ig, fg = _project(_cat_kv(key, value), w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)
+    if valid is None:
+        valid = torch.ones(bsz, t, dtype=torch.bool, device=key.device)
+    valid = valid.to(torch.bool)
+    # rank order: each row's real tokens first, in order, then its padding
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # [B,T] column of rank r
+    n_real = valid.sum(dim=1)  # [B]
+    idx = torch.arange(t, device=key.device)
+    real_r = idx[None, :] < n_real[:, None]  # [B,T]
+
+    def by_rank(x: Tensor) -> Tensor:
+        o = order[:, None, :].expand(bsz, heads, t)
+        return torch.gather(x, 2, o if x.dim() == 3 else o[..., None].expand(-1, -1, -1, x.shape[-1]))
+
+    q, k, v, ig, fg = (by_rank(x) for x in (q, k, v, ig, fg))
+    keep = real_r[:, None, :]
+    ig = torch.where(keep, ig, -1e4)  # padding neither writes (input gate -> 0) nor decays (forget gate -> 1)
+    fg = torch.where(keep, fg, 1e4)
+    past_scores = None
+    if delay == 0:
+        h, state = mlstm_chunkwise_unchecked(q, k, v, ig, fg, state, chunk_size, eps)
+        scores_r = _score_head(h, a, b, norm_weight, norm_eps)
+    else:
+        if past_key is None:
+            q_past = torch.zeros(bsz, heads, delay, q.shape[-1], device=q.device, dtype=q.dtype)
+        else:
+            q_past = _project(_cat_kv(past_key, past_value), w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)[0]
+        ext = torch.cat([q_past, q], dim=2)  # [B,H,w+T,D]: query features by rank over the past and the forward
+        h_seq, state = mlstm_chunkwise_unchecked(ext[:, :, :t], k, v, ig, fg, state, chunk_size, eps)
+        h_end = mlstm_readout_unchecked(ext, *state, eps)  # [B,H,w+T,Dv] every token read from the final memory
+        final = (torch.arange(delay + t, device=q.device)[None, :] < n_real[:, None])[:, None, :, None]
+        h = torch.where(final, F.pad(h_seq, (0, 0, 0, delay)), h_end)  # token of ext rank j read at rank j
+        scores_ext = _score_head(h, a, b, norm_weight, norm_eps)
+        past_scores, scores_r = scores_ext[:, :, :delay], scores_ext[:, :, delay:]
+    inverse = torch.argsort(order, dim=1)  # rank of each column
+    scores = torch.gather(scores_r, 2, inverse[:, None, :].expand(bsz, heads, t))
+    return scores, past_scores, state
+
+
 _COMPILED: dict[str, Callable] = {}
 _COMPILE_DEVICES = ("cuda",)  # device types on which MLSTMScorer(compile=True) runs the compiled function
 _COMPILE_BACKEND = "inductor"
@@ -404,13 +477,69 @@ class MLSTMScorer(KVScorer):
         """Scores ``[B, H, T]`` float32; with the delayed readout the last ``window`` are provisional."""
         return self._run(key, value)[0]
 
-    def prefill(self, key: Tensor, value: Tensor, valid: Tensor | None = None) -> tuple[Tensor, MLSTMState]:
-        """``forward``'s scores and the mLSTM state after the last token (to continue with ``step``).
+    def prefill(
+        self, key: Tensor, value: Tensor, valid: Tensor | None = None, state: MLSTMState | None = None
+    ) -> tuple[Tensor, MLSTMState]:
+        """``forward``'s scores and the mLSTM state after the last token (to continue with ``step`` or another
+        ``prefill``).
 
-        ``valid``: optional ``[B, T]`` bool; padding (``False``) leaves the memory untouched. With the delayed
-        readout the padding must be a prefix of each row (left padding), so that the readout ``window`` columns
-        later is ``window`` real tokens later."""
-        return self._run(key, value, valid)
+        ``valid``: optional ``[B, T]`` bool; padding (``False``) leaves the memory untouched. Without ``state``
+        (an empty memory) the padding must be a prefix of each row (left padding), so that the readout ``window``
+        columns later is ``window`` real tokens later; with ``state`` it may be anywhere (see
+        :meth:`continue_prefill`).
+
+        ``state``: the memory after earlier tokens (``None``: empty). The scores of the chunk's tokens are then
+        those of the whole sequence; with the delayed readout the earlier tokens' readouts that fall into this
+        chunk need their key/value: use :meth:`continue_prefill`, which returns them too."""
+        if state is None:
+            return self._run(key, value, valid)
+        scores, _, state = self.continue_prefill(key, value, valid, state)
+        return scores, state
+
+    def continue_prefill(
+        self,
+        key: Tensor,
+        value: Tensor,
+        valid: Tensor | None = None,
+        state: MLSTMState | None = None,
+        past_key: Tensor | None = None,
+        past_value: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, MLSTMState]:
+        """Continue a sequence by a chunk (chunked prefill): ``(scores [B,H,T], past_scores [B,H,w] | None, state)``.
+
+        Args:
+            key, value: ``[B, H, T, D]`` the chunk.
+            valid: optional ``[B, T]`` bool, padding (``False``) anywhere in a row; each row's real tokens are
+                scored as that row alone would be.
+            state: the memory after the earlier tokens (``None``: empty).
+            past_key, past_value: delayed readout only: ``[B, H, w, D]`` the ``w = window`` real tokens before the
+                chunk, oldest first (rows of zeros where a row has fewer earlier tokens; ``None``: none at all).
+
+        Returns:
+            ``scores``: the chunk's scores (the last ``w`` real tokens' provisional, as in :meth:`prefill`);
+            ``past_scores``: delayed readout only, new scores of the ``w`` past tokens: *final* for the past token
+            ``j`` when the chunk has more than ``j`` real tokens (token ``u + w`` arrived in it), provisional (read
+            from the new state) otherwise; ``state``: the memory after the chunk. The cell math is the recurrence
+            from ``state`` (chunk boundaries change nothing but float32 rounding).
+        """
+        self._check_kv(key, value)
+        b, t = key.shape[0], key.shape[2]
+        if valid is not None:
+            check(isinstance(valid, Tensor) and tuple(valid.shape) == (b, t),
+                  f"valid shape {tuple(getattr(valid, 'shape', ()))} is invalid: expected [batch, seq] = {(b, t)}")
+        if state is not None:
+            _check_state(state, b, self.num_kv_heads, self.feature_dim, self.value_dim, key.device)
+        if self.readout_delay == 0:
+            check(past_key is None and past_value is None,
+                  "past_key/past_value given with delayed_readout=False: expected None (no readout is delayed)")
+        elif past_key is not None or past_value is not None:
+            check(past_key is not None and past_value is not None, "only one of past_key/past_value given: expected both")
+            self._check_kv(past_key, past_value, names=("past_key", "past_value"))
+            check(tuple(past_key.shape[:3]) == (b, self.num_kv_heads, self.readout_delay),
+                  f"past_key.shape={tuple(past_key.shape)} is invalid: expected [batch, kv_heads, window, head_dim] "
+                  f"with batch={b}, window={self.readout_delay}")
+        return mlstm_continue_scores(key, value, valid, state, past_key, past_value, self.score_params(),
+                                     self.readout_delay, self.chunk_size, self.gate_softcap, self.eps, self.norm_eps)
 
     # -- decoding -------------------------------------------------------------------------------------------
     @property
