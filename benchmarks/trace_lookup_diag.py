@@ -1,8 +1,8 @@
 """Why does a teacher miss trace's definition lookups? Error attribution, attention at the lookup, causal edits.
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trace_lookup_diag.py --model /work/teachers/teacher-68c180d \
+    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trace_lookup_diag.py --model runs/teacher-68c180d \
         --format restated --n 30 --out results/raw/trace_diag_68c180d.json
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trace_lookup_diag.py --model /work/teachers/teacher-42c37b8 \
+    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trace_lookup_diag.py --model runs/teacher-42c37b8 \
         --format direct --n 30 --out results/raw/trace_diag_42c37b8.json
 
 For ``n`` eval-split trace prompts (length 1024) the answer is teacher-forced (``--format`` as in

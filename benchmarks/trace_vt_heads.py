@@ -1,6 +1,6 @@
 """Which heads retrieve vt items, and do the same heads select the right trace definition? (trace diagnosis)
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trace_vt_heads.py /work/teachers/teacher-68c180d
+    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trace_vt_heads.py runs/teacher-68c180d
 
 For 12 eval-split vt prompts (length 1024) it teacher-forces the answer (the chain's names) and prints, per layer, the
 three heads with the most attention mass from the query (the token before each answer name) onto all vt items
