@@ -1,6 +1,6 @@
 """StreamingLLM+ : StreamingLLM's sinks + recent-window pattern with the model distilled under that pattern.
 
-The baseline "StreamingLLM+" of the KVpop paper (/work/shared/seeds/000_14a8dcafab693f99.txt): the retention rule of
+The baseline "StreamingLLM+" of the KVpop paper (Hauzenberger et al., "KVpop: Key-Value Cache Compression with Predictive Online Pruning"): the retention rule of
 StreamingLLM (Xiao et al. 2024; :mod:`kvlearn.eviction.streaming`), but the model is retrofitted to it by the same
 recipe as KVpop (``kvlearn retrofit --method streaming_plus``: KD to the dense teacher's top-256 logits), with no
 new modules. Its inference cache *is* the streaming cache (:class:`~kvlearn.eviction.streaming.StreamingCache`,
