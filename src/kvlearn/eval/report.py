@@ -28,6 +28,8 @@ def _provenance(name: str, data: dict) -> str:
     ]
     if data.get("note"):
         lines += ["", f"Note: {data['note']}"]
+    if data.get("not_run"):
+        lines += ["", f"Not run (time guard): {', '.join(data['not_run'])}."]
     return "\n".join(lines)
 
 
