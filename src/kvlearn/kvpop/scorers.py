@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from kvlearn.errors import check, check_int
 from kvlearn.ops.mlstm import (
     MLSTMState,
-    _check_state,
+    check_mlstm_state,
     mlstm_chunkwise_unchecked,
     mlstm_readout_unchecked,
     mlstm_step,
@@ -528,7 +528,7 @@ class MLSTMScorer(KVScorer):
             check(isinstance(valid, Tensor) and tuple(valid.shape) == (b, t),
                   f"valid shape {tuple(getattr(valid, 'shape', ()))} is invalid: expected [batch, seq] = {(b, t)}")
         if state is not None:
-            _check_state(state, b, self.num_kv_heads, self.feature_dim, self.value_dim, key.device)
+            check_mlstm_state(state, b, self.num_kv_heads, self.feature_dim, self.value_dim, key.device)
         if self.readout_delay == 0:
             check(past_key is None and past_value is None,
                   "past_key/past_value given with delayed_readout=False: expected None (no readout is delayed)")

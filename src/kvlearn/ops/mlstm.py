@@ -82,7 +82,7 @@ def _check_float(name: str, t) -> None:
     check(t.is_floating_point(), f"{name}.dtype={t.dtype} is invalid: expected a floating-point tensor")
 
 
-def _check_state(state, b: int, h: int, dk: int, dv: int, device: torch.device) -> None:
+def check_mlstm_state(state, b: int, h: int, dk: int, dv: int, device: torch.device) -> None:
     check(
         isinstance(state, tuple) and len(state) == 3,
         f"state is {type(state).__name__}: expected an MLSTMState (C, n, m) or None",
@@ -112,7 +112,7 @@ def _check_sequence_inputs(q, k, v, igate, fgate, state) -> None:
     for name, x in (("k", k), ("v", v), ("igate", igate), ("fgate", fgate)):
         check(x.device == q.device, f"{name}.device={x.device} differs from q.device={q.device}")
     if state is not None:
-        _check_state(state, b, h, dk, v.shape[-1], q.device)
+        check_mlstm_state(state, b, h, dk, v.shape[-1], q.device)
 
 
 def _cast_state(state: MLSTMState, dtype: torch.dtype) -> MLSTMState:
@@ -160,7 +160,7 @@ def mlstm_step(
     for name, x in (("k", k), ("v", v), ("igate", igate), ("fgate", fgate)):
         check(x.device == q.device, f"{name}.device={x.device} differs from q.device={q.device}")
     if state is not None:
-        _check_state(state, b, h, dk, v.shape[-1], q.device)
+        check_mlstm_state(state, b, h, dk, v.shape[-1], q.device)
     return _step(q, k, v, igate, fgate, state, eps)
 
 
@@ -196,7 +196,7 @@ def mlstm_readout(q: Tensor, state: MLSTMState, eps: float = DEFAULT_EPS) -> Ten
     c = state[0]
     _check_float("state.C", c)
     check(c.dim() == 4, f"state.C.shape={tuple(c.shape)} is invalid: expected [batch, heads, dk, dv]")
-    _check_state(state, q.shape[0], q.shape[1], q.shape[-1], c.shape[-1], q.device)
+    check_mlstm_state(state, q.shape[0], q.shape[1], q.shape[-1], c.shape[-1], q.device)
     dt = _compute_dtype(q, *state)
     c, n, m = _cast_state(state, dt)
     return mlstm_readout_unchecked(q.to(dt), c, n, m, eps)
