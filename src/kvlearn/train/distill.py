@@ -398,23 +398,23 @@ def _config_field(method: str) -> str:
     return {"kvpop": "kvpop", "streaming_plus": "streaming", "dms": "dms"}[method]
 
 
-def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
-    """Load the student weights of checkpoint ``path`` (into the unsharded student) and return its trainer state
-    (``step``, ``optimizer``: load it with :func:`parallel.load_optimizer_state_dict` once the optimizer exists).
-    One-line error when the checkpoint was trained with another method, method config or run length."""
-    from safetensors.torch import load_file
-
+def read_trainer_state(path: Path, expected: dict, defaults: dict | None = None) -> dict:
+    """The trainer state of checkpoint ``path`` (``trainer_state.pt``); a one-line error when a setting in ``expected``
+    (``{config field: this run's value}``) differs from the one the checkpoint was trained with (``defaults``: the
+    value of a field an older checkpoint did not record). Values compare after a JSON round trip (tuples = lists)."""
     trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     saved = trainer.get("config", {})
-    method_config = {"kvpop": config.kvpop, "streaming_plus": config.streaming, "dms": config.dms}[config.method]
-    for name, want in (("method", config.method), (_config_field(config.method), asdict(method_config)), ("steps", config.steps), ("minutes", config.minutes),
-                       ("seq_len", config.seq_len), ("batch_size", config.batch_size), ("seed", config.seed)):
-        have = saved.get(name, "kvpop" if name == "method" else None)
-        if isinstance(have, dict) and isinstance(want, dict):  # a JSON-like round trip may turn tuples into lists
-            have, want = json.loads(json.dumps(have)), json.loads(json.dumps(want))
-        check(have == want,
+    for name, want in expected.items():
+        have = saved.get(name, (defaults or {}).get(name))
+        check(json.loads(json.dumps(have)) == json.loads(json.dumps(want)),
               f"resume: {str(path)!r} was trained with {name}={have!r} but this run has {name}={want!r}: "
               "resume with the same settings, or start a new run")
+    return trainer
+
+
+def load_student_weights(path: Path, student) -> None:
+    """Load checkpoint ``path``'s weights into the (unsharded) ``student``; one-line error when they do not match."""
+    from safetensors.torch import load_file
 
     state = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -423,6 +423,28 @@ def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
     # tied embeddings are saved once: the only keys allowed missing are tied copies
     check(not unexpected and all("lm_head" in k for k in missing),
           f"checkpoint {str(path)!r} does not match the student (missing {missing[:2]}, unexpected {unexpected[:2]})")
+
+
+def clear_run_outputs(out: Path) -> None:
+    """Remove what an earlier run of a trainer wrote into ``out`` (its log, ``final/``, ``step-<N>/`` and temporary
+    folders), nothing else."""
+    for p in out.iterdir():
+        if p.name == LOG_FILE:
+            p.unlink()
+        elif p.is_dir() and (p.name == FINAL or p.name.startswith(("step-", ".tmp-", ".old-"))):
+            shutil.rmtree(p)
+
+
+def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
+    """Load the student weights of checkpoint ``path`` (into the unsharded student) and return its trainer state
+    (``step``, ``optimizer``: load it with :func:`parallel.load_optimizer_state_dict` once the optimizer exists).
+    One-line error when the checkpoint was trained with another method, method config or run length."""
+    method_config = {"kvpop": config.kvpop, "streaming_plus": config.streaming, "dms": config.dms}[config.method]
+    expected = {"method": config.method, _config_field(config.method): asdict(method_config), "steps": config.steps,
+                "minutes": config.minutes, "seq_len": config.seq_len, "batch_size": config.batch_size,
+                "seed": config.seed}
+    trainer = read_trainer_state(path, expected, defaults={"method": "kvpop"})
+    load_student_weights(path, student)
     return trainer
 
 
@@ -442,11 +464,7 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         if config.overwrite and not config.resume:  # remove only what an earlier run of this trainer wrote
-            for p in out.iterdir():
-                if p.name == LOG_FILE:
-                    p.unlink()
-                elif p.is_dir() and (p.name == FINAL or p.name.startswith(("step-", ".tmp-", ".old-"))):
-                    shutil.rmtree(p)
+            clear_run_outputs(out)
     teacher, student = build_models(config, device)
     kv = config.kvpop
     step, trainer_state = 0, None

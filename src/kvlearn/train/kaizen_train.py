@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,8 +46,8 @@ from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight
 from ..kaizen.sharing import KaizenTrainForward
 from ..testbed.data import TestbedStream
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
-from .distill import (FINAL, LOG_FILE, STATE_FILE, check_model_folder, prune_checkpoints, kd_loss,
-                      latest_checkpoint, new_lr_at, save_checkpoint)
+from .distill import (FINAL, LOG_FILE, check_model_folder, clear_run_outputs, kd_loss, latest_checkpoint,
+                      load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state, save_checkpoint)
 
 __all__ = ["KaizenTrainConfig", "kaizen_train", "build_models", "step_losses", "temperature"]
 
@@ -207,23 +206,9 @@ RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minute
 def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
     """Load the student weights of checkpoint ``path`` and return its trainer state; one-line error when it was
     trained with other settings."""
-    from safetensors.torch import load_file
-
-    trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    saved = trainer.get("config", {})
     mine = asdict(config)
-    for name in RESUME_FIELDS:
-        have = saved.get(name)
-        have = tuple(have) if isinstance(have, list) else have
-        check(have == mine[name],
-              f"resume: {str(path)!r} was trained with {name}={have!r} but this run has {name}={mine[name]!r}: "
-              "resume with the same settings, or start a new run")
-    state = {}
-    for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(f))
-    missing, unexpected = student.load_state_dict(state, strict=False)
-    check(not unexpected and all("lm_head" in k for k in missing),
-          f"checkpoint {str(path)!r} does not match the student (missing {missing[:2]}, unexpected {unexpected[:2]})")
+    trainer = read_trainer_state(path, {name: mine[name] for name in RESUME_FIELDS})
+    load_student_weights(path, student)
     return trainer
 
 
@@ -234,11 +219,7 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if config.overwrite and not config.resume:
-        for p in out.iterdir():
-            if p.name == LOG_FILE:
-                p.unlink()
-            elif p.is_dir() and (p.name == FINAL or p.name.startswith(("step-", ".tmp-", ".old-"))):
-                shutil.rmtree(p)
+        clear_run_outputs(out)
     teacher, student = build_models(config, device)
     multiplier = BudgetMultiplier(eta=config.eta, delta=config.delta, cap=config.budget_cap, beta=config.beta)
     step, trainer_state = 0, None
