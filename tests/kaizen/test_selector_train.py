@@ -407,3 +407,29 @@ def test_cli_run_with_several_targets_then_eval(teacher_path, tmp_path, capsys):
                      "--n-per-task", "1", "--tasks", "vt", "--target", target, "--out", str(dest)]) == 0
         (row,) = json.loads(dest.read_text())["rows"]
         assert row["target"] == float(target) and row["factor"] >= 1.0
+
+
+def test_training_selector_reads_the_prompt_only():
+    """On an evaluation-format row (prompt, then its supervised answer), the selector's training input (answers
+    masked out, as kaizen_train gives it) has the logits of the prompt alone, whatever the answer tokens are."""
+    from kvlearn.train.kaizen_train import step_losses
+
+    model = tiny(0)
+    sel = apply_kaizen(model, KaizenMethodConfig(target=4.0)) and selector_of(model)
+    torch.manual_seed(1)
+    with torch.no_grad():  # away from the init, so the logits depend on the input
+        for p in sel.parameters():
+            p.normal_(0.0, 0.3)
+    row = ids_of(batch=1, length=40, seed=5)
+    labels = torch.full_like(row, -100)
+    labels[:, 30:] = row[:, 30:]  # the last 10 tokens are the answer
+    prompt_logits = sel(row[:, :30], None, 4.0)
+    torch.testing.assert_close(sel(row, labels == -100, 4.0), prompt_logits, rtol=1e-5, atol=1e-5)
+    other = row.clone()
+    other[:, 30:] = (other[:, 30:] + 1) % VOCAB  # other answer tokens: the same logits
+    torch.testing.assert_close(sel(other, labels == -100, 4.0), prompt_logits, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(sel(row, None, 4.0), prompt_logits)  # reading the answer would change them
+    # and the trainer's step gives its selector exactly that input
+    teacher_logits = torch.randn(1, 40, model.config.vocab_size)
+    out = step_losses(model, teacher_logits, other, labels, torch.tensor([4.0]), 1.0, BudgetMultiplier(), 8)
+    torch.testing.assert_close(out["logits"], prompt_logits, rtol=1e-5, atol=1e-5)

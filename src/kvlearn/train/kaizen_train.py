@@ -44,7 +44,7 @@ from ..kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
 from ..kaizen.budget import BudgetMultiplier
 from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight_through
 from ..kaizen.sharing import KaizenTrainForward
-from ..testbed.data import TestbedStream
+from ..testbed.data import IGNORE_INDEX, TestbedStream
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 from .distill import (FINAL, LOG_FILE, check_model_folder, clear_run_outputs, kd_loss, latest_checkpoint,
                       load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state, save_checkpoint)
@@ -176,7 +176,8 @@ def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tenso
     """One training forward: ``{"loss", "kd", "penalty"}`` (differentiable) and detached ``bits`` (realised, argmax,
     ``[batch]``), ``sampled_bits [batch]``, ``target_bits [batch]``, ``logits`` (the selector's)."""
     sel = selector_of(student)
-    logits = sel(input_ids, None, targets)  # [B, L, A]
+    # the selector reads what it reads at evaluation, the prompt: supervised tokens (answers) are masked out
+    logits = sel(input_ids, labels == IGNORE_INDEX, targets)  # [B, L, A]
     weights = gumbel_straight_through(logits, tau, generator=generator)
     state = KaizenTrainForward(sel.space, weights)
     out = student(input_ids=input_ids, kaizen_train=state, use_cache=False).logits
