@@ -176,3 +176,36 @@ def test_bad_input_is_refused_in_one_line():
         with pytest.raises(KVLearnError, match=message) as err:
             make()
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_training_mixture_with_one_hot_weights_is_the_chosen_configuration(kind):
+    """``kaizen_train`` on an MLA model: per-row one-hot weights over precision x rank give each row's configuration
+    (the ``kaizen_config`` forward); the gradient reaches the weights and the latent projections."""
+    from kvlearn.kaizen.sharing import KaizenTrainForward
+
+    model = converted(kind, 12)
+    backbone = Backbone.from_model(model)
+    space = action_space(backbone, ("precision", "rank"))
+    assert len(space) == 16
+    picks = [[3, 9], [14, 0]]  # per row, per layer: indices into the space
+    weights = torch.zeros(2, 2, len(space))
+    for row, layers in enumerate(picks):
+        for layer, a in enumerate(layers):
+            weights[row, layer, a] = 1.0
+    weights.requires_grad_(True)
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    out = model(input_ids=ids, use_cache=False, kaizen_train=KaizenTrainForward(space, weights)).logits
+    with torch.no_grad():
+        for row, layers in enumerate(picks):
+            cfg = KaizenConfig(backbone, tuple(space[a] for a in layers))
+            ref = model(input_ids=ids[row:row + 1], use_cache=False, kaizen_config=cfg).logits
+            torch.testing.assert_close(out[row:row + 1], ref, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert weights.grad.abs().sum() > 0
+    attn = model.model.layers[0].self_attn
+    assert attn.kv_down.weight.grad.abs().sum() > 0 and attn.up_k.grad.abs().sum() > 0
+    with pytest.raises(KVLearnError, match="share on an MLA model is not built yet") as err:
+        full = action_space(backbone)
+        model(input_ids=ids, use_cache=False, kaizen_train=KaizenTrainForward(full, torch.zeros(2, 2, len(full))))
+    assert "\n" not in str(err.value)

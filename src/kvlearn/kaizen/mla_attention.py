@@ -23,8 +23,9 @@ The score of head ``h`` (KV group ``g``) with token ``t`` and the output are
 
 Where the action comes from: a :class:`~kvlearn.kaizen.cache.KaizenCache` or ``kaizen_config=`` (the
 :func:`kvlearn.kaizen.attach` hook passes ``kaizen_forward``); with neither, the full latent at 16 bits. Any other
-transformers ``Cache`` (``DynamicCache``) stores ``(k_R, c)`` as one KV head. Not built yet for MLA: ``share``
-(depth) actions, the selector's training mixture (``kaizen_train``), and evicting policies.
+transformers ``Cache`` (``DynamicCache``) stores ``(k_R, c)`` as one KV head. The selector's training mixture
+(``kaizen_train``) mixes the prefix-masked, fake-quantized latents (:meth:`MLAAttention.mixture`). Not built yet for
+MLA: ``share`` (depth) actions and evicting policies.
 """
 
 from __future__ import annotations
@@ -81,8 +82,6 @@ class MLAAttention(nn.Module):
     def _action(self, kwargs) -> tuple[int, int]:
         """``(d, bits)`` of this layer (module docstring)."""
         forward = kwargs.get("kaizen_forward")
-        check(kwargs.get("kaizen_train") is None,
-              "the selector's training mixture (kaizen_train) is not built for MLA models yet: pass kaizen_config")
         if forward is None:
             return self.rank, 16
         action = forward.config.actions[self.layer_idx]
@@ -134,10 +133,36 @@ class MLAAttention(nn.Module):
         out = torch.einsum("btgjr,gxr->btgjx", out.view(b, t, kv, g, d), self.up_v[..., :d])
         return out.reshape(b, t, hq, dh)
 
+    def mixture(self, state, k_r: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selector's training mixture (``kaizen_train``, :class:`~kvlearn.kaizen.sharing.KaizenTrainForward`):
+        ``Σ_a w[:, l, a] (fq(k_R, b_a), fq(c ⊙ 1[:d_a], b_a))``, the latent prefix-masked (zeros after ``d_a``, so
+        every candidate keeps the full shape; the per-vector quantizer gives ``fq(c[:d])`` padded with zeros). With
+        one-hot weights this is the chosen action's forward per row. ``share`` is not built for MLA: refused."""
+        check(not any(a.share for a in state.space),
+              "share on an MLA model is not built yet: train the selector with axes precision and rank")
+        w = state.weights[:, self.layer_idx].to(c.dtype)  # [B, A]
+        k_out, c_out = torch.zeros_like(k_r), torch.zeros_like(c)
+        coords = torch.arange(self.rank, device=c.device)
+        for a, action in enumerate(state.space):
+            d = self.rank if action.rank is None else action.rank
+            check(d in self.widths, f"layer {self.layer_idx}: rank={d} is invalid: expected one of "
+                                    f"{', '.join(map(str, self.widths))} (r={self.rank})")
+            wa = w[:, a].view(-1, 1, 1, 1)
+            k_out = k_out + wa * fake_quantize(k_r, action.bits)
+            c_out = c_out + wa * fake_quantize(c * (coords < d).to(c.dtype), action.bits)
+        return k_out, c_out
+
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         b, t, _ = hidden_states.shape
-        d, bits = self._action(kwargs)
         q, q_r, k_r, c = self.project(hidden_states, position_embeddings)
+        train = kwargs.get("kaizen_train")
+        if train is not None:
+            check(kwargs.get("kaizen_forward") is None and kwargs.get("kvlearn_cache") is None,
+                  "kaizen_train is for use_cache=False training forwards without kaizen_config: pass one of them")
+            k_r, c = self.mixture(train, k_r, c)
+            out = self.attend_decompressed(q, q_r, k_r, c, _bool_mask(attention_mask, t, t, c.device))
+            return self.o_proj(out.reshape(b, t, -1)), None
+        d, bits = self._action(kwargs)
         c = c[..., :d]
         cache = kwargs.get("kvlearn_cache")
         if isinstance(cache, CompactCache):
