@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from kvlearn import KVLearnError
 from kvlearn.kaizen import sharing
 from kvlearn.kaizen.actions import Backbone, KaizenConfig
-from kvlearn.kaizen.mla import convert_to_mla, is_mla, rope_components
+from kvlearn.kaizen.mla import convert_to_mla, is_mla, key_covariance, rope_components
 from kvlearn.kaizen.mla_attention import MLAAttention
 
 VOCAB = 64
@@ -119,7 +119,7 @@ def test_dropped_key_energy_is_the_sum_of_the_dropped_eigenvalues():
     flat = keys.reshape(200, -1)
     total = (flat ** 2).sum()
     for rope_dim in (2, 8, 16, 32):
-        e, energy = rope_components(keys, rope_dim)
+        e, energy = rope_components(key_covariance(keys), rope_dim)
         assert torch.allclose(e @ e.T, torch.eye(rope_dim, dtype=torch.float64), atol=1e-10)  # orthonormal rows
         kept = ((flat @ e.T) ** 2).sum()
         assert torch.allclose(kept, energy[: rope_dim // 2].sum(), rtol=1e-9)
@@ -144,20 +144,23 @@ def test_error_decreases_as_rope_dim_grows(kind):
 @pytest.mark.parametrize("variant", ["svd", "care"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_error_decreases_as_the_latent_prefix_grows(kind, variant):
-    """One converted model (r = 64) serves every width d in {8, 16, 32, 64} by prefix truncation."""
+    """One converted model (r = 64, d_R = 16) serves every width d in {8, 16, 32, 64} by prefix truncation; the
+    error against the GQA model decreases with d down to the RoPE-key error of the full latent."""
     base = tiny(kind, 3)
     cal, ids = calibration()
     with torch.no_grad():
         ref = base(input_ids=ids).logits
-    model = sharing.attach(convert_to_mla(copy.deepcopy(base), FULL_ROPE, cal, rank=FULL_RANK, variant=variant))
+    model = sharing.attach(convert_to_mla(copy.deepcopy(base), 16, cal, rank=FULL_RANK, variant=variant))
     backbone = Backbone.from_model(model)
     errors = []
     for d in backbone.widths:
         with torch.no_grad():
             out = model(input_ids=ids, kaizen_config=KaizenConfig.static(backbone, rank=d), use_cache=False).logits
         errors.append(rel(out, ref))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits  # no configuration: the full latent
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
-    assert errors[-1] < 1e-5
+    assert errors[-1] == pytest.approx(rel(full, ref), abs=1e-6)
 
 
 def test_care_beats_weight_only_svd_on_the_calibration_objective():
@@ -167,7 +170,7 @@ def test_care_beats_weight_only_svd_on_the_calibration_objective():
         ref = base(input_ids=cal).logits
     errors = {}
     for variant in ("svd", "care"):
-        model = sharing.attach(convert_to_mla(copy.deepcopy(base), FULL_ROPE, cal, rank=FULL_RANK, variant=variant))
+        model = sharing.attach(convert_to_mla(copy.deepcopy(base), 16, cal, rank=FULL_RANK, variant=variant))
         cfg = KaizenConfig.static(Backbone.from_model(model), rank=16)
         with torch.no_grad():
             errors[variant] = rel(model(input_ids=cal, kaizen_config=cfg, use_cache=False).logits, ref)
@@ -200,3 +203,21 @@ def test_converting_twice_is_refused():
     model = convert_to_mla(tiny("llama"), 16, calibration()[0])
     with pytest.raises(KVLearnError, match="already converted"):
         convert_to_mla(model, 16, calibration()[0])
+
+
+def test_calibration_statistics_are_batched_and_skip_padding():
+    """Streaming statistics: any ``batch_size`` gives the same moments; right padding (masked) adds nothing."""
+    from kvlearn.kaizen.mla import calibrate
+
+    model = tiny("qwen3", 4)
+    cal = calibration()[0]
+    one = calibrate(model, cal, batch_size=4)
+    rows = calibrate(model, cal, batch_size=1)
+    padded = torch.cat([cal, torch.randint(0, VOCAB, (4, 5))], dim=1)
+    mask = torch.cat([torch.ones(4, 64, dtype=torch.long), torch.zeros(4, 5, dtype=torch.long)], dim=1)
+    masked = calibrate(model, padded, attention_mask=mask, batch_size=3)
+    for a, b, c in zip(one, rows, masked):
+        assert a.tokens == b.tokens == c.tokens == 4 * 64
+        for other in (b, c):
+            torch.testing.assert_close(other.xtx, a.xtx, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(other.cov, a.cov, rtol=1e-5, atol=1e-4)

@@ -3,9 +3,10 @@
 :func:`convert_to_mla` replaces every layer's attention of a Qwen3/Qwen2/Llama/Mistral model (GQA, RoPE over the
 whole head dim, HF half-split layout: dim ``j`` pairs with ``j + d_h/2`` at frequency ``θ_j``) by an
 :class:`~kvlearn.kaizen.mla_attention.MLAAttention` that caches, per token, a latent ``c`` (width ``r``) and one
-decoupled RoPE key ``k_R`` (width ``d_R``) shared by every head. Calibration: one forward of the *original* model on
-``input_ids`` gives each layer's attention input ``x`` (after ``input_layernorm``; no propagation through converted
-layers).
+decoupled RoPE key ``k_R`` (width ``d_R``) shared by every head. Calibration: forwards of the *original* model on
+``input_ids`` (:func:`calibrate`, ``batch_size`` rows at a time) accumulate, per layer, the second moment of the
+attention input ``x̃ = [x; 1]`` (after ``input_layernorm``) and the per-frequency key covariance: memory independent of
+the calibration size; no propagation through converted layers.
 
 **Decoupled RoPE key (RoRoPE-style).** Let ``k_g = knorm(W_k,g x)`` (``knorm`` = Qwen3's per-head ``k_norm``, the
 identity otherwise) and ``k_g^j = (k_g[j], k_g[j + d_h/2])`` the 2-d pair of head ``g`` at frequency ``j``. RoPE
@@ -45,25 +46,31 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import check, is_int
+from ..errors import check, check_int, is_int
 from ..hf import check_supported
 
 VARIANTS = ("svd", "care")
 
 
-def rope_components(keys: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoupled RoPE mixing of ``keys [N, n_kv, d_h]`` (normed, unrotated; float64): ``(E [d_R, n_kv d_h],
-    energy [n_kv d_h / 2])``, the energies of every component in descending order (module docstring)."""
-    n, n_kv, d_h = keys.shape
-    half = d_h // 2
+def key_covariance(keys: torch.Tensor) -> torch.Tensor:
+    """``C [d_h / 2, n_kv, n_kv]``: per frequency ``j``, ``Σ_tokens (k^j_re k^j_reᵀ + k^j_im k^j_imᵀ)`` of ``keys
+    [N, n_kv, d_h]`` (normed, unrotated)."""
+    half = keys.shape[-1] // 2
     re, im = keys[..., :half], keys[..., half:]  # [N, n_kv, half]
-    cov = torch.einsum("ngj,nhj->jgh", re, re) + torch.einsum("ngj,nhj->jgh", im, im)  # [half, n_kv, n_kv]
+    return torch.einsum("ngj,nhj->jgh", re, re) + torch.einsum("ngj,nhj->jgh", im, im)
+
+
+def rope_components(cov: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoupled RoPE mixing from the :func:`key_covariance` ``cov [d_h / 2, n_kv, n_kv]`` (float64): ``(E [d_R,
+    n_kv d_h], energy [n_kv d_h / 2])``, the energies of every component in descending order (module docstring)."""
+    half, n_kv, _ = cov.shape
+    d_h = 2 * half
     lam, vec = torch.linalg.eigh(cov)  # ascending per frequency
-    lam_flat = lam.reshape(-1)  # index j * n_kv + c
+    lam_flat = lam.reshape(-1).cpu()  # index j * n_kv + c
     order = sorted(range(lam_flat.numel()), key=lambda i: (-float(lam_flat[i]), i))
     keep = order[: rope_dim // 2]
-    e = torch.zeros(rope_dim, n_kv * d_h, dtype=keys.dtype)
-    heads = torch.arange(n_kv) * d_h
+    e = torch.zeros(rope_dim, n_kv * d_h, dtype=cov.dtype, device=cov.device)
+    heads = torch.arange(n_kv, device=cov.device) * d_h
     for s, i in enumerate(keep):
         j, c = divmod(i, n_kv)
         u = vec[j, :, c]  # [n_kv]
@@ -96,24 +103,54 @@ def is_mla(model) -> bool:
     return bool(layers) and all(isinstance(layer.self_attn, MLAAttention) for layer in layers)
 
 
-def _capture_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """Every layer's attention input ``x [N, hidden]`` (the ``k_proj`` input) on the calibration tokens."""
+class _Stats:
+    """One layer's calibration statistics, accumulated in float64 over batches: ``xtx = Σ x̃ x̃ᵀ`` (``x̃ = [x; 1]``,
+    ``x`` the attention input), ``tokens``, and the key covariance ``cov`` (:func:`key_covariance` of the normed,
+    unrotated keys). Memory ``(hidden + 1)² + d_h/2 · n_kv²`` per layer, whatever the calibration size."""
+
+    def __init__(self):
+        self.xtx, self.cov, self.tokens = None, None, 0
+
+    def add(self, x: torch.Tensor, keys: torch.Tensor) -> None:
+        x = torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64, device=x.device)], dim=1)
+        xtx, cov = x.T @ x, key_covariance(keys.double())
+        self.xtx = xtx if self.xtx is None else self.xtx + xtx
+        self.cov = cov if self.cov is None else self.cov + cov
+        self.tokens += x.shape[0]
+
+
+def calibrate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              batch_size: int = 8) -> list[_Stats]:
+    """Every layer's :class:`_Stats` from forwards of the original model on ``input_ids`` (``batch_size`` rows at a
+    time; padding left out by ``attention_mask``)."""
     layers = model.model.layers
-    got: list[torch.Tensor | None] = [None] * len(layers)
-    keep = None if attention_mask is None else attention_mask.reshape(-1).bool()
+    stats = [_Stats() for _ in layers]
+    keep: list[torch.Tensor | None] = [None]
     hooks = []
     for i, layer in enumerate(layers):
-        def hook(module, args, i=i):
-            x = args[0].detach().reshape(-1, args[0].shape[-1])
-            got[i] = x if keep is None else x[keep]
-        hooks.append(layer.self_attn.k_proj.register_forward_pre_hook(hook))
+        attn = layer.self_attn
+        head_dim = attn.head_dim
+
+        def hook(module, args, output, i=i, attn=attn, head_dim=head_dim):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            k = output.reshape(-1, output.shape[-1] // head_dim, head_dim)
+            if getattr(attn, "k_norm", None) is not None:
+                k = attn.k_norm(k)
+            if keep[0] is not None:
+                x, k = x[keep[0]], k[keep[0]]
+            stats[i].add(x, k)
+        hooks.append(attn.k_proj.register_forward_hook(hook))
     try:
         with torch.no_grad():
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            for start in range(0, input_ids.shape[0], batch_size):
+                ids = input_ids[start:start + batch_size]
+                mask = None if attention_mask is None else attention_mask[start:start + batch_size]
+                keep[0] = None if mask is None else mask.reshape(-1).bool()
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
     finally:
         for h in hooks:
             h.remove()
-    return got
+    return stats
 
 
 def _sqrtm(sigma: torch.Tensor) -> torch.Tensor:
@@ -121,21 +158,26 @@ def _sqrtm(sigma: torch.Tensor) -> torch.Tensor:
     return (vec * lam.clamp(min=0).sqrt()) @ vec.T
 
 
-def factorise(x: torch.Tensor, w_src: torch.Tensor, b_src: torch.Tensor, w_v: torch.Tensor, b_v: torch.Tensor,
-              variant: str, damping: float = 0.01):
-    """The joint factorisation (module docstring), float64: ``(down_w [m, hidden], down_b [m], up_k [n_k, m],
-    up_v [n_v, m], alpha)`` with every ``m = rows`` column, sorted (truncate to ``r``)."""
-    k_out = x @ w_src.T + b_src
-    v_out = x @ w_v.T + b_v
-    kn, vn = k_out.norm(dim=0).mean(), v_out.norm(dim=0).mean()
-    alpha = float(kn / vn) if kn > 0 and vn > 0 else 1.0
+def factorise(xtx: torch.Tensor, tokens: int, w_src: torch.Tensor, b_src: torch.Tensor, w_v: torch.Tensor,
+              b_v: torch.Tensor, variant: str, damping: float = 0.01):
+    """The joint factorisation (module docstring), float64, from the calibration moment ``xtx = Σ x̃ x̃ᵀ`` over
+    ``tokens``: ``(down_w [m, hidden], down_b [m], up_k [n_k, m], up_v [n_v, m], alpha)`` with every ``m`` column,
+    sorted (truncate to ``r``). Column norms of the outputs: ``‖Y[:, i]‖² = w̃_iᵀ xtx w̃_i``."""
+    def mean_col_norm(w, b):
+        wt = torch.cat([w, b[:, None]], dim=1)
+        return ((wt @ xtx) * wt).sum(dim=1).clamp(min=0).sqrt().mean()
+
+    kn, vn = mean_col_norm(w_src, b_src), mean_col_norm(w_v, b_v)
+    if kn <= 1e-8 * vn:  # no key source left (every component in the RoPE key, no k_norm): rounding noise only
+        w_src, b_src = torch.zeros_like(w_src), torch.zeros_like(b_src)
+    alpha = float(kn / vn) if kn > 1e-8 * vn and vn > 0 else 1.0
     w = torch.cat([w_src / alpha, w_v])
     b = torch.cat([b_src / alpha, b_v])
     m = torch.cat([w, b[:, None]], dim=1)  # [rows, hidden + 1]
     if variant == "care":
-        xt = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
-        sigma = xt.T @ xt / xt.shape[0]
-        sigma = sigma + damping * sigma.diagonal().mean() * torch.eye(sigma.shape[0], dtype=x.dtype)
+        sigma = xtx / max(tokens, 1)
+        sigma = sigma + damping * sigma.diagonal().mean() * torch.eye(sigma.shape[0], dtype=xtx.dtype,
+                                                                      device=xtx.device)
         m = m @ _sqrtm(sigma)
     u, _, _ = torch.linalg.svd(m, full_matrices=False)  # u [rows, min(rows, hidden + 1)]
     n_k = w_src.shape[0]
@@ -143,7 +185,7 @@ def factorise(x: torch.Tensor, w_src: torch.Tensor, b_src: torch.Tensor, w_v: to
 
 
 def convert_to_mla(model, rope_dim: int, input_ids: torch.Tensor, rank: int | None = None, variant: str = "svd",
-                   attention_mask: torch.Tensor | None = None, damping: float = 0.01):
+                   attention_mask: torch.Tensor | None = None, damping: float = 0.01, batch_size: int = 8):
     """Convert ``model`` (in place) to MLA with latent width ``rank`` (default ``n_kv x head_dim``, the paper's) and
     decoupled RoPE key width ``rope_dim``, calibrated on ``input_ids [batch, T]`` (module docstring). Returns it.
 
@@ -167,38 +209,36 @@ def convert_to_mla(model, rope_dim: int, input_ids: torch.Tensor, rank: int | No
     partial = rope_params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0
     check(partial == 1.0, f"partial_rotary_factor={partial} is not supported: expected RoPE over the whole head dim")
 
-    inputs = _capture_inputs(model, input_ids, attention_mask)
+    check_int("batch_size", batch_size, 1)
+    stats = calibrate(model, input_ids, attention_mask, batch_size)
     with torch.no_grad():
-        _convert_layers(model, inputs, kv, head_dim, rank, rope_dim, variant, damping)
+        _convert_layers(model, stats, kv, head_dim, rank, rope_dim, variant, damping)
     cfg.kv_lora_rank = rank
     cfg.qk_rope_head_dim = rope_dim
     cfg.kvlearn_mla_variant = variant
     return model
 
 
-def _convert_layers(model, inputs, kv, head_dim, rank, rope_dim, variant, damping) -> None:
+def _convert_layers(model, stats, kv, head_dim, rank, rope_dim, variant, damping) -> None:
     from .mla_attention import MLAAttention
 
-    for layer, x in zip(model.model.layers, inputs):
+    for layer, st in zip(model.model.layers, stats):
         attn = layer.self_attn
         dtype = attn.q_proj.weight.dtype
-        x = x.double()
         k_norm = getattr(attn, "k_norm", None)
         w_k, w_v = attn.k_proj.weight.double(), attn.v_proj.weight.double()
-        zeros = torch.zeros(w_k.shape[0], dtype=torch.float64)
+        zeros = torch.zeros(w_k.shape[0], dtype=torch.float64, device=w_k.device)
         b_k = attn.k_proj.bias.double() if attn.k_proj.bias is not None else zeros
         b_v = attn.v_proj.bias.double() if attn.v_proj.bias is not None else zeros
-        pre = (x @ w_k.T + b_k).view(-1, kv, head_dim)
-        keys = pre if k_norm is None else k_norm(pre.to(dtype)).double()
-        e, _ = rope_components(keys, rope_dim)
-        p = torch.eye(kv * head_dim, dtype=torch.float64) - e.T @ e
+        e, _ = rope_components(st.cov, rope_dim)
+        p = torch.eye(kv * head_dim, dtype=torch.float64, device=w_k.device) - e.T @ e
         if k_norm is None:
             w_src, b_src = p @ w_k, p @ b_k
         else:
             w_src, b_src = w_k, b_k
-        down_w, down_b, up_k, up_v, _ = factorise(x, w_src, b_src, w_v, b_v, variant, damping)
+        down_w, down_b, up_k, up_v, _ = factorise(st.xtx, st.tokens, w_src, b_src, w_v, b_v, variant, damping)
         check(down_w.shape[0] >= rank, f"rank={rank} exceeds the factorisation's {down_w.shape[0]} components (hidden "
-                                       f"size {x.shape[1]} + 1): expected rank <= {down_w.shape[0]}")
+                                       f"size {w_k.shape[1]} + 1): expected rank <= {down_w.shape[0]}")
         if k_norm is None:
             up_k = p @ up_k
         has_bias = attn.k_proj.bias is not None or attn.v_proj.bias is not None
@@ -213,5 +253,5 @@ def _convert_layers(model, inputs, kv, head_dim, rank, rope_dim, variant, dampin
         layer.self_attn = new.to(attn.q_proj.weight.device)
 
 
-__all__ = ["VARIANTS", "check_rank", "check_rope_dim", "convert_to_mla", "factorise", "is_mla", "rope_components",
-]
+__all__ = ["VARIANTS", "calibrate", "check_rank", "check_rope_dim", "convert_to_mla", "factorise", "is_mla",
+           "key_covariance", "rope_components"]
