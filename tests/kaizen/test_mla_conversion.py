@@ -221,3 +221,29 @@ def test_calibration_statistics_are_batched_and_skip_padding():
         for other in (b, c):
             torch.testing.assert_close(other.xtx, a.xtx, rtol=1e-5, atol=1e-4)
             torch.testing.assert_close(other.cov, a.cov, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_a_saved_conversion_loads_back(kind, tmp_path):
+    """``save_pretrained`` + :func:`kvlearn.load`: the MLA attention is rebuilt with its tensors (same logits at a
+    truncated width); a checkpoint that lost them is a one-line error."""
+    import kvlearn
+    from safetensors.torch import load_file, save_file
+
+    model = sharing.attach(convert_to_mla(tiny(kind, 6), 16, calibration()[0], rank=32, variant="care"))
+    ids = calibration()[1]
+    cfg = KaizenConfig.static(Backbone.from_model(model), bits=8, rank=8)
+    with torch.no_grad():
+        ref = model(input_ids=ids, kaizen_config=cfg, use_cache=False).logits
+    model.save_pretrained(tmp_path / "mla")
+    loaded = sharing.attach(kvlearn.load(tmp_path / "mla"))
+    assert is_mla(loaded) and Backbone.from_model(loaded) == Backbone.from_model(model)
+    with torch.no_grad():
+        got = loaded(input_ids=ids, kaizen_config=cfg, use_cache=False).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    weights = tmp_path / "mla" / "model.safetensors"
+    state = load_file(weights)
+    save_file({k: v for k, v in state.items() if "up_v" not in k}, weights, metadata={"format": "pt"})
+    with pytest.raises(KVLearnError, match="records an MLA conversion but lacks 2 of its tensors") as err:
+        kvlearn.load(tmp_path / "mla")
+    assert "\n" not in str(err.value)

@@ -39,7 +39,8 @@ solution of the same objective (nested: one converted model serves every width `
 
 The converted config gets ``kv_lora_rank = r`` and ``qk_rope_head_dim = d_R`` (DeepSeek naming), so
 :meth:`Backbone.from_config` / :meth:`Backbone.from_model` report an MLA backbone (the reference cost stays the GQA
-model's ``num_key_value_heads x head_dim``). Saving/loading a converted model is not built yet.
+model's ``num_key_value_heads x head_dim``). ``save_pretrained`` writes the converted model; :func:`kvlearn.load`
+restores it (:func:`load_mla`).
 """
 
 from __future__ import annotations
@@ -253,5 +254,35 @@ def _convert_layers(model, stats, kv, head_dim, rank, rope_dim, variant, damping
         layer.self_attn = new.to(attn.q_proj.weight.device)
 
 
-__all__ = ["VARIANTS", "calibrate", "check_rank", "check_rope_dim", "convert_to_mla", "factorise", "is_mla",
-           "key_covariance", "rope_components"]
+MLA_PARAMS = (".self_attn.kv_down.", ".self_attn.up_k", ".self_attn.up_v", ".self_attn.rope_mix",
+              ".self_attn.nope_proj")
+"""Substrings of the state-dict keys an MLA conversion adds (what :func:`load_mla` restores)."""
+
+
+def load_mla(model, path) -> None:
+    """Re-apply a conversion saved with ``save_pretrained`` to ``model``, just loaded from ``path`` as the GQA model
+    (its config records ``kv_lora_rank``, ``qk_rope_head_dim`` and ``kvlearn_mla_variant``): rebuild every
+    :class:`~kvlearn.kaizen.mla_attention.MLAAttention` and load its tensors. :func:`kvlearn.load` calls it."""
+    from ..hf import checkpoint_tensors
+    from .mla_attention import MLAAttention
+
+    cfg = model.config
+    rank, rope_dim = getattr(cfg, "kv_lora_rank", None), getattr(cfg, "qk_rope_head_dim", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    check_rank(rank, kv, head_dim)
+    check_rope_dim(rope_dim, kv, head_dim)
+    check(not is_mla(model), "the model is already converted to MLA")
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        layer.self_attn = MLAAttention(attn, rank, rope_dim, attn.k_proj.bias is not None).to(attn.q_proj.weight.device)
+    tensors = checkpoint_tensors(path, lambda k: any(n in k for n in MLA_PARAMS))
+    expected = {k for k in model.state_dict() if any(n in k for n in MLA_PARAMS)}
+    missing = sorted(expected - set(tensors))
+    check(not missing, f"checkpoint {str(path)!r} records an MLA conversion but lacks {len(missing)} of its tensors "
+                       f"(first: {missing[0] if missing else ''}): expected a save_pretrained of a converted model")
+    model.load_state_dict({k: tensors[k] for k in expected}, strict=False)
+
+
+__all__ = ["MLA_PARAMS", "VARIANTS", "calibrate", "check_rank", "check_rope_dim", "convert_to_mla", "factorise",
+           "is_mla", "key_covariance", "load_mla", "rope_components"]
