@@ -6,8 +6,10 @@ Llama: absorbed decode).
   (rank truncation and precision) to 1e-4, and so does ``generate()``; a left-padded batch equals its rows alone;
 - the absorbed decode equals the decompressed one; a plain ``DynamicCache`` holds ``(k_R, c)`` and decodes the same;
 - the cache holds exactly the bytes of the cost model (hand-computed);
-- bad input (a rank on a GQA model, a width not in the action set, share / eviction on MLA, a mismatched backbone)
-  is a one-line error.
+- sharing layers (depth on MLA) attend their anchor's expanded K/V, in the forward, the cache and the training
+  mixture;
+- bad input (a rank on a GQA model, a width not in the action set, eviction on MLA, a mismatched backbone) is a
+  one-line error.
 """
 
 import copy
@@ -43,6 +45,11 @@ CONFIGS = {
     "truncated and quantized": (A(4, 16), A(8)),
     "2 bits": (A(2, 32), A(16, 8)),
 }
+S = A.shared()
+SHARED = {  # 4-layer models
+    "share a truncated anchor": (A(16, 16), S, A(4, 32), S),
+    "one anchor": (A(8), S, S, S),
+}
 
 
 def decode_through(model, cache, ids, prompt):
@@ -72,6 +79,30 @@ def test_decoding_through_the_latent_store_equals_the_mla_forward(kind, name):
         assert layer.store.shape == (2, 1, 24, ROPE, action.rank or FULL_RANK)
         assert layer.store.bits == action.bits
     assert model.model.layers[0].self_attn.absorb == (kind == "llama")
+
+
+@pytest.mark.parametrize("name", list(SHARED))
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_sharing_layers_decode_like_the_mla_forward(kind, name):
+    """Depth on MLA: a sharing layer attends its anchor's expanded keys/values; prefill + decoding (sharing layers
+    are BorrowedLayers, 0 bytes) equals the no-cache forward, and the sharer's own latent projections are unused."""
+    model = sharing.attach(convert_to_mla(tiny(kind, 13, layers=4), ROPE, calibration()[0], rank=FULL_RANK))
+    cfg = config(model, *SHARED[name])
+    ids = torch.randint(1, VOCAB, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False, kaizen_config=cfg).logits
+    cache = make_cache(cfg, model.config, capacity=20)
+    got = decode_through(model, cache, ids, 6)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert cache.store_bytes() == cfg.cache_bytes(batch=2, tokens=20, dtype_bits=32)
+    assert all(cache.layers[l].allocated_bytes() == 0 for l, a in enumerate(cfg.actions) if a.share)
+    with torch.no_grad():
+        for l, a in enumerate(cfg.actions):
+            if a.share:
+                model.model.layers[l].self_attn.kv_down.weight.normal_()
+                model.model.layers[l].self_attn.up_v.normal_()
+        after = model(input_ids=ids, use_cache=False, kaizen_config=cfg).logits
+    torch.testing.assert_close(after, ref, atol=1e-6, rtol=0)
 
 
 def test_absorbed_decode_equals_decompressed_decode():
@@ -166,11 +197,8 @@ def test_bad_input_is_refused_in_one_line():
         (lambda: gqa(input_ids=ids, kaizen_config=KaizenConfig.static(mla_like, rank=8)), "mla_rank.*the model has"),
         (lambda: make_cache(KaizenConfig.static(mla_like, rank=8), gqa.config, 8), "mla_rank.*the model has"),
         (lambda: make_cache(KaizenConfig.static(other_rope), model.config, 8), "rope_dim=8 differs from the model's 16"),
-        (lambda: make_cache(KaizenConfig(backbone, (A(16), A.shared())), model.config, 8), "share on an MLA"),
         (lambda: KaizenCache(KaizenConfig.static(backbone), 8, policy_factory=lambda: None), "policy_factory"),
         (lambda: Backbone.from_model(broken), "config says MLA .* attention modules are GQA"),
-        (lambda: model(input_ids=ids, kaizen_config=KaizenConfig(backbone, (A(16), A.shared())), use_cache=False),
-         "share on an MLA model is not built yet"),
     ]
     for make, message in cases:
         with pytest.raises(KVLearnError, match=message) as err:
@@ -205,7 +233,29 @@ def test_training_mixture_with_one_hot_weights_is_the_chosen_configuration(kind)
     assert weights.grad.abs().sum() > 0
     attn = model.model.layers[0].self_attn
     assert attn.kv_down.weight.grad.abs().sum() > 0 and attn.up_k.grad.abs().sum() > 0
-    with pytest.raises(KVLearnError, match="share on an MLA model is not built yet") as err:
-        full = action_space(backbone)
-        model(input_ids=ids, use_cache=False, kaizen_train=KaizenTrainForward(full, torch.zeros(2, 2, len(full))))
-    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_training_mixture_with_share_is_the_chosen_configuration(kind):
+    """All three axes (17 actions): per-row one-hot weights with sharing rows give each row's configuration."""
+    from kvlearn.kaizen.sharing import KaizenTrainForward
+
+    model = sharing.attach(convert_to_mla(tiny(kind, 14, layers=4), ROPE, calibration()[0], rank=FULL_RANK))
+    backbone = Backbone.from_model(model)
+    space = action_space(backbone)
+    assert len(space) == 17 and space[-1].share
+    picks = [[5, 16, 16, 2], [0, 9, 16, 16]]
+    weights = torch.zeros(2, 4, len(space))
+    for row, layers in enumerate(picks):
+        for layer, a in enumerate(layers):
+            weights[row, layer, a] = 1.0
+    weights.requires_grad_(True)
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    out = model(input_ids=ids, use_cache=False, kaizen_train=KaizenTrainForward(space, weights)).logits
+    with torch.no_grad():
+        for row, layers in enumerate(picks):
+            cfg = KaizenConfig(backbone, tuple(space[a] for a in layers))
+            ref = model(input_ids=ids[row:row + 1], use_cache=False, kaizen_config=cfg).logits
+            torch.testing.assert_close(out[row:row + 1], ref, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert weights.grad[:, :, -1].abs().sum() > 0  # the share logit gets a gradient

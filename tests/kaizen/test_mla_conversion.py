@@ -102,7 +102,7 @@ def test_rope_key_error_is_within_the_documented_bound(kind):
         q_rot, k_rot = apply_rotary_pos_emb(q, k, *emb)
         k_rep = k_rot.repeat_interleave(2, dim=1)
         s_gqa = q_rot @ k_rep.transpose(-1, -2)
-        q2, q_r, k_r, c = new.project(x, emb)
+        q2, _, q_r, k_r, c = new.project(x, emb)
         k_nope, _ = new.expand(c)
         s_mla = q2 @ k_nope.repeat_interleave(2, dim=1).transpose(-1, -2) + q_r @ k_r.transpose(-1, -2)
         pk = (k.transpose(1, 2).reshape(1, 24, -1) @ new.nope_proj.T).view(1, 24, KV, HEAD_DIM).transpose(1, 2)

@@ -16,5 +16,5 @@
   :mod:`~kvlearn.kaizen.mla_attention`: ``MLAAttention`` (prefix-truncated latent, absorbed or decompressed decode);
   the latent store is :class:`kvlearn.cache.LatentStore`.
 
-Not built yet for MLA: share, and the ``kaizen`` method / trainer converting a model (the rank axis).
+Not built yet for MLA: the ``kaizen`` method / trainer converting a model (the rank axis), evicting policies.
 """

@@ -18,8 +18,8 @@ slot positions (int32 per slot and own layer: 32 bits per token and layer, 0.4% 
 
 On an MLA backbone (a model converted by :func:`kvlearn.kaizen.mla.convert_to_mla`) every own layer is a
 :class:`~kvlearn.cache.LatentStore` of width ``d`` (the action's rank, ``r`` by default) and ``d_R`` at ``bits``:
-one stored "KV head" per token, ``(d + d_R)`` elements, the cost model's ``(d + d_R) b + 2σ``. Not built yet on MLA:
-``share`` (depth) and evicting policies (refused with a one-line error).
+one stored "KV head" per token, ``(d + d_R)`` elements, the cost model's ``(d + d_R) b + 2σ``; a sharing layer is a
+``BorrowedLayer`` as on GQA. Not built yet on MLA: evicting policies (refused with a one-line error).
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ class KaizenCache(CompactCache):
         layers = []
         for l, action in enumerate(config.actions):
             if action.share:
-                check(not backbone.is_mla, f"layer {l}: share on an MLA backbone is not built yet (expected an own "
-                                           "cache: precision and rank)")
                 layers.append(BorrowedLayer(layers[config.anchor_of(l)]))
                 continue
             if backbone.is_mla:  # TODO: evicting policies on the latent (they score per KV head; MLA has one)

@@ -24,8 +24,15 @@ The score of head ``h`` (KV group ``g``) with token ``t`` and the output are
 Where the action comes from: a :class:`~kvlearn.kaizen.cache.KaizenCache` or ``kaizen_config=`` (the
 :func:`kvlearn.kaizen.attach` hook passes ``kaizen_forward``); with neither, the full latent at 16 bits. Any other
 transformers ``Cache`` (``DynamicCache``) stores ``(k_R, c)`` as one KV head. The selector's training mixture
-(``kaizen_train``) mixes the prefix-masked, fake-quantized latents (:meth:`MLAAttention.mixture`). Not built yet for
-MLA: ``share`` (depth) actions and evicting policies.
+(``kaizen_train``) mixes the prefix-masked, fake-quantized latents (:meth:`MLAAttention.mixture`).
+
+**Share (depth).** A sharing layer attends its own queries over its anchor's keys and values, as on GQA: the
+anchor's ``(k_R, c[:d])`` of this forward (fake-quantized, or read from its store) expanded with the *anchor's*
+up-projections and RoPE mixing into the layer-independent form of :meth:`MLAAttention.full_keys`, ``K = [k̃ ;
+Eᵀk_R]`` per KV head, attended by ``[q_h ; rope(q_h)]``. The anchor puts ``(K, V, mask)`` in the forward's anchor
+dictionary (only when a later layer shares it); the sharing layer keeps no cache (a ``BorrowedLayer``) and its own
+``kv_down``/``up_*`` are unused. (The alternative, the anchor's latent with the sharer's own up-projections, would
+share the cache but not the keys; not built.) Not built yet for MLA: evicting policies.
 """
 
 from __future__ import annotations
@@ -85,8 +92,6 @@ class MLAAttention(nn.Module):
         if forward is None:
             return self.rank, 16
         action = forward.config.actions[self.layer_idx]
-        check(not action.share, f"layer {self.layer_idx}: share on an MLA model is not built yet (expected an own "
-                                "cache: precision and rank)")
         d = self.rank if action.rank is None else action.rank
         check(d in self.widths, f"layer {self.layer_idx}: rank={d} is invalid: expected one of "
                                 f"{', '.join(map(str, self.widths))} (r={self.rank})")
@@ -94,7 +99,7 @@ class MLAAttention(nn.Module):
 
     # ----- the pieces -----
     def project(self, hidden_states, position_embeddings):
-        """``(q [B, Hq, T, d_h] unrotated, q_R [B, Hq, T, d_R], k_R [B, 1, T, d_R], c [B, 1, T, r])``."""
+        """``(q [B, Hq, T, d_h] unrotated, rope(q), q_R [B, Hq, T, d_R], k_R [B, 1, T, d_R], c [B, 1, T, r])``."""
         b, t, _ = hidden_states.shape
         kv, g, dh = self.num_kv_heads, self.num_key_value_groups, self.head_dim
         q = self.q_norm(self.q_proj(hidden_states).view(b, t, -1, dh)).transpose(1, 2)
@@ -105,7 +110,7 @@ class MLAAttention(nn.Module):
         k_r = torch.einsum("rgd,bgtd->btr", e, k_rot)[:, None]
         q_r = torch.einsum("rgd,bgjtd->bgjtr", e, q_rot.view(b, kv, g, t, dh)).reshape(b, -1, t, self.rope_dim)
         c = self.kv_down(hidden_states)[:, None]
-        return q, q_r, k_r, c
+        return q, q_rot, q_r, k_r, c
 
     def expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``c [B, 1, S, d]`` -> the no-RoPE keys ``k̃ [B, n_kv, S, d_h]`` and values ``v [B, n_kv, S, d_h]``."""
@@ -118,6 +123,15 @@ class MLAAttention(nn.Module):
             k = k.transpose(1, 2)
         v = torch.einsum("gxr,bsr->bgsx", self.up_v[..., :d], c[:, 0])
         return k, v
+
+    def full_keys(self, k_r: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer-independent form of ``(k_R, c[:d])``: ``K = [k̃_g ; (Eᵀ k_R)_g] [B, n_kv, S, 2 d_h]`` and ``V``,
+        attended by ``[q_h ; rope(q_h)]`` (``rope(q_h)·(Eᵀk_R)_g = q_R,h·k_R``). What a sharing layer attends: it
+        needs neither the anchor's ``E`` nor its up-projections."""
+        k, v = self.expand(c)
+        b, kv, s, dh = k.shape
+        k_rope = torch.einsum("rgd,bsr->bgsd", self.rope_mix.view(self.rope_dim, kv, dh), k_r[:, 0])
+        return torch.cat([k, k_rope], dim=-1), v
 
     def attend_decompressed(self, q, q_r, k_r, c, mask):
         k, v = self.expand(c)
@@ -134,59 +148,79 @@ class MLAAttention(nn.Module):
         return out.reshape(b, t, hq, dh)
 
     def mixture(self, state, k_r: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selector's training mixture (``kaizen_train``, :class:`~kvlearn.kaizen.sharing.KaizenTrainForward`):
-        ``Σ_a w[:, l, a] (fq(k_R, b_a), fq(c ⊙ 1[:d_a], b_a))``, the latent prefix-masked (zeros after ``d_a``, so
-        every candidate keeps the full shape; the per-vector quantizer gives ``fq(c[:d])`` padded with zeros). With
-        one-hot weights this is the chosen action's forward per row. ``share`` is not built for MLA: refused."""
-        check(not any(a.share for a in state.space),
-              "share on an MLA model is not built yet: train the selector with axes precision and rank")
+        """The selector's training mixture (``kaizen_train``, :class:`~kvlearn.kaizen.sharing.KaizenTrainForward`),
+        as :meth:`full_keys` ``(K, V)``: the own actions mixed in latent space, ``Σ_a w_a (fq(k_R, b_a), fq(c ⊙
+        1[:d_a], b_a))`` (prefix mask: zeros after ``d_a``, so every candidate keeps the full shape; the per-vector
+        quantizer gives ``fq(c[:d])`` padded with zeros), expanded once, plus ``w_share · carried`` (the previous
+        layer's ``(K, V)``: by induction the anchor's). With one-hot weights this is the chosen configuration's
+        forward per row (a row that shares expands a zero latent: ``K = V = 0`` before adding the carried)."""
         w = state.weights[:, self.layer_idx].to(c.dtype)  # [B, A]
-        k_out, c_out = torch.zeros_like(k_r), torch.zeros_like(c)
+        k_mix, c_mix = torch.zeros_like(k_r), torch.zeros_like(c)
         coords = torch.arange(self.rank, device=c.device)
+        w_share = None
         for a, action in enumerate(state.space):
+            wa = w[:, a].view(-1, 1, 1, 1)
+            if action.share:
+                w_share = wa if w_share is None else w_share + wa
+                continue
             d = self.rank if action.rank is None else action.rank
             check(d in self.widths, f"layer {self.layer_idx}: rank={d} is invalid: expected one of "
                                     f"{', '.join(map(str, self.widths))} (r={self.rank})")
-            wa = w[:, a].view(-1, 1, 1, 1)
-            k_out = k_out + wa * fake_quantize(k_r, action.bits)
-            c_out = c_out + wa * fake_quantize(c * (coords < d).to(c.dtype), action.bits)
-        return k_out, c_out
+            k_mix = k_mix + wa * fake_quantize(k_r, action.bits)
+            c_mix = c_mix + wa * fake_quantize(c * (coords < d).to(c.dtype), action.bits)
+        key, value = self.full_keys(k_mix, c_mix)
+        if w_share is not None and state.carried is not None:  # layer 0: share is masked (weight 0)
+            key, value = key + w_share * state.carried[0], value + w_share * state.carried[1]
+        state.carried = (key, value)
+        return key, value
 
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         b, t, _ = hidden_states.shape
-        q, q_r, k_r, c = self.project(hidden_states, position_embeddings)
-        train = kwargs.get("kaizen_train")
+        l = self.layer_idx
+        q, q_rot, q_r, k_r, c = self.project(hidden_states, position_embeddings)
+        cache = kwargs.get("kvlearn_cache")
+        train, forward = kwargs.get("kaizen_train"), kwargs.get("kaizen_forward")
         if train is not None:
-            check(kwargs.get("kaizen_forward") is None and kwargs.get("kvlearn_cache") is None,
+            check(forward is None and cache is None,
                   "kaizen_train is for use_cache=False training forwards without kaizen_config: pass one of them")
-            k_r, c = self.mixture(train, k_r, c)
-            out = self.attend_decompressed(q, q_r, k_r, c, _bool_mask(attention_mask, t, t, c.device))
+            key, value = self.mixture(train, k_r, c)
+            mask = _bool_mask(attention_mask, t, t, c.device)
+            out = masked_attention(torch.cat([q, q_rot], dim=-1), key, value, mask, self.scaling)
+            return self.o_proj(out.reshape(b, t, -1)), None
+        if forward is not None and forward.config.actions[l].share:  # the anchor's (K, V, mask) of this forward
+            anchor = forward.config.anchor_of(l)
+            check(anchor in forward.shared, f"layer {l} shares layer {anchor}, which has not run in this forward")
+            if isinstance(cache, CompactCache):
+                cache.update(k_r, c, l)  # a BorrowedLayer: writes nothing
+            key, value, mask = forward.shared[anchor]
+            out = masked_attention(torch.cat([q, q_rot], dim=-1), key, value, mask, self.scaling)
             return self.o_proj(out.reshape(b, t, -1)), None
         d, bits = self._action(kwargs)
         c = c[..., :d]
-        cache = kwargs.get("kvlearn_cache")
         if isinstance(cache, CompactCache):
             from ..cache.latent import LatentStore
 
-            layer = cache.layers[self.layer_idx]
+            layer = cache.layers[l]
             store = getattr(layer, "store", None)
             check(isinstance(store, LatentStore) and store.rank == d and store.bits == bits,
-                  f"layer {self.layer_idx}: the cache layer is not a LatentStore of rank {d} at {bits} bits: build it "
+                  f"layer {l}: the cache layer is not a LatentStore of rank {d} at {bits} bits: build it "
                   "with kvlearn.kaizen.make_cache for this MLA model")
-            k_r, c = cache.update(k_r, c, self.layer_idx)
+            k_r, c = cache.update(k_r, c, l)
             step = cache.step
             mask = layer.visibility_mask(step.positions, step.has_padding)
             absorb = self.absorb
         elif past_key_values is not None:  # a transformers cache: (k_R, c[:d]) as one KV head
-            check(bits == 16, f"layer {self.layer_idx}: bits={bits} needs a KaizenCache (a plain transformers cache "
-                              "holds the model dtype)")
-            k_r, c = past_key_values.update(k_r, c, self.layer_idx)
+            check(bits == 16, f"layer {l}: bits={bits} needs a KaizenCache (a plain transformers cache holds the "
+                              "model dtype)")
+            k_r, c = past_key_values.update(k_r, c, l)
             mask = _bool_mask(attention_mask, t, c.shape[2], c.device)
             absorb = self.absorb
         else:
             k_r, c = fake_quantize(k_r, bits), fake_quantize(c, bits)
             mask = _bool_mask(attention_mask, t, c.shape[2], c.device)
             absorb = False
+        if forward is not None and l in forward.needed:  # a later layer shares this one
+            forward.shared[l] = (*self.full_keys(k_r, c), mask)
         attend = self.attend_absorbed if absorb else self.attend_decompressed
         out = attend(q, q_r, k_r, c, mask)
         return self.o_proj(out.reshape(b, t, -1)), None
