@@ -16,5 +16,6 @@
   :mod:`~kvlearn.kaizen.mla_attention`: ``MLAAttention`` (prefix-truncated latent, absorbed or decompressed decode);
   the latent store is :class:`kvlearn.cache.LatentStore`.
 
-Not built yet for MLA: the ``kaizen`` method / trainer converting a model (the rank axis), evicting policies.
+The ``kaizen`` method and trainer take the rank axis on a model converted and saved beforehand (no CLI verb converts
+yet). Not built yet for MLA: evicting policies.
 """
