@@ -259,3 +259,17 @@ def test_training_mixture_with_share_is_the_chosen_configuration(kind):
             torch.testing.assert_close(out[row:row + 1], ref, atol=1e-5, rtol=1e-5)
     out.sum().backward()
     assert weights.grad[:, :, -1].abs().sum() > 0  # the share logit gets a gradient
+
+
+def test_kaizen_static_uses_the_rank_axis_on_a_converted_model():
+    """The least compressed uniform configuration at a target, over bits x width x sharing group."""
+    from kvlearn.kaizen.fixed import static_config
+
+    backbone = Backbone.from_model(converted("llama"))  # r = 64, d_R = 16; reference 2 x 2 x 2 x 16 x 16 bits
+    cfg = static_config(backbone, 4.0)
+    rho = cfg.compression(metadata=False)
+    assert rho >= 4.0
+    uniform = [KaizenConfig.static(backbone, b, d) for b in (16, 8, 4, 2) for d in (None, 32, 16, 8)]
+    assert rho == min(c.compression(metadata=False) for c in uniform if c.compression(metadata=False) >= 4.0)
+    # precision alone on the full latent: (64 + 16) x 4 bits is only 3.2x, so 2 bits
+    assert static_config(backbone, 4.0, axes=("precision",)) == KaizenConfig.static(backbone, 2)
