@@ -31,8 +31,8 @@ anchor's ``(k_R, c[:d])`` of this forward (fake-quantized, or read from its stor
 up-projections and RoPE mixing into the layer-independent form of :meth:`MLAAttention.full_keys`, ``K = [k̃ ;
 Eᵀk_R]`` per KV head, attended by ``[q_h ; rope(q_h)]``. The anchor puts ``(K, V, mask)`` in the forward's anchor
 dictionary (only when a later layer shares it); the sharing layer keeps no cache (a ``BorrowedLayer``) and its own
-``kv_down``/``up_*`` are unused. (The alternative, the anchor's latent with the sharer's own up-projections, would
-share the cache but not the keys; not built.) Not built yet for MLA: evicting policies.
+``kv_down``/``up_*`` are unused. (The alternative, the anchor's latent expanded with the sharer's own
+up-projections, is not built.) Not built yet for MLA: evicting policies.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class MLAAttention(nn.Module):
         self.is_causal = True
         self.rank, self.rope_dim = rank, rope_dim
         self.q_proj, self.k_proj, self.o_proj = orig.q_proj, orig.k_proj, orig.o_proj
-        self.q_norm = getattr(orig, "q_norm", None) or nn.Identity()
+        self.q_norm = orig.q_norm if getattr(orig, "q_norm", None) is not None else nn.Identity()
         self.has_k_norm = getattr(orig, "k_norm", None) is not None
         self.k_norm = orig.k_norm if self.has_k_norm else nn.Identity()
         dtype, hidden = orig.q_proj.weight.dtype, orig.q_proj.weight.shape[1]
