@@ -139,9 +139,15 @@ class _ExpectedExtraKeysFilter(logging.Filter):
     """Drops transformers' load report when its only complaint is unexpected keys containing ``marker`` (the
     modules a method added, which its own loader restores)."""
 
-    def __init__(self, marker: str):
+    def __init__(self, marker: str | tuple[str, ...], dropped: tuple[str, ...] = ()):
         super().__init__()
-        self.marker = marker
+        self.markers = (marker,) if isinstance(marker, str) else tuple(marker)
+        self.dropped = tuple(dropped)
+
+    def _expected(self, row: str) -> bool:
+        if "UNEXPECTED" in row:
+            return any(m in row for m in self.markers)
+        return "MISSING" in row and any(m in row for m in self.dropped)
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
@@ -149,7 +155,7 @@ class _ExpectedExtraKeysFilter(logging.Filter):
             return True
         rows = [line for line in text.splitlines() if "|" in line and ("UNEXPECTED" in line or "MISSING" in line
                                                                           or "MISMATCH" in line)]
-        return not rows or not all("UNEXPECTED" in r and self.marker in r for r in rows)
+        return not rows or not all(self._expected(r) for r in rows)
 
 
 def _reason(err: BaseException) -> str:
@@ -192,7 +198,7 @@ def read_model_config(path: str | os.PathLike):
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               extra_keys: str | None = None):
+               extra_keys: str | tuple[str, ...] | None = None, dropped_keys: tuple[str, ...] = ()):
     """Load a causal LM checkpoint from a local directory (what ``save_pretrained`` writes), in eval mode.
 
     Every bad folder is a one-line :class:`KVLearnError` that names the path and what is wrong: no such folder, no
@@ -200,8 +206,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
     ``*.safetensors`` file that is empty, truncated or garbled.
 
     This loads the base model only, whatever method saved the checkpoint: :func:`kvlearn.load` also restores the
-    modules a method added (KVpop's). ``extra_keys``: a substring of state-dict keys the caller will load itself
-    (e.g. ``".kvpop."``); transformers' load report is not printed when those are its only complaint.
+    modules a method added (KVpop's). ``extra_keys``: a substring (or a tuple of them) of state-dict keys the caller
+    will load itself (e.g. ``".kvpop."``); ``dropped_keys``: substrings of keys a method removed (an MLA conversion's
+    ``v_proj``), expected missing; transformers' load report is not printed when those are its only complaints.
     """
     from safetensors import SafetensorError, safe_open
     from transformers import AutoModelForCausalLM
@@ -224,7 +231,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | None = None, device
     # keys the caller loads itself: keep transformers' load report from listing them as unexpected (only for this
     # call; a report about any other key still shows)
     report_logger = logging.getLogger("transformers.modeling_utils")
-    expected_extra = _ExpectedExtraKeysFilter(extra_keys) if extra_keys else None
+    expected_extra = _ExpectedExtraKeysFilter(extra_keys, dropped_keys) if extra_keys else None
     if expected_extra is not None:
         report_logger.addFilter(expected_extra)
     try:

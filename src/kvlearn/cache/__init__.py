@@ -8,13 +8,15 @@
 - :mod:`~kvlearn.cache.observe`: the attention handed back to attention-driven policies.
 - :mod:`~kvlearn.cache.keepall`: ``KeepAllPolicy`` (no eviction, slot = position);
   :mod:`~kvlearn.cache.borrowed`: ``BorrowedLayer`` (a sharing layer reading its anchor's store);
-  :mod:`~kvlearn.cache.kivi`: ``KIVIStore`` (KIVI's grouped quantization with a full-precision window).
+  :mod:`~kvlearn.cache.kivi`: ``KIVIStore`` (KIVI's grouped quantization with a full-precision window);
+  :mod:`~kvlearn.cache.latent`: ``LatentStore`` (an MLA layer's latent prefix + shared RoPE key).
 - :mod:`~kvlearn.cache.prefill`: ``prefill(model, cache, ...)`` and ``DEFAULT_PREFILL_CHUNK``.
 """
 
 from .borrowed import BorrowedLayer, BorrowedStore
 from .keepall import KeepAllPolicy
 from .kivi import KIVIStore
+from .latent import LatentStore
 from .layer import CompactCache, CompactLayer
 from .observe import attention_summary
 from .packed import PackedStore, store_for_bits
@@ -25,6 +27,6 @@ from .store import PlainStore, Store
 
 __all__ = [
     "NEVER", "AttentionRequest", "AttentionScoredPolicy", "BorrowedLayer", "BorrowedStore", "CompactCache",
-    "CompactLayer", "DEFAULT_PREFILL_CHUNK", "ForwardStep", "KIVIStore", "KeepAllPolicy", "PackedStore", "PlainStore", "Policy", "ScoredPolicy", "SlotPlan", "Store", "attention_summary", "prefill",
+    "CompactLayer", "DEFAULT_PREFILL_CHUNK", "ForwardStep", "KIVIStore", "KeepAllPolicy", "LatentStore", "PackedStore", "PlainStore", "Policy", "ScoredPolicy", "SlotPlan", "Store", "attention_summary", "prefill",
     "store_for_bits",
 ]

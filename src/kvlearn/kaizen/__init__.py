@@ -12,5 +12,10 @@
   :mod:`~kvlearn.kaizen.fixed`: the ``kaizen_static`` and ``kaizen_random`` baselines;
 - training: :mod:`kvlearn.train.kaizen_train` (``kvlearn kaizen-train``).
 
-Not built yet: GQA -> MLA conversion and the latent store (rank axis).
+- :mod:`~kvlearn.kaizen.mla`: ``convert_to_mla`` (GQA -> MLA: shared decoupled RoPE key, balanced joint SVD / CARE);
+  :mod:`~kvlearn.kaizen.mla_attention`: ``MLAAttention`` (prefix-truncated latent, absorbed or decompressed decode);
+  the latent store is :class:`kvlearn.cache.LatentStore`.
+
+The ``kaizen`` method and trainer take the rank axis on a model converted and saved beforehand (no CLI verb converts
+yet). Not built yet for MLA: evicting policies.
 """

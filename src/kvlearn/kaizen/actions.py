@@ -85,6 +85,20 @@ class Backbone:
         rope = getattr(model_config, "qk_rope_head_dim", 0) if rank is not None else 0
         return cls(model_config.num_hidden_layers, kv, head_dim, rank, rope, scale_bits)
 
+    @classmethod
+    def from_model(cls, model, scale_bits: int = 16) -> "Backbone":
+        """The backbone of a loaded model: :meth:`from_config`, checked against its attention modules (an MLA
+        backbone exactly when :func:`kvlearn.kaizen.mla.convert_to_mla` converted it, so rank actions are valid)."""
+        from .mla import is_mla
+
+        backbone = cls.from_config(model.config, scale_bits)
+        converted = is_mla(model)
+        check(backbone.is_mla == converted,
+              f"the model's config says {'MLA' if backbone.is_mla else 'GQA'} (kv_lora_rank="
+              f"{getattr(model.config, 'kv_lora_rank', None)}) but its attention modules are "
+              f"{'MLA' if converted else 'GQA'}: convert it with kvlearn.kaizen.mla.convert_to_mla")
+        return backbone
+
     def check_model(self, model_config) -> None:
         """One-line error unless this backbone has the layers, KV heads, head dim and latent of ``model_config``."""
         theirs = Backbone.from_config(model_config)
@@ -92,6 +106,9 @@ class Backbone:
         got = (theirs.num_layers, theirs.kv_heads, theirs.head_dim, theirs.mla_rank)
         check(ours == got, f"the KV-Kaizen configuration is for (layers, kv_heads, head_dim, mla_rank) = {ours}, the "
                            f"model has {got}: build it with Backbone.from_config(model.config)")
+        check(self.rope_dim == theirs.rope_dim, f"the KV-Kaizen configuration's MLA RoPE key width rope_dim="
+                                                f"{self.rope_dim} differs from the model's {theirs.rope_dim}: build it "
+                                                "with Backbone.from_model(model)")
 
     @property
     def is_mla(self) -> bool:

@@ -14,14 +14,19 @@ what a training forward with fake-quantized K/V attends.
 
 ``store_bytes()`` (the K/V buffers) equals :meth:`KaizenConfig.cache_bytes` exactly; ``allocated_bytes()`` adds the
 slot positions (int32 per slot and own layer: 32 bits per token and layer, 0.4% of a 4-bit layer at 8 KV heads of
-128). The rank action needs the MLA latent store (not built yet) and is refused with a one-line error.
+128).
+
+On an MLA backbone (a model converted by :func:`kvlearn.kaizen.mla.convert_to_mla`) every own layer is a
+:class:`~kvlearn.cache.LatentStore` of width ``d`` (the action's rank, ``r`` by default) and ``d_R`` at ``bits``:
+one stored "KV head" per token, ``(d + d_R)`` elements, the cost model's ``(d + d_R) b + 2σ``; a sharing layer is a
+``BorrowedLayer`` as on GQA. Not built yet on MLA: evicting policies (refused with a one-line error).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from ..cache import BorrowedLayer, CompactCache, CompactLayer, KeepAllPolicy, Policy, store_for_bits
+from ..cache import BorrowedLayer, CompactCache, CompactLayer, KeepAllPolicy, LatentStore, Policy, store_for_bits
 from ..errors import check, check_int
 from .actions import Backbone, KaizenConfig
 
@@ -33,15 +38,21 @@ class KaizenCache(CompactCache):
     def __init__(self, config: KaizenConfig, capacity: int, policy_factory: Callable[[], Policy] | None = None):
         check(isinstance(config, KaizenConfig), f"config={config!r} is not a KaizenConfig")
         check_int("capacity", capacity, 1)
+        backbone = config.backbone
         layers = []
         for l, action in enumerate(config.actions):
             if action.share:
                 layers.append(BorrowedLayer(layers[config.anchor_of(l)]))
                 continue
-            check(action.rank is None, f"layer {l}: rank={action.rank} needs the MLA latent store, which is not built "
-                                       "yet (expected rank=None)")
+            if backbone.is_mla:  # TODO: evicting policies on the latent (they score per KV head; MLA has one)
+                check(policy_factory is None, "an MLA backbone keeps every token (KeepAllPolicy): policy_factory is "
+                                              "not supported with the rank axis yet (expected None)")
+                d = backbone.mla_rank if action.rank is None else action.rank
+                store = LatentStore(d, backbone.rope_dim, action.bits)
+            else:
+                store = store_for_bits(action.bits)
             policy = policy_factory() if policy_factory is not None else KeepAllPolicy(capacity)
-            layers.append(CompactLayer(policy, store_for_bits(action.bits), attend_stored_form=True))
+            layers.append(CompactLayer(policy, store, attend_stored_form=True))
         super().__init__(layers)
         self.config = config
         self.capacity = capacity

@@ -4,7 +4,9 @@
 - **static** (:func:`static_config`): the least compressed *uniform* configuration meeting the target, among every
   precision ``b`` in {16, 8, 4, 2} and every sharing group ``g`` in 1 .. L (``KaizenConfig.evenly_shared(g, b)``: an
   anchor at ``b`` bits every ``g`` layers, the others sharing it; ``g = 1`` is plain uniform precision). Ties go to
-  the smaller group (less sharing), then the higher precision. With ``axes=("precision",)`` only ``g = 1``.
+  the smaller group (less sharing), then the higher precision. With ``axes=("precision",)`` only ``g = 1``. On an
+  MLA backbone with the rank axis the anchors also take one latent width ``d`` in {r, r/2, r/4, r/8} (ties: the
+  wider latent).
 - **random** (:func:`KaizenConfig.random`): a seeded random configuration meeting the target with little slack.
 
 Both keep every token, need no trained modules (``apply``: :func:`kvlearn.kaizen.sharing.attach`), and build a
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import KVLearnError, check, check_int
 from ..ops.quant import BITS
-from .actions import Backbone, KaizenConfig, check_axes, check_budget
+from .actions import Backbone, KaizenConfig, LayerAction, check_axes, check_budget
 from .cache import KaizenCache
 
 
@@ -43,17 +45,19 @@ class FixedConfig:
 def static_config(backbone: Backbone, target: float, axes=None) -> KaizenConfig:
     """The least compressed uniform configuration with compression (no metadata) ``>= target`` (module docstring)."""
     axes = check_axes(axes, backbone)
-    check("rank" not in axes, "kaizen_static covers the precision and depth axes only (expected no 'rank')")
     target = check_budget(target, backbone, axes)
     bits = BITS[::-1] if "precision" in axes else (16,)
     groups = range(1, backbone.num_layers + 1) if "depth" in axes else (1,)
+    ranks = (None,) + tuple(reversed(backbone.widths[:-1])) if "rank" in axes else (None,)
     best = None
     for g in groups:
         for b in bits:
-            cfg = KaizenConfig.evenly_shared(backbone, g, b)
-            rho = cfg.compression(metadata=False)
-            if rho >= target * (1 - 1e-9) and (best is None or rho < best[0] - 1e-12):
-                best = (rho, cfg)
+            for d in ranks:
+                cfg = KaizenConfig(backbone, tuple(LayerAction(bits=b, rank=d) if l % g == 0 else LayerAction.shared()
+                                                   for l in range(backbone.num_layers)))
+                rho = cfg.compression(metadata=False)
+                if rho >= target * (1 - 1e-9) and (best is None or rho < best[0] - 1e-12):
+                    best = (rho, cfg)
     check(best is not None, f"no uniform configuration reaches compression {target} on this backbone")
     return best[1]
 

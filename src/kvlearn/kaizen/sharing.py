@@ -20,7 +20,8 @@ forward the hook finds the configuration (the :class:`~kvlearn.kaizen.cache.Kaiz
   whole sequence; with a cache, the anchor's store. Both give the same result (tested).
 
 The sharing layers still compute their own ``k_proj``/``v_proj`` (unused): removing those projections is for the
-method's ``apply``, not built yet. The MLA rank axis is not built yet (a rank action is refused by the cache).
+method's ``apply``, not built yet. An MLA-converted layer (:mod:`kvlearn.kaizen.mla_attention`) does not call
+this function: it reads its action from the same ``kaizen_forward`` itself.
 """
 
 from __future__ import annotations
