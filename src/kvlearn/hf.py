@@ -265,3 +265,24 @@ def checkpoint_tensors(path: str, prefix_filter) -> dict[str, torch.Tensor]:
                 state = torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
                 out.update({k: v for k, v in state.items() if prefix_filter(k)})
     return out
+
+
+def load_added_weights(module: torch.nn.Module, path: str, select, what: str, mismatch_hint: str,
+                       prefix: str = "") -> None:
+    """Copy a method's added weights (KVpop's scorers, DMS's gates, Kaizen's selector) from checkpoint ``path`` into
+    ``module``: every parameter or buffer ``key`` of ``module`` with ``select(prefix + key)`` gets the checkpoint
+    tensor ``prefix + key``. One-line errors naming ``what`` (e.g. "KVpop checkpoint") when the names or shapes
+    differ; ``mismatch_hint`` ends the missing/unexpected message (what the user should do)."""
+    tensors = {k[len(prefix):]: v for k, v in checkpoint_tensors(path, lambda k: k.startswith(prefix) and select(k)).items()}
+    own = {k: v for k, v in module.state_dict().items() if select(prefix + k)}
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    check(not missing and not unexpected,
+          f"{what} {path!r}: weights do not match (missing {[prefix + k for k in missing[:2]]}, unexpected "
+          f"{[prefix + k for k in unexpected[:2]]}): {mismatch_hint}")
+    for key, value in tensors.items():
+        check(tuple(value.shape) == tuple(own[key].shape),
+              f"{what} {path!r}: {prefix}{key} has shape {tuple(value.shape)} but the model expects "
+              f"{tuple(own[key].shape)}: load it onto the base it was trained on")
+    with torch.no_grad():
+        for key, value in tensors.items():
+            own[key].copy_(value.to(own[key].dtype))

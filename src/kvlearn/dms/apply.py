@@ -25,7 +25,7 @@ import torch
 
 from ..config import DMSConfig
 from ..errors import KVLearnError, check, check_int
-from ..hf import attach, check_supported, checkpoint_tensors
+from ..hf import attach, check_supported, load_added_weights
 from .cache import DMSCache
 from .gates import MODULE_NAME, DMSGate, decoder_layers, dms_gates, has_dms
 
@@ -118,21 +118,8 @@ def load_dms(model, path: str | os.PathLike):
     except TypeError as err:
         raise KVLearnError(f"checkpoint {path!r}: its {CONFIG_KEY!r} entry is not a DMSConfig ({err})") from None
     apply_dms(model, config)
-    marker = f".{MODULE_NAME}."
-    own = {k for k in model.state_dict() if marker in k}
-    tensors = checkpoint_tensors(path, lambda k: marker in k)
-    missing, unexpected = sorted(own - set(tensors)), sorted(set(tensors) - own)
-    check(not missing and not unexpected,
-          f"DMS checkpoint {path!r}: weights do not match the gates of gate_hidden={config.gate_hidden} "
-          f"(missing {missing[:2]}, unexpected {unexpected[:2]}): load it onto the base it was trained on")
-    state = model.state_dict()
-    for key, value in tensors.items():
-        check(tuple(value.shape) == tuple(state[key].shape),
-              f"DMS checkpoint {path!r}: {key} has shape {tuple(value.shape)} but the model expects "
-              f"{tuple(state[key].shape)}: load it onto the base it was trained on")
-    with torch.no_grad():
-        for key, value in tensors.items():
-            state[key].copy_(value.to(torch.float32))
+    load_added_weights(model, path, lambda k: f".{MODULE_NAME}." in k, "DMS checkpoint",
+                       f"the gates of gate_hidden={config.gate_hidden} differ: load it onto the base it was trained on")
     return model
 
 

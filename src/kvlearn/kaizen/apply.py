@@ -129,7 +129,7 @@ def load_kaizen(model, path) -> object:
     """Re-apply the recorded :class:`KaizenMethodConfig` of checkpoint ``path`` to ``model`` (loaded by
     :func:`kvlearn.hf.load_model`) and load its selector weights. One-line errors for a missing or mismatching
     selector."""
-    from ..hf import checkpoint_tensors
+    from ..hf import load_added_weights
 
     path = os.fspath(path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -142,20 +142,8 @@ def load_kaizen(model, path) -> object:
     if isinstance(getattr(model, SELECTOR_NAME, None), KaizenSelector):
         delattr(model, SELECTOR_NAME)
     apply_kaizen(model, config)
-    prefix = SELECTOR_NAME + "."
-    tensors = checkpoint_tensors(path, lambda k: k.startswith(prefix))
-    sel = selector_of(model)
-    own = sel.state_dict()
-    got = {k[len(prefix):]: v for k, v in tensors.items()}
-    missing, unexpected = sorted(set(own) - set(got)), sorted(set(got) - set(own))
-    check(not missing and not unexpected,
-          f"kaizen checkpoint {path!r}: selector weights do not match its config (missing {missing[:2]}, "
-          f"unexpected {unexpected[:2]})")
-    for k, v in got.items():
-        check(tuple(v.shape) == tuple(own[k].shape),
-              f"kaizen checkpoint {path!r}: {prefix}{k} has shape {tuple(v.shape)}, the selector expects "
-              f"{tuple(own[k].shape)}")
-    sel.load_state_dict({k: v.to(torch.float32) for k, v in got.items()})
+    load_added_weights(selector_of(model), path, lambda k: True, "kaizen checkpoint",
+                       "the selector's weights do not fit its recorded config", prefix=SELECTOR_NAME + ".")
     return model
 
 

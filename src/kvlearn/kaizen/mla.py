@@ -263,7 +263,7 @@ def load_mla(model, path) -> None:
     """Re-apply a conversion saved with ``save_pretrained`` to ``model``, just loaded from ``path`` as the GQA model
     (its config records ``kv_lora_rank``, ``qk_rope_head_dim`` and ``kvlearn_mla_variant``): rebuild every
     :class:`~kvlearn.kaizen.mla_attention.MLAAttention` and load its tensors. :func:`kvlearn.load` calls it."""
-    from ..hf import checkpoint_tensors
+    from ..hf import load_added_weights
     from .mla_attention import MLAAttention
 
     cfg = model.config
@@ -276,12 +276,8 @@ def load_mla(model, path) -> None:
     for layer in model.model.layers:
         attn = layer.self_attn
         layer.self_attn = MLAAttention(attn, rank, rope_dim, attn.k_proj.bias is not None).to(attn.q_proj.weight.device)
-    tensors = checkpoint_tensors(path, lambda k: any(n in k for n in MLA_PARAMS))
-    expected = {k for k in model.state_dict() if any(n in k for n in MLA_PARAMS)}
-    missing = sorted(expected - set(tensors))
-    check(not missing, f"checkpoint {str(path)!r} records an MLA conversion but lacks {len(missing)} of its tensors "
-                       f"(first: {missing[0] if missing else ''}): expected a save_pretrained of a converted model")
-    model.load_state_dict({k: tensors[k] for k in expected}, strict=False)
+    load_added_weights(model, str(path), lambda k: any(n in k for n in MLA_PARAMS), "MLA checkpoint",
+                       "expected a save_pretrained of a converted model")
 
 
 __all__ = ["MLA_PARAMS", "VARIANTS", "calibrate", "check_rank", "check_rope_dim", "convert_to_mla", "factorise",

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..config import KVpopConfig
 from ..errors import KVLearnError, check, check_int
-from ..hf import attach, check_supported, checkpoint_tensors
+from ..hf import attach, check_supported, load_added_weights
 from .cache import KVpopCache
 from .modules import MODULE_NAME, KVpopModules, attention_modules, has_kvpop, kvpop_modules
 
@@ -157,20 +157,8 @@ def load_kvpop(model, path: str | os.PathLike):
           f"KVpop checkpoint {path!r} was trained on a base with (layers, kv_heads, head_dim) = {want} but the model "
           f"has {got}: load it onto the base it was trained on")
     apply_kvpop(model, config)
-    own = {k for k in model.state_dict() if f".{MODULE_NAME}." in k}
-    tensors = checkpoint_tensors(path, lambda k: f".{MODULE_NAME}." in k)
-    missing, unexpected = sorted(own - set(tensors)), sorted(set(tensors) - own)
-    check(not missing and not unexpected,
-          f"KVpop checkpoint {path!r}: weights do not match the modules of config {config.scorer!r} "
-          f"(missing {missing[:2]}, unexpected {unexpected[:2]}): expected a checkpoint saved after apply_kvpop")
-    state = model.state_dict()
-    for key, value in tensors.items():
-        check(tuple(value.shape) == tuple(state[key].shape),
-              f"KVpop checkpoint {path!r}: {key} has shape {tuple(value.shape)} but the model expects "
-              f"{tuple(state[key].shape)}: load it onto the base it was trained on")
-    with torch.no_grad():
-        for key, value in tensors.items():
-            state[key].copy_(value.to(torch.float32))
+    load_added_weights(model, path, lambda k: f".{MODULE_NAME}." in k, "KVpop checkpoint",
+                       f"the modules of scorer {config.scorer!r} differ: expected a checkpoint saved after apply_kvpop")
     return model
 
 
