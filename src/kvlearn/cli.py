@@ -293,6 +293,43 @@ def cmd_kaizen_train(args) -> int:
     return 0
 
 
+def cmd_convert_mla(args) -> int:
+    import torch
+
+    from .checkpoint import load
+    from .hf import copy_tokenizer_files, read_model_config
+    from .kaizen.mla import check_rank, check_rope_dim, convert_to_mla
+    from .testbed.data import training_batch
+    from .testbed.tasks import MAX_LENGTH, MIN_LENGTH
+    from .testbed.tokenizer import VOCAB_SIZE
+
+    config = read_model_config(args.model)  # one-line error for a missing folder or an unsupported family
+    check(config.vocab_size >= VOCAB_SIZE, f"--model {args.model!r} has a vocabulary of {config.vocab_size} tokens: "
+          f"calibration uses testbed examples, which need >= {VOCAB_SIZE} (a testbed model)")
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    check_rope_dim(args.rope_dim, kv, head_dim)  # before loading anything
+    if args.rank is not None:
+        check_rank(args.rank, kv, head_dim)
+    check_int("--calibration-examples", args.calibration_examples, 1, 4096)
+    limit = min(MAX_LENGTH, getattr(config, "max_position_embeddings", MAX_LENGTH) or MAX_LENGTH)
+    check_int("--calibration-length", args.calibration_length, MIN_LENGTH, limit)
+    out = Path(args.out)
+    check(not out.exists() or out.is_dir(), f"--out {args.out!r} is a file: expected a folder")
+    check(args.overwrite or not out.exists() or not any(out.iterdir()),
+          f"--out {args.out!r} already holds files: pass --overwrite to replace them, or choose a new folder")
+    _threads(args.threads)
+    model = load(args.model, dtype=torch.float32, device=_device(args.device))
+    ids, _ = training_batch(args.calibration_examples, args.calibration_length, args.seed, dense=False)
+    convert_to_mla(model, args.rope_dim, ids.to(next(model.parameters()).device), rank=args.rank, variant=args.variant)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    copy_tokenizer_files(args.model, out)
+    print(f"wrote {out}: MLA with latent width {model.config.kv_lora_rank} and RoPE key width {args.rope_dim}; "
+          f"train its selector with: kvlearn kaizen-train --model {out} --axes precision,rank")
+    return 0
+
+
 def cmd_testbed(args) -> int:
     from .testbed import tasks
     from .testbed.tokenizer import build_tokenizer
@@ -461,6 +498,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--num-workers", type=int, default=0, help="data-generation worker processes")
     sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     sp.set_defaults(func=cmd_kaizen_train)
+
+    sp = sub.add_parser("convert-mla", help="convert a GQA model to MLA (KV-Kaizen's rank axis), calibrated on testbed data")
+    sp.add_argument("--model", required=True, help="checkpoint folder of the GQA model (Qwen3, Qwen2, Llama, Mistral)")
+    sp.add_argument("--out", required=True, help="folder for the converted model (loadable by kvlearn.load)")
+    sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
+    sp.add_argument("--rope-dim", type=int, required=True, help="width of the shared RoPE key (even, <= kv_heads x head_dim)")
+    sp.add_argument("--rank", type=int, default=None, help="latent width (default kv_heads x head_dim; full: 2x that)")
+    sp.add_argument("--variant", default="svd", choices=("svd", "care"), help="plain SVD or activation-aware CARE")
+    sp.add_argument("--calibration-examples", type=int, default=16, help="testbed train examples for calibration")
+    sp.add_argument("--calibration-length", type=int, default=1024, help="tokens per calibration example")
+    sp.add_argument("--seed", type=int, default=0, help="calibration batch seed")
+    sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    sp.set_defaults(func=cmd_convert_mla)
 
     sp = sub.add_parser("testbed", help="print one generated example")
     sp.add_argument("--family", required=True, choices=tasks.FAMILIES, help="task family")

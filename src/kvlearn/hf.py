@@ -286,3 +286,17 @@ def load_added_weights(module: torch.nn.Module, path: str, select, what: str, mi
     with torch.no_grad():
         for key, value in tensors.items():
             own[key].copy_(value.to(own[key].dtype))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer_files(source, dest) -> None:
+    """Copy the tokenizer files of checkpoint folder ``source`` (those it has) into folder ``dest``."""
+    import os
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy2(os.path.join(source, name), os.path.join(dest, name))
+

@@ -64,6 +64,7 @@ from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_policy
 from ..kvpop.train_attention import TrainForward, use_train_attention
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
+from ..hf import copy_tokenizer_files
 from . import parallel
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 
@@ -348,12 +349,6 @@ def latest_checkpoint(out: str | os.PathLike) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def _copy_tokenizer(source: str, dest: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if os.path.isfile(os.path.join(source, name)):
-            shutil.copy2(os.path.join(source, name), dest / name)
-
-
 def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name: str, extra: dict | None = None,
                     main: bool = True) -> Path:
     """Write ``out/<name>/`` atomically: a loadable model folder (float32 safetensors, ``config.json`` with the
@@ -371,7 +366,7 @@ def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name:
         shutil.rmtree(tmp)
     tmp.mkdir()
     student.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-    _copy_tokenizer(config.model, tmp)
+    copy_tokenizer_files(config.model, tmp)
     torch.save({"step": step, "optimizer": optimizer_state, "config": asdict(config), **(extra or {})},
                tmp / STATE_FILE)
     dest = out / name
