@@ -40,3 +40,16 @@ def test_accuracy_section_ratios_to_dense_per_split_with_and_without_bookkeeping
     text = build(tmp_path)
     # the heldout h2o row is compared with the heldout dense row: 530 / 2000 in all, 500 / 2000 keys/values alone
     assert "| h2o | bounded | heldout | 1024 | 75% | vt | 1.000 | 10 | 530 | 0.265 | 0.250 |" in text
+
+
+def test_other_kinds_get_a_plain_table_and_time_guard_cuts_are_listed(tmp_path):
+    other = {"schema": "kvlearn.results.v1", "kind": "mla_conversion_error", "command": "python b.py", "commit": "c1",
+             "date": "d", "device": "cpu", "rows": [{"model": "qwen3", "error": 0.25}, {"model": "llama", "width": 8}]}
+    cut = {"schema": "kvlearn.results.v1", "kind": "accuracy", "command": "x", "commit": "c2", "date": "d",
+           "device": "cpu", "context": 4096, "not_run": ["tova/bounded/eval/B=512"], "rows": []}
+    (tmp_path / "m.json").write_text(json.dumps(other))
+    (tmp_path / "t.json").write_text(json.dumps(cut))
+    text = build(tmp_path)
+    assert "## mla_conversion_error: m" in text and "| model | error | width |" in text
+    assert "| qwen3 | 0.25 |  |" in text and "| llama |  | 8 |" in text
+    assert "Not run (time guard): tova/bounded/eval/B=512." in text

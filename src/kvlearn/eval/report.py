@@ -97,6 +97,16 @@ def testbed_section(name: str, data: dict) -> str:
     return "\n".join(out)
 
 
+def table_section(name: str, data: dict) -> str:
+    """Any other kind of results file: its rows as one table (columns in first-seen order)."""
+    rows = data["rows"]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    out = [f"## {data['kind']}: {name.removesuffix('.json')}", "", _provenance(name, data), "",
+           "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+    out += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(out)
+
+
 def build(results_dir: Path) -> str:
     sections = [INTRO]
     first = ("testbed_teacher.json", "kvpop_ops_h200.json")  # the acceptance files first, then the rest by name
@@ -110,6 +120,8 @@ def build(results_dir: Path) -> str:
             sections.append(ops_section(path.name, data))
         elif data.get("kind") == "testbed":
             sections.append(testbed_section(path.name, data))
+        else:
+            sections.append(table_section(path.name, data))
     return "\n\n".join(sections) + "\n"
 
 
