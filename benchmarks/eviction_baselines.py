@@ -53,7 +53,7 @@ def recorded_command(argv: list[str]) -> str:
     return " ".join(["python", "benchmarks/eviction_baselines.py"] + [shlex.quote(repo_relative(a)) for a in argv])
 
 
-def _list(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
+def parse_list(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
     if text == "all":
         return allowed
     names = tuple(t.strip() for t in text.split(",") if t.strip())
@@ -63,7 +63,7 @@ def _list(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
     return names
 
 
-def _budgets(text: str) -> tuple[int, ...]:
+def parse_budgets(text: str) -> tuple[int, ...]:
     try:
         budgets = tuple(int(b) for b in text.split(","))
     except ValueError:
@@ -84,12 +84,30 @@ def tiny_model():
     return Qwen3ForCausalLM(cfg).eval()
 
 
+def add_run_options(ap: argparse.ArgumentParser) -> None:
+    """The evaluation options every table script shares (tasks, sizes, time guard, device)."""
+    ap.add_argument("--tasks", default="all", help="comma list of task families or 'all'")
+    ap.add_argument("--n-per-task", type=int, default=100, help="examples per family per run")
+    ap.add_argument("--context", type=int, default=4096, help="tokens per example")
+    ap.add_argument("--sinks", type=int, default=4, help="sinks of every compressing method")
+    ap.add_argument("--batch-size", type=int, default=64, help="examples per batch")
+    ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk of the bounded cache")
+    ap.add_argument("--minutes", type=float, default=25.0, help="time guard: no batch starts after it")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+
+
+def smoke_settings(args) -> None:
+    """``--smoke``: the CPU, context 256, budgets 96 and 48, 2 examples of niah and vt (trace decodes ~100 tokens)."""
+    args.device, args.context, args.budgets, args.n_per_task, args.batch_size, args.chunk_size = "cpu", 256, "96,48", 2, 4, 64
+    args.tasks = "niah,vt" if args.tasks == "all" else args.tasks
+
+
 def plan_runs(args) -> tuple[list[EvalConfig], dict[str, str]]:
     """The configs to run, in priority order, and ``{method: why skipped}``."""
-    methods = _list(args.methods, EVICTION_METHODS, "--methods")
-    protocols = _list(args.protocols, PROTOCOLS, "--protocols")
-    splits = _list(args.splits, eval_splits(), "--splits")
-    budgets = _budgets(args.budgets)
+    methods = parse_list(args.methods, EVICTION_METHODS, "--methods")
+    protocols = parse_list(args.protocols, PROTOCOLS, "--protocols")
+    splits = parse_list(args.splits, eval_splits(), "--splits")
+    budgets = parse_budgets(args.budgets)
     common = dict(tasks=tuple(args.tasks.split(",")) if args.tasks != "all" else EvalConfig().tasks,
                   n_per_task=args.n_per_task, context=args.context, batch_size=args.batch_size,
                   chunk_size=args.chunk_size, sinks=args.sinks)
@@ -123,22 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="1024,512", help="comma list of budgets (tokens per KV head)")
     ap.add_argument("--protocols", default="all", help=f"comma list of {','.join(PROTOCOLS)} or 'all'")
     ap.add_argument("--splits", default="eval", help=f"comma list of {','.join(eval_splits())} or 'all'")
-    ap.add_argument("--tasks", default="all", help="comma list of task families or 'all'")
-    ap.add_argument("--n-per-task", type=int, default=100, help="examples per family per run")
-    ap.add_argument("--context", type=int, default=4096, help="tokens per example")
-    ap.add_argument("--sinks", type=int, default=4, help="sinks of every eviction method")
-    ap.add_argument("--batch-size", type=int, default=64, help="examples per batch")
-    ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk of the bounded cache")
-    ap.add_argument("--minutes", type=float, default=25.0, help="time guard: no batch starts after it")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    add_run_options(ap)
     ap.add_argument("--out", default=None, help="results file (default: results/baselines_table.json, "
                                                 "runs/smoke/baselines_table.json with --smoke)")
     ap.add_argument("--plot", default=None, help="Pareto plot (default: next to --out, baselines_pareto.png)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, context 256, budgets 96,48, n 2, niah and vt")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.device, args.context, args.budgets, args.n_per_task, args.batch_size, args.chunk_size = "cpu", 256, "96,48", 2, 4, 64
-        args.tasks = "niah,vt" if args.tasks == "all" else args.tasks  # trace decodes ~100 tokens: not for a smoke test
+        smoke_settings(args)
     out = Path(args.out or ("runs/smoke/baselines_table.json" if args.smoke else "results/baselines_table.json"))
     plot = Path(args.plot or out.with_name("baselines_pareto.png"))
     try:

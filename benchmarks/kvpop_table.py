@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from eviction_baselines import _budgets, _list, recorded_command, repo_relative, tiny_model  # noqa: E402
+from eviction_baselines import (parse_budgets, parse_list, add_run_options, recorded_command, repo_relative,  # noqa: E402
+                                smoke_settings, tiny_model)
 
 from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
@@ -57,10 +58,10 @@ def parse_student(text: str) -> tuple[str, str, str]:
 
 def plan_runs(args, students: list[tuple[str, str, str]]) -> list[tuple[str, str, str | None, EvalConfig]]:
     """``[(label, registry method, model path or None = the teacher, config)]`` in priority order."""
-    protocols = _list(args.protocols, PROTOCOLS, "--protocols")
-    splits = _list(args.splits, eval_splits(), "--splits")
-    baselines = _list(args.baselines, EVICTION_METHODS, "--baselines") if args.baselines != "none" else ()
-    budgets = sorted(_budgets(args.budgets))  # tightest first: it separates the methods
+    protocols = parse_list(args.protocols, PROTOCOLS, "--protocols")
+    splits = parse_list(args.splits, eval_splits(), "--splits")
+    baselines = parse_list(args.baselines, EVICTION_METHODS, "--baselines") if args.baselines != "none" else ()
+    budgets = sorted(parse_budgets(args.budgets))  # tightest first: it separates the methods
     common = dict(tasks=tuple(args.tasks.split(",")) if args.tasks != "all" else EvalConfig().tasks,
                   n_per_task=args.n_per_task, context=args.context, batch_size=args.batch_size,
                   chunk_size=args.chunk_size, sinks=args.sinks)
@@ -91,22 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="1024,512,256", help="comma list of budgets (tokens per KV head)")
     ap.add_argument("--protocols", default="bounded", help=f"comma list of {','.join(PROTOCOLS)} or 'all'")
     ap.add_argument("--splits", default="all", help=f"comma list of {','.join(eval_splits())} or 'all'")
-    ap.add_argument("--tasks", default="all", help="comma list of task families or 'all'")
-    ap.add_argument("--n-per-task", type=int, default=100, help="examples per family per run")
-    ap.add_argument("--context", type=int, default=4096, help="tokens per example")
-    ap.add_argument("--sinks", type=int, default=4, help="sinks of every method")
-    ap.add_argument("--batch-size", type=int, default=64, help="examples per batch")
-    ap.add_argument("--chunk-size", type=int, default=512, help="prefill chunk of the bounded cache")
-    ap.add_argument("--minutes", type=float, default=25.0, help="time guard: no batch starts after it")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    add_run_options(ap)
     ap.add_argument("--out", default=None, help="results file (default: results/kvpop_table.json, "
                                                 "runs/smoke/kvpop_table.json with --smoke)")
     ap.add_argument("--plot", default=None, help="plot (default: next to --out, kvpop_table.png)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models, context 256, budgets 96,48, n 2")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.device, args.context, args.budgets, args.n_per_task, args.batch_size, args.chunk_size = "cpu", 256, "96,48", 2, 4, 64
-        args.tasks = "niah,vt" if args.tasks == "all" else args.tasks
+        smoke_settings(args)
         args.baselines = "streaming,tova" if args.baselines == "all" else args.baselines
         args.student = args.student or ["kvpop_untrained=kvpop:smoke"]
     out = Path(args.out or ("runs/smoke/kvpop_table.json" if args.smoke else "results/kvpop_table.json"))

@@ -153,19 +153,9 @@ class RetrofitConfig:
             check_positive(name, getattr(self, name))
         for name in ("weight_decay", "boundary_weight"):
             check_non_negative(name, getattr(self, name))
-        check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
         check(0 <= self.late_fraction <= 1, f"late_fraction={self.late_fraction!r} is invalid: expected a number in [0, 1]")
-        check_int("warmup_steps", self.warmup_steps, 0)
-        check_int("kd_topk", self.kd_topk, 1)
         check_int("queries_per_step", self.queries_per_step, 1)
-        check_int("save_interval", self.save_interval, 1)
-        check_int("seed", self.seed, 0)
-        check_int("num_workers", self.num_workers, 0)
-        check(self.device == "cpu" or self.device.startswith("cuda"),
-              f"device={self.device!r} is invalid: expected cpu or cuda[:N]")
-        check(self.device == "cpu" or torch.cuda.is_available(),
-              f"device={self.device!r} requested but CUDA is not available: use device='cpu'")
-        check_model_folder(self.model, self.seq_len)
+        check_trainer_fields(self)
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoints")
         if self.resume:
@@ -175,6 +165,19 @@ class RetrofitConfig:
             check(self.overwrite or not out.exists() or not any(out.iterdir()),
                   f"out={self.out!r} already holds files: pass overwrite (--overwrite) to replace them, resume "
                   "(--resume) to continue, or choose a new folder")
+
+
+def check_trainer_fields(config) -> None:
+    """The checks every distillation trainer's config shares (retrofit, kaizen-train): schedule and loop integers,
+    the device, and the model folder against ``seq_len``; one-line errors."""
+    check(0 <= config.min_lr_ratio <= 1, f"min_lr_ratio={config.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
+    for name, low in (("warmup_steps", 0), ("kd_topk", 1), ("save_interval", 1), ("seed", 0), ("num_workers", 0)):
+        check_int(name, getattr(config, name), low)
+    check(config.device == "cpu" or config.device.startswith("cuda"),
+          f"device={config.device!r} is invalid: expected cpu or cuda[:N]")
+    check(config.device == "cpu" or torch.cuda.is_available(),
+          f"device={config.device!r} requested but CUDA is not available: use device='cpu'")
+    check_model_folder(config.model, config.seq_len)
 
 
 def check_model_folder(path: str, seq_len: int) -> None:

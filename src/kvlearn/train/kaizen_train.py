@@ -46,7 +46,7 @@ from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight
 from ..kaizen.sharing import KaizenTrainForward
 from ..testbed.data import IGNORE_INDEX, TestbedStream
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
-from .distill import (FINAL, LOG_FILE, check_model_folder, clear_run_outputs, kd_loss, latest_checkpoint,
+from .distill import (FINAL, LOG_FILE, check_trainer_fields, clear_run_outputs, kd_loss, latest_checkpoint,
                       load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state, save_checkpoint)
 
 __all__ = ["KaizenTrainConfig", "kaizen_train", "build_models", "step_losses", "temperature"]
@@ -116,17 +116,7 @@ class KaizenTrainConfig:
         for name in ("weight_decay", "beta", "eta", "delta", "budget_cap"):
             check_non_negative(name, getattr(self, name))
         check(self.beta <= self.budget_cap, f"beta={self.beta} is invalid: expected beta <= budget_cap={self.budget_cap}")
-        check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
-        check_int("warmup_steps", self.warmup_steps, 0)
-        check_int("kd_topk", self.kd_topk, 1)
-        check_int("save_interval", self.save_interval, 1)
-        check_int("seed", self.seed, 0)
-        check_int("num_workers", self.num_workers, 0)
-        check(self.device == "cpu" or self.device.startswith("cuda"),
-              f"device={self.device!r} is invalid: expected cpu or cuda[:N]")
-        check(self.device == "cpu" or torch.cuda.is_available(),
-              f"device={self.device!r} requested but CUDA is not available: use device='cpu'")
-        check_model_folder(self.model, self.seq_len)
+        check_trainer_fields(self)
         from ..hf import read_model_config
 
         self.method_config().check_targets(Backbone.from_config(read_model_config(self.model)))
