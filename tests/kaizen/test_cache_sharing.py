@@ -159,15 +159,16 @@ def test_bad_input_is_refused_in_one_line():
         model(input_ids=torch.ones(1, 9, dtype=torch.long), past_key_values=cache, use_cache=True)
 
 
-def test_padded_batch_equals_rows_alone():
-    model = tiny(10)
-    cfg = config(model, *CONFIGS["sharing, mixed bits"])
+def assert_padded_batch_equals_rows_alone(model, cfg, max_new_tokens: int = 5) -> None:
+    """A left-padded batch of two prompts (11 and 6 tokens) generates, through KaizenCaches of ``cfg``, what each
+    prompt generates alone: the same tokens and logits to 1e-4."""
     rows = [torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 6)]
     ids = torch.zeros(2, 11, dtype=torch.long)
     am = torch.zeros(2, 11, dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, 11 - len(r):], am[i, 11 - len(r):] = r, 1
-    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=am, past_key_values=make_cache(cfg, model.config, 16), **kw)
         for i, r in enumerate(rows):
@@ -175,6 +176,11 @@ def test_padded_batch_equals_rows_alone():
             assert out.sequences[i, 11:].tolist() == solo.sequences[0, len(r):].tolist()
             for a, b in zip(out.logits, solo.logits):
                 torch.testing.assert_close(a[i], b[0], atol=1e-4, rtol=1e-4)
+
+
+def test_padded_batch_equals_rows_alone():
+    model = tiny(10)
+    assert_padded_batch_equals_rows_alone(model, config(model, *CONFIGS["sharing, mixed bits"]))
 
 
 def test_eviction_composes_with_the_configuration():

@@ -143,21 +143,10 @@ def test_a_dynamic_cache_holds_the_latent_and_decodes_the_same(kind):
 
 
 def test_padded_batch_equals_rows_alone():
+    from test_cache_sharing import assert_padded_batch_equals_rows_alone
+
     model = converted("qwen3", 10)
-    cfg = config(model, *CONFIGS["truncated and quantized"])
-    rows = [torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 6)]
-    ids = torch.zeros(2, 11, dtype=torch.long)
-    am = torch.zeros(2, 11, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, 11 - len(r):], am[i, 11 - len(r):] = r, 1
-    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=am, past_key_values=make_cache(cfg, model.config, 16), **kw)
-        for i, r in enumerate(rows):
-            solo = model.generate(input_ids=r[None], past_key_values=make_cache(cfg, model.config, 16), **kw)
-            assert out.sequences[i, 11:].tolist() == solo.sequences[0, len(r):].tolist()
-            for a, b in zip(out.logits, solo.logits):
-                torch.testing.assert_close(a[i], b[0], atol=1e-4, rtol=1e-4)
+    assert_padded_batch_equals_rows_alone(model, config(model, *CONFIGS["truncated and quantized"]), max_new_tokens=4)
 
 
 def test_allocated_bytes_equal_the_cost_model_exactly():
