@@ -158,3 +158,33 @@ def test_dms_resume_matches_uninterrupted(teacher_path, tmp_path):
         torch.testing.assert_close(a[n], b[n], rtol=0, atol=1e-6, msg=n)
     logs = [(tmp_path / d / LOG_FILE).read_text().splitlines() for d in ("a", "b")]
     assert [json.loads(x)["closed_fraction"] for x in logs[0]] == [json.loads(x)["closed_fraction"] for x in logs[1]]
+
+
+@pytest.mark.parametrize("name", ["kvpop", "streaming_plus", "dms"])
+def test_training_forward_under_bf16_autocast(teacher_path, name):
+    """The trainer runs the student under bf16 autocast on CUDA, where a Qwen3 layer hands its attention float32
+    queries and keys (its q/k RMSNorms return float32) next to bf16 values. The same mix arises under CPU autocast:
+    every method's training attention must accept it, and its logits must stay near the float32 forward's."""
+    from kvlearn.train.distill import build_models, method_forward, student_forward
+
+    from kvlearn import KVpopConfig
+
+    config = RetrofitConfig(model=teacher_path, out="unused", method=name, seq_len=SEQ, steps=1, device="cpu",
+                            kvpop=KVpopConfig(sinks=4, window=16, topk=28, scorer="mlp"),
+                            streaming=StreamingConfig(budget=48, sinks=4) if name == "streaming_plus" else None,
+                            dms=DMSConfig(sinks=4, window=16, budget=48) if name == "dms" else None)
+    _, student = build_models(config, torch.device("cpu"))
+    student.eval()  # no dropout; DMS draws its noise from the seeded generator in both forwards
+    ids = torch.randint(3, VOCAB_SIZE, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def forward():
+        if name == "kvpop":
+            return student_forward(student, ids, config.kvpop)[0]
+        return method_forward(config, student, ids, step=0, fraction=0.5)[0]
+
+    with torch.no_grad():
+        reference = forward().float()
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+            mixed = forward().float()
+    assert torch.isfinite(mixed).all()
+    assert (mixed - reference).abs().max() < 0.05 * reference.abs().max() + 0.05

@@ -40,6 +40,7 @@ from transformers.masking_utils import sdpa_mask
 
 from ..config import DMSConfig
 from ..errors import check
+from ..ops.flex import autocast_qkv
 
 __all__ = ["TRAIN_ATTENTION", "BACKENDS", "DMSRecord", "DMSTrainForward", "shift_left", "dms_penalty", "dms_bias",
            "dms_attention", "logistic_noise", "compression_loss", "dms_train_attention", "use_train_attention"]
@@ -186,6 +187,7 @@ def dms_train_attention(module: torch.nn.Module, query: Tensor, key: Tensor, val
     check(key.shape[2] == query.shape[2],
           f"the DMS training attention needs the whole sequence in one forward (keys {key.shape[2]}, queries "
           f"{query.shape[2]}): call it without a cache")
+    query, key, value = autocast_qkv(query, key, value)
     rec = dms_train.records.get(module.layer_idx)
     check(rec is not None, "the DMS training attention found no gate logits: apply_dms(model, config) first")
     cfg = dms_train.config

@@ -31,6 +31,7 @@ from transformers.masking_utils import sdpa_mask
 from ..config import StreamingConfig
 from ..errors import check
 from ..hf import attach
+from ..ops.flex import autocast_qkv
 from .streaming import StreamingCache
 from .streaming import make_cache as _streaming_cache
 
@@ -70,6 +71,7 @@ def streaming_train_attention(module: torch.nn.Module, query: Tensor, key: Tenso
     check(key.shape[2] == query.shape[2],
           f"the StreamingLLM+ training attention needs the whole sequence in one forward (keys {key.shape[2]}, "
           f"queries {query.shape[2]}): call it without a cache")
+    query, key, value = autocast_qkv(query, key, value)
     out = streaming_attention(query, key, value, streaming_train.sinks, streaming_train.window, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

@@ -32,6 +32,7 @@ from transformers.masking_utils import sdpa_mask
 from ..config import KVpopConfig
 from ..errors import check
 from ..ops.fenwick import running_topk_cutoff
+from ..ops.flex import autocast_qkv
 from ..ops.future_target import future_attention_target
 from .attention import sparse_retention_attention
 from .policy import static_priorities
@@ -94,6 +95,7 @@ def kvpop_train_attention(
     check(key.shape[2] == query.shape[2],
           f"the KVpop training attention needs the whole sequence in one forward (keys {key.shape[2]}, queries "
           f"{query.shape[2]}): call it without a cache")
+    query, key, value = autocast_qkv(query, key, value)
     kv = getattr(module, "kvpop", None)
     check(kv is not None, "the KVpop training attention needs KVpop modules: call apply_kvpop(model, config) first")
     cfg = kvpop_train.config

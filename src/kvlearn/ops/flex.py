@@ -60,6 +60,16 @@ def flex_fn(device: torch.device) -> Callable:
     return _compiled
 
 
+def autocast_qkv(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``query``, ``key``, ``value`` in one compute dtype: the autocast dtype when autocast is on for their device
+    (what SDPA does under autocast), else the query's. Under bf16 autocast a Qwen3 layer hands over float32 queries
+    and keys (its q/k RMSNorms return float32) with bf16 values; the kvlearn kernels need one dtype."""
+    dtype = query.dtype
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def check_qkv(query, key, value) -> tuple[int, int, int, int, int]:
     """One-line errors unless ``query [B, Hq, T, D]`` and ``key, value [B, Hkv, T, D]`` are GQA attention inputs of
     one dtype and device (``Hkv`` divides ``Hq``). Returns ``(B, Hq, Hkv, T, D)``."""
