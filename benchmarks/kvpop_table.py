@@ -43,7 +43,7 @@ from eviction_baselines import (parse_budgets, parse_list, add_run_options, reco
 from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
 from kvlearn.eval.plots import plot_pareto  # noqa: E402
-from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method  # noqa: E402
+from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method, trained_options  # noqa: E402
 from kvlearn.results import make_results, write_results  # noqa: E402
 
 
@@ -69,9 +69,11 @@ def plan_runs(args, students: list[tuple[str, str, str]]) -> list[tuple[str, str
     for budget in budgets:
         for split in splits:
             for p in protocols:
-                for label, method, path in students:
+                for label, method, path in students:  # each under the pattern it was trained for (its window, scorer)
                     if p in get_method(method).protocols:
-                        runs.append((label, method, path, EvalConfig(method=method, budget=budget, split=split, protocol=p, **common)))
+                        options = trained_options(method, path) or None
+                        runs.append((label, method, path, EvalConfig(method=method, budget=budget, split=split, protocol=p,
+                                                                     options=options, **common)))
                 for m in baselines:
                     if p in get_method(m).protocols:
                         runs.append((m, m, None, EvalConfig(method=m, budget=budget, split=split, protocol=p, **common)))

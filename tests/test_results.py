@@ -26,6 +26,11 @@ def test_output_and_temporary_folders_become_variables(monkeypatch, tmp_path):
     assert command_line() == ("python benchmarks/kvpop_ops.py --quick --out=$OUT/kvpop_ops.json "
                               "--model $TMPDIR/testbed-teacher")
     assert portable_path(str(out)) == "$OUT"
+    # the model folder an accuracy file records goes through the same rewrite as its command
+    from kvlearn.cli import display_path
+
+    assert display_path(tempfile.gettempdir() + "/retrofit/final") == "$TMPDIR/retrofit/final"
+    assert display_path(str(repo_root() / "checkpoints/testbed-teacher")) == "checkpoints/testbed-teacher"
 
 
 def test_kvlearn_entry_point_and_paths_elsewhere(monkeypatch):

@@ -70,12 +70,11 @@ def _load(path: str, device: str):
 
 
 def display_path(path: str | os.PathLike) -> str:
-    """``path`` relative to the repository when it lies inside it (results files stay machine-independent)."""
-    p = Path(path).resolve()
-    try:
-        return str(p.relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
+    """``path`` as a results file records it: relative to the repository inside it, ``$OUT/...`` or
+    ``$TMPDIR/...`` under those folders (:func:`kvlearn.results.portable_path`), so results stay machine-independent."""
+    from .results import portable_path
+
+    return portable_path(str(Path(path).resolve()))
 
 
 def check_output_path(path: str | os.PathLike, option: str, suffixes: tuple[str, ...]) -> Path:
@@ -103,33 +102,21 @@ def check_model_context(path: str, context: int) -> None:
           f"--context {context} exceeds the model's max_position_embeddings={limit} ({path}): expected --context <= {limit}")
 
 
-KVPOP_LEARNED_FIELDS = ("scorer", "delayed_readout", "decay_min", "decay_max")
-
-
-def checkpoint_kvpop_options(path) -> dict:
-    """KVpop's learned fields recorded in the checkpoint folder's ``config.json`` (scorer, delayed readout, decay
-    range; the window too for a delayed mLSTM scorer, whose readout is tied to it), or ``{}`` when it records none
-    (or cannot be read: the folder checks report that later). ``kvlearn eval --method kvpop`` on a KVpop checkpoint
-    thus evaluates the checkpoint's own scorers, the mLSTM included; only the budget comes from the command line."""
-    import json
-
-    try:
-        with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
-            saved = json.load(f).get("kvpop")
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
-    if not isinstance(saved, dict):
-        return {}
-    options = {k: saved[k] for k in KVPOP_LEARNED_FIELDS if k in saved}
-    if saved.get("scorer") == "mlstm" and saved.get("delayed_readout", True) and "window" in saved:
-        options["window"] = saved["window"]
-    return options
-
-
 def _eval_config(args, method: str, budget, tasks):
     from .eval.accuracy import EvalConfig
 
-    options = checkpoint_kvpop_options(args.model) if method == "kvpop" else {}
+    from .methods import trained_options
+
+    # a trained checkpoint is evaluated under the pattern it was trained for (its scorer, window, ...), the budget
+    # from the command line; --window re-splits the budget, except for a delayed mLSTM readout, tied to its window
+    options = trained_options(method, args.model)
+    window = getattr(args, "window", None)
+    if window is not None:
+        tied = options.get("scorer") == "mlstm" and options.get("delayed_readout", True) and "window" in options
+        check(not tied or options["window"] == window,
+              f"--window {window} is invalid for this checkpoint: its delayed mLSTM readout is tied to the window it "
+              f"was trained with ({options.get('window')})")
+        options["window"] = window
     return EvalConfig(method=method, budget=budget, sinks=args.sinks, tasks=tasks, n_per_task=args.n_per_task,
                       context=args.context, batch_size=args.batch_size, split=args.split, protocol=args.protocol,
                       chunk_size=args.chunk_size, target=getattr(args, "target", None), options=options or None)
@@ -224,7 +211,8 @@ def cmd_pretrain(args) -> int:
                             **({"warmup_steps": args.warmup_steps} if args.warmup_steps is not None else {}),
                             **({"family_weights": _family_weights(args.family_weights)} if args.family_weights else {}),
                             **({"train_styles": tuple(args.train_styles.split(","))} if args.train_styles else {}),
-                            **({"train_regimes": tuple(args.train_regimes.split(","))} if args.train_regimes else {}))
+                            **({"train_regimes": tuple(args.train_regimes.split(","))} if args.train_regimes else {}),
+                            **({"plain_stages": args.plain_stages} if args.plain_stages is not None else {}))
     pretrain(config)
     return 0
 
@@ -401,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     common_eval(sp, 10, 8)
     sp.add_argument("--method", required=True, choices=method_names(), help="cache method (see: kvlearn methods)")
     sp.add_argument("--budget", type=int, default=None, help="tokens kept per KV head (every method but dense and kaizen)")
+    sp.add_argument("--window", type=int, default=None,
+                    help="recent tokens always kept, for methods with a window (kvpop, dms); the rest of the budget "
+                         "is ranked (default: the method's)")
     sp.add_argument("--target", type=float, default=None,
                     help="kaizen: target compression factor of the selector (default: the one it was trained for)")
     sp.add_argument("--out", default=None, help="results file (.json); nothing is written without it")
@@ -433,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"narrow the training haystack to these styles (comma list of {','.join(TRAIN_STYLES)}; default all)")
     sp.add_argument("--train-regimes", default=None,
                     help=f"narrow the training depth regimes (comma list of {','.join(tasks.TRAIN_REGIMES)}; default all)")
+    sp.add_argument("--plain-stages", type=int, default=None,
+                    help="the first N curriculum stages train on the plain haystack only (svo grammar, uniform depths); "
+                         "0: every stage on the varied haystacks (default: the recipe's 3)")
     sp.set_defaults(func=cmd_pretrain)
 
     sp = sub.add_parser("retrofit", help="distil a trained cache method into a model (teacher: the dense model): KVpop's "
@@ -453,8 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KVpop scorer (mlstm: the paper's stateful scorer with the delayed readout)")
     sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
-    sp.add_argument("--window", type=int, default=32,
-                    help="protected recent window (the harness's KVpop default; streaming_plus: budget - sinks)")
+    sp.add_argument("--window", type=int, default=256,
+                    help="protected recent window of kvpop and dms (the KVpop paper's 256; streaming_plus: budget - sinks)")
     sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
     sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
     sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")

@@ -64,6 +64,9 @@ class Method:
         make_prompt_cache: ``(config, model, input_ids [1, seq], attention_mask, max_new_tokens) -> Cache`` for a
             method that configures its cache from the prompt (``kaizen``); ``None``: :meth:`new_cache`.
         token_budget: whether the budget is in tokens (``False``: ``kaizen``, a compression ``target``).
+        trained_fields: config fields a trained checkpoint fixes (module ``TRAINED_FIELDS``, recorded under
+            ``config.json[config_key]``): its evaluation takes them from the checkpoint (:func:`trained_options`).
+        config_key: the ``config.json`` entry where the method records its config (module ``CONFIG_KEY``).
 
     Use :meth:`prepare` and :meth:`new_cache` rather than ``apply``/``make_cache`` directly.
     """
@@ -77,6 +80,8 @@ class Method:
     config_from_budget: Callable[..., Any] | None = None
     make_prompt_cache: Callable[..., Any] | None = None
     token_budget: bool = True
+    trained_fields: tuple[str, ...] = ()
+    config_key: str | None = None
 
     def prepare(self, model, config):
         """Make ``model`` run with this method's caches (``apply(model, config)``, or :func:`kvlearn.hf.attach`)."""
@@ -145,7 +150,8 @@ def _load_eviction(name: str) -> Method:
           f"{modname}.PROTOCOLS={protocols!r} is invalid: expected a non-empty subset of {PROTOCOLS}")
     return Method(name, str(module.SUMMARY), module.CONFIG, module.make_cache, getattr(module, "apply", None), protocols,
                   getattr(module, "config_from_budget", None), getattr(module, "make_prompt_cache", None),
-                  bool(getattr(module, "TOKEN_BUDGET", True)))
+                  bool(getattr(module, "TOKEN_BUDGET", True)), tuple(getattr(module, "TRAINED_FIELDS", ())),
+                  getattr(module, "CONFIG_KEY", None))
 
 
 _LOADED: dict[str, Method] = {"dense": DENSE}
@@ -237,3 +243,25 @@ def describe() -> list[str]:
         except KVLearnError:
             lines.append(f"{n:<{width}}  {'-':<16}  (registered; module {MODULES[n]} not in this checkout yet)")
     return lines
+
+
+def trained_options(name: str, path) -> dict:
+    """The config fields of method ``name`` that the checkpoint folder ``path`` was trained with (its
+    ``TRAINED_FIELDS`` found in ``config.json[CONFIG_KEY]``; KVpop: the scorer, its readout, the decay range and
+    the window), for ``make_config(name, budget=..., **options)``: a trained model is evaluated under the pattern it
+    was trained for, and only the budget comes from the caller. ``{}`` for a method without such fields, or a folder
+    that records none or cannot be read (the model loader reports a bad folder)."""
+    import json
+    import os
+
+    method = get_method(name)
+    if not method.trained_fields or method.config_key is None:
+        return {}
+    try:
+        with open(os.path.join(os.fspath(path), "config.json"), encoding="utf-8") as f:
+            saved = json.load(f).get(method.config_key)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+    if not isinstance(saved, dict):
+        return {}
+    return {k: saved[k] for k in method.trained_fields if k in saved}

@@ -39,3 +39,19 @@ def test_time_guard_order_and_bad_students(tmp_path):
                                    "kvpop_untrained/bounded/eval/B=48", "streaming/bounded/eval/B=48"]
     assert script.main(["--smoke", "--student", "x=kvpop", "--out", str(out)]) == 2
     assert script.main(["--smoke", "--student", "x=bogus:p", "--out", str(out)]) == 2
+
+
+def test_students_are_evaluated_under_their_trained_window_and_scorer(tmp_path):
+    """A student's rows use the fields its checkpoint records (window, scorer, ...), not the harness defaults
+    (window 32, MLP): a retrofit at window 256 is measured at window 256, with the budget from --budgets."""
+    import argparse
+
+    script = load_script()
+    (tmp_path / "config.json").write_text(json.dumps({"kvpop": {"sinks": 4, "window": 256, "topk": 764,
+                                                                 "scorer": "linear", "delayed_readout": True}}))
+    args = argparse.Namespace(protocols="bounded", splits="eval", baselines="none", budgets="1024,512", tasks="vt",
+                              n_per_task=1, context=4096, batch_size=1, chunk_size=256, sinks=4)
+    runs = script.plan_runs(args, [("kvpop", "kvpop", str(tmp_path))])
+    student = [(c.budget, c.method_config) for label, _, _, c in runs if label == "kvpop"]
+    assert [(b, cfg.window, cfg.topk, cfg.scorer) for b, cfg in student] == [(512, 256, 252, "linear"),
+                                                                            (1024, 256, 764, "linear")]

@@ -337,14 +337,15 @@ def test_kvlearn_eval_takes_an_mlstm_checkpoints_learned_fields(tmp_path, capsys
     """``kvlearn eval --method kvpop`` on a saved mLSTM KVpop checkpoint: the scorer, readout, decay range and the
     delayed readout's window come from its config.json (the registry default would be the MLP scorer), so the
     bounded protocol evaluates the checkpoint's own mLSTM scorers through chunked prefill."""
-    from kvlearn.cli import checkpoint_kvpop_options, main
+    from kvlearn.cli import main
+    from kvlearn.methods import trained_options
 
     model, config, _ = mlstm_harness_model(True)
     model.save_pretrained(tmp_path)
-    options = checkpoint_kvpop_options(tmp_path)
+    options = trained_options("kvpop", tmp_path)
     assert options == {"scorer": "mlstm", "delayed_readout": True, "decay_min": config.decay_min,
                        "decay_max": config.decay_max, "window": 32}
-    assert checkpoint_kvpop_options(tmp_path / "nope") == {}
+    assert trained_options("kvpop", tmp_path / "nope") == {} and trained_options("streaming", tmp_path) == {}
     out = tmp_path / "rows.json"
     code = main(["eval", "--model", str(tmp_path), "--method", "kvpop", "--budget", "48", "--context", "256",
                  "--tasks", "vt", "--n-per-task", "1", "--batch-size", "1", "--chunk-size", "64", "--device", "cpu",
@@ -352,3 +353,28 @@ def test_kvlearn_eval_takes_an_mlstm_checkpoints_learned_fields(tmp_path, capsys
     assert code == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["method"] == "kvpop" and row["options"]["scorer"] == "mlstm" and row["n"] == 1
+
+
+def test_kvlearn_eval_window_option(tmp_path, capsys):
+    """``--window`` sets the protected window of a KVpop evaluation (recorded in the row; the ranked slots are the
+    rest of the budget); a delayed mLSTM checkpoint refuses another window than its own; a method without a free
+    window says so in one line."""
+    from kvlearn.cli import main
+
+    model, _, _ = mlstm_harness_model(False)  # an immediate readout: any window
+    model.save_pretrained(tmp_path / "mlp")
+    out = tmp_path / "rows.json"
+    args = ["--context", "256", "--tasks", "vt", "--n-per-task", "1", "--batch-size", "1", "--device", "cpu"]
+    assert main(["eval", "--model", str(tmp_path / "mlp"), "--method", "kvpop", "--budget", "48", "--window", "20",
+                 "--out", str(out), *args]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["options"]["window"] == 20 and row["budget"] == 48
+    mlstm, _, _ = mlstm_harness_model(True)
+    mlstm.save_pretrained(tmp_path / "mlstm")
+    capsys.readouterr()
+    assert main(["eval", "--model", str(tmp_path / "mlstm"), "--method", "kvpop", "--budget", "48", "--window", "20",
+                 *args]) != 0
+    err = capsys.readouterr().err
+    assert "--window 20 is invalid" in err and "tied to the window it was trained with (32)" in err
+    assert main(["eval", "--method", "streaming", "--budget", "48", "--window", "20", *args]) != 0
+    assert "window=20 is invalid" in capsys.readouterr().err

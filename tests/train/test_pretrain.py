@@ -88,3 +88,28 @@ def test_family_weights_per_stage_and_narrowed_haystack(tmp_path):
     assert {(e.family, e.style, e.regime) for e in rows} == {("trace", "salad", "tail")}
     with pytest.raises(KVLearnError, match="verb_first"):
         PretrainConfig(train_styles=("verb_first",), **stages)
+
+
+def test_plain_stages_draw_only_the_plain_haystack_then_the_training_ones(tmp_path):
+    """The first ``plain_stages`` stages' rows are svo/uniform only; later stages draw every training style and
+    regime (never a held-out one); ``plain_stages`` beyond the stage count covers all; a negative value is one line."""
+    from kvlearn.testbed.data import batch_examples
+    from kvlearn.testbed.filler import HELDOUT_STYLES, TRAIN_STYLES
+    from kvlearn.testbed.tasks import HELDOUT_REGIMES
+    from kvlearn.train.pretrain import stage_haystack
+
+    stages = dict(stages=(256, 512, 1024), stage_fractions=(0.2, 0.3, 0.5), out=str(tmp_path / "a"))
+    config = PretrainConfig(plain_stages=2, **stages)
+    seen = []
+    for stage in range(3):
+        styles, regimes = stage_haystack(config, stage)
+        rows = [e for seed in range(4) for e in batch_examples(64, 256, seed, styles=styles, regimes=regimes)]
+        seen.append({(e.style, e.regime) for e in rows})
+    assert seen[0] == seen[1] == {("svo", "uniform")}
+    later_styles, later_regimes = {s for s, _ in seen[2]}, {r for _, r in seen[2]}
+    assert later_styles == set(TRAIN_STYLES) and len(later_regimes) == 4
+    assert not later_styles & set(HELDOUT_STYLES) and not later_regimes & set(HELDOUT_REGIMES)
+    assert stage_haystack(PretrainConfig(plain_stages=9, **stages), 2) == (("svo",), ("uniform",))
+    assert stage_haystack(PretrainConfig(plain_stages=0, train_styles=("salad",), **stages), 0) == (("salad",), None)
+    with pytest.raises(KVLearnError, match="plain_stages"):
+        PretrainConfig(plain_stages=-1, **stages)

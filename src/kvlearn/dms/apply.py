@@ -32,6 +32,9 @@ from .gates import MODULE_NAME, DMSGate, decoder_layers, dms_gates, has_dms
 __all__ = ["apply_dms", "has_dms", "dms_gates", "make_dms_cache", "load_dms", "recorded_config", "config_from_budget"]
 
 CONFIG_KEY = "dms"  # the entry of model.config
+# fields a trained checkpoint fixes for its evaluation (kvlearn.methods.trained_options); the gates' own learned
+# fields come from the modules themselves (:func:`apply`)
+TRAINED_FIELDS = ("window",)
 LEARNED_FIELDS = ("gate_hidden", "alpha_scale", "alpha_offset")
 
 

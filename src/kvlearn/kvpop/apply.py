@@ -36,6 +36,8 @@ __all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kv
            "recorded_config", "config_from_budget"]
 
 CONFIG_KEY = "kvpop"  # the entry of model.config
+# fields a trained checkpoint fixes for its evaluation (kvlearn.methods.trained_options); the budget's top-k is free
+TRAINED_FIELDS = ("scorer", "delayed_readout", "decay_min", "decay_max", "window")
 
 # ----------------------------------------------------------------------------------------------------------------
 # model structure

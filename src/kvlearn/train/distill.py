@@ -90,7 +90,8 @@ class RetrofitConfig:
     out: str = field(default_factory=default_out)
     overwrite: bool = False  # an existing non-empty ``out`` is refused unless this is set (or resume)
     resume: bool = False  # continue from the newest step-<N> checkpoint in ``out``
-    kvpop: KVpopConfig = field(default_factory=lambda: KVpopConfig(window=32, topk=988, scorer="mlp"))
+    # budget 1024 = 4 sinks + the KVpop paper's window of 256 (its Table 3) + top-764
+    kvpop: KVpopConfig = field(default_factory=lambda: KVpopConfig(window=256, topk=764, scorer="mlp"))
     # which trained method: kvpop (the config above), streaming_plus (``streaming``) or dms (``dms``)
     method: str = "kvpop"
     streaming: StreamingConfig | None = None

@@ -66,6 +66,10 @@ class PretrainConfig:
     # narrow the training haystack to these styles / depth regimes (None: every training one, drawn by the seed)
     train_styles: tuple[str, ...] | None = None
     train_regimes: tuple[str, ...] | None = None
+    # the first ``plain_stages`` curriculum stages (all of them if there are fewer) train on the plain haystack only
+    # (style ``svo``, depths ``uniform``), the later ones on ``train_styles`` / ``train_regimes``: the name -> value
+    # lookups formed by the 1024 stage on the plain haystack and late or never on the varied ones (docs/TESTBED.md)
+    plain_stages: int = 3
     # optimisation
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
@@ -97,6 +101,7 @@ class PretrainConfig:
         check_int("num_workers", self.num_workers, 0)
         self.train_styles = check_haystack_subset(self.train_styles, TRAIN_STYLES, "train_styles")
         self.train_regimes = check_haystack_subset(self.train_regimes, testbed_tasks.TRAIN_REGIMES, "train_regimes")
+        check_int("plain_stages", self.plain_stages, 0)
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoint")
         check(self.overwrite or not out.exists() or not any(out.iterdir()) or out == Path(self.resume or "\0"),
@@ -130,6 +135,17 @@ def stage_family_weights(config: PretrainConfig, stage: int) -> tuple[float, ...
     if w is None or not isinstance(w[0], tuple):
         return w
     return w[stage]
+
+
+PLAIN_STYLE, PLAIN_REGIME = "svo", "uniform"
+
+
+def stage_haystack(config: PretrainConfig, stage: int) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+    """``(styles, regimes)`` the training rows of curriculum stage ``stage`` draw from (None: every training one):
+    the plain haystack in the first ``plain_stages`` stages, ``train_styles`` / ``train_regimes`` after."""
+    if stage < config.plain_stages:
+        return (PLAIN_STYLE,), (PLAIN_REGIME,)
+    return config.train_styles, config.train_regimes
 
 
 def build_model(config: PretrainConfig, tokenizer) -> Qwen3ForCausalLM:
@@ -249,7 +265,9 @@ def model_card(log: dict) -> str:
         "- Haystacks: training styles and depth regimes only (`kvlearn.testbed.filler.TRAIN_STYLES`,"
         + (f" narrowed to {', '.join(c['train_styles'])}" if c.get("train_styles") else "")
         + (f"; regimes narrowed to {', '.join(c['train_regimes'])}" if c.get("train_regimes") else "") + ",",
-        "  `kvlearn.testbed.tasks.TRAIN_REGIMES`); the `heldout` split's style and regime were never seen.", "",
+        "  `kvlearn.testbed.tasks.TRAIN_REGIMES`); the `heldout` split's style and regime were never seen."
+        + (f" The first {min(c.get('plain_stages', 0), len(c['stages']))} stage(s) train on the plain haystack only "
+           f"({PLAIN_STYLE}, {PLAIN_REGIME} depths)." if c.get("plain_stages") else ""), "",
         "Teacher-forced answer accuracy at the end of each stage (64 examples per family unless the log says",
         "otherwise; greedy accuracy through the caches is in the repository's `results/testbed_teacher.json`):", "",
         "| stage length | minutes | split | " + " | ".join(testbed_tasks.FAMILIES) + " |",
@@ -289,9 +307,10 @@ def pretrain(config: PretrainConfig) -> dict:
     def loader(stage: int):
         length = config.stages[stage]
         rows = config.tokens_per_step // length // d.world
+        styles, regimes = stage_haystack(config, stage)
         stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world,
                               dense=config.dense_fraction, weights=stage_family_weights(config, stage),
-                              styles=config.train_styles, regimes=config.train_regimes)
+                              styles=styles, regimes=regimes)
         return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                 pin_memory=device.type == "cuda", persistent_workers=False,
                                                 prefetch_factor=4 if config.num_workers else None))
