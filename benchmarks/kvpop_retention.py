@@ -1,0 +1,151 @@
+"""What does a KVpop model keep? Retention against its teacher policy, per layer, on testbed prompts.
+
+    python benchmarks/kvpop_retention.py --model runs/kvpop-student --family vt --n 4 \\
+        --out results/raw/NAME.json --heatmap results/raw/NAME.png
+
+For ``n`` eval-split prompts of ``--family`` at ``--length``, one teacher-forced forward under the KVpop training
+attention (the running top-k of the model's learned priorities; the CPU dense-mask twin) records, per layer, the
+learned ranks and cutoffs and the future-attention target. The *teacher policy* is the running top-k of the
+target's effective scores (``kvlearn.kvpop.policy.teacher_policy``: what the boundary loss trains the scorers
+towards). Reported per layer and KV head:
+
+- ``recall``: the share of the teacher policy's retained eligible tokens that the learned policy retains too, at
+  ``--queries`` query positions sampled as in training (the paper's Figure 7 analog; ``retention_recall`` of the
+  trainer's log, per layer);
+- ``needles``: at the query that starts the answer, the share of the example's needed prompt tokens
+  (``Example.needed_spans``: needles and the final question) older than the window that the learned policy keeps,
+  and that the teacher policy keeps (``needles_teacher``). Learned far below teacher: the scorers have not learned
+  their target yet; teacher itself low: the target does not single the needles out at this budget.
+
+``--window W`` re-splits the same budget (``topk = budget - sinks - W``), the target included. ``--heatmap``: for
+the first example, which prompt tokens each layer/KV head keeps at the answer query (the paper's Figure 6 analog),
+needles marked. CPU; about a minute per example at length 4096 on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+
+import kvlearn
+from kvlearn.kvpop.apply import recorded_config
+from kvlearn.kvpop.policy import sample_query_positions, teacher_policy
+from kvlearn.kvpop.train_attention import TrainForward, use_train_attention
+from kvlearn.ops.masks import retention_mask_dense
+from kvlearn.results import make_results, write_results
+from kvlearn.testbed import tasks
+from kvlearn.train.distill import retention_recall
+
+
+def kept_row(ranks, cutoffs, config, query: int) -> torch.Tensor:
+    """bool ``[kv_heads, T]``: the keys that query ``query`` attends under ``(ranks, cutoffs)`` (batch 1)."""
+    return retention_mask_dense(ranks, cutoffs, config.sinks, config.window)[0, :, query]
+
+
+def measure(model, config, example, queries: torch.Tensor) -> dict:
+    """Per-layer ``[layers, kv_heads]`` recall / needles / needles_teacher and the answer-query rows of one example."""
+    prompt_len = len(example.prompt_ids)
+    needed = torch.tensor(tasks.needed_positions(example))
+    needed = needed[needed < prompt_len - config.window]  # older than the window: only the policy keeps them
+    state = TrainForward(config)
+    model(input_ids=torch.tensor([example.prompt_ids + example.answer_ids]), kvpop_train=state, use_cache=False)
+    recall, learned, teacher, rows = [], [], [], []
+    for layer in sorted(state.records):
+        r = state.records[layer]
+        policy = teacher_policy(r.target, r.log_gamma, config.sinks, config.window, config.topk)
+        recall.append(torch.tensor([retention_recall(r.ranks[:, h:h + 1], r.cutoffs[:, h:h + 1],
+                                                     policy.ranks[:, h:h + 1], policy.cutoffs[:, h:h + 1],
+                                                     queries, config.sinks, config.window)
+                                    for h in range(r.ranks.shape[1])]))
+        row = kept_row(r.ranks, r.cutoffs, config, prompt_len - 1)
+        learned.append(row[:, needed].float().mean(-1))
+        teacher.append(kept_row(policy.ranks, policy.cutoffs, config, prompt_len - 1)[:, needed].float().mean(-1))
+        rows.append(row[:, :prompt_len])
+    return {"recall": torch.stack(recall), "needles": torch.stack(learned), "needles_teacher": torch.stack(teacher),
+            "rows": torch.stack(rows), "needed": needed, "n_needed": len(needed)}
+
+
+def plot_heatmap(rows: torch.Tensor, needed: torch.Tensor, path: str, title: str) -> None:
+    """``rows`` bool ``[layers, kv_heads, P]`` as a layers x heads by position image; needles marked below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L, H, P = rows.shape
+    fig, ax = plt.subplots(figsize=(12, 0.3 * L * H + 1.2))
+    ax.imshow(rows.reshape(L * H, P).float().numpy(), aspect="auto", interpolation="nearest", cmap="Greys")
+    ax.scatter(needed.numpy(), [L * H - 0.5 + 0.6] * len(needed), marker="^", s=12, color="tab:red", clip_on=False,
+               label="needed tokens")
+    ax.set_yticks(range(L * H), [f"L{i // H} H{i % H}" for i in range(L * H)], fontsize=6)
+    ax.set_xlabel("prompt position (black: kept at the query that starts the answer)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def rounded(t: torch.Tensor) -> list:
+    return [[round(float(x), 3) for x in row] for row in t]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a KVpop checkpoint folder (kvlearn retrofit's final/)")
+    p.add_argument("--family", default="vt", choices=tasks.FAMILIES)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--window", type=int, default=None, help="re-split the budget with this window")
+    p.add_argument("--queries", type=int, default=64, help="query positions for the retention recall")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    p.add_argument("--heatmap", default=None, help="PNG of the first example's retention")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    model = kvlearn.load(args.model, dtype=torch.float32, device="cpu")
+    config = recorded_config(model)
+    if config is None:
+        print(f"kvpop_retention: error: {args.model!r} holds no KVpop modules: expected a kvlearn retrofit output",
+              file=sys.stderr)
+        return 2
+    if args.window is not None:
+        budget = config.sinks + config.window + config.topk
+        config = dataclasses.replace(config, window=args.window, topk=budget - config.sinks - args.window)
+    use_train_attention(model)
+    if args.length > config.sinks + config.window + config.topk:  # as in training (a full long-range budget)
+        queries = sample_query_positions(args.length, config.sinks, config.window, config.topk, args.queries,
+                                         generator=torch.Generator().manual_seed(0))
+    else:  # the budget holds the whole prompt: any query past the window
+        queries = torch.linspace(config.sinks + config.window, args.length - 1, args.queries).long()
+    examples, sums = [], {}
+    for i in range(args.n):
+        ex = tasks.generate(args.family, tasks.example_seed(args.family, "eval", i), args.length)
+        m = measure(model, config, ex, queries)
+        keys = ("recall", "needles", "needles_teacher") if m["n_needed"] else ("recall",)
+        for k in keys:
+            sums.setdefault(k, []).append(m[k])
+        examples.append({"index": i, "style": ex.style, "regime": ex.regime, "needed_before_window": m["n_needed"],
+                         **{k: round(float(m[k].mean()), 3) for k in keys}})
+        print(examples[-1], flush=True)
+        if i == 0 and args.heatmap:
+            plot_heatmap(m["rows"], m["needed"], args.heatmap,
+                         f"{args.family} example 0 ({ex.style}, {ex.regime}): kept keys at the answer query, "
+                         f"budget {config.sinks}+{config.window}+{config.topk}")
+    row = {"model": args.model, "family": args.family, "length": args.length, "sinks": config.sinks,
+           "window": config.window, "topk": config.topk, "queries": args.queries, "examples": examples,
+           **{f"{k}_by_layer_head": rounded(torch.stack(v).mean(0)) for k, v in sums.items()},
+           **{f"{k}_mean": round(float(torch.stack(v).mean()), 3) for k, v in sums.items()}}
+    for k in sums:
+        print(f"{k} [layer x kv head]:", row[f"{k}_by_layer_head"])
+    if args.out:
+        write_results(args.out, make_results("probe", [row], device="cpu", model=args.model))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

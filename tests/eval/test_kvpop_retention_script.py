@@ -1,0 +1,83 @@
+"""benchmarks/kvpop_retention.py on a tiny KVpop checkpoint (testbed vocabulary, GQA 2 KV heads x 2 query heads):
+with a budget that keeps every token every share is 1; with a tight one the shares are fractions that match a
+brute-force recount from the dense retention mask; the heatmap is written; a non-KVpop folder is one line."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from kvlearn import KVpopConfig
+from kvlearn.kvpop.apply import apply_kvpop
+from kvlearn.testbed.tokenizer import VOCAB_SIZE
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("kvpop_retention", BENCH / "kvpop_retention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def checkpoint(path, window, topk):
+    torch.manual_seed(3)
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      pad_token_id=0, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg)
+    apply_kvpop(model, KVpopConfig(sinks=4, window=window, topk=topk, scorer="mlp"))
+    for p in model.parameters():  # random scorers, so the learned ranking is neither recency nor the target's
+        if p.dim() == 1 and p.numel() < 16:
+            torch.nn.init.normal_(p, std=1.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_everything_kept_gives_ones_and_a_tight_budget_fractions(tmp_path, capsys):
+    script = load_script()
+    out = tmp_path / "r.json"
+    full = checkpoint(tmp_path / "full", window=16, topk=300)
+    assert script.main(["--model", full, "--length", "256", "--n", "1", "--queries", "8", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["recall_mean"] == row["needles_mean"] == row["needles_teacher_mean"] == 1.0
+
+    tight = checkpoint(tmp_path / "tight", window=16, topk=24)
+    png = tmp_path / "h.png"
+    assert script.main(["--model", tight, "--family", "niah", "--length", "256", "--n", "1", "--queries", "8",
+                        "--out", str(out), "--heatmap", str(png)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert 0.0 <= row["recall_mean"] <= 1.0 and png.stat().st_size > 1000
+    assert (row["window"], row["topk"]) == (16, 24)
+    # brute force: the learned share of needed tokens kept at the answer query, from the full dense mask
+    import kvlearn
+    from kvlearn.kvpop.train_attention import TrainForward, use_train_attention
+    from kvlearn.ops.masks import retention_mask_dense
+    from kvlearn.testbed import tasks
+
+    model = kvlearn.load(tight, dtype=torch.float32, device="cpu")
+    use_train_attention(model)
+    ex = tasks.generate("niah", tasks.example_seed("niah", "eval", 0), 256)
+    P = len(ex.prompt_ids)
+    need = [t for t in tasks.needed_positions(ex) if t < P - 16]
+    state = TrainForward(model.config.kvpop if isinstance(model.config.kvpop, KVpopConfig)
+                         else KVpopConfig(**model.config.kvpop))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ex.prompt_ids + ex.answer_ids]), kvpop_train=state, use_cache=False)
+    shares = []
+    for layer in sorted(state.records):
+        r = state.records[layer]
+        mask = retention_mask_dense(r.ranks, r.cutoffs, 4, 16)[0, :, P - 1]
+        shares += [sum(bool(mask[h, t]) for t in need) / len(need) for h in range(mask.shape[0])]
+    assert abs(row["needles_mean"] - sum(shares) / len(shares)) < 1e-3
+
+    plain = tmp_path / "plain"
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)).save_pretrained(plain)
+    capsys.readouterr()
+    assert script.main(["--model", str(plain), "--length", "256", "--n", "1"]) == 2
+    assert "holds no KVpop modules" in capsys.readouterr().err
