@@ -63,7 +63,7 @@ def method_or_skip(name: str):
         pytest.skip(str(e))
     if not method.token_budget:
         pytest.skip(f"{name} keeps every token at a compression target, chosen per prompt: its harness rows and "
-                    "cache equivalence are tested in tests/kaizen/test_selector_train.py")
+                    "cache equivalence are tested in tests/kaizen/test_selector_train.py and test_batched_eval.py")
     return method
 
 

@@ -17,9 +17,12 @@ contract test matrix) resolves a method here, so a method registered once is eva
   the right one.
 - ``kaizen`` (:mod:`kvlearn.kaizen.apply`): a learned method whose budget is a compression factor, not tokens
   (``TOKEN_BUDGET = False``: ``make_config(name, target=...)`` without ``budget``), and whose cache depends on the
-  prompt: ``make_prompt_cache(config, model, input_ids, attention_mask, max_new_tokens)`` (its selector runs once
-  per prompt); the harness then evaluates one prompt per batch. Its prompt-independent baselines ``kaizen_static``
-  and ``kaizen_random`` (:mod:`kvlearn.kaizen.fixed`) follow the same contract.
+  prompt (:mod:`kvlearn.kaizen.prompt`): ``prompt_choices(config, model, input_ids, attention_mask)`` (one choice
+  per row, its selector run once on each prompt alone), ``make_choice_cache(config, model, choice, capacity)`` and
+  ``make_prompt_cache(config, model, input_ids, attention_mask, max_new_tokens)`` (rows that choose alike); the
+  harness groups a batch's rows by their choice and runs each group through its own cache. Its
+  prompt-independent baselines ``kaizen_static`` and ``kaizen_random`` (:mod:`kvlearn.kaizen.fixed`) follow the
+  same contract.
 
 Modules are imported lazily, on :func:`get_method`: a method whose module is not in this checkout fails with a
 one-line :class:`~kvlearn.errors.KVLearnError` when it is asked for, never when this module is imported.
@@ -61,8 +64,13 @@ class Method:
         protocols: the evaluation protocols the method defines, a subset of :data:`PROTOCOLS`.
         config_from_budget: ``(budget=, sinks=, context=, **extra) -> config`` for a config class that does not
             take ``budget`` itself (KVpop's ``sinks + window + topk``); ``None``: ``config_cls(budget=, sinks=, ...)``.
-        make_prompt_cache: ``(config, model, input_ids [1, seq], attention_mask, max_new_tokens) -> Cache`` for a
-            method that configures its cache from the prompt (``kaizen``); ``None``: :meth:`new_cache`.
+        make_prompt_cache: ``(config, model, input_ids [batch, seq], attention_mask, max_new_tokens) -> Cache`` for
+            a method that configures its cache from the prompt (``kaizen``; the rows must choose alike); ``None``:
+            :meth:`new_cache`. Such a method also has the two below.
+        prompt_choices: ``(config, model, input_ids [batch, seq], attention_mask [batch, seq]) -> list`` of one
+            choice per row (compared with ``==``), each made from the row's real tokens alone.
+        make_choice_cache: ``(config, model, choice, capacity) -> Cache``: the cache of one choice, ``capacity``
+            tokens (prompt columns + generated + 1).
         token_budget: whether the budget is in tokens (``False``: ``kaizen``, a compression ``target``).
         trained_fields: config fields a trained checkpoint fixes (module ``TRAINED_FIELDS``, recorded under
             ``config.json[config_key]``): its evaluation takes them from the checkpoint (:func:`trained_options`).
@@ -79,6 +87,8 @@ class Method:
     protocols: tuple[str, ...] = PROTOCOLS
     config_from_budget: Callable[..., Any] | None = None
     make_prompt_cache: Callable[..., Any] | None = None
+    prompt_choices: Callable[..., Any] | None = None
+    make_choice_cache: Callable[..., Any] | None = None
     token_budget: bool = True
     trained_fields: tuple[str, ...] = ()
     config_key: str | None = None
@@ -148,8 +158,12 @@ def _load_eviction(name: str) -> Method:
     protocols = tuple(module.PROTOCOLS)
     check(protocols and set(protocols) <= set(PROTOCOLS),
           f"{modname}.PROTOCOLS={protocols!r} is invalid: expected a non-empty subset of {PROTOCOLS}")
+    per_prompt = [a for a in ("make_prompt_cache", "prompt_choices", "make_choice_cache") if hasattr(module, a)]
+    check(len(per_prompt) in (0, 3), f"module {modname} implements {', '.join(per_prompt)} but not all of "
+                                     "make_prompt_cache, prompt_choices and make_choice_cache")
     return Method(name, str(module.SUMMARY), module.CONFIG, module.make_cache, getattr(module, "apply", None), protocols,
                   getattr(module, "config_from_budget", None), getattr(module, "make_prompt_cache", None),
+                  getattr(module, "prompt_choices", None), getattr(module, "make_choice_cache", None),
                   bool(getattr(module, "TOKEN_BUDGET", True)), tuple(getattr(module, "TRAINED_FIELDS", ())),
                   getattr(module, "CONFIG_KEY", None))
 

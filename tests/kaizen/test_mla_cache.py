@@ -3,7 +3,8 @@
 Llama: absorbed decode).
 
 - prefill + token-by-token decoding through the cache equals the ``use_cache=False`` forward with the same actions
-  (rank truncation and precision) to 1e-4, and so does ``generate()``; a left-padded batch equals its rows alone;
+  (rank truncation and precision) to 1e-4, and so does ``generate()``, and the ``context`` protocol (a dense
+  context forward, then a question chunk and decoding); a left-padded batch equals its rows alone;
 - the absorbed decode equals the decompressed one; a plain ``DynamicCache`` holds ``(k_R, c)`` and decodes the same;
 - the cache holds exactly the bytes of the cost model (hand-computed);
 - sharing layers (depth on MLA) attend their anchor's expanded K/V, in the forward, the cache and the training
@@ -262,3 +263,22 @@ def test_kaizen_static_uses_the_rank_axis_on_a_converted_model():
     assert rho == min(c.compression(metadata=False) for c in uniform if c.compression(metadata=False) >= 4.0)
     # precision alone on the full latent: (64 + 16) x 4 bits is only 3.2x, so 2 bits
     assert static_config(backbone, 4.0, axes=("precision",)) == KaizenConfig.static(backbone, 2)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_context_protocol_through_the_latent_store_equals_the_mla_forward(kind):
+    """The ``context`` protocol on MLA: the context in one full-attention forward (stored as truncated, quantized
+    latents), then a multi-token question chunk, then decoding, equals the no-cache forward to 1e-4."""
+    from kvlearn.cache import prefill
+
+    model = converted(kind)
+    cfg = config(model, *CONFIGS["truncated and quantized"])
+    ids = torch.randint(1, VOCAB, (2, 30), generator=torch.Generator().manual_seed(3))
+    cache = make_cache(cfg, model.config, capacity=32)
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False, kaizen_config=cfg).logits
+        last = prefill(model, cache, ids[:, :20], dense=True)  # [batch, vocab]: the context's last column
+        got = decode_through(model, cache, ids[:, 20:], 4)
+    torch.testing.assert_close(last, ref[:, 19], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, ref[:, 20:], atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == 30

@@ -6,6 +6,12 @@ a family's ``score`` decides exact match. Every row names its ``method``, ``prot
 the cache's allocated bytes at the end of the batch divided by its rows (``store_bytes``: the keys/values alone,
 without the slot positions and scores a compact cache keeps beside them); ``peak_kv_bytes`` the same for the cache's
 peak during the batch when the cache reports one (``CompactCache.peak_bytes(chunk)`` of its largest forward).
+
+A method whose cache depends on the prompt (``kaizen``: ``Method.prompt_choices``) is batched by grouping: each row's
+choice is made from its prompt alone, the batch's rows are grouped by equal choice (:func:`group_by_choice`) and
+each group runs as its own left-padded sub-batch through one cache of its choice (:func:`answer_batch`). Each
+example's generation is scored on its own ``new_tokens`` (greedy decoding is causal, so what a batch generates
+beyond them does not count), so a batch scores every example as it would score alone.
 """
 
 from __future__ import annotations
@@ -173,18 +179,98 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
     return row
 
 
+def new_tokens(example) -> int:
+    """Tokens generated for ``example``: its answer with ``<eos>``, plus 32 for ``trace`` (its reasoning before
+    "answer :")."""
+    return len(example.answer_ids) + (32 if example.family == "trace" else 0)
+
+
+def group_by_choice(choices: list) -> list[tuple[object, list[int]]]:
+    """``[(choice, row indices)]``: the rows grouped by equal choice (``==``), groups in order of first appearance,
+    rows in their order, so the groups list every row once."""
+    groups: list[tuple[object, list[int]]] = []
+    for i, c in enumerate(choices):
+        for choice, rows in groups:
+            if choice == c:
+                rows.append(i)
+                break
+        else:
+            groups.append((c, [i]))
+    return groups
+
+
+@dataclass
+class Answer:
+    """One example's generation and the cache bytes charged to it.
+
+    ``tokens``: the generated ids, the example's first :func:`new_tokens` at most; ``kv_bytes``/``store_bytes``/
+    ``peak_kv_bytes``: its cache's (allocated, keys/values alone, peak) divided by the rows of its (sub-)batch
+    (``peak_kv_bytes`` ``None`` for a ``DynamicCache``); ``factor``/``target``: the realised compression and the target
+    of a KV-Kaizen cache (``None`` otherwise)."""
+
+    tokens: list[int]
+    kv_bytes: int
+    store_bytes: int
+    peak_kv_bytes: int | None = None
+    factor: float | None = None
+    target: float | None = None
+
+
+@torch.no_grad()
+def answer_batch(model, config: EvalConfig, examples: list, pad_id: int = 0, eos_id=None) -> list[Answer]:
+    """Generate the answers of ``examples`` (one batch) under ``config`` (its method prepared on ``model``).
+
+    A prompt-independent method runs them as one left-padded batch through one cache. A method with
+    ``prompt_choices`` (``kaizen``) chooses per row from the row's prompt alone, and each group of rows with equal
+    choices runs as its own sub-batch through a cache of that choice (``make_choice_cache``, capacity: the group's
+    prompt columns + its largest :func:`new_tokens` + 1). Answers come back in the order of ``examples``.
+    """
+    method = get_method(config.method)
+    device = next(model.parameters()).device
+    if method.prompt_choices is None:
+        groups = [(None, list(range(len(examples))))]
+    else:
+        whole = layout(examples, config.protocol, pad_id, config.chunk_size)
+        groups = group_by_choice(method.prompt_choices(config.method_config, model, whole.ids, whole.mask))
+    answers: list[Answer | None] = [None] * len(examples)
+    for choice, rows in groups:
+        group = [examples[i] for i in rows]
+        max_new = max(new_tokens(ex) for ex in group)
+        padded = layout(group, config.protocol, pad_id, config.chunk_size)
+        padded.ids, padded.mask = padded.ids.to(device), padded.mask.to(device)
+        if choice is None:
+            cache = config.make_cache(model)
+        else:
+            cache = method.make_choice_cache(config.method_config, model, choice, padded.ids.shape[1] + max_new + 1)
+        out = run_batch(model, cache, padded, config.protocol, max_new, chunk_size=config.chunk_size,
+                        pad_id=pad_id, eos_id=eos_id)
+        n = len(group)
+        # the largest forward: one prefill chunk (bounded), or the whole context at once (context)
+        largest = padded.split if config.protocol == "context" else min(config.chunk_size, padded.ids.shape[1])
+        peak = peak_cache_bytes(cache, largest)
+        kaizen = choice is not None and hasattr(cache, "config")
+        for j, (i, ex) in enumerate(zip(rows, group)):
+            answers[i] = Answer(out[j, :new_tokens(ex)].tolist(), cache_bytes(cache) // n,
+                                cache_bytes(cache, keys_values_only=True) // n, None if peak is None else peak // n,
+                                cache.config.compression(metadata=False) if kaizen else None,
+                                float(cache.target) if kaizen else None)
+        del cache
+    return answers
+
+
 @torch.no_grad()
 def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float | None = None, bar=None,
              clock=time.monotonic) -> list[dict]:
     """Greedy exact-match accuracy per task family; returns result rows of schema ``kvlearn.results.v1``.
 
-    ``deadline`` (a ``clock()`` value, ``time.monotonic`` by default): no new batch starts after it; the rows measured so far are
-    returned, those with fewer than ``n_per_task`` examples marked ``"incomplete": True`` (tasks never started are
-    left out). ``bar``: an outer tqdm bar to advance instead of a bar of this call.
+    Examples run in batches of ``config.batch_size`` (:func:`answer_batch`; a prompt-dependent method in groups of
+    equal choice within each batch). ``deadline`` (a ``clock()`` value, ``time.monotonic`` by default): no new batch
+    starts after it; the rows measured so far are returned, those with fewer than ``n_per_task`` examples marked
+    ``"incomplete": True`` (tasks never started are left out). ``bar``: an outer tqdm bar to advance instead of a
+    bar of this call.
     """
     method = get_method(config.method)
     method.prepare(model, config.method_config)
-    device = next(model.parameters()).device
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     eos_id = model.config.eos_token_id
     own_bar = bar is None
@@ -197,41 +283,24 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
             break
         result = TaskResult(task)
         examples = examples_for(config, task)
-        per_prompt = method.make_prompt_cache is not None  # the cache depends on the prompt: one row per batch
-        rows_per_batch = 1 if per_prompt else config.batch_size
-        for start in range(0, len(examples), rows_per_batch):
+        for start in range(0, len(examples), config.batch_size):
             if deadline is not None and clock() >= deadline:
                 break
-            batch = examples[start : start + rows_per_batch]
-            max_new = max(len(ex.answer_ids) for ex in batch) + (32 if task == "trace" else 0)
-            padded = layout(batch, config.protocol, pad_id, config.chunk_size)
-            padded.ids, padded.mask = padded.ids.to(device), padded.mask.to(device)
-            if per_prompt:
-                cache = method.make_prompt_cache(config.method_config, model, padded.ids, padded.mask, max_new)
-            else:
-                cache = config.make_cache(model)
-            out = run_batch(model, cache, padded, config.protocol, max_new, chunk_size=config.chunk_size,
-                            pad_id=pad_id, eos_id=eos_id)
-            per_example_bytes = cache_bytes(cache) // len(batch)
-            per_example_store = cache_bytes(cache, keys_values_only=True) // len(batch)
-            # the largest forward: one prefill chunk (bounded), or the whole context at once (context)
-            largest = padded.split if config.protocol == "context" else min(config.chunk_size, padded.ids.shape[1])
-            peak = peak_cache_bytes(cache, largest)
-            for i, ex in enumerate(batch):
-                ok = bool(testbed_tasks.score(ex, out[i].tolist()))
+            batch = examples[start : start + config.batch_size]
+            for ex, answer in zip(batch, answer_batch(model, config, batch, pad_id, eos_id)):
+                ok = bool(testbed_tasks.score(ex, answer.tokens))
                 result.correct += ok
                 result.n += 1
-                result.kv_bytes.append(per_example_bytes)
-                result.store_bytes.append(per_example_store)
-                if peak is not None:
-                    result.peak_kv_bytes.append(peak // len(batch))
-                if per_prompt and hasattr(cache, "config"):
-                    result.factors.append(cache.config.compression(metadata=False))
-                    result.targets.append(float(cache.target))
+                result.kv_bytes.append(answer.kv_bytes)
+                result.store_bytes.append(answer.store_bytes)
+                if answer.peak_kv_bytes is not None:
+                    result.peak_kv_bytes.append(answer.peak_kv_bytes)
+                if answer.factor is not None:
+                    result.factors.append(answer.factor)
+                    result.targets.append(answer.target)
                 v = result.by_variant.setdefault(ex.variant or task, [0, 0])
                 v[0] += ok
                 v[1] += 1
-            del cache
             bar.update(len(batch))
             bar.set_postfix(task=task, acc=f"{result.accuracy:.2f}")
         if result.n:

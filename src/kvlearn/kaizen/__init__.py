@@ -8,8 +8,9 @@
   per-forward anchor dictionary for training, the cache for decoding).
 
 - :mod:`~kvlearn.kaizen.selector`: the per-prompt selector (Gumbel straight-through, budget-conditioned);
-- :mod:`~kvlearn.kaizen.apply`: the ``kaizen`` method (apply, save/load, per-prompt caches);
+- :mod:`~kvlearn.kaizen.apply`: the ``kaizen`` method (apply, save/load, per-prompt choices and caches);
   :mod:`~kvlearn.kaizen.fixed`: the ``kaizen_static`` and ``kaizen_random`` baselines;
+  :mod:`~kvlearn.kaizen.prompt`: the per-prompt contract the harness batches by (one choice per row, read alone);
 - training: :mod:`kvlearn.train.kaizen_train` (``kvlearn kaizen-train``).
 
 - :mod:`~kvlearn.kaizen.mla`: ``convert_to_mla`` (GQA -> MLA: shared decoupled RoPE key, balanced joint SVD / CARE);

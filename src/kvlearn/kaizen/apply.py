@@ -7,10 +7,11 @@ attaches the ``kvlearn_kaizen`` attention (:func:`kvlearn.kaizen.sharing.attach`
 it and loads the selector's weights (:func:`load_kaizen`).
 
 Registry entry (:mod:`kvlearn.methods`): ``CONFIG``, ``SUMMARY``, ``PROTOCOLS``, ``apply``, ``config_from_budget``
-(a target compression factor, not a token budget: every token is kept) and ``make_prompt_cache(config, model,
-input_ids, attention_mask, max_new_tokens)``: the selector runs once on the prompt (argmax of its logits at the
-target) and the cache is a :class:`~kvlearn.kaizen.cache.KaizenCache` of the chosen configuration, which holds for
-the whole generation. The harness calls it once per prompt (batches of one row: rows may choose differently).
+(a target compression factor, not a token budget: every token is kept) and the per-prompt contract of
+:mod:`kvlearn.kaizen.prompt`: ``prompt_choices`` runs the selector once on each prompt alone (argmax of its logits at
+the target), ``make_choice_cache`` builds the :class:`~kvlearn.kaizen.cache.KaizenCache` of one chosen
+configuration, which holds for the whole generation, and ``make_prompt_cache`` does both for rows that agree. The
+harness groups a batch's rows by their choice and runs each group through its own cache.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import torch
 from ..errors import KVLearnError, check, check_int
 from .actions import Backbone, check_axes, check_budget
 from .cache import KaizenCache
+from .prompt import choice_cache, one_choice, prompt_capacity, prompt_rows
 from .selector import SELECTOR_NAME, KaizenSelector
 
-__all__ = ["KaizenMethodConfig", "apply_kaizen", "selector_of", "load_kaizen", "select", "make_prompt_cache",
-           "config_from_budget", "CONFIG_KEY"]
+__all__ = ["KaizenMethodConfig", "apply_kaizen", "selector_of", "load_kaizen", "select", "prompt_choices",
+           "make_choice_cache", "make_prompt_cache", "config_from_budget", "CONFIG_KEY"]
 
 CONFIG_KEY = "kaizen"  # the entry of model.config
 
@@ -166,7 +168,7 @@ def select(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
 CONFIG = KaizenMethodConfig
 SUMMARY = ("KV-Kaizen: a learned selector picks per prompt each layer's precision (2/4/8/16 bits) or sharing of an "
            "earlier layer's cache, at a target compression (--target); every token kept")
-PROTOCOLS = ("bounded",)
+PROTOCOLS = ("bounded", "context")
 TOKEN_BUDGET = False  # its budget is a compression factor, not tokens
 
 
@@ -186,15 +188,35 @@ def make_cache(config: KaizenMethodConfig, model):
                        "input_ids, attention_mask, max_new_tokens)")
 
 
+def resolved_target(config: KaizenMethodConfig, model) -> float:
+    """The target the selector is conditioned on: ``config.target``, else the model's recorded one, else 1.0."""
+    if config.target is not None:
+        return float(config.target)
+    recorded = recorded_config(model)
+    return recorded.resolved_target if recorded is not None else 1.0
+
+
+def prompt_choices(config: KaizenMethodConfig, model, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor | None) -> list:
+    """One :class:`~kvlearn.kaizen.actions.KaizenConfig` per row of ``input_ids [batch, seq]``: the selector's
+    argmax on the row's real tokens alone (``[1, n_i]``, :func:`kvlearn.kaizen.prompt.prompt_rows`), so a row
+    chooses the same in any batch, layout or protocol."""
+    target = resolved_target(config, model)
+    return [select(model, row, None, target)[0][0] for row in prompt_rows(input_ids, attention_mask)]
+
+
+def make_choice_cache(config: KaizenMethodConfig, model, choice, capacity: int) -> KaizenCache:
+    """The :class:`KaizenCache` of one chosen configuration ``choice`` with ``capacity`` slots per own layer."""
+    return choice_cache(choice, capacity, resolved_target(config, model))
+
+
 def make_prompt_cache(config: KaizenMethodConfig, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                       max_new_tokens: int) -> KaizenCache:
-    """The :class:`KaizenCache` of the selector's choice for one prompt ``input_ids [1, seq]`` (capacity: the prompt
-    width + ``max_new_tokens``)."""
-    check(input_ids.shape[0] == 1, f"method 'kaizen' selects per prompt: expected one row, got {input_ids.shape[0]}")
-    configs, _ = select(model, input_ids, attention_mask, config.target)
-    cache = KaizenCache(configs[0], capacity=input_ids.shape[1] + max_new_tokens + 1)
-    cache.target = config.target if config.target is not None else recorded_config(model).resolved_target
-    return cache
+    """The :class:`KaizenCache` of the selector's choice for the prompts ``input_ids [batch, seq]`` (capacity: the
+    prompt width + ``max_new_tokens`` + 1). Every row must choose the same configuration (a single prompt always
+    does); a one-line error otherwise."""
+    choice = one_choice(prompt_choices(config, model, input_ids, attention_mask))
+    return make_choice_cache(config, model, choice, prompt_capacity(input_ids.shape[1], max_new_tokens))
 
 
 def config_from_budget(budget=None, sinks: int = 4, context: int | None = None, target: float | None = None,

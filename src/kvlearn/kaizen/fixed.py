@@ -10,8 +10,10 @@
 - **random** (:func:`KaizenConfig.random`): a seeded random configuration meeting the target with little slack.
 
 Both keep every token, need no trained modules (``apply``: :func:`kvlearn.kaizen.sharing.attach`), and build a
-:class:`~kvlearn.kaizen.cache.KaizenCache` sized to the prompt (``make_prompt_cache``), so the harness reports
-their realised ``factor`` and ``target`` like ``kaizen``'s.
+:class:`~kvlearn.kaizen.cache.KaizenCache` sized to the prompt under the per-prompt contract of
+:mod:`kvlearn.kaizen.prompt` (every row chooses the same configuration, so a batch is one group), so the harness
+reports their realised ``factor`` and ``target`` like ``kaizen``'s. Protocols: ``bounded`` and ``context`` (every
+token kept: the two attend the same stored keys and values).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..errors import KVLearnError, check, check_int
 from ..ops.quant import BITS
 from .actions import Backbone, KaizenConfig, LayerAction, check_axes, check_budget
 from .cache import KaizenCache
+from .prompt import choice_cache, one_choice, prompt_capacity, prompt_rows
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,23 @@ def static_config(backbone: Backbone, target: float, axes=None) -> KaizenConfig:
     return best[1]
 
 
-def fixed_prompt_cache(config_fn, config: FixedConfig, model, input_ids, attention_mask, max_new_tokens: int):
+def fixed_prompt_choices(config_fn, config: FixedConfig, model, input_ids, attention_mask) -> list[KaizenConfig]:
+    """``config_fn(backbone, config)`` for every row of ``input_ids [batch, seq]`` (the same configuration: it does
+    not read the prompt)."""
     kc = config_fn(Backbone.from_config(model.config), config)
-    cache = KaizenCache(kc, capacity=input_ids.shape[1] + max_new_tokens + 1)
-    cache.target = float(config.target)
-    return cache
+    return [kc] * len(prompt_rows(input_ids, attention_mask))
+
+
+def fixed_choice_cache(config: FixedConfig, model, choice: KaizenConfig, capacity: int) -> KaizenCache:
+    """Registry ``make_choice_cache``: the :class:`KaizenCache` of ``choice``, recording ``config.target``."""
+    return choice_cache(choice, capacity, config.target)
+
+
+def fixed_prompt_cache(config_fn, config: FixedConfig, model, input_ids, attention_mask, max_new_tokens: int):
+    """Registry ``make_prompt_cache``: the cache of ``config_fn``'s configuration sized to the prompts
+    ``input_ids [batch, seq]`` plus ``max_new_tokens``."""
+    choice = one_choice(fixed_prompt_choices(config_fn, config, model, input_ids, attention_mask))
+    return fixed_choice_cache(config, model, choice, prompt_capacity(input_ids.shape[1], max_new_tokens))
 
 
 def apply(model, config: FixedConfig):
