@@ -63,7 +63,8 @@ def method_or_skip(name: str):
         pytest.skip(str(e))
     if not method.token_budget:
         pytest.skip(f"{name} keeps every token at a compression target, chosen per prompt: its harness rows and "
-                    "cache equivalence are tested in tests/kaizen/test_selector_train.py and test_batched_eval.py")
+                    "cache equivalence are tested in tests/kaizen/ (test_selector_train.py, test_batched_eval.py, "
+                    "test_dp_search.py)")
     return method
 
 
@@ -123,7 +124,8 @@ def test_method_contract(name, protocol, kind):
 def test_every_registered_method_is_listed_with_its_protocols():
     assert method_names()[:2] == ("dense", "streaming")
     assert set(method_names()) == {"dense", "streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random",
-                                   "kvpop", "streaming_plus", "dms", "kaizen", "kaizen_static", "kaizen_random"}
+                                   "kvpop", "streaming_plus", "dms", "kaizen", "kaizen_static", "kaizen_random",
+                                   "kaizen_dp"}
     for name in method_names():
         try:
             m = get_method(name)

@@ -393,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="recent tokens always kept, for methods with a window (kvpop, dms); the rest of the budget "
                          "is ranked (default: the method's)")
     sp.add_argument("--target", type=float, default=None,
-                    help="kaizen: target compression factor of the selector (default: the one it was trained for)")
+                    help="kaizen and its baselines (kaizen_static, kaizen_random, kaizen_dp): target compression "
+                         "factor (kaizen's default: the one it was trained for)")
     sp.add_argument("--out", default=None, help="results file (.json); nothing is written without it")
     sp.add_argument("--plot", default=None, help=f"plot file ({', '.join(PLOT_SUFFIXES)}); needs --out")
     sp.set_defaults(func=cmd_eval)

@@ -21,8 +21,9 @@ contract test matrix) resolves a method here, so a method registered once is eva
   per row, its selector run once on each prompt alone), ``make_choice_cache(config, model, choice, capacity)`` and
   ``make_prompt_cache(config, model, input_ids, attention_mask, max_new_tokens)`` (rows that choose alike); the
   harness groups a batch's rows by their choice and runs each group through its own cache. Its
-  prompt-independent baselines ``kaizen_static`` and ``kaizen_random`` (:mod:`kvlearn.kaizen.fixed`) follow the
-  same contract.
+  prompt-independent baselines ``kaizen_static`` and ``kaizen_random`` (:mod:`kvlearn.kaizen.fixed`) and
+  ``kaizen_dp`` (:mod:`kvlearn.kaizen.dp_method`: the offline DP search, calibrated in ``apply``) follow the same
+  contract.
 
 Modules are imported lazily, on :func:`get_method`: a method whose module is not in this checkout fails with a
 one-line :class:`~kvlearn.errors.KVLearnError` when it is asked for, never when this module is imported.
@@ -42,11 +43,12 @@ from .errors import KVLearnError, check
 
 PROTOCOLS: tuple[str, ...] = ("bounded", "context")
 EVICTION_METHODS: tuple[str, ...] = ("streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random")
-LEARNED_METHODS: tuple[str, ...] = ("kvpop", "streaming_plus", "dms", "kaizen", "kaizen_static", "kaizen_random")
+LEARNED_METHODS: tuple[str, ...] = ("kvpop", "streaming_plus", "dms", "kaizen", "kaizen_static", "kaizen_random",
+                                     "kaizen_dp")
 MODULES: dict[str, str] = {**{n: f"kvlearn.eviction.{n}" for n in EVICTION_METHODS}, "kvpop": "kvlearn.kvpop.apply",
                            "streaming_plus": "kvlearn.eviction.streaming_plus", "dms": "kvlearn.dms.apply",
                            "kaizen": "kvlearn.kaizen.apply", "kaizen_static": "kvlearn.kaizen.static_method",
-                           "kaizen_random": "kvlearn.kaizen.random_method"}
+                           "kaizen_random": "kvlearn.kaizen.random_method", "kaizen_dp": "kvlearn.kaizen.dp_method"}
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ brute-force recount from the dense retention mask; the heatmap is written; a non
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch

@@ -55,8 +55,9 @@ def model():
 
 
 def eval_config(method="kaizen", protocol="bounded", batch_size=6, tasks=TASKS, n=6):
+    options = {"examples": 1, "length": 128} if method == "kaizen_dp" else None  # a small calibration for the DP
     return EvalConfig(method=method, context=CONTEXT, tasks=tasks, n_per_task=n, batch_size=batch_size,
-                      protocol=protocol, chunk_size=CHUNK, target=TARGET)
+                      protocol=protocol, chunk_size=CHUNK, target=TARGET, options=options)
 
 
 def choices_of(model, config, examples):
@@ -110,7 +111,7 @@ def test_batched_rows_equal_rows_alone(model, protocol, monkeypatch):
     assert len({r["factor"] for r in rows}) >= 1 and all(r["factor"] > 1.0 for r in rows)
 
 
-@pytest.mark.parametrize("method", ["kaizen", "kaizen_static", "kaizen_random"])
+@pytest.mark.parametrize("method", ["kaizen", "kaizen_static", "kaizen_random", "kaizen_dp"])
 def test_context_generates_what_bounded_generates(model, method):
     """Every token kept: both protocols attend the same stored (quantized, shared) keys and values."""
     for protocol in ("bounded", "context"):

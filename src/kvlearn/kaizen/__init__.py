@@ -11,6 +11,8 @@
 - :mod:`~kvlearn.kaizen.apply`: the ``kaizen`` method (apply, save/load, per-prompt choices and caches);
   :mod:`~kvlearn.kaizen.fixed`: the ``kaizen_static`` and ``kaizen_random`` baselines;
   :mod:`~kvlearn.kaizen.prompt`: the per-prompt contract the harness batches by (one choice per row, read alone);
+  :mod:`~kvlearn.kaizen.dp_search` and :mod:`~kvlearn.kaizen.dp_method`: the ``kaizen_dp`` baseline (per-layer loss
+  increases on calibration rows, an exact DP under the budget);
 - training: :mod:`kvlearn.train.kaizen_train` (``kvlearn kaizen-train``).
 
 - :mod:`~kvlearn.kaizen.mla`: ``convert_to_mla`` (GQA -> MLA: shared decoupled RoPE key, balanced joint SVD / CARE);
