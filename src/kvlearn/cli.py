@@ -388,13 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("eval", help="accuracy of one method on the testbed")
     common_eval(sp, 10, 8)
     sp.add_argument("--method", required=True, choices=method_names(), help="cache method (see: kvlearn methods)")
-    sp.add_argument("--budget", type=int, default=None, help="tokens kept per KV head (every method but dense and kaizen)")
+    sp.add_argument("--budget", type=int, default=None, help="tokens kept per KV head (every method but dense and the kaizen ones; "
+                         "kaizen+snapkv and kaizen+kvpop take both --budget and --target)")
     sp.add_argument("--window", type=int, default=None,
                     help="recent tokens always kept, for methods with a window (kvpop, dms); the rest of the budget "
                          "is ranked (default: the method's)")
     sp.add_argument("--target", type=float, default=None,
                     help="kaizen and its baselines (kaizen_static, kaizen_random, kaizen_dp): target compression "
-                         "factor (kaizen's default: the one it was trained for)")
+                         "factor (kaizen's default: the one it was trained for); kaizen+snapkv, kaizen+kvpop: the "
+                         "total factor, representation x context/budget")
     sp.add_argument("--out", default=None, help="results file (.json); nothing is written without it")
     sp.add_argument("--plot", default=None, help=f"plot file ({', '.join(PLOT_SUFFIXES)}); needs --out")
     sp.set_defaults(func=cmd_eval)

@@ -192,7 +192,7 @@ def test_eviction_composes_with_the_configuration():
     model = tiny(11)
     scfg = streaming.StreamingConfig(budget=9, sinks=2)
     ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
-    policy = lambda: streaming.StreamingPolicy(scfg)  # noqa: E731
+    policy = lambda l: streaming.StreamingPolicy(scfg)  # noqa: E731
     got = decode_through(model, KaizenCache(KaizenConfig.static(Backbone.from_config(model.config), 4), 9, policy),
                          ids, 1)
     ref = decode_through(model, streaming.make_cache(scfg, model.config, store_factory=lambda: PackedStore(4)), ids, 1)

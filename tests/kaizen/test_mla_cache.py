@@ -187,7 +187,7 @@ def test_bad_input_is_refused_in_one_line():
         (lambda: gqa(input_ids=ids, kaizen_config=KaizenConfig.static(mla_like, rank=8)), "mla_rank.*the model has"),
         (lambda: make_cache(KaizenConfig.static(mla_like, rank=8), gqa.config, 8), "mla_rank.*the model has"),
         (lambda: make_cache(KaizenConfig.static(other_rope), model.config, 8), "rope_dim=8 differs from the model's 16"),
-        (lambda: KaizenCache(KaizenConfig.static(backbone), 8, policy_factory=lambda: None), "policy_factory"),
+        (lambda: KaizenCache(KaizenConfig.static(backbone), 8, policy_factory=lambda l: None), "policy_factory"),
         (lambda: Backbone.from_model(broken), "config says MLA .* attention modules are GQA"),
     ]
     for make, message in cases:

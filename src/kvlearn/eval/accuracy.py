@@ -167,9 +167,10 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
         row["options"] = dict(config.options)
     if result.peak_kv_bytes:
         row["peak_kv_bytes"] = int(sum(result.peak_kv_bytes) / len(result.peak_kv_bytes))
-    if result.factors:  # a compression-factor method (kaizen): every token kept, the bits per token reduced
-        row["budget"] = config.context
-        row["sinks"] = None
+    if result.factors:  # a compression-factor method (kaizen): the bits per token reduced, every token kept ...
+        kept = getattr(config.method_config, "budget", None)  # ... or `budget` of them (kaizen+snapkv/kvpop)
+        row["budget"] = config.context if kept is None else kept
+        row["sinks"] = None if kept is None else config.method_config.sinks
         row["factor"] = round(sum(result.factors) / len(result.factors), 6)
         row["target"] = round(sum(result.targets) / len(result.targets), 6)
         row["compression"] = round(1.0 - 1.0 / row["factor"], 6)
@@ -248,11 +249,11 @@ def answer_batch(model, config: EvalConfig, examples: list, pad_id: int = 0, eos
         # the largest forward: one prefill chunk (bounded), or the whole context at once (context)
         largest = padded.split if config.protocol == "context" else min(config.chunk_size, padded.ids.shape[1])
         peak = peak_cache_bytes(cache, largest)
-        kaizen = choice is not None and hasattr(cache, "config")
+        kaizen = choice is not None and hasattr(cache, "realised_factor")
         for j, (i, ex) in enumerate(zip(rows, group)):
             answers[i] = Answer(out[j, :new_tokens(ex)].tolist(), cache_bytes(cache) // n,
                                 cache_bytes(cache, keys_values_only=True) // n, None if peak is None else peak // n,
-                                cache.config.compression(metadata=False) if kaizen else None,
+                                cache.realised_factor() if kaizen else None,
                                 float(cache.target) if kaizen else None)
         del cache
     return answers

@@ -13,6 +13,8 @@
   :mod:`~kvlearn.kaizen.prompt`: the per-prompt contract the harness batches by (one choice per row, read alone);
   :mod:`~kvlearn.kaizen.dp_search` and :mod:`~kvlearn.kaizen.dp_method`: the ``kaizen_dp`` baseline (per-layer loss
   increases on calibration rows, an exact DP under the budget);
+  :mod:`~kvlearn.kaizen.compose` (with :mod:`~kvlearn.kaizen.compose_snapkv`, :mod:`~kvlearn.kaizen.compose_kvpop`):
+  ``kaizen+snapkv`` and ``kaizen+kvpop``, eviction over a Kaizen configuration at one total factor;
 - training: :mod:`kvlearn.train.kaizen_train` (``kvlearn kaizen-train``).
 
 - :mod:`~kvlearn.kaizen.mla`: ``convert_to_mla`` (GQA -> MLA: shared decoupled RoPE key, balanced joint SVD / CARE);

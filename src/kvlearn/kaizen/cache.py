@@ -7,8 +7,9 @@ Layer ``l`` with action:
 - ``bits = 16``: the same layer on a :class:`~kvlearn.cache.PlainStore` (the model dtype);
 - ``share``: a :class:`~kvlearn.cache.BorrowedLayer` of its anchor (no buffers).
 
-Every own layer runs the no-eviction :class:`~kvlearn.cache.KeepAllPolicy` over ``capacity`` slots (or the policy of
-``policy_factory``: eviction composes with the configuration, as in the paper's section 3.4), and attends the chunk
+Every own layer runs the no-eviction :class:`~kvlearn.cache.KeepAllPolicy` over ``capacity`` slots (or the policy
+``policy_factory(l)`` of layer ``l``: eviction composes with the configuration, as in the paper's section 3.4;
+:mod:`kvlearn.kaizen.compose` builds the ``kaizen+snapkv``/``kaizen+kvpop`` caches that way), and attends the chunk
 of a multi-token forward as its store reads it back (``attend_stored_form``), so prefill and decoding attend exactly
 what a training forward with fake-quantized K/V attends.
 
@@ -35,7 +36,9 @@ class KaizenCache(CompactCache):
     """A cache of per-layer stores following ``config`` (module docstring). Run it through
     :func:`kvlearn.kaizen.attach` ed models: ``model.generate(..., past_key_values=cache)``."""
 
-    def __init__(self, config: KaizenConfig, capacity: int, policy_factory: Callable[[], Policy] | None = None):
+    eviction_factor = 1.0  # context / budget of a composed cache (kvlearn.kaizen.compose); 1.0: every token kept
+
+    def __init__(self, config: KaizenConfig, capacity: int, policy_factory: Callable[[int], Policy] | None = None):
         check(isinstance(config, KaizenConfig), f"config={config!r} is not a KaizenConfig")
         check_int("capacity", capacity, 1)
         backbone = config.backbone
@@ -51,11 +54,16 @@ class KaizenCache(CompactCache):
                 store = LatentStore(d, backbone.rope_dim, action.bits)
             else:
                 store = store_for_bits(action.bits)
-            policy = policy_factory() if policy_factory is not None else KeepAllPolicy(capacity)
+            policy = policy_factory(l) if policy_factory is not None else KeepAllPolicy(capacity)
             layers.append(CompactLayer(policy, store, attend_stored_form=True))
         super().__init__(layers)
         self.config = config
         self.capacity = capacity
+
+    def realised_factor(self) -> float:
+        """The cache reduction the harness reports as ``factor``: the configuration's ``C_ref / C`` (no metadata)
+        times :attr:`eviction_factor` (``context / budget`` under eviction, :mod:`kvlearn.kaizen.compose`)."""
+        return self.config.compression(metadata=False) * self.eviction_factor
 
     def check_model(self, num_layers: int, model=None) -> None:
         super().check_model(num_layers, model)
@@ -64,9 +72,9 @@ class KaizenCache(CompactCache):
 
 
 def make_cache(config: KaizenConfig, model_config, capacity: int,
-               policy_factory: Callable[[], Policy] | None = None) -> KaizenCache:
+               policy_factory: Callable[[int], Policy] | None = None) -> KaizenCache:
     """A :class:`KaizenCache` of ``config`` for a model of ``model_config`` (checked against the config's backbone);
-    ``capacity`` slots per own layer (prompt + generated tokens)."""
+    ``capacity`` slots per own layer (prompt + generated tokens); ``policy_factory(l)``: own layer ``l``'s policy."""
     config.backbone.check_model(model_config)
     return KaizenCache(config, capacity, policy_factory)
 
