@@ -1,0 +1,117 @@
+"""benchmarks/kaizen_memory.py --smoke: a row per configuration and context, cache bytes within 5% of the cost model,
+the expected compression against bf16, the time guard, the summary rewrite, and one-line errors for bad flags."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kaizen_memory.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("kaizen_memory", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    script = load_script()
+    out = tmp_path_factory.mktemp("kzmem") / "kaizen_memory.json"
+    assert script.main(["--smoke", "--out", str(out)]) == 0
+    return script, out, json.loads(out.read_text())
+
+
+def test_smoke_rows_for_every_configuration_and_context(smoke):
+    script, _, data = smoke
+    assert data["schema"] == "kvlearn.results.v1" and data["kind"] == "kaizen_memory" and data["complete"] is True
+    assert data["command"].startswith("python benchmarks/kaizen_memory.py --smoke")
+    assert all(data[k] for k in ("commit", "date", "device"))
+    assert data["not_run"] == [] and data["contexts"] == [256, 512]
+    keys = [(r["config"], r["context"]) for r in data["rows"]]
+    assert keys == [(c, t) for t in (256, 512) for c in script.CONFIGS]
+    for r in data["rows"]:
+        assert "error" not in r
+        for field in ("peak_bytes", "cache_bytes", "cost_model_bytes", "decode_ms_per_token", "ratio_to_bf16"):
+            assert field in r
+        assert r["method"] == r["config"] and r["budget"] == r["context"]
+        assert r["capacity"] == r["context"] + r["decode_steps"] + r["warmup_steps"]
+        assert r["decode_ms_per_token"] > 0 and r["cache_bytes"] >= r["store_bytes"] > 0
+    assert data["model"]["kv_heads"] == 4 and data["model"]["head_dim"] == 128
+
+
+def test_cache_bytes_within_five_percent_of_the_cost_model(smoke):
+    _, _, data = smoke
+    for r in data["rows"]:
+        assert r["cache_over_cost_model"] == r["cache_bytes"] / r["cost_model_bytes"]
+        assert abs(r["cache_over_cost_model"] - 1) <= 0.05, (r["config"], r["cache_over_cost_model"])
+        if r["config"] != "kivi2":  # a Kaizen store allocates exactly the cost model; the rest is slot positions
+            assert r["store_bytes"] == r["cost_model_bytes"]
+    assert data["summary"]["cache_bytes_within_5pct_of_cost_model"] is True
+
+
+def test_compression_against_bf16(smoke):
+    _, _, data = smoke
+    d = data["model"]["head_dim"]
+    for context in (256, 512):
+        rows = {r["config"]: r for r in data["rows"] if r["context"] == context}
+        bf16 = rows["bf16"]["store_bytes"]
+        # 4 bits: a quarter of bf16 plus one bf16 scale per stored vector of d elements
+        assert rows["int4"]["store_bytes"] / bf16 == pytest.approx((4 * d + 16) / (16 * d), rel=1e-9)
+        assert 0.25 < rows["int4"]["ratio_to_bf16"]["cache_bytes"] < 0.27
+        # groups of 4 layers: one anchor in four keeps a cache
+        assert rows["share4"]["store_bytes"] / bf16 == pytest.approx(0.25, rel=1e-9)
+        assert rows["share4"]["ratio_to_bf16"]["cache_bytes"] == pytest.approx(0.25, rel=1e-3)
+        # MLA r + d_R = 192 elements per token and layer against 2 n_kv d_h = 1024 (smoke shape)
+        assert rows["mla_r128"]["store_bytes"] / bf16 == pytest.approx(192 / 1024, rel=1e-9)
+        composed = (192 * 4 + 32) / (4 * 1024 * 16)
+        assert rows["composed"]["store_bytes"] / bf16 == pytest.approx(composed, rel=1e-9)
+        assert rows["kivi2"]["ratio_to_bf16"]["cache_bytes"] < 0.5
+        assert rows["bf16"]["ratio_to_bf16"] == {"cache_bytes": 1.0, "peak_bytes": None, "decode_peak_bytes": None,
+                                                 "decode_ms_per_token": 1.0}
+
+
+def test_summary_rewrite(smoke, tmp_path):
+    script, out, data = smoke
+    copy = tmp_path / "merged.json"
+    data = dict(data, summary={})
+    copy.write_text(json.dumps(data))
+    assert script.main(["--summarise", str(copy)]) == 0
+    summary = json.loads(copy.read_text())["summary"]
+    assert summary["cache_bytes_within_5pct_of_cost_model"] is True
+    assert summary["int4_decode_over_bf16_at_512"] > 0
+
+
+def test_time_guard_lists_rows_not_run(tmp_path):
+    script = load_script()
+    out = tmp_path / "t.json"
+    assert script.main(["--smoke", "--minutes", "0", "--contexts", "256", "--configs", "int4", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["rows"] == [] and data["complete"] is False
+    assert data["not_run"] == ["bf16@256", "int4@256"]  # bf16 always runs first: the ratios' reference
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--configs", "int3"], "--configs 'int3': unknown int3"),
+    (["--contexts", "16k"], "--contexts '16k' is invalid"),
+    (["--contexts", "0"], "--contexts '0' is invalid"),
+    (["--decode", "0"], "--decode=0 is invalid"),
+    (["--kivi-group", "32", "--kivi-residual", "48"], "--kivi-residual=48 is invalid"),
+    (["--mla-rank", "100"], "rank=100 is invalid"),
+    (["--rope-dim", "3"], "rope_dim=3 is invalid"),
+])
+def test_bad_flags_are_one_line_errors(flags, message, tmp_path, capsys):
+    script = load_script()
+    assert script.main(["--smoke", *flags, "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("kaizen_memory: error:") and message in err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_missing_summarise_file_is_a_one_line_error(tmp_path, capsys):
+    assert load_script().main(["--summarise", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("kaizen_memory: error:")
