@@ -15,7 +15,8 @@ towards). Reported per layer and KV head:
 - ``needles``: at the query that starts the answer, the share of the example's needed prompt tokens
   (``Example.needed_spans``: needles and the final question) older than the window that the learned policy keeps,
   and that the teacher policy keeps (``needles_teacher``). Learned far below teacher: the scorers have not learned
-  their target yet; teacher itself low: the target does not single the needles out at this budget.
+  their target yet; teacher itself low: the target, or the decay's recency bias, does not single the needles out
+  at this budget (the learned per-head decays ``gamma`` are in the row too).
 
 ``--window W`` re-splits the same budget (``topk = budget - sinks - W``), the target included. ``--heatmap``: for
 the first example, which prompt tokens each layer/KV head keeps at the answer query (the paper's Figure 6 analog),
@@ -31,7 +32,7 @@ import sys
 import torch
 
 import kvlearn
-from kvlearn.kvpop.apply import recorded_config
+from kvlearn.kvpop.apply import kvpop_modules, recorded_config
 from kvlearn.kvpop.policy import sample_query_positions, teacher_policy
 from kvlearn.kvpop.train_attention import TrainForward, use_train_attention
 from kvlearn.ops.masks import retention_mask_dense
@@ -136,8 +137,10 @@ def main(argv=None) -> int:
             plot_heatmap(m["rows"], m["needed"], args.heatmap,
                          f"{args.family} example 0 ({ex.style}, {ex.regime}): kept keys at the answer query, "
                          f"budget {config.sinks}+{config.window}+{config.topk}")
+    decays = [[round(float(g), 6) for g in torch.exp(d())] for d in kvpop_modules(model)[1]]  # gamma per layer, head
     row = {"model": args.model, "family": args.family, "length": args.length, "sinks": config.sinks,
            "window": config.window, "topk": config.topk, "queries": args.queries, "examples": examples,
+           "decay_by_layer_head": decays,
            **{f"{k}_by_layer_head": rounded(torch.stack(v).mean(0)) for k, v in sums.items()},
            **{f"{k}_mean": round(float(torch.stack(v).mean()), 3) for k, v in sums.items()}}
     for k in sums:
