@@ -94,6 +94,7 @@ def rounded(t: torch.Tensor) -> list:
     return [[round(float(x), 3) for x in row] for row in t]
 
 
+@torch.no_grad()
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a KVpop checkpoint folder (kvlearn retrofit's final/)")
@@ -107,7 +108,6 @@ def main(argv=None) -> int:
     p.add_argument("--heatmap", default=None, help="PNG of the first example's retention")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
     model = kvlearn.load(args.model, dtype=torch.float32, device="cpu")
     config = recorded_config(model)
     if config is None:

@@ -35,6 +35,7 @@ def prompt_pairs(prompt: list[int]) -> dict[int, list[int]]:
     return pairs
 
 
+@torch.no_grad()
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -43,7 +44,6 @@ def main(argv=None) -> int:
     p.add_argument("--split", default="eval", choices=tasks.SPLITS)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    torch.set_grad_enabled(False)
     model = load_model(args.model, dtype=torch.float32, device="cpu")
     counts, whole, total = collections.Counter(), 0, 0
     for i in range(args.n):

@@ -80,3 +80,11 @@ def test_everything_kept_gives_ones_and_a_tight_budget_fractions(tmp_path, capsy
     capsys.readouterr()
     assert script.main(["--model", str(plain), "--length", "256", "--n", "1"]) == 2
     assert "holds no KVpop modules" in capsys.readouterr().err
+
+
+def test_the_script_leaves_autograd_on(tmp_path):
+    """Run in-process (as the tests do), the script must not switch gradients off for the rest of the process."""
+    script = load_script()
+    full = checkpoint(tmp_path / "m", window=16, topk=300)
+    assert script.main(["--model", full, "--length", "256", "--n", "1", "--queries", "4"]) == 0
+    assert torch.is_grad_enabled()
