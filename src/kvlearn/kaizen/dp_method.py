@@ -20,31 +20,24 @@ from ..errors import check, check_int
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 from .actions import Backbone, KaizenConfig, check_axes, check_budget
 from .cache import KaizenCache
-from .fixed import make_cache
+from .fixed import FixedConfig, make_cache
 from .prompt import choice_cache, one_choice, prompt_capacity, prompt_rows
 
 CONFIG_KEY = "kaizen_dp"  # the entry of model.config recording the search
 
 
 @dataclass(frozen=True)
-class DPConfig:
+class DPConfig(FixedConfig):
     """``target``: the compression factor ``ρ*`` (default 4.0); ``axes``: the enabled axes (``None``: every axis of
     the backbone); ``seed``: the calibration batch; ``examples`` rows of ``length`` tokens; ``batch_size``: rows
-    per calibration forward."""
+    per calibration forward. ``target``, ``axes`` and ``seed`` are validated as in :class:`FixedConfig`."""
 
-    target: float = 4.0
-    axes: tuple[str, ...] | None = None
-    seed: int = 0
     examples: int = 8
     length: int = 1024
     batch_size: int = 4
 
     def __post_init__(self) -> None:
-        ok = isinstance(self.target, (int, float)) and not isinstance(self.target, bool) and math.isfinite(self.target)
-        check(ok and self.target > 0, f"target={self.target!r} is invalid: expected a compression factor > 0")
-        if self.axes is not None:
-            object.__setattr__(self, "axes", tuple(self.axes))
-        check_int("seed", self.seed, 0)
+        super().__post_init__()
         check_int("examples", self.examples, 1, 4096)
         check_int("length", self.length, MIN_LENGTH, MAX_LENGTH, hint=" (testbed calibration rows)")
         check_int("batch_size", self.batch_size, 1)
