@@ -196,23 +196,18 @@ def test_bad_input_is_refused_in_one_line():
         assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_training_mixture_with_one_hot_weights_is_the_chosen_configuration(kind):
-    """``kaizen_train`` on an MLA model: per-row one-hot weights over precision x rank give each row's configuration
-    (the ``kaizen_config`` forward); the gradient reaches the weights and the latent projections."""
+def one_hot_mixture_matches_configurations(model, backbone, space, picks):
+    """A ``kaizen_train`` forward whose per-row one-hot weights pick ``picks[row][layer]`` (indices into ``space``)
+    equals, row by row, the ``kaizen_config`` forward of that configuration; backpropagates the logits' sum and
+    returns the weights (their ``.grad`` set)."""
     from kvlearn.kaizen.sharing import KaizenTrainForward
 
-    model = converted(kind, 12)
-    backbone = Backbone.from_model(model)
-    space = action_space(backbone, ("precision", "rank"))
-    assert len(space) == 16
-    picks = [[3, 9], [14, 0]]  # per row, per layer: indices into the space
-    weights = torch.zeros(2, 2, len(space))
+    weights = torch.zeros(len(picks), len(picks[0]), len(space))
     for row, layers in enumerate(picks):
         for layer, a in enumerate(layers):
             weights[row, layer, a] = 1.0
     weights.requires_grad_(True)
-    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(1, VOCAB, (len(picks), 10), generator=torch.Generator().manual_seed(3))
     out = model(input_ids=ids, use_cache=False, kaizen_train=KaizenTrainForward(space, weights)).logits
     with torch.no_grad():
         for row, layers in enumerate(picks):
@@ -220,6 +215,19 @@ def test_training_mixture_with_one_hot_weights_is_the_chosen_configuration(kind)
             ref = model(input_ids=ids[row:row + 1], use_cache=False, kaizen_config=cfg).logits
             torch.testing.assert_close(out[row:row + 1], ref, atol=1e-5, rtol=1e-5)
     out.sum().backward()
+    return weights
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_training_mixture_with_one_hot_weights_is_the_chosen_configuration(kind):
+    """``kaizen_train`` on an MLA model: per-row one-hot weights over precision x rank give each row's configuration
+    (the ``kaizen_config`` forward); the gradient reaches the weights and the latent projections."""
+    model = converted(kind, 12)
+    backbone = Backbone.from_model(model)
+    space = action_space(backbone, ("precision", "rank"))
+    assert len(space) == 16
+    picks = [[3, 9], [14, 0]]  # per row, per layer: indices into the space
+    weights = one_hot_mixture_matches_configurations(model, backbone, space, picks)
     assert weights.grad.abs().sum() > 0
     attn = model.model.layers[0].self_attn
     assert attn.kv_down.weight.grad.abs().sum() > 0 and attn.up_k.grad.abs().sum() > 0
@@ -228,26 +236,12 @@ def test_training_mixture_with_one_hot_weights_is_the_chosen_configuration(kind)
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_training_mixture_with_share_is_the_chosen_configuration(kind):
     """All three axes (17 actions): per-row one-hot weights with sharing rows give each row's configuration."""
-    from kvlearn.kaizen.sharing import KaizenTrainForward
-
     model = sharing.attach(convert_to_mla(tiny(kind, 14, layers=4), ROPE, calibration()[0], rank=FULL_RANK))
     backbone = Backbone.from_model(model)
     space = action_space(backbone)
     assert len(space) == 17 and space[-1].share
     picks = [[5, 16, 16, 2], [0, 9, 16, 16]]
-    weights = torch.zeros(2, 4, len(space))
-    for row, layers in enumerate(picks):
-        for layer, a in enumerate(layers):
-            weights[row, layer, a] = 1.0
-    weights.requires_grad_(True)
-    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
-    out = model(input_ids=ids, use_cache=False, kaizen_train=KaizenTrainForward(space, weights)).logits
-    with torch.no_grad():
-        for row, layers in enumerate(picks):
-            cfg = KaizenConfig(backbone, tuple(space[a] for a in layers))
-            ref = model(input_ids=ids[row:row + 1], use_cache=False, kaizen_config=cfg).logits
-            torch.testing.assert_close(out[row:row + 1], ref, atol=1e-5, rtol=1e-5)
-    out.sum().backward()
+    weights = one_hot_mixture_matches_configurations(model, backbone, space, picks)
     assert weights.grad[:, :, -1].abs().sum() > 0  # the share logit gets a gradient
 
 
