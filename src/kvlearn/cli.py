@@ -237,7 +237,8 @@ def cmd_retrofit(args) -> int:
         check_int("--budget", args.budget, args.sinks + args.window + 1,
                   hint=f" ({args.method} needs sinks={args.sinks} + window={args.window} and at least one long-range slot)")
         kvpop = (KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
-                             scorer=args.scorer) if args.method == "kvpop" else KVpopConfig(scorer=args.scorer))
+                             scorer=args.scorer, decay_init=args.decay_init)
+                 if args.method == "kvpop" else KVpopConfig(scorer=args.scorer))
     if args.method == "dms":
         target_cr = args.target_cr if args.target_cr is not None else args.seq_len / args.budget
         method_kw["dms"] = DMSConfig(sinks=args.sinks, window=args.window, budget=args.budget,
@@ -448,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--compression-weight", type=float, default=1.0, help="dms: weight of the compression hinge")
     sp.add_argument("--scorer", default="mlp", choices=("linear", "mlp", "mlstm"),
                     help="KVpop scorer (mlstm: the paper's stateful scorer with the delayed readout)")
+    sp.add_argument("--decay-init", type=float, default=None,
+                    help="kvpop: every head's initial decay gamma, in (0.999, 0.999999) (default: the log-midpoint, 0.9995)")
     sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
     sp.add_argument("--window", type=int, default=256,

@@ -82,7 +82,9 @@ class KVpopConfig:
     """KVpop retention: ``sinks`` + protected ``window`` + learned ``topk`` older tokens per KV head.
 
     budget ``B = sinks + window + topk``. ``decay_min``/``decay_max`` bound the learned per-head decay
-    ``gamma_h`` (Eq. 21 of the KVpop paper): ``0 < decay_min <= decay_max < 1``. ``decay_step`` is the step
+    ``gamma_h`` (Eq. 21 of the KVpop paper): ``0 < decay_min <= decay_max < 1``; ``decay_init`` is every head's
+    initial ``gamma`` (``decay_min < decay_init < decay_max``; None: the log-midpoint of the range, ``alpha = 0``,
+    which the paper does not fix; it only matters for new modules). ``decay_step`` is the step
     size ``n`` of Eq. 5; only ``n = 1`` gives static priorities (appendix B.3) and is supported by the cache.
     ``context`` (optional) is the evaluation context; when given, the budget must be below it (else nothing is
     compressed).
@@ -93,6 +95,7 @@ class KVpopConfig:
     topk: int = 2016
     decay_min: float = 0.999
     decay_max: float = 0.999999
+    decay_init: float | None = None
     decay_step: int = 1
     scorer: str = "mlstm"
     delayed_readout: bool = True
@@ -124,6 +127,12 @@ class KVpopConfig:
         check(
             self.decay_min <= self.decay_max,
             f"decay_min={self.decay_min} > decay_max={self.decay_max}: expected 0 < decay_min <= decay_max < 1",
+        )
+        check(
+            self.decay_init is None or (isinstance(self.decay_init, (int, float)) and not isinstance(self.decay_init, bool)
+                                        and self.decay_min < float(self.decay_init) < self.decay_max),
+            f"decay_init={self.decay_init!r} is invalid: expected None or a decay factor strictly between "
+            f"decay_min={self.decay_min} and decay_max={self.decay_max}",
         )
         check(self.scorer in self.SCORERS, f"scorer={self.scorer!r} is unknown: expected one of {', '.join(self.SCORERS)}")
         check(

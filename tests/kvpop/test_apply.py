@@ -378,3 +378,27 @@ def test_kvlearn_eval_window_option(tmp_path, capsys):
     assert "--window 20 is invalid" in err and "tied to the window it was trained with (32)" in err
     assert main(["eval", "--method", "streaming", "--budget", "48", "--window", "20", *args]) != 0
     assert "window=20 is invalid" in capsys.readouterr().err
+
+
+def test_decay_init_sets_every_heads_initial_gamma(capsys):
+    """``KVpopConfig.decay_init``: every new head starts at that gamma (default: the log-midpoint of the range,
+    sqrt(decay_min * decay_max) = 0.9995 for the paper's range); values outside the open range are one line, in the
+    config and in ``kvlearn retrofit --decay-init``."""
+    import math
+
+    from kvlearn.cli import main
+
+    paper = {**KV, "decay_min": 0.999, "decay_max": 0.999999}  # the paper's range
+    model = apply_kvpop(tiny(), KVpopConfig(**paper, scorer="mlp", decay_init=0.99999))
+    for decay in kvpop_modules(model)[1]:
+        torch.testing.assert_close(torch.exp(decay()), torch.full((2,), 0.99999), atol=1e-9, rtol=0)
+    default = kvpop_modules(apply_kvpop(tiny(), KVpopConfig(**paper, scorer="mlp")))[1][0]
+    torch.testing.assert_close(torch.exp(default()), torch.full((2,), math.sqrt(0.999 * 0.999999)), atol=1e-9, rtol=0)
+    for bad in (0.999, 0.999999, 0.5, True):
+        with pytest.raises(KVLearnError, match="decay_init") as err:
+            KVpopConfig(decay_init=bad)
+        one_line(err)
+    capsys.readouterr()
+    assert main(["retrofit", "--model", "nowhere", "--out", "nowhere2", "--decay-init", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "decay_init=0.2 is invalid" in err and err.count("\n") == 1

@@ -29,7 +29,7 @@ class KVpopModules(nn.Module):
         else:
             self.scorer = MLSTMScorer(num_kv_heads, head_dim, window=config.window,
                                       delayed_readout=config.delayed_readout)
-        self.decay = LearnedDecay(num_kv_heads, config.decay_min, config.decay_max)
+        self.decay = LearnedDecay(num_kv_heads, config.decay_min, config.decay_max, config.decay_init)
         self.scorer_kind = config.scorer
 
     def extra_repr(self) -> str:

@@ -77,15 +77,23 @@ def log_decay(alpha: Tensor, decay_min: float, decay_max: float) -> Tensor:
 
 
 class LearnedDecay(nn.Module):
-    """Per-KV-head learned decay ``γ_h`` (Eq. 21); ``alpha`` starts at 0, i.e. the log-midpoint of the range."""
+    """Per-KV-head learned decay ``γ_h`` (Eq. 21). ``alpha`` starts at 0, the log-midpoint of the range, or where
+    ``γ_h = init`` (``decay_min < init < decay_max``)."""
 
-    def __init__(self, num_kv_heads: int, decay_min: float = 0.999, decay_max: float = 0.999999):
+    def __init__(self, num_kv_heads: int, decay_min: float = 0.999, decay_max: float = 0.999999,
+                 init: float | None = None):
         super().__init__()
         check_int("num_kv_heads", num_kv_heads, 1)
         _check_decay_range(decay_min, decay_max)
         self.decay_min = float(decay_min)
         self.decay_max = float(decay_max)
-        self.alpha = nn.Parameter(torch.zeros(num_kv_heads, dtype=torch.float32))
+        alpha0 = 0.0
+        if init is not None:
+            check(decay_min < init < decay_max,
+                  f"init={init!r} is invalid: expected a decay strictly between {decay_min} and {decay_max}")
+            u = (math.log(init) - math.log(decay_min)) / (math.log(decay_max) - math.log(decay_min))
+            alpha0 = math.log(u / (1.0 - u))  # the sigmoid's inverse
+        self.alpha = nn.Parameter(torch.full((num_kv_heads,), alpha0, dtype=torch.float32))
 
     def forward(self) -> Tensor:
         """Returns ``log γ`` ``[kv_heads]`` float32."""
