@@ -106,9 +106,18 @@ def test_batched_rows_equal_rows_alone(model, protocol, monkeypatch):
             assert (got.factor, got.target) == (alone.factor, alone.target) and got.target == TARGET
     rows = evaluate(model, config, progress=False)
     single = evaluate(model, eval_config(protocol=protocol, batch_size=1), progress=False)
-    keys = ("method", "protocol", "task", "accuracy", "n", "variants", "factor", "target", "compression", "budget")
+    keys = ("method", "protocol", "task", "accuracy", "n", "variants", "factor", "target", "compression", "budget",
+            "distinct_configurations")
     assert [{k: r[k] for k in keys} for r in rows] == [{k: r[k] for k in keys} for r in single]
     assert len({r["factor"] for r in rows}) >= 1 and all(r["factor"] > 1.0 for r in rows)
+    # the count of different configurations per task: a direct count of each prompt's own choice
+    for r in rows:
+        per_prompt = [choices_of(model, config, [ex])[0] for ex in examples_for(config, r["task"])]
+        distinct = []
+        for c in per_prompt:
+            if all(c != d for d in distinct):
+                distinct.append(c)
+        assert r["distinct_configurations"] == len(distinct) >= 2
 
 
 @pytest.mark.parametrize("method", ["kaizen", "kaizen_static", "kaizen_random", "kaizen_dp"])
@@ -124,6 +133,8 @@ def test_context_generates_what_bounded_generates(model, method):
         assert a.tokens == b.tokens and a.factor == b.factor
     rb, rc = evaluate(model, bounded, progress=False), evaluate(model, context, progress=False)
     assert [(r["accuracy"], r["factor"]) for r in rb] == [(r["accuracy"], r["factor"]) for r in rc]
+    if method != "kaizen":  # a prompt-independent configuration: one per task
+        assert all(r["distinct_configurations"] == 1 for r in rb + rc)
     assert rc[0]["protocol"] == "context" and rc[0]["peak_kv_bytes"] > 0
 
 

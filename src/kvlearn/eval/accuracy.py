@@ -142,6 +142,7 @@ class TaskResult:
     by_variant: dict = field(default_factory=dict)
     factors: list[float] = field(default_factory=list)  # kaizen: realised cache reduction per example
     targets: list[float] = field(default_factory=list)
+    choices: list = field(default_factory=list)  # kaizen: each example's configuration
 
     @property
     def accuracy(self) -> float:
@@ -174,6 +175,8 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
         row["factor"] = round(sum(result.factors) / len(result.factors), 6)
         row["target"] = round(sum(result.targets) / len(result.targets), 6)
         row["compression"] = round(1.0 - 1.0 / row["factor"], 6)
+    if result.choices:  # how many different per-layer configurations the method chose for this task's prompts
+        row["distinct_configurations"] = len(group_by_choice(result.choices))
     row["variants"] = {k: {"accuracy": c / n, "n": n} for k, (c, n) in sorted(result.by_variant.items())}
     if result.n < config.n_per_task:
         row["incomplete"] = True
@@ -207,7 +210,8 @@ class Answer:
     ``tokens``: the generated ids, the example's first :func:`new_tokens` at most; ``kv_bytes``/``store_bytes``/
     ``peak_kv_bytes``: its cache's (allocated, keys/values alone, peak) divided by the rows of its (sub-)batch
     (``peak_kv_bytes`` ``None`` for a ``DynamicCache``); ``factor``/``target``: the realised compression and the target
-    of a KV-Kaizen cache (``None`` otherwise)."""
+    of a KV-Kaizen cache (``None`` otherwise); ``choice``: the configuration a prompt-dependent method chose for it
+    (``None`` otherwise)."""
 
     tokens: list[int]
     kv_bytes: int
@@ -215,6 +219,7 @@ class Answer:
     peak_kv_bytes: int | None = None
     factor: float | None = None
     target: float | None = None
+    choice: object | None = None
 
 
 @torch.no_grad()
@@ -254,7 +259,7 @@ def answer_batch(model, config: EvalConfig, examples: list, pad_id: int = 0, eos
             answers[i] = Answer(out[j, :new_tokens(ex)].tolist(), cache_bytes(cache) // n,
                                 cache_bytes(cache, keys_values_only=True) // n, None if peak is None else peak // n,
                                 cache.realised_factor() if kaizen else None,
-                                float(cache.target) if kaizen else None)
+                                float(cache.target) if kaizen else None, choice)
         del cache
     return answers
 
@@ -299,6 +304,8 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
                 if answer.factor is not None:
                     result.factors.append(answer.factor)
                     result.targets.append(answer.target)
+                if answer.choice is not None:
+                    result.choices.append(answer.choice)
                 v = result.by_variant.setdefault(ex.variant or task, [0, 0])
                 v[0] += ok
                 v[1] += 1
