@@ -350,6 +350,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvlearn: error: {message.splitlines()[0]} (see: {self.prog} --help)\n")
 
 
+def add_trainer_options(sp, existing: str, new: str) -> None:
+    """The options ``kvlearn retrofit`` and ``kvlearn kaizen-train`` share: length, batch, the two learning rates
+    (``existing`` weights at a constant rate, ``new`` ones warmed up), clipping, distillation, checkpoints, plumbing."""
+    sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
+    sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
+    sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    sp.add_argument("--seq-len", type=int, default=4096, help="tokens per training sequence (testbed examples)")
+    sp.add_argument("--lr", type=float, default=1e-5, help=f"learning rate of {existing} (constant)")
+    sp.add_argument("--lr-new", type=float, default=1e-3, help=f"peak learning rate of {new}")
+    sp.add_argument("--warmup-steps", type=int, default=100, help=f"warm-up steps of the learning rate of {new}")
+    sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
+    sp.add_argument("--kd-topk", type=int, default=256, help="teacher logits kept by the distillation loss")
+    sp.add_argument("--save-interval", type=int, default=200, help="steps between checkpoints")
+    sp.add_argument("--seed", type=int, default=0, help="random seed (data and sampling)")
+    sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    sp.add_argument("--num-workers", type=int, default=0, help="data-generation worker processes")
+    sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .eval.accuracy import eval_splits
@@ -455,21 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
     sp.add_argument("--window", type=int, default=256,
                     help="protected recent window of kvpop and dms (the KVpop paper's 256; streaming_plus: budget - sinks)")
-    sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
-    sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
-    sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    sp.add_argument("--seq-len", type=int, default=4096, help="tokens per training sequence (testbed examples)")
-    sp.add_argument("--lr", type=float, default=1e-5, help="learning rate of the existing weights (constant)")
-    sp.add_argument("--lr-new", type=float, default=1e-3, help="peak learning rate of the new weights (KVpop, DMS gates)")
-    sp.add_argument("--warmup-steps", type=int, default=100, help="warm-up steps of the new weights' learning rate")
-    sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
-    sp.add_argument("--kd-topk", type=int, default=256, help="teacher logits kept by the distillation loss")
+    add_trainer_options(sp, "the existing weights", "the new weights (KVpop, DMS gates)")
     sp.add_argument("--boundary-weight", type=float, default=1.0, help="weight of the boundary loss")
-    sp.add_argument("--save-interval", type=int, default=200, help="steps between checkpoints")
-    sp.add_argument("--seed", type=int, default=0, help="random seed (data and query sampling)")
-    sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    sp.add_argument("--num-workers", type=int, default=0, help="data-generation worker processes")
-    sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     sp.set_defaults(func=cmd_retrofit)
 
     sp = sub.add_parser("kaizen-train", help="train a KV-Kaizen selector and the backbone jointly (teacher: the dense model)")
@@ -483,20 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--beta", type=float, default=0.0, help="initial budget multiplier")
     sp.add_argument("--eta", type=float, default=0.01, help="multiplier step (0: constant --beta)")
     sp.add_argument("--budget-cap", type=float, default=1e4, help="largest budget multiplier")
-    sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
-    sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
-    sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    sp.add_argument("--seq-len", type=int, default=4096, help="tokens per training sequence (testbed examples)")
-    sp.add_argument("--lr", type=float, default=1e-5, help="learning rate of the backbone (constant)")
-    sp.add_argument("--lr-new", type=float, default=1e-3, help="peak learning rate of the selector")
-    sp.add_argument("--warmup-steps", type=int, default=100, help="warm-up steps of the selector's learning rate")
-    sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
-    sp.add_argument("--kd-topk", type=int, default=256, help="teacher logits kept by the distillation loss")
-    sp.add_argument("--save-interval", type=int, default=200, help="steps between checkpoints")
-    sp.add_argument("--seed", type=int, default=0, help="random seed")
-    sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    sp.add_argument("--num-workers", type=int, default=0, help="data-generation worker processes")
-    sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    add_trainer_options(sp, "the backbone", "the selector")
     sp.set_defaults(func=cmd_kaizen_train)
 
     sp = sub.add_parser("convert-mla", help="convert a GQA model to MLA (KV-Kaizen's rank axis), calibrated on testbed data")

@@ -11,6 +11,21 @@ from dataclasses import dataclass
 from .errors import check, check_int
 
 
+HARNESS_WINDOW = 32  # the harness's default protected window of a windowed method (KVpop, DMS): the eviction
+# methods' default, so budgets compare like for like
+
+
+def windowed_budget(method: str, budget: int, sinks: int, window: int | None) -> int:
+    """The protected window of a ``sinks + window + ranked`` budget (``window`` None: :data:`HARNESS_WINDOW`), after
+    one-line checks that the budget leaves at least one ranked slot; ``method`` names the method in the errors."""
+    check_int("sinks", sinks, 0)
+    window = HARNESS_WINDOW if window is None else window
+    check_int("window", window, 1, hint=" (the protected window holds at least the query itself)")
+    check_int("budget", budget, sinks + window + 1,
+              hint=f" ({method} needs sinks={sinks} + window={window} and at least one long-range slot)")
+    return window
+
+
 @dataclass(frozen=True)
 class EvictionBudget:
     """The budget every eviction method shares: ``budget`` tokens kept per (batch row, KV head), of which the first

@@ -23,8 +23,8 @@ from dataclasses import asdict, replace
 
 import torch
 
-from ..config import DMSConfig
-from ..errors import KVLearnError, check, check_int
+from ..config import DMSConfig, windowed_budget
+from ..errors import KVLearnError, check
 from ..hf import attach, check_supported, load_added_weights
 from .cache import DMSCache
 from .gates import MODULE_NAME, DMSGate, decoder_layers, dms_gates, has_dms
@@ -133,7 +133,6 @@ CONFIG = DMSConfig
 SUMMARY = ("DMS: sinks + window + the older tokens a learned per-KV-head gate keeps (logit > 0 evicts on leaving the "
            "window; at a full budget the highest-logit kept token goes; gates added by apply_dms)")
 PROTOCOLS = ("bounded", "context")
-DEFAULT_WINDOW = 32  # the eviction methods' default window, so budgets compare like for like
 
 
 def make_cache(config: DMSConfig, model) -> DMSCache:
@@ -154,9 +153,5 @@ def apply(model, config: DMSConfig):
 def config_from_budget(budget: int, sinks: int = 4, context: int | None = None, window: int | None = None,
                        **extra) -> DMSConfig:
     """The harness's DMS config from a budget (``window`` default 32, like the eviction methods)."""
-    check_int("sinks", sinks, 0)
-    window = DEFAULT_WINDOW if window is None else window
-    check_int("window", window, 1, hint=" (the protected window holds at least the query itself)")
-    check_int("budget", budget, sinks + window + 1,
-              hint=f" (DMS needs sinks={sinks} + window={window} and at least one long-range slot)")
+    window = windowed_budget("DMS", budget, sinks, window)
     return DMSConfig(sinks=sinks, window=window, budget=budget, context=context, **extra)

@@ -26,8 +26,8 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
-from ..config import KVpopConfig
-from ..errors import KVLearnError, check, check_int
+from ..config import KVpopConfig, windowed_budget
+from ..errors import KVLearnError, check
 from ..hf import attach, check_supported, load_added_weights
 from .cache import KVpopCache
 from .modules import MODULE_NAME, KVpopModules, attention_modules, has_kvpop, kvpop_modules
@@ -171,7 +171,6 @@ CONFIG = KVpopConfig
 SUMMARY = ("KVpop: sinks + window + the top-k older tokens by a learned per-KV-head scorer and decay "
            "(modules added by apply_kvpop; scorer linear/mlp/mlstm)")
 PROTOCOLS = ("bounded", "context")
-DEFAULT_WINDOW = 32  # the eviction methods' default window, so budgets compare like for like
 
 
 def make_cache(config: KVpopConfig, model) -> KVpopCache:
@@ -188,9 +187,5 @@ def config_from_budget(budget: int, sinks: int = 4, context: int | None = None, 
                        scorer: str = "mlp", **extra) -> KVpopConfig:
     """The harness's KVpop config from a budget: ``topk = budget - sinks - window`` (``window`` default 32, like the
     eviction methods), the ``mlp`` scorer by default (``scorer='mlstm'``: the paper's stateful scorer)."""
-    check_int("sinks", sinks, 0)
-    window = DEFAULT_WINDOW if window is None else window
-    check_int("window", window, 1, hint=" (the protected window holds at least the query itself)")
-    check_int("budget", budget, sinks + window + 1,
-              hint=f" (KVpop needs sinks={sinks} + window={window} and at least one ranked slot)")
+    window = windowed_budget("KVpop", budget, sinks, window)
     return KVpopConfig(sinks=sinks, window=window, topk=budget - sinks - window, context=context, scorer=scorer, **extra)
