@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
 # One device session's chain, detached so that no device time is lost between calls: train the testbed teacher
-# (`teacher.sh`: `kvlearn pretrain` defaults + its greedy evaluation), then retrofit KVpop onto it (`retrofit.sh`,
-# the default window 256, RETROFIT_MINUTES, default 5) and measure the student's needle retention on the CPU cores,
-# then the eviction baselines on the new teacher with what is left (`eviction_baselines.sh`, BASELINE_MINUTES,
-# default 3; rows not reached are listed in its `not_run`). Everything goes to RUN_DIR (default /tmp/session_out);
-# /tmp/session.done marks the end; /tmp/session.log is the chain's own log.
-# Device time on one H200: ~1 start + 18 pretrain + ~1 checks + ~3 eval + RETROFIT_MINUTES + ~3 + BASELINE_MINUTES.
+# (`teacher.sh`: `kvlearn pretrain` defaults + its greedy evaluation). As soon as the checkpoint is written, three
+# jobs share the GPU: the teacher's evaluation, a KVpop retrofit onto it (`retrofit.sh`: the default window 256,
+# RETROFIT_MINUTES, default 3, N examples per family, default 50, RETROFIT_EXTRA more retrofit options) and the
+# eviction baselines (`eviction_baselines.sh`, BASELINE_MINUTES, default 4; rows not reached are listed in its
+# `not_run`). The three are small-model, launch-bound jobs, so sharing one H200 costs each little; the retrofit's
+# step count in its log says what it got. Everything goes to RUN_DIR (default /tmp/session_out); /tmp/session.done
+# marks the end; /tmp/session.log is the chain's own log. Device time on one H200: ~1 start + 18 pretrain + ~1
+# stage checks + max(~3 eval, RETROFIT_MINUTES + ~2, BASELINE_MINUTES + ~1).
 # With several GPUs the teacher trains with DDP for 18/NGPU minutes and the baselines spread over the GPUs.
-#   call 1:  setsid bash benchmarks/device/teacher_then_retrofit.sh > /tmp/session.log 2>&1 < /dev/null & sleep 570; cat /tmp/session.log
-#   call 2 (within the 30 s the machine stays warm):  for i in $(seq 57); do [ -e /tmp/session.done ] && break; sleep 10; done; cat /tmp/session.log
-#   call 3:  same wait, then  cp -r /tmp/session_out/* $OUT/
+#   call 1:  setsid bash benchmarks/device/teacher_then_retrofit.sh > /tmp/session.log 2>&1 < /dev/null & sleep 580; cat /tmp/session.log
+#   call 2 (within the 30 s the machine stays warm):  sleep 590; cat /tmp/session.log
+#   call 3:  wait for /tmp/session.done up to the device time left, then bundle RUN_DIR into at most 8 files for $OUT
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 RUN_DIR=${RUN_DIR:-/tmp/session_out}; mkdir -p "$RUN_DIR"
-rm -f /tmp/session.done
+rm -f /tmp/session.done /tmp/teacher.pretrained
 echo "== teacher $(date -u +%H:%M:%S)"
-RUN_DIR="$RUN_DIR/teacher" bash benchmarks/device/teacher.sh
-echo "== retrofit $(date -u +%H:%M:%S)"
-OUT="$RUN_DIR/retrofit" MODEL=/tmp/testbed-teacher MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} \
-    bash benchmarks/device/retrofit.sh
-python3 benchmarks/kvpop_retention.py --model /tmp/retrofit_mlp_1024/final --family vt --n 8 --threads 8 \
-    --out "$RUN_DIR/retrofit/kvpop_retention.json" --heatmap "$RUN_DIR/retrofit/kvpop_retention.png" > "$RUN_DIR/retrofit/kvpop_retention.log" 2>&1 &
-echo "== baselines $(date -u +%H:%M:%S)"
-OUT="$RUN_DIR/baselines" MODEL=/tmp/testbed-teacher MINUTES=${BASELINE_MINUTES:-3} bash benchmarks/device/eviction_baselines.sh
+RUN_DIR="$RUN_DIR/teacher" bash benchmarks/device/teacher.sh > "$RUN_DIR/teacher.log" 2>&1 &
+teacher=$!
+while [ ! -e /tmp/teacher.pretrained ] && kill -0 "$teacher" 2>/dev/null; do sleep 5; done
+if [ ! -e /tmp/teacher.pretrained ]; then echo "pretrain did not finish"; cat "$RUN_DIR/teacher.log"; touch /tmp/session.done; exit 1; fi
+echo "== retrofit and baselines $(date -u +%H:%M:%S)"
+(OUT="$RUN_DIR/retrofit" MODEL=/tmp/testbed-teacher MINUTES=${RETROFIT_MINUTES:-3} N=${N:-50} EXTRA=${RETROFIT_EXTRA:-} \
+    bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit.log" 2>&1; echo "== retrofit done $(date -u +%H:%M:%S)") &
+(OUT="$RUN_DIR/baselines" MODEL=/tmp/testbed-teacher MINUTES=${BASELINE_MINUTES:-4} \
+    bash benchmarks/device/eviction_baselines.sh > "$RUN_DIR/baselines.log" 2>&1; echo "== baselines done $(date -u +%H:%M:%S)") &
+wait "$teacher"; echo "== teacher done $(date -u +%H:%M:%S)"; cat "$RUN_DIR/teacher.log"
 wait
 echo "== done $(date -u +%H:%M:%S)"
 touch /tmp/session.done
