@@ -80,20 +80,20 @@ def test_recall_by_hand():
 
 def test_trace_by_hand():
     prompt = (
-        "<bos> let cat : 7 . the river moves . let dog : 3 . let owl : 9 . the old river moves . "
-        "program : step 1 : fox = cat + dog ; step 2 : elk = fox - cat ; step 3 : emu = elk - owl ; "
-        "question : what is emu ? think :"
+        "<bos> let a = 7 . the river moves . let b = 3 . let z = 9 . the old river moves . "
+        "program : step 1 : c = a + b ; step 2 : d = c - a ; step 3 : e = d - z ; "
+        "question : what is e ? think :"
     )
-    # fox = 7 + 3 = 0, elk = 0 - 7 = 3 (mod 10), emu = 3 - 9 = 4 (mod 10)
+    # c = 7 + 3 = 0, d = 0 - 7 = 3 (mod 10), e = 3 - 9 = 4 (mod 10)
     assert trace_steps(prompt) == [
-        "step 1 : fox = cat + dog ; cat : 7 ; dog : 3 ; 7 + 3 = 0 ; fox : 0 .",
-        "step 2 : elk = fox - cat ; fox : 0 ; cat : 7 ; 0 - 7 = 3 ; elk : 3 .",
-        "step 3 : emu = elk - owl ; elk : 3 ; owl : 9 ; 3 - 9 = 4 ; emu : 4 .",
+        "step 1 : c = a + b ; a = 7 ; b = 3 ; 7 + 3 = 0 ; c = 0 .",
+        "step 2 : d = c - a ; c = 0 ; a = 7 ; 0 - 7 = 3 ; d = 3 .",
+        "step 3 : e = d - z ; d = 3 ; z = 9 ; 3 - 9 = 4 ; e = 4 .",
     ]
     assert solve("trace", prompt) == "4"
-    assert solve("trace", prompt.replace("what is emu", "what is fox")) == "0"
+    assert solve("trace", prompt.replace("what is e", "what is c")) == "0"
     with pytest.raises(KVLearnError, match="undefined"):
-        solve("trace", prompt.replace("emu = elk - owl", "emu = elk - bee"))
+        solve("trace", prompt.replace("e = d - z", "e = d - q"))
     with pytest.raises(KVLearnError, match="program"):
         solve("trace", prompt.replace("think :", "answer :"))
 

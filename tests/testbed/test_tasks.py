@@ -150,7 +150,7 @@ def test_trace_thinking_sentences_come_from_the_fixed_set():
     for i in range(10):
         e = generate("trace", i, 4096)
         body = e.answer_text
-        parts = re.split(r"step \d : \S+ = \S+ [+-] \S+ ; \S+ : \d ; \S+ : \d ; \d [+-] \d = \d ; \S+ : \d \. ?", body)
+        parts = re.split(r"step \d : \S+ = \S+ [+-] \S+ ; \S+ = \d ; \S+ = \d ; \d [+-] \d = \d ; \S+ = \d \. ?", body)
         assert parts[0] == "" and parts[-1].startswith("answer : ")
         assert all(p.strip() in sentences for p in parts[1:-1])
 
@@ -199,45 +199,6 @@ def test_trace_definitions_sit_in_the_first_half():
         e = generate("trace", i, 4096)
         defs = [a for a, b in e.item_spans[:-1]]
         assert defs and max(defs) < len(e.prompt_ids) / 2 + 20
-
-
-def test_trace_bindings_are_written_like_recall_pairs():
-    """Trace names are niah/recall keys and every binding is "KEY : D", in the definitions ("let KEY : D .") and in
-    the answer (operands "KEY : D ;", results "KEY : D ."): a lookup is then recall's key -> value copy.
-    With the letters a..z and vt's "NAME = D", new-testbed teachers never learned it (docs/notes/trace_diagnosis.md)."""
-    keys = {WORD_TO_ID[k] for k in V.KEYS}
-    letters = {WORD_TO_ID[n] for n in V.TRACE_NAMES}
-    for i in range(30):
-        e = generate("trace", example_seed("trace", "train", i), 1024, dense=i % 2 == 0)
-        text, answer = e.prompt_text, e.answer_text
-        assert not letters & set(e.input_ids)
-        defs = re.findall(r"let (\S+) (\S) (\d) \.", text)
-        assert defs and all(sep == ":" and WORD_TO_ID[n] in keys for n, sep, _ in defs)
-        steps = re.findall(r"step \d : (\S+) = (\S+) [+-] (\S+) ;", text)
-        assert steps and all(WORD_TO_ID[n] in keys for st in steps for n in st)
-        # in the answer, "NAME =" only copies a program line; every other name is followed by ":" and one digit
-        toks = answer.split()
-        for j, t in enumerate(toks[:-2]):
-            if t in V.KEYS:
-                assert (toks[j + 1] == ":" and toks[j + 2].isdigit()) or toks[j - 2 : j] == [toks[j - 2], ":"] \
-                    or toks[j + 1] in "=+-;", (t, toks[j - 3 : j + 3])
-        for x, a, b in steps:
-            assert f" {a} : " in answer and f" {b} : " in answer and f" {x} : " in answer
-
-
-def test_trace_definition_order_is_independent_of_program_order():
-    """The definitions' prompt order carries no hint about which one a step reads (no ordinal shortcut): the
-    correlation between a definition's prompt index and the order of its first use in the program is ~0."""
-    r = []
-    for i in range(600):
-        e = generate("trace", example_seed("trace", "train", i), 1024)
-        names = re.findall(r"let (\S+) : \d \.", e.prompt_text)
-        first = []
-        for a, b in re.findall(r"step \d : \S+ = (\S+) [+-] (\S+) ;", e.prompt_text):
-            first += [n for n in (a, b) if n in names and n not in first]
-        if len(first) >= 3:
-            r.append(statistics.correlation([names.index(n) for n in first], list(range(len(first)))))
-    assert len(r) > 300 and abs(statistics.mean(r)) < 0.1
 
 
 def test_scaling_with_length():

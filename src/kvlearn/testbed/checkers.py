@@ -28,7 +28,7 @@ _Q_VT = re.compile(r"which variables hold (\d \d \d \d \d) \? answer :$")
 _PAIR = re.compile(r"(?:^|(?<= ))(\S+) : (\d \d \d) \.")
 _Q_RECALL = re.compile(r"(\S+(?: \S+)*) \? answer :$")
 
-_DEF = re.compile(r"(?:^|(?<= ))let (\S+) : (\d) \.")
+_DEF = re.compile(r"(?:^|(?<= ))let (\S+) = (\d) \.")
 _PROGRAM = re.compile(r"program : (.*) question : what is (\S+) \? think :$")
 _STEP = re.compile(r"step (\d) : (\S+) = (\S+) ([+-]) (\S+)")
 
@@ -108,13 +108,13 @@ def _run_trace(text: str) -> tuple[list[str], dict[str, int], str]:
             raise _fail("trace", f"program line {raw!r} is out of order or reads an undefined variable")
         va, vb = env[a], env[b]
         env[x] = (va + vb) % 10 if op == "+" else (va - vb) % 10
-        lines.append(f"{raw} ; {a} : {va} ; {b} : {vb} ; {va} {op} {vb} = {env[x]} ; {x} : {env[x]} .")
+        lines.append(f"{raw} ; {a} = {va} ; {b} = {vb} ; {va} {op} {vb} = {env[x]} ; {x} = {env[x]} .")
     return lines, env, m.group(2)
 
 
 def trace_steps(prompt_text: str) -> list[str]:
     """The executed program of a trace prompt, one line per step:
-    ``"step N : X = A op B ; A : va ; B : vb ; va op vb = r ; X : r ."`` (what the generated trace must contain, in order)."""
+    ``"step N : X = A op B ; A = va ; B = vb ; va op vb = r ; X = r ."`` (what the generated trace must contain, in order)."""
     return _run_trace(prompt_text.strip())[0]
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ..errors import KVLearnError, check, check_int
 from .filler import HELDOUT_STYLES, TRAIN_STYLES, check_style, filler, filler_ok
 from .tokenizer import BOS_ID, EOS_ID, WORD_TO_ID, ids_to_text
-from .vocab import KEYS, THINK_SENTENCES, VT_NAMES
+from .vocab import KEYS, THINK_SENTENCES, TRACE_NAMES, VT_NAMES
 
 FAMILIES: tuple[str, ...] = ("trace", "niah", "vt", "recall")
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -47,6 +47,7 @@ _W = WORD_TO_ID
 _DIGITS = tuple(_W[str(d)] for d in range(10))
 _KEY_IDS = tuple(_W[k] for k in KEYS)
 _VT_IDS = tuple(_W[n] for n in VT_NAMES)
+_TRACE_IDS = tuple(_W[n] for n in TRACE_NAMES)
 _THINK = tuple(tuple(_W[w] for w in s) for s in THINK_SENTENCES)
 _DOT, _COMMA, _COLON, _SEMI, _QMARK, _EQ, _PLUS, _MINUS = (_W[p] for p in ". , : ; ? = + -".split())
 _IS, _VAR, _LET, _STEP = _W["is"], _W["var"], _W["let"], _W["step"]
@@ -348,12 +349,8 @@ def _recall(rng: random.Random, hay: _Haystack, length: int, variant: str, dense
 
 
 # ----------------------------------------------------------------------------------------------------------
-# trace: "let cat : 7 ." definitions early; at the end "program : step 1 : owl = cat + dog ; ... question : what is X ?
-# think :"; the answer executes it: "step 1 : owl = cat + dog ; cat : 7 ; dog : 3 ; 7 + 3 = 0 ; owl : 0 . <thinking> ..."
-# Names are niah/recall keys and a binding is written "NAME : D" like a recall pair, so that looking a value up is the
-# key -> value copy niah and recall train (docs/notes/trace_diagnosis.md: with the letters a..z and "NAME = D", the
-# vt syntax, teachers trained on the varied haystacks never learned the lookup; the same teachers copy "KEY : D"
-# inside a trace prompt without ever having been trained on it).
+# trace: "let a = 7 ." definitions early; at the end "program : step 1 : c = a + b ; ... question : what is X ?
+# think :"; the answer executes it: "step 1 : c = a + b ; a = 7 ; b = 3 ; 7 + 3 = 0 ; c = 0 . <thinking> step 2 : ..."
 
 
 def _trace(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: bool, seed: int) -> Example:
@@ -361,7 +358,7 @@ def _trace(rng: random.Random, hay: _Haystack, length: int, variant: str, dense:
     hi = min(9, 4 + math.floor(s)) if length >= 256 else 2
     n_steps = rng.randint(max(2, hi - 4), hi)
     n_defs = n_steps // 2 + rng.randint(2, 3)
-    names = rng.sample(_KEY_IDS, n_defs + n_steps)
+    names = rng.sample(_TRACE_IDS, n_defs + n_steps)
     defs, lhs = names[:n_defs], names[n_defs:]
     value = {n: int(rng.random() * 10) for n in defs}
     used: set[int] = set()
@@ -377,7 +374,7 @@ def _trace(rng: random.Random, hay: _Haystack, length: int, variant: str, dense:
         used.update(n for n in (a, b) if n in defs)
         steps.append((x, a, b, plus))
     items = [  # definitions in the first half of the filler (defs are a random sample of names)
-        _Item([_LET, n, _COLON, _DIGITS[value[n]], _DOT], f, needed=n in used) for n, f in zip(defs, hay.depths(n_defs, 0.0, 0.5))
+        _Item([_LET, n, _EQ, _DIGITS[value[n]], _DOT], f, needed=n in used) for n, f in zip(defs, hay.depths(n_defs, 0.0, 0.5))
     ]
     tail = list(_PROGRAM)
     answer: list[int] = []
@@ -385,11 +382,11 @@ def _trace(rng: random.Random, hay: _Haystack, length: int, variant: str, dense:
         op = _PLUS if plus else _MINUS
         line = [_STEP, _DIGITS[k + 1], _COLON, x, _EQ, a, op, b, _SEMI]
         tail += line
-        # restate each operand's binding ("cat : 7 ; dog : 3 ;") before using it: the value is then the continuation
-        # of the bigram "cat :" (the key -> value copy of recall), not a lookup of a name four tokens back
-        answer += line + [a, _COLON, _DIGITS[value[a]], _SEMI, b, _COLON, _DIGITS[value[b]], _SEMI]
+        # restate each operand's binding ("a = 7 ; b = 3 ;") before using it: the value is then the continuation of
+        # the bigram "a =" (a plain induction copy, as in niah and recall), not a lookup of a name four tokens back
+        answer += line + [a, _EQ, _DIGITS[value[a]], _SEMI, b, _EQ, _DIGITS[value[b]], _SEMI]
         answer += [_DIGITS[value[a]], op, _DIGITS[value[b]], _EQ, _DIGITS[value[x]], _SEMI]
-        answer += [x, _COLON, _DIGITS[value[x]], _DOT]
+        answer += [x, _EQ, _DIGITS[value[x]], _DOT]
         if k + 1 < n_steps:
             answer += rng.choice(_THINK)
     tail += _Q_TRACE + [lhs[-1]] + _THINK_TAIL

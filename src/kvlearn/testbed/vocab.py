@@ -7,8 +7,7 @@ role is known from the word alone:
   the task ``KEYWORDS`` that the templates use;
 * ``KEYS``: >= 256 concrete nouns, the single-token keys of ``niah`` and ``recall``;
 * ``VT_NAMES``: variable names of ``vt`` (NATO and Greek letter names);
-* ``TRACE_NAMES``: the 26 single letters, the former variable names of the ``trace`` programs (trace now names its
-  variables with ``KEYS``, ``docs/notes/trace_diagnosis.md``); kept so that the token ids stay stable;
+* ``TRACE_NAMES``: the 26 single letters, variable names of the ``trace`` programs;
 * ``THINK_SENTENCES`` (words in ``THINK_WORDS``): the fixed "thinking" sentences of a ``trace`` answer;
 * ``FILLER_*``: the haystack grammar (determiner, adjectives, nouns, verbs, adverbs, prepositions); the
   filler never contains a digit, a key, a variable name or a task keyword.
