@@ -449,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"narrow the training depth regimes (comma list of {','.join(tasks.TRAIN_REGIMES)}; default all)")
     sp.add_argument("--plain-stages", type=int, default=None,
                     help="the first N curriculum stages train on the plain haystack only (svo grammar, uniform depths); "
-                         "0: every stage on the varied haystacks (default: the recipe's 3)")
+                         "(default 0: every stage on the varied haystacks, the shipped teacher's recipe)")
     sp.set_defaults(func=cmd_pretrain)
 
     sp = sub.add_parser("retrofit", help="distil a trained cache method into a model (teacher: the dense model): KVpop's "

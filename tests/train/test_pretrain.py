@@ -113,3 +113,43 @@ def test_plain_stages_draw_only_the_plain_haystack_then_the_training_ones(tmp_pa
     assert stage_haystack(PretrainConfig(plain_stages=0, train_styles=("salad",), **stages), 0) == (("salad",), None)
     with pytest.raises(KVLearnError, match="plain_stages"):
         PretrainConfig(plain_stages=-1, **stages)
+
+
+def _log(**accuracy):
+    return {"stages": [{"stage": 0, "accuracy": {"eval": {"trace": 0.0, "niah": 0.1, "vt": 0.0, "recall": 0.0}}},
+                       {"stage": 1, "accuracy": accuracy}]}
+
+
+def test_stage_check_gate_reads_the_last_stage_of_every_split():
+    """The gate passes only when the last stage reached the threshold on niah, vt and recall on every split (trace,
+    whose teacher-forced check stays near 0 for good teachers, is not judged); an empty log fails."""
+    from kvlearn.train.pretrain import stage_check_passed
+
+    good = {"trace": 0.0, "niah": 0.98, "vt": 1.0, "recall": 0.8}
+    assert stage_check_passed(_log(eval=good, heldout=good))
+    assert not stage_check_passed(_log(eval=good, heldout={**good, "recall": 0.79}))  # one split, one family short
+    assert not stage_check_passed(_log(eval={**good, "vt": 0.0}))
+    assert stage_check_passed(_log(eval={**good, "recall": 0.5}), threshold=0.5)
+    assert not stage_check_passed({"stages": []}) and not stage_check_passed({})
+
+
+def test_teacher_stage_gate_script_falls_back_on_a_failed_or_missing_teacher(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "teacher_stage_gate.py"
+    spec = importlib.util.spec_from_file_location("teacher_stage_gate", path)
+    teacher_stage_gate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(teacher_stage_gate)
+
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir(), bad.mkdir()
+    ok = {"trace": 0.0, "niah": 1.0, "vt": 1.0, "recall": 1.0}
+    (good / "pretrain_log.json").write_text(json.dumps(_log(eval=ok, heldout=ok)))
+    (bad / "pretrain_log.json").write_text(json.dumps(_log(eval={**ok, "recall": 0.0}, heldout=ok)))
+    for folder, expected in ((good, good), (bad, "shipped"), (tmp_path / "missing", "shipped")):
+        assert teacher_stage_gate.main([str(folder), "--fallback", "shipped"]) == 0
+        assert capsys.readouterr().out.strip() == str(expected)
+    assert teacher_stage_gate.main([str(good), "--fallback", "x", "--threshold", "1.5"]) == 2
+    assert "--threshold=1.5 is invalid" in capsys.readouterr().err
