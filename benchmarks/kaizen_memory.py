@@ -42,8 +42,14 @@ temporary at every decode step (there is no attention kernel reading packed code
 :func:`kvlearn.hf.masked_attention` expands the K/V of every path (bf16 included) to the query heads before SDPA.
 
 ``--smoke``: a tiny shape on the CPU in seconds (8 layers, 4 query heads, 4 KV heads of 128, hidden 128, contexts
-256 and 512, prefill chunk 128, KIVI group 16 / window 32); the test runs it. ``--minutes``: no row starts after the time guard; rows
-not started are listed in ``not_run``, and the file is rewritten after every row.
+256 and 512, prefill chunk 128, KIVI group 16 / window 32); the test runs it. ``--minutes``: no row starts after the time guard.
+The file is written before the model is built and rewritten after every row, and every write lists in ``not_run``
+each planned ``config@context`` row not measured yet (:func:`pending`), so a run killed from outside (a device
+call's ``timeout``) leaves a file that says which rows it lacks; ``complete`` holds only when every planned row was
+measured without error. ``--summarise FILE`` recomputes the summary, ``not_run`` and ``complete`` of a file (e.g.
+after ``python -m kvlearn.results merge``, which keeps the first part's ``contexts`` / ``configs`` and unites the
+parts' ``not_run``) from its planned grid (its ``contexts`` x ``configs``, the rows' and the ``not_run`` entries')
+minus its rows.
 """
 
 from __future__ import annotations
@@ -307,22 +313,56 @@ def summarise(rows: list[dict], contexts: tuple[int, ...]) -> dict:
     }
 
 
+def pending(plan: list[tuple[int, str]], rows: list[dict]) -> list[str]:
+    """``config@context`` of every planned ``(context, config)`` that has no row (measured or failed), in plan order:
+    the ``not_run`` of a file written with these rows."""
+    done = {(r.get("context"), r.get("config")) for r in rows}
+    return [f"{name}@{ctx}" for ctx, name in plan if (ctx, name) not in done]
+
+
+def is_complete(plan: list[tuple[int, str]], rows: list[dict]) -> bool:
+    """Every planned row was measured, none with an error."""
+    return not pending(plan, rows) and not any("error" in r for r in rows)
+
+
+def file_plan(data: dict) -> tuple[list[int], list[str], list[tuple[int, str]]]:
+    """``(contexts, configs, plan)`` a results file planned: its ``contexts`` x ``configs`` (a merge keeps the first
+    part's), widened by its rows' and its ``not_run`` entries' (a merge unites the parts'), contexts ascending,
+    configs in :data:`CONFIGS` order (bf16 first), plan context-major as :func:`main` runs it."""
+    listed = []
+    for item in data.get("not_run") or []:
+        name, _, ctx = str(item).rpartition("@")
+        check(bool(name) and ctx.isdigit(), f"not_run entry {item!r} is not config@context")
+        listed.append((int(ctx), name))
+    rows = data.get("rows", [])
+    contexts = sorted({int(c) for c in data.get("contexts") or []} | {r["context"] for r in rows}
+                      | {c for c, _ in listed})
+    names = set(data.get("configs") or []) | {r["config"] for r in rows} | {n for _, n in listed}
+    configs = [n for n in CONFIGS if n in names] + sorted(names - set(CONFIGS))
+    return contexts, configs, [(c, n) for c in contexts for n in configs]
+
+
 def resummarise(path: str) -> int:
-    """``--summarise``: the summary of the file's rows (a merge keeps the first part's), written back in place."""
+    """``--summarise``: the summary of the file's rows, and its ``not_run`` / ``complete`` from its planned grid
+    (:func:`file_plan`) minus its rows, written back in place."""
     from kvlearn.results import read_results
 
     try:
         data = read_results(path)
         check(data.get("kind") == "kaizen_memory", f"{path} is not a kaizen_memory results file "
                                                    f"(kind {data.get('kind')!r})")
-    except (OSError, ValueError, KVLearnError) as e:
+        contexts, configs, plan = file_plan(data)
+    except (OSError, ValueError, KeyError, KVLearnError) as e:
         print(f"kaizen_memory: error: {e}", file=sys.stderr)
         return 2
-    contexts = sorted({r["context"] for r in data["rows"]})
-    data["contexts"] = contexts
-    data["summary"] = summarise(data["rows"], tuple(contexts) or (0,))
+    rows = data["rows"]
+    data["contexts"], data["configs"] = contexts, configs
+    data["not_run"] = pending(plan, rows)
+    data["complete"] = is_complete(plan, rows)
+    data["summary"] = summarise(rows, tuple(contexts) or (0,))
     write_results(path, data)
-    print(f"rewrote the summary of {path}")
+    print(f"rewrote the summary of {path}: {len(rows)} row(s), not run: {', '.join(data['not_run']) or 'none'}, "
+          f"complete: {data['complete']}")
     return 0
 
 
@@ -388,11 +428,6 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     deadline = start + 60 * args.minutes
     steps = args.warmup + args.decode
-    model = build_model(shape, args.intermediate, args.vocab, max(contexts) + steps + 1, dtype, device, args.seed)
-    swap = None
-    if any(c in MLA_CONFIGS for c in configs):
-        swap = AttentionSwap(model, random_mla_modules(model, args.mla_rank, args.rope_dim, args.seed + 1),
-                             args.mla_rank, args.rope_dim)
     model_info = {**shape, "family": "qwen2 (random weights)", "intermediate": args.intermediate, "vocab": args.vocab,
                   "dtype": "bfloat16", "cut": "MLP and vocabulary cut (Qwen2.5-14B: intermediate 13824, vocab "
                                               "152064); attention and KV shapes are the 14B's",
@@ -400,21 +435,27 @@ def main(argv: list[str] | None = None) -> int:
                   "kivi": {"bits": 2, "group": args.kivi_group, "residual": args.kivi_residual}}
     plan = [(ctx, name) for ctx in contexts for name in configs]
     rows: list[dict] = []
-    not_run: list[str] = []
 
     def save() -> None:
+        """Write the file as it stands: every planned row without a row yet is in ``not_run`` (a kill between two
+        saves leaves the truth)."""
         add_ratios(rows)
         results = make_results("kaizen_memory", rows, device=str(device), command=command, model=model_info,
                                contexts=list(contexts), configs=list(configs),
-                               wall_seconds=round(time.monotonic() - start, 1), not_run=not_run,
-                               complete=not not_run and not any("error" in r for r in rows),
+                               wall_seconds=round(time.monotonic() - start, 1), not_run=pending(plan, rows),
+                               complete=is_complete(plan, rows),
                                summary=summarise(rows, contexts), torch=torch.__version__, smoke=args.smoke)
         write_results(out, results)
 
+    save()  # before the model is built: a run killed before its first row leaves a file listing every row
+    model = build_model(shape, args.intermediate, args.vocab, max(contexts) + steps + 1, dtype, device, args.seed)
+    swap = None
+    if any(c in MLA_CONFIGS for c in configs):
+        swap = AttentionSwap(model, random_mla_modules(model, args.mla_rank, args.rope_dim, args.seed + 1),
+                             args.mla_rank, args.rope_dim)
     print(f"{'config':<10} {'context':>8} {'cache MiB':>10} {'/cost':>7} {'peak MiB':>9} {'ms/token':>9}", flush=True)
     for i, (ctx, name) in enumerate(plan):
-        if time.monotonic() >= deadline:
-            not_run.extend(f"{n}@{c}" for c, n in plan[i:])
+        if time.monotonic() >= deadline:  # the rows not started stay in not_run (pending)
             print(f"time guard ({args.minutes} min): {len(plan) - i} row(s) not started", flush=True)
             break
         if swap is not None:

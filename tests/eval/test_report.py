@@ -52,4 +52,32 @@ def test_other_kinds_get_a_plain_table_and_time_guard_cuts_are_listed(tmp_path):
     text = build(tmp_path)
     assert "## mla_conversion_error: m" in text and "| model | error | width |" in text
     assert "| qwen3 | 0.25 |  |" in text and "| llama |  | 8 |" in text
-    assert "Not run (time guard): tova/bounded/eval/B=512." in text
+    assert "Not run (planned, no row): tova/bounded/eval/B=512." in text  # a guard or a kill: the file says which
+
+
+def test_kaizen_memory_section_rows_ratios_not_run_and_summary(tmp_path):
+    row = dict(cache_over_cost_model=1.001, peak_bytes=2 * 2**20, cost_model_bytes=1, store_bytes=1)
+    rows = [
+        {**row, "config": "bf16", "context": 16384, "cache_bytes": 3 * 2**20, "decode_ms_per_token": 60.0,
+         "ratio_to_bf16": {"cache_bytes": 1.0, "peak_bytes": 1.0, "decode_ms_per_token": 1.0}},
+        {**row, "config": "int4", "context": 16384, "cache_bytes": 2**20, "cache_over_cost_model": 1.0038,
+         "decode_ms_per_token": 180.0, "ratio_to_bf16": {"cache_bytes": 0.2585, "peak_bytes": 0.825,
+                                                         "decode_ms_per_token": 3.0}},
+        {"config": "kivi2", "context": 16384, "error": "OutOfMemoryError: x"},
+    ]
+    data = {"schema": "kvlearn.results.v1", "kind": "kaizen_memory", "command": "python benchmarks/kaizen_memory.py",
+            "commit": "20c786f", "date": "2026-12-01T15:49:02Z", "device": "NVIDIA H200",
+            "model": {"family": "qwen2 (random weights)", "layers": 48, "kv_heads": 8, "head_dim": 128},
+            "not_run": ["bf16@131072", "int4@131072"], "complete": False,
+            "summary": {"cache_bytes_within_5pct_of_cost_model": True, "int4_decode_over_bf16_at_131072": None},
+            "rows": rows}
+    (tmp_path / "kaizen_memory_h200.json").write_text(json.dumps(data))
+    text = build(tmp_path)
+    assert "## KV-Kaizen memory and decode speed: kaizen_memory_h200" in text and "commit: `20c786f`" in text
+    assert "Model: qwen2 (random weights), layers 48, kv_heads 8, head_dim 128." in text
+    assert "| bf16 | 16384 | 3.0 | 1.0010 | 2.0 | 60.00 | 1 | 1.000 | 1.00 |" in text
+    assert "| int4 | 16384 | 1.0 | 1.0038 | 2.0 | 180.00 | 0.2585 | 0.825 | 3.00 |" in text
+    assert "| kivi2 | 16384 | error: OutOfMemoryError: x |" in text
+    assert "Not run (planned, no row): bf16@131072, int4@131072." in text
+    assert '"int4_decode_over_bf16_at_131072": null' in text
+    assert "| config | error |" not in text  # not the plain table of other kinds

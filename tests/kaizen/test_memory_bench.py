@@ -1,5 +1,6 @@
 """benchmarks/kaizen_memory.py --smoke: a row per configuration and context, cache bytes within 5% of the cost model,
-the expected compression against bf16, the time guard, the summary rewrite, and one-line errors for bad flags."""
+the expected compression against bf16, the time guard, honest not_run / complete in every write (a run killed between
+two rows, a file or merge with missing rows re-summarised), the summary rewrite, and one-line errors for bad flags."""
 
 import importlib.util
 import json
@@ -92,6 +93,103 @@ def test_time_guard_lists_rows_not_run(tmp_path):
     data = json.loads(out.read_text())
     assert data["rows"] == [] and data["complete"] is False
     assert data["not_run"] == ["bf16@256", "int4@256"]  # bf16 always runs first: the ratios' reference
+
+
+def test_pending_lists_planned_rows_without_a_row_in_plan_order():
+    script = load_script()
+    plan = [(16, "bf16"), (16, "int4"), (32, "bf16"), (32, "int4")]
+    rows = [{"context": 16, "config": "bf16"}, {"context": 32, "config": "int4", "error": "OutOfMemoryError: x"}]
+    assert script.pending(plan, []) == ["bf16@16", "int4@16", "bf16@32", "int4@32"]
+    assert script.pending(plan, rows) == ["int4@16", "bf16@32"]  # a failed row ran: it is not "not run"
+    assert script.is_complete(plan, rows) is False
+    assert script.is_complete(plan, [{"context": c, "config": n} for c, n in plan]) is True
+    assert script.is_complete(plan, [{"context": c, "config": n} for c, n in plan] + rows[1:]) is False  # an error
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, SystemExit])
+def test_a_run_killed_after_some_rows_leaves_a_file_listing_the_rest(stop, tmp_path, monkeypatch):
+    """The file written before the kill names every row not measured and is not complete (it used to say
+    ``not_run: []`` and ``complete: true`` after a kill from outside)."""
+    script = load_script()
+    real, calls = script.measure, []
+
+    def measure(name, context, *a, **k):
+        calls.append((context, name))
+        if len(calls) > 4:
+            raise stop()
+        return real(name, context, *a, **k)
+
+    monkeypatch.setattr(script, "measure", measure)
+    out = tmp_path / "killed.json"
+    with pytest.raises(stop):
+        script.main(["--smoke", "--contexts", "256,512", "--configs", "int4,kivi2", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [(r["context"], r["config"]) for r in data["rows"]] == [(256, "bf16"), (256, "int4"), (256, "kivi2"),
+                                                                     (512, "bf16")]
+    assert data["not_run"] == ["int4@512", "kivi2@512"] and data["complete"] is False
+
+
+def test_a_run_killed_before_its_first_row_leaves_a_file_listing_every_row(tmp_path, monkeypatch):
+    script = load_script()
+
+    def build_model(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(script, "build_model", build_model)
+    out = tmp_path / "early.json"
+    with pytest.raises(KeyboardInterrupt):
+        script.main(["--smoke", "--contexts", "256", "--configs", "int4", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["rows"] == [] and data["not_run"] == ["bf16@256", "int4@256"] and data["complete"] is False
+
+
+def test_summarise_lists_the_rows_a_file_lacks(smoke, tmp_path, capsys):
+    """A file that claims to be complete without its last rows (as the first device run's did) is corrected."""
+    _, _, data = smoke
+    rows = [r for r in data["rows"] if (r["context"], r["config"]) not in {(512, "kivi2"), (512, "composed")}]
+    path = tmp_path / "claims_complete.json"
+    path.write_text(json.dumps(dict(data, rows=rows, not_run=[], complete=True)))
+    assert load_script().main(["--summarise", str(path)]) == 0
+    fixed = json.loads(path.read_text())
+    assert fixed["not_run"] == ["kivi2@512", "composed@512"] and fixed["complete"] is False
+    assert fixed["contexts"] == [256, 512] and fixed["rows"] == rows
+    assert "not run: kivi2@512, composed@512, complete: False" in capsys.readouterr().out
+    # every row there (and one with an error): not_run empty, complete only without the error
+    path.write_text(json.dumps(dict(data, not_run=["kivi2@512"], complete=False)))
+    assert load_script().main(["--summarise", str(path)]) == 0
+    fixed = json.loads(path.read_text())
+    assert fixed["not_run"] == [] and fixed["complete"] is True
+    failed = [dict(r, error="OutOfMemoryError: x") if r["config"] == "int4" and r["context"] == 512 else r
+              for r in data["rows"]]
+    path.write_text(json.dumps(dict(data, rows=failed)))
+    assert load_script().main(["--summarise", str(path)]) == 0
+    fixed = json.loads(path.read_text())
+    assert fixed["not_run"] == [] and fixed["complete"] is False
+
+
+def test_summarise_after_a_merge_of_parts(smoke, tmp_path):
+    """``kvlearn.results merge`` keeps the first part's contexts and configs and unites the parts' not_run; the
+    summary rewrite plans the whole grid: a part's not_run row that another part measured is dropped, a row no
+    part measured stays, and a context only another part ran is planned."""
+    from kvlearn.results import merge_results
+
+    _, _, data = smoke
+    at = lambda ctx, *names: [r for r in data["rows"] if r["context"] == ctx and r["config"] in names]  # noqa: E731
+    part_a = dict(data, contexts=[256], configs=list(data["configs"]), rows=at(256, *data["configs"]), not_run=[],
+                  complete=True)
+    part_b = dict(data, contexts=[512], configs=["bf16", "int4", "kivi2"], rows=at(512, "bf16", "int4"),
+                  not_run=["kivi2@512"], complete=False)  # cut by its guard
+    part_c = dict(data, contexts=[512], configs=["bf16", "kivi2", "share4"], rows=at(512, "bf16", "kivi2", "share4"),
+                  not_run=[], complete=True)  # kivi2 again; mla_r128 and composed at 512 never ran
+    merged = merge_results([part_a, part_b, part_c], "a && b && c")
+    assert merged["contexts"] == [256] and merged["not_run"] == ["kivi2@512"] and merged["complete"] is False
+    path = tmp_path / "merged.json"
+    path.write_text(json.dumps(merged))
+    assert load_script().main(["--summarise", str(path)]) == 0
+    fixed = json.loads(path.read_text())
+    assert fixed["contexts"] == [256, 512] and fixed["configs"] == list(data["configs"])
+    assert fixed["not_run"] == ["mla_r128@512", "composed@512"] and fixed["complete"] is False
+    assert fixed["summary"]["int4_decode_over_bf16_at_512"] > 0
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -29,7 +29,7 @@ def _provenance(name: str, data: dict) -> str:
     if data.get("note"):
         lines += ["", f"Note: {data['note']}"]
     if data.get("not_run"):
-        lines += ["", f"Not run (time guard): {', '.join(data['not_run'])}."]
+        lines += ["", f"Not run (planned, no row): {', '.join(data['not_run'])}."]
     return "\n".join(lines)
 
 
@@ -97,6 +97,35 @@ def testbed_section(name: str, data: dict) -> str:
     return "\n".join(out)
 
 
+def kaizen_memory_section(name: str, data: dict) -> str:
+    """``benchmarks/kaizen_memory.py``: a row per context and configuration, MiB and ratios to the bf16 row of the
+    same context and run, then the summary."""
+    model = data.get("model") or {}
+    shape = ", ".join(f"{k} {model[k]}" for k in ("layers", "heads", "kv_heads", "head_dim", "hidden",
+                                                    "intermediate", "vocab") if k in model)
+    out = [f"## KV-Kaizen memory and decode speed: {name.removesuffix('.json')}", "", _provenance(name, data), ""]
+    if shape:
+        out += [f"Model: {model.get('family', '?')}, {shape}" + (f" ({model['cut']})" if model.get("cut") else "")
+                + ".", ""]
+    out.append("| config | context | cache MiB | cache / cost model | peak MiB | decode ms/token | cache / bf16 | "
+               "peak / bf16 | decode / bf16 |")
+    out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    mib = lambda v: "" if v is None else f"{v / 2**20:,.1f}"  # noqa: E731
+    num = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    for r in data["rows"]:
+        if "error" in r:
+            out.append(f"| {r['config']} | {r['context']} | error: {r['error']} | | | | | | |")
+            continue
+        ratio = r.get("ratio_to_bf16") or {}
+        out.append(f"| {r['config']} | {r['context']} | {mib(r['cache_bytes'])} | {r['cache_over_cost_model']:.4f} | "
+                   f"{mib(r.get('peak_bytes'))} | {r['decode_ms_per_token']:.2f} | "
+                   f"{num(ratio.get('cache_bytes'), '.4g')} | {num(ratio.get('peak_bytes'), '.3f')} | "
+                   f"{num(ratio.get('decode_ms_per_token'), '.2f')} |")
+    if data.get("summary"):
+        out += ["", "Summary:", "", "```", json.dumps(data["summary"], indent=1), "```"]
+    return "\n".join(out)
+
+
 def table_section(name: str, data: dict) -> str:
     """Any other kind of results file: its rows as one table (columns in first-seen order)."""
     rows = data["rows"]
@@ -120,6 +149,8 @@ def build(results_dir: Path) -> str:
             sections.append(ops_section(path.name, data))
         elif data.get("kind") == "testbed":
             sections.append(testbed_section(path.name, data))
+        elif data.get("kind") == "kaizen_memory":
+            sections.append(kaizen_memory_section(path.name, data))
         else:
             sections.append(table_section(path.name, data))
     return "\n\n".join(sections) + "\n"
