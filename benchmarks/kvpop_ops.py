@@ -83,7 +83,8 @@ def main() -> int:
     ap.add_argument("--topk", type=int, default=2016)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (checks the script, times nothing)")
     ap.add_argument("--quick", action="store_true",
-                    help="acceptance rows only (no host Fenwick reference, block-mask rows, no-decay rows or mLSTM variants)")
+                    help="acceptance rows only (no host Fenwick reference, block-mask rows, no-decay rows or mLSTM eager/chunk "
+                         "variants; the mLSTM matmul_dtype rows are included)")
     args = ap.parse_args()
     global SMOKE
     SMOKE = args.smoke
@@ -262,6 +263,9 @@ def main() -> int:
 
     guarded("target", target_rows)
 
+    def ms_of(name):  # a row measured earlier in this run (nan if it failed)
+        return next((r["ms"] for r in rows if r["name"] == name), float("nan"))
+
     # ---- scorers forward + backward on detached [k; v] ----
     kd32, vd = kk.detach(), v.detach()
     scorer_ms = {}
@@ -284,6 +288,50 @@ def main() -> int:
                          "first_call_s": first_s, **({"chunk_size": scorer.chunk_size, "compile": scorer.compile} if name == "mlstm" else {}), **common})
 
         guarded(f"scorer_{name}", scorer_row)
+
+    # ---- mLSTM matmul precision (issue #10 item 8): the default scorer with each matmul_dtype, fwd+bwd, as a ratio
+    # to dense attention fwd+bwd of this run; the KVpop additions (scorer + cutoff + target) likewise; the max abs
+    # error of the scores and of the parameter gradients against float32 (same parameters, same inputs) ----
+    from kvlearn.ops.mlstm import MATMUL_DTYPES
+
+    precision_ref = {}
+    for mdt in MATMUL_DTYPES:
+        def precision_row(mdt=mdt):
+            torch.manual_seed(2)  # same parameters in every variant
+            scorer = MLSTMScorer(H, D, window=w, matmul_dtype=mdt).to(dev)
+            for prm in scorer.parameters():
+                if prm.abs().sum() == 0:
+                    torch.nn.init.normal_(prm, std=0.02)
+
+            def fwd_bwd():
+                scorer(kd32, vd).square().mean().backward()
+
+            t0 = time.perf_counter()
+            scorer.zero_grad(set_to_none=True)
+            out = scorer(kd32, vd)
+            out.square().mean().backward()  # compiles (CUDA) outside the timing
+            first_s = time.perf_counter() - t0
+            grads = [p.grad.detach().clone() for p in scorer.parameters()]
+            out = out.detach()
+            if mdt == "float32":
+                precision_ref.update(scores=out, grads=grads)
+            ref_out, ref_grads = precision_ref.get("scores"), precision_ref.get("grads")
+            ms_m = bench(fwd_bwd)
+            adds = ms_m + ms_of("cutoff_triton") + ms_of("target_pass")
+            rows.append({
+                "name": f"scorer_mlstm_fwd_bwd_{mdt}", "ms": ms_m, "matmul_dtype": mdt, "first_call_s": first_s,
+                "over_dense_fwd_bwd": ms_m / dense_ms,
+                "kvpop_additions_ms": adds, "kvpop_additions_over_dense_fwd_bwd": adds / dense_ms,
+                "scores_max_abs_err_vs_float32": None if ref_out is None else (out - ref_out).abs().max().item(),
+                "scores_max_abs_float32": None if ref_out is None else ref_out.abs().max().item(),
+                "grads_max_abs_err_vs_float32": None if ref_grads is None else max(
+                    (a - b).abs().max().item() for a, b in zip(grads, ref_grads)),
+                "grads_max_rel_err_vs_float32": None if ref_grads is None else max(
+                    ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(grads, ref_grads)),
+                "chunk_size": scorer.chunk_size, "compile": scorer.compile,
+                "includes": "scorer fwd+bwd; kvpop_additions_* add cutoff_triton + target_pass of this run", **common})
+
+        guarded(f"scorer_mlstm_{mdt}", precision_row)
 
     # ---- acceptance rows: k + w = T/8 exactly, and the finite-lookahead target (appendix B.2) ----
     guarded("sparse_k1792", lambda: measure_sparse("_k1792", True, 1792 if not SMOKE else 32))
@@ -360,6 +408,11 @@ def main() -> int:
             None if "plan_build_k1792" not in ms or "attn_sparse_fwd_bwd_k1792" not in ms
             else (ms["attn_sparse_fwd_bwd_k1792"] + ms["plan_build_k1792"]) / ms["attn_dense_sdpa_fwd_bwd"]),
         "blockmask_fwd_over_dense_fwd": ratio("attn_sparse_blockmask_fwd", "attn_dense_sdpa_fwd"),
+        # per mLSTM matmul_dtype: (scorer fwd+bwd, KVpop additions) over dense attention fwd+bwd, and the errors
+        "mlstm_matmul_dtype": {
+            r["matmul_dtype"]: {key: r[key] for key in ("over_dense_fwd_bwd", "kvpop_additions_over_dense_fwd_bwd",
+                                                         "scores_max_abs_err_vs_float32", "grads_max_abs_err_vs_float32")}
+            for r in rows if "matmul_dtype" in r},
     }
     # the acceptance of the KVpop-primitives issue, as measured in this run (None: a row is missing)
     summary["acceptance"] = {

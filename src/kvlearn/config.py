@@ -102,7 +102,8 @@ class KVpopConfig:
     which the paper does not fix; it only matters for new modules). ``decay_step`` is the step
     size ``n`` of Eq. 5; only ``n = 1`` gives static priorities (appendix B.3) and is supported by the cache.
     ``context`` (optional) is the evaluation context; when given, the budget must be below it (else nothing is
-    compressed).
+    compressed). ``mlstm_matmul_dtype`` (``"float32"`` default, ``"tf32"``, ``"bfloat16"``) is the operand precision
+    of the mLSTM scorer's chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`); not a learned field.
     """
 
     sinks: int = 4
@@ -114,6 +115,7 @@ class KVpopConfig:
     decay_step: int = 1
     scorer: str = "mlstm"
     delayed_readout: bool = True
+    mlstm_matmul_dtype: str = "float32"
     target_eps: float = 1e-6
     target_aggregation: str = "max"
     target_count_normalize: bool = True
@@ -126,6 +128,7 @@ class KVpopConfig:
     context: int | None = None
 
     SCORERS = ("linear", "mlp", "mlstm")
+    MATMUL_DTYPES = ("float32", "tf32", "bfloat16")  # = kvlearn.ops.mlstm.MATMUL_DTYPES
     AGGREGATIONS = ("max", "mean")
 
     def __post_init__(self) -> None:
@@ -150,6 +153,8 @@ class KVpopConfig:
             f"decay_min={self.decay_min} and decay_max={self.decay_max}",
         )
         check(self.scorer in self.SCORERS, f"scorer={self.scorer!r} is unknown: expected one of {', '.join(self.SCORERS)}")
+        check(isinstance(self.mlstm_matmul_dtype, str) and self.mlstm_matmul_dtype in self.MATMUL_DTYPES,
+              f"mlstm_matmul_dtype={self.mlstm_matmul_dtype!r} is unknown: expected one of {', '.join(self.MATMUL_DTYPES)}")
         check(
             self.target_aggregation in self.AGGREGATIONS,
             f"target_aggregation={self.target_aggregation!r} is unknown: expected one of {', '.join(self.AGGREGATIONS)}",

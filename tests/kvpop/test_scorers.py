@@ -500,3 +500,93 @@ def test_compiled_scorer_on_cuda_equals_eager(chunk):
     r_e.square().mean().backward()
     for (name, a), b in zip(s.named_parameters(), eager.parameters()):
         assert ((a.grad - b.grad).abs().max() / b.grad.abs().max()).item() < 1e-4, name
+
+
+# matmul_dtype of the mLSTM chunk matmuls (bounds measured in tests/ops/test_mlstm.py)
+
+
+@pytest.mark.parametrize("matmul_dtype", ["tf32", "bfloat16"])
+def test_compiled_scores_with_reduced_precision_matmuls_trace_in_one_graph(matmul_dtype):
+    compiled = torch.compile(scorers_mod.mlstm_scores, dynamic=False, fullgraph=True, backend="aot_eager")
+    s = _mlstm(window=5, seed=11, chunk_size=8)
+    k, v = _kv(12, t=77)
+    args = _scores_args(s, k, v) + (matmul_dtype,)
+    got, want = compiled(*args), scorers_mod.mlstm_scores(*args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_mlstm_scorer_bf16_matmuls_close_to_float32():
+    k, v = _kv(21, t=150)
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        s = _mlstm(window=5, seed=22, chunk_size=16, matmul_dtype=dtype)
+        r = s(k, v)
+        r.square().sum().backward()
+        out[dtype] = (r.detach(), [p.grad for p in s.parameters()])
+    (r0, g0), (r1, g1) = out["float32"], out["bfloat16"]
+    err = ((r1 - r0).abs().max() / r0.abs().max()).item()
+    assert 1e-5 < err < 1.5e-2, err  # nonzero (bf16 was used) and within the op's bound
+    for a, b in zip(g1, g0):
+        assert ((a - b).norm() / b.norm()).item() < 6e-2
+
+
+def test_scorer_tf32_scope_covers_compiled_forward_and_backward(monkeypatch):
+    # the compiled path with matmul_dtype="tf32" runs forward and backward inside tf32_matmuls() (CPU: aot_eager,
+    # where TF32 changes nothing, so the results equal the eager float32 scorer's) and restores the setting
+    monkeypatch.setattr(scorers_mod, "_COMPILE_DEVICES", ("cpu",))
+    monkeypatch.setattr(scorers_mod, "_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(scorers_mod, "_COMPILED", {})
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(("fwd", torch.backends.cuda.matmul.fp32_precision))
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("bwd", torch.backends.cuda.matmul.fp32_precision))
+            return g
+
+    real = scorers_mod._compiled_scores
+
+    def spied(backend="inductor"):
+        fn = real(backend)
+
+        def run(*a):
+            out = fn(*a)
+            return (Spy.apply(out[0]), *out[1:])
+
+        return run
+
+    monkeypatch.setattr(scorers_mod, "_compiled_scores", spied)
+    before = torch.backends.cuda.matmul.fp32_precision
+    s = _mlstm(window=4, seed=13, chunk_size=8, matmul_dtype="tf32")
+    eager = _mlstm(window=4, seed=13, chunk_size=8, compile=False)
+    k, v = _kv(14, t=30)
+    r = s(k, v)
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    torch.testing.assert_close(r, eager(k, v), rtol=1e-5, atol=1e-5)
+    r.square().sum().backward()
+    eager(k, v).square().sum().backward()
+    assert seen == [("fwd", "tf32"), ("bwd", "tf32")]
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    for (name, a), b in zip(s.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bad_matmul_dtype_in_scorer_and_config():
+    from kvlearn.config import KVpopConfig
+    from kvlearn.kvpop.modules import KVpopModules
+    from kvlearn.ops.mlstm import MATMUL_DTYPES
+
+    with pytest.raises(KVLearnError, match=r"^matmul_dtype='half' is unknown: expected one of float32, tf32, bfloat16$"):
+        MLSTMScorer(2, 8, window=4, matmul_dtype="half")
+    with pytest.raises(KVLearnError, match=r"^mlstm_matmul_dtype='bf16' is unknown: expected one of float32, tf32, bfloat16$"):
+        KVpopConfig(mlstm_matmul_dtype="bf16")
+    assert KVpopConfig.MATMUL_DTYPES == MATMUL_DTYPES
+    assert KVpopConfig().mlstm_matmul_dtype == "float32"
+    mods = KVpopModules(KVpopConfig(window=4, topk=8, mlstm_matmul_dtype="bfloat16"), 2, 8)
+    assert mods.scorer.matmul_dtype == "bfloat16"

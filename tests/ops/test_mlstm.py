@@ -6,12 +6,15 @@ import torch
 
 from kvlearn.errors import KVLearnError
 from kvlearn.ops.mlstm import (
+    MATMUL_DTYPES,
     MLSTMState,
+    _TF32MatMul,
     mlstm_chunkwise,
     mlstm_readout,
     mlstm_recurrent,
     mlstm_step,
     mlstm_zero_state,
+    tf32_matmuls,
 )
 
 
@@ -284,3 +287,128 @@ def test_chunkwise_on_cuda_matches_float64_cpu():
     h, _ = mlstm_chunkwise(*x, chunk_size=32)
     h.square().sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# matmul_dtype: "float32" (default), "tf32" (CUDA only; a no-op on the CPU), "bfloat16" (bf16 operands of the chunk
+# matmuls, float32 results). Bounds for bf16 vs float32, measured on the CPU (torch 2.13, non-negative features as
+# the scorer's Hedgehog map gives, the shapes below and more, 4 seeds each): h max-relative <= 6.0e-3, state C
+# <= 6.7e-3, n <= 3.2e-3, m bit-equal; gradients (relative Frobenius norm) v, igate, fgate <= 4.7e-3, q, k <= 2.6e-2.
+# Gates of moderate size (|ĩ| ~ 3-5) can put |qᵀn| next to exp(-m) in the normaliser's max; a bf16 rounding then
+# flips the branch and the q, k and gate gradients of those tokens jump (up to 0.2 norm-relative seen): the
+# gradient bounds hold where the branch is decided with margin (gate scales 1 and 20 here).
+BF16_BOUNDS = {"h": 1.5e-2, "C": 1.5e-2, "n": 1.5e-2, "grad_vif": 1e-2, "grad_qk": 6e-2}
+BF16_FLOOR = 1e-4  # bf16 operands must change the result by more than this: the option really took effect
+
+
+def _norm_rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _run_with_grads(xs, chunk, matmul_dtype, state=None):
+    xs = [x.detach().clone().requires_grad_() for x in xs]
+    h, st = mlstm_chunkwise(*xs, chunk_size=chunk, state=state, matmul_dtype=matmul_dtype)
+    w = torch.randn(h.shape, generator=torch.Generator().manual_seed(99))
+    ((h * w).sum() + st.C.sum()).backward()
+    return h.detach(), MLSTMState(*(x.detach() for x in st)), [x.grad for x in xs]
+
+
+def _bf16_errors(got, ref):
+    """Errors of a (h, state, grads) triple against the float32 one, in the units of BF16_BOUNDS."""
+    (h, st, g), (h0, st0, g0) = got, ref
+    return {
+        "h": _rel(h, h0), "C": _rel(st.C, st0.C), "n": _rel(st.n, st0.n),
+        "grad_vif": max(_norm_rel(g[i], g0[i]) for i in (2, 3, 4)),
+        "grad_qk": max(_norm_rel(g[i], g0[i]) for i in (0, 1)),
+    }
+
+
+def _within_bf16_bounds(err) -> bool:
+    return all(BF16_FLOOR < err[name] < bound for name, bound in BF16_BOUNDS.items())
+
+
+@pytest.mark.parametrize("b,h,t,dk,dv,chunk,gate_scale", [
+    (2, 3, 200, 16, 8, 32, 20.0),  # 7 chunks (6 full + a remainder), grouped chunk states
+    (1, 2, 300, 32, 16, 64, 20.0),  # 5 chunks
+    (1, 2, 160, 16, 8, 16, 1.0),  # 10 chunks, small gates (the normaliser's floor is active)
+])
+def test_bf16_matmuls_within_measured_tolerance_of_float32(b, h, t, dk, dv, chunk, gate_scale):
+    for seed in (0, 1):
+        xs = _inputs(seed, b=b, h=h, t=t, dk=dk, dv=dv, gate_scale=gate_scale, positive=True)
+        ref = _run_with_grads(xs, chunk, "float32")
+        got = _run_with_grads(xs, chunk, "bfloat16")
+        assert torch.equal(got[1].m, ref[1].m)  # the stabiliser is float32 arithmetic of the gates only
+        err = _bf16_errors(got, ref)
+        assert _within_bf16_bounds(err), err
+        # the check can fail: a result 2% off, or float32 itself (no bf16 effect), is rejected
+        off = (ref[0] * 1.02, ref[1], ref[2])
+        assert not _within_bf16_bounds(_bf16_errors(off, ref))
+        assert not _within_bf16_bounds(_bf16_errors(ref, ref))
+
+
+def test_bf16_matmuls_with_a_start_state_and_against_float64_reference():
+    # an independent reference: the unstabilised float64 recurrence (moderate gates), from a non-empty state
+    q, k, v, i, f = _inputs(7, t=150, dk=16, dv=8, gate_scale=3.0, positive=True)
+    _, c0, n0 = _naive(q[:, :, :40], k[:, :, :40], v[:, :, :40], i[:, :, :40], f[:, :, :40])
+    state = MLSTMState(c0.float(), n0.float(), torch.zeros(c0.shape[:2]))
+    ref, _, _ = _naive(q[:, :, 40:], k[:, :, 40:], v[:, :, 40:], i[:, :, 40:], f[:, :, 40:], c0, n0)
+    rest = [x[:, :, 40:] for x in (q, k, v, i, f)]
+    for dtype, bound in (("float32", 1e-5), ("tf32", 1e-5), ("bfloat16", BF16_BOUNDS["h"])):
+        h, _ = mlstm_chunkwise(*rest, chunk_size=16, state=state, eps=0.0, matmul_dtype=dtype)
+        assert _rel(h, ref) < bound, dtype
+
+
+@pytest.mark.parametrize("t,chunk", [(100, 32), (37, 16)])
+def test_tf32_is_a_no_op_on_the_cpu(t, chunk):
+    xs = _inputs(2, t=t, positive=True)
+    ref = _run_with_grads(xs, chunk, "float32")
+    got = _run_with_grads(xs, chunk, "tf32")
+    assert torch.equal(got[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
+
+
+def test_tf32_matmuls_restores_the_setting():
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    with tf32_matmuls():
+        assert matmul.fp32_precision == "tf32"
+    assert matmul.fp32_precision == before
+    with pytest.raises(RuntimeError, match="boom"):
+        with tf32_matmuls():
+            raise RuntimeError("boom")
+    assert matmul.fp32_precision == before
+    assert matmul.allow_tf32 in (True, False)  # reading the legacy flag after a restore must not raise "mix of ... APIs"
+
+
+def test_tf32_matmul_function_gradients_equal_plain_matmul():
+    # the eager TF32 matmul (used on CUDA) is an autograd.Function: its backward must be the matmul's, broadcasting
+    # included; on the CPU the TF32 setting changes nothing, so the results are equal
+    for sa, sb in (((2, 3, 5, 4), (2, 3, 4, 6)), ((2, 3, 5, 4), (1, 3, 4, 6)), ((5, 4), (2, 4, 6))):
+        a = torch.randn(sa, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(sb, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(_TF32MatMul.apply, (a, b))
+        out = _TF32MatMul.apply(a, b)
+        ga, gb = torch.autograd.grad(out.square().sum(), (a, b))
+        ra, rb = torch.autograd.grad((a @ b).square().sum(), (a, b))
+        assert torch.allclose(ga, ra) and torch.allclose(gb, rb)
+
+
+def test_bad_matmul_dtype_is_a_one_line_error():
+    q, k, v, i, f = _inputs(0, t=10)
+    with pytest.raises(KVLearnError, match=r"^matmul_dtype='fp16' is unknown: expected one of float32, tf32, bfloat16$"):
+        mlstm_chunkwise(q, k, v, i, f, matmul_dtype="fp16")
+    with pytest.raises(KVLearnError, match=r"^matmul_dtype=torch.bfloat16 is unknown"):
+        mlstm_chunkwise(q, k, v, i, f, matmul_dtype=torch.bfloat16)
+    assert MATMUL_DTYPES == ("float32", "tf32", "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("matmul_dtype", ["tf32", "bfloat16"])
+def test_reduced_precision_matmuls_on_cuda_within_bounds(matmul_dtype):
+    xs = _inputs(21, b=2, h=4, t=300, dk=16, dv=8, positive=True)
+    ref = _run_with_grads([x.cuda() for x in xs], 64, "float32")
+    before = torch.backends.cuda.matmul.fp32_precision
+    got = _run_with_grads([x.cuda() for x in xs], 64, matmul_dtype)
+    assert torch.backends.cuda.matmul.fp32_precision == before  # forward and backward restored it
+    err = _bf16_errors(got, ref)
+    assert all(err[name] < bound for name, bound in BF16_BOUNDS.items()), err

@@ -33,11 +33,13 @@ from torch import Tensor, nn
 from kvlearn.errors import check, check_int
 from kvlearn.ops.mlstm import (
     MLSTMState,
+    check_matmul_dtype,
     check_mlstm_state,
     mlstm_chunkwise_unchecked,
     mlstm_readout_unchecked,
     mlstm_step,
     mlstm_zero_state,
+    tf32_matmuls,
 )
 
 __all__ = ["KVScorer", "LinearScorer", "MLPScorer", "MLSTMScorer", "hedgehog", "mlstm_scores", "mlstm_continue_scores"]
@@ -232,13 +234,15 @@ def mlstm_scores(
     softcap: float | None,
     eps: float,
     norm_eps: float,
+    matmul_dtype: str = "float32",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The MLSTMScorer forward as one pure function (what ``torch.compile`` compiles; no validation).
 
     Scores ``[B,H,T]`` float32 and the final state ``(C [B,H,Dk,Dv], n [B,H,Dk], m [B,H])`` of a full sequence, from
     validated key/value ``[B,H,T,D]`` and ``valid`` ``[B,T]`` (None: no padding).
 
-    ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b)``; ``delay`` is the readout delay.
+    ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b)``; ``delay`` is the readout delay;
+    ``matmul_dtype`` the operand precision of the mLSTM chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`).
     """
     w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b = params
     x = _cat_kv(key, value)
@@ -249,12 +253,12 @@ def mlstm_scores(
         fg = torch.where(keep, fg, 1e4)
     t = x.shape[2]
     if delay == 0:
-        h, state = mlstm_chunkwise_unchecked(q, k, v, ig, fg, None, chunk_size, eps)
+        h, state = mlstm_chunkwise_unchecked(q, k, v, ig, fg, None, chunk_size, eps, matmul_dtype)
     else:
         # delayed: the readout at time s uses q̃_{s-w} (zeros for s < w: nothing to read yet, discarded)
         shift = min(delay, t)
         q_read = F.pad(q[:, :, : t - shift], (0, 0, shift, 0))
-        h_seq, state = mlstm_chunkwise_unchecked(q_read, k, v, ig, fg, None, chunk_size, eps)
+        h_seq, state = mlstm_chunkwise_unchecked(q_read, k, v, ig, fg, None, chunk_size, eps, matmul_dtype)
         h_prov = mlstm_readout_unchecked(q[:, :, t - shift :], *state, eps)  # u = T-w .. T-1, read at T-1
         h = torch.cat([h_seq[:, :, shift:], h_prov], dim=2)  # u = 0 .. T-1-w read at u + w, then provisional
     return (_score_head(h, a, b, norm_weight, norm_eps), *state)
@@ -273,6 +277,7 @@ def mlstm_continue_scores(
     softcap: float | None,
     eps: float,
     norm_eps: float,
+    matmul_dtype: str = "float32",
 ) -> tuple[Tensor, Tensor | None, MLSTMState]:
     """Continue a sequence from ``state`` by the forward's tokens ``key, value [B,H,T,D]`` (validated).
 
@@ -311,7 +316,7 @@ def mlstm_continue_scores(
     fg = torch.where(keep, fg, 1e4)
     past_scores = None
     if delay == 0:
-        h, state = mlstm_chunkwise_unchecked(q, k, v, ig, fg, state, chunk_size, eps)
+        h, state = mlstm_chunkwise_unchecked(q, k, v, ig, fg, state, chunk_size, eps, matmul_dtype)
         scores_r = _score_head(h, a, b, norm_weight, norm_eps)
     else:
         if past_key is None:
@@ -319,7 +324,7 @@ def mlstm_continue_scores(
         else:
             q_past = _project(_cat_kv(past_key, past_value), w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)[0]
         ext = torch.cat([q_past, q], dim=2)  # [B,H,w+T,D]: query features by rank over the past and the forward
-        h_seq, state = mlstm_chunkwise_unchecked(ext[:, :, :t], k, v, ig, fg, state, chunk_size, eps)
+        h_seq, state = mlstm_chunkwise_unchecked(ext[:, :, :t], k, v, ig, fg, state, chunk_size, eps, matmul_dtype)
         h_end = mlstm_readout_unchecked(ext, *state, eps)  # [B,H,w+T,Dv] every token read from the final memory
         final = (torch.arange(delay + t, device=q.device)[None, :] < n_real[:, None])[:, None, :, None]
         h = torch.where(final, F.pad(h_seq, (0, 0, 0, delay)), h_end)  # token of ext rank j read at rank j
@@ -344,6 +349,37 @@ def _compiled_scores(backend: str = "inductor") -> Callable:
     if fn is None:
         fn = _COMPILED[backend] = torch.compile(mlstm_scores, dynamic=False, backend=backend)
     return fn
+
+
+class _TF32Scope(torch.autograd.Function):
+    """``fn(*args)`` with its forward *and* its backward inside :func:`tf32_matmuls` (the compiled mLSTM path:
+    the context manager cannot be traced inside the compiled region, and the compiled backward runs later, at
+    ``.backward()``, outside any ``with`` block of the forward). The forward builds ``fn``'s own autograd graph on
+    detached inputs; the backward differentiates it with ``torch.autograd.grad`` (first-order gradients only)."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.set_materialize_grads(False)
+        inputs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, Tensor) else a for a in args]
+        with torch.enable_grad(), tf32_matmuls():
+            outs = fn(*inputs)
+        ctx.inner = (inputs, outs)
+        return tuple(o.detach() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs, outs = ctx.inner
+        del ctx.inner
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wanted = [i for i, a in enumerate(inputs) if isinstance(a, Tensor) and a.requires_grad]
+        result = [None] * len(inputs)
+        if pairs and wanted:
+            with tf32_matmuls():
+                got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
+                                          allow_unused=True)
+            for i, g in zip(wanted, got):
+                result[i] = g
+        return (None, *result)
 
 
 class MLSTMScorer(KVScorer):
@@ -375,6 +411,12 @@ class MLSTMScorer(KVScorer):
     input shape compiles); without autograd (``no_grad``/``inference_mode``), on other devices and with
     ``compile=False`` it runs eagerly. Both run the same code (same results to float32 rounding); ``step`` is
     always eager.
+
+    ``matmul_dtype`` (``"float32"`` default, ``"tf32"``, ``"bfloat16"``): operand precision of the mLSTM's chunk
+    matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`; gates and stabiliser stay float32). With ``"tf32"`` on the
+    compiled path the whole compiled forward and backward run inside :func:`kvlearn.ops.mlstm.tf32_matmuls`
+    (restored afterwards), so there *every* float32 matmul of the scorer is TF32, the ``[k; v]`` projections
+    included; eagerly only the chunk matmuls are. ``step`` (decoding) has no chunk matmuls and is unaffected.
     """
 
     def __init__(
@@ -389,6 +431,7 @@ class MLSTMScorer(KVScorer):
         gate_softcap: float | None = 15.0,
         forget_bias_range: tuple[float, float] = (3.0, 6.0),
         compile: bool = True,
+        matmul_dtype: str = "float32",
     ) -> None:
         super().__init__(num_kv_heads, head_dim)
         check(
@@ -400,6 +443,7 @@ class MLSTMScorer(KVScorer):
         check(isinstance(delayed_readout, bool), f"delayed_readout={delayed_readout!r} is invalid: expected True or False")
         check(isinstance(use_norm, bool), f"use_norm={use_norm!r} is invalid: expected True or False")
         check(isinstance(compile, bool), f"compile={compile!r} is invalid: expected True or False")
+        check_matmul_dtype(matmul_dtype)
         value_dim = head_dim // 2 if value_dim is None else value_dim
         check_int("value_dim", value_dim, 1)
         check(
@@ -415,6 +459,7 @@ class MLSTMScorer(KVScorer):
         self.use_norm = use_norm
         self.chunk_size = chunk_size
         self.compile = compile
+        self.matmul_dtype = matmul_dtype
         self.value_dim = value_dim
         self.gate_softcap = None if gate_softcap is None else float(gate_softcap)
         self.feature_dim = head_dim  # Hedgehog doubles the D/2 projection
@@ -441,7 +486,8 @@ class MLSTMScorer(KVScorer):
         return (
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, window={self.window}, "
             f"delayed_readout={self.delayed_readout}, use_norm={self.use_norm}, value_dim={self.value_dim}, "
-            f"gate_softcap={self.gate_softcap}, chunk_size={self.chunk_size}, compile={self.compile}"
+            f"gate_softcap={self.gate_softcap}, chunk_size={self.chunk_size}, compile={self.compile}, "
+            f"matmul_dtype={self.matmul_dtype!r}"
         )
 
     # -- pieces ---------------------------------------------------------------------------------------------
@@ -469,8 +515,12 @@ class MLSTMScorer(KVScorer):
         # cost more than it saves) and on other devices
         use_compiled = self.compile and torch.is_grad_enabled() and key.device.type in _COMPILE_DEVICES
         fn = _compiled_scores(_COMPILE_BACKEND) if use_compiled else mlstm_scores
-        scores, c, n, m = fn(key, value, valid, self.score_params(), self.readout_delay, self.chunk_size,
-                             self.gate_softcap, self.eps, self.norm_eps)
+        consts = (self.readout_delay, self.chunk_size, self.gate_softcap, self.eps, self.norm_eps, self.matmul_dtype)
+        if use_compiled and self.matmul_dtype == "tf32":  # the TF32 scope around the compiled forward and backward
+            scores, c, n, m = _TF32Scope.apply(lambda k, v, val, *p: fn(k, v, val, p, *consts), key, value, valid,
+                                               *self.score_params())
+        else:
+            scores, c, n, m = fn(key, value, valid, self.score_params(), *consts)
         return scores, MLSTMState(c, n, m)
 
     def forward(self, key: Tensor, value: Tensor) -> Tensor:
@@ -539,7 +589,8 @@ class MLSTMScorer(KVScorer):
                   f"past_key.shape={tuple(past_key.shape)} is invalid: expected [batch, kv_heads, window, head_dim] "
                   f"with batch={b}, window={self.readout_delay}")
         return mlstm_continue_scores(key, value, valid, state, past_key, past_value, self.score_params(),
-                                     self.readout_delay, self.chunk_size, self.gate_softcap, self.eps, self.norm_eps)
+                                     self.readout_delay, self.chunk_size, self.gate_softcap, self.eps, self.norm_eps,
+                                     self.matmul_dtype)
 
     # -- decoding -------------------------------------------------------------------------------------------
     @property

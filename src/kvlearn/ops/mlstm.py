@@ -21,11 +21,29 @@ Notation (per batch element and head; ``Dk`` key/query dim, ``Dv`` value dim):
 All arithmetic runs in float32 (float64 when any input is float64, for gradcheck); the returned ``h`` and states
 are in that compute dtype whatever the input dtype. The chunkwise form computes the same per-token stabiliser
 ``m_t`` as the recurrence, so both agree to float32 rounding, ``eps`` included.
+
+Matmul precision of the chunkwise form (``matmul_dtype``, :data:`MATMUL_DTYPES`; default ``"float32"``): the
+heavy chunk matmuls (``qkᵀ``, ``S v``, ``q C``, ``q n``, the chunk-state products ``kᵀv`` and the weighted chunk-state
+sums) may run with cheaper operands; everything else (gates, cumsums, stabiliser ``m``, exponent weights, the
+normaliser's max and division) stays in the compute dtype:
+
+- ``"float32"``: exact float32 matmuls (today's behaviour; on CUDA with TF32 *not* forced on: the process-wide
+  setting applies, which PyTorch leaves at IEEE float32 by default).
+- ``"tf32"``: the same float32 matmuls with TF32 allowed, forward and backward, inside :func:`tf32_matmuls` (a
+  context manager that sets ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` and restores the previous
+  value on exit: no global state leaks). On the CPU it is a no-op (the setting only affects cuBLAS). Under
+  ``torch.compile`` the context manager cannot be traced (a graph break per matmul), so a compiled caller
+  enters :func:`tf32_matmuls` around the whole compiled call (forward and backward) instead, as
+  :class:`kvlearn.kvpop.scorers.MLSTMScorer` does; inside a compiled region the matmuls are then plain.
+- ``"bfloat16"``: operands cast to bfloat16, the product returned as float32 (cuBLAS/CPU accumulate in float32;
+  the product itself is rounded to bfloat16 once before it is widened). The backward's matmuls run in bfloat16
+  too (autograd through the casts). Measured error against ``"float32"`` in ``tests/ops/test_mlstm.py``.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import contextlib
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +61,13 @@ __all__ = [
     "mlstm_chunkwise_unchecked",
     "mlstm_readout_unchecked",
     "chunk_group_size",
+    "MATMUL_DTYPES",
+    "check_matmul_dtype",
+    "tf32_matmuls",
 ]
 
 DEFAULT_EPS = 1e-6
+MATMUL_DTYPES = ("float32", "tf32", "bfloat16")  # operand precision of the chunkwise form's heavy matmuls
 
 
 class MLSTMState(NamedTuple):
@@ -113,6 +135,70 @@ def _check_sequence_inputs(q, k, v, igate, fgate, state) -> None:
         check(x.device == q.device, f"{name}.device={x.device} differs from q.device={q.device}")
     if state is not None:
         check_mlstm_state(state, b, h, dk, v.shape[-1], q.device)
+
+
+def check_matmul_dtype(matmul_dtype, name: str = "matmul_dtype") -> None:
+    """One-line error unless ``matmul_dtype`` is one of :data:`MATMUL_DTYPES`."""
+    check(
+        isinstance(matmul_dtype, str) and matmul_dtype in MATMUL_DTYPES,
+        f"{name}={matmul_dtype!r} is unknown: expected one of {', '.join(MATMUL_DTYPES)}",
+    )
+
+
+@contextlib.contextmanager
+def tf32_matmuls() -> Iterator[None]:
+    """Allow TF32 in cuBLAS float32 matmuls inside the block; the previous setting is restored on exit.
+
+    Uses the ``fp32_precision`` API (torch >= 2.9): it saves the raw ``torch.backends.cuda.matmul.fp32_precision``
+    (``"none"`` = inherit from ``torch.backends.fp32_precision``, or ``"ieee"``/``"tf32"``, which the legacy
+    ``allow_tf32`` flag also sets), sets ``"tf32"`` and writes the saved value back. It never sets the legacy
+    ``allow_tf32`` flag: since torch 2.9 reading ``allow_tf32`` after the new API set a value raises ("mix of the
+    legacy and new APIs"), whereas a value restored through the new API reads back through either. The setting is
+    process-wide (not per thread): another thread's CUDA matmuls inside the block are TF32 too. CPU matmuls are
+    unaffected (a no-op there)."""
+    matmul = torch.backends.cuda.matmul
+    old = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = old
+
+
+class _TF32MatMul(torch.autograd.Function):
+    """``a @ b`` with TF32 allowed in the forward and in the backward's two matmuls (eager only)."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        with tf32_matmuls():
+            return a @ b
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        a, b = ctx.saved_tensors
+        ga = gb = None
+        with tf32_matmuls():
+            if ctx.needs_input_grad[0]:
+                ga = _sum_to(grad @ b.transpose(-1, -2), a.shape)
+            if ctx.needs_input_grad[1]:
+                gb = _sum_to(a.transpose(-1, -2) @ grad, b.shape)
+        return ga, gb
+
+
+def _sum_to(g: Tensor, shape) -> Tensor:
+    """Reduce a broadcast gradient back to ``shape`` (matmul broadcasts the batch dims)."""
+    return g if tuple(g.shape) == tuple(shape) else g.sum_to_size(shape)
+
+
+def _mm(a: Tensor, b: Tensor, matmul_dtype: str) -> Tensor:
+    """``a @ b`` (batched, broadcasting) with the operand precision ``matmul_dtype`` (see the module docstring);
+    the result is in ``a``'s dtype."""
+    if matmul_dtype == "bfloat16":
+        return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).to(a.dtype)
+    if matmul_dtype == "tf32" and a.is_cuda and a.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return _TF32MatMul.apply(a, b)
+    return a @ b
 
 
 def _cast_state(state: MLSTMState, dtype: torch.dtype) -> MLSTMState:
@@ -237,8 +323,8 @@ def chunk_group_size(nc: int) -> int:
     return best
 
 
-def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
-    """Process ``NC`` consecutive chunks of length ``L``.
+def _chunks(q, k, v, igate, logf, c0, n0, m0, eps, matmul_dtype: str = "float32") -> tuple[Tensor, MLSTMState]:
+    """Process ``NC`` consecutive chunks of length ``L`` (the matmuls with ``matmul_dtype`` operands).
 
     Shapes: q, k ``[B,H,NC,L,Dk]``, v ``[B,H,NC,L,Dv]``, igate, logf ``[B,H,NC,L]``; start state ``c0 [B,H,Dk,Dv]``,
     ``n0 [B,H,Dk]``, ``m0 [B,H]`` (``c0 = n0 = None``: zero ``C`` and ``n``, nothing to add). Returns
@@ -266,7 +352,7 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     #    the recurrent m at that point. Rows j = 0..NC (row NC is the final state).
     wk = torch.exp(a - a_max.unsqueeze(-1))  # [B,H,NC,L]
     kw = k * wk.unsqueeze(-1)
-    u = (kw.transpose(-1, -2) @ v).reshape(bsz, heads, nc, dk * dv)  # [B,H,NC,Dk*Dv]
+    u = _mm(kw.transpose(-1, -2), v, matmul_dtype).reshape(bsz, heads, nc, dk * dv)  # [B,H,NC,Dk*Dv]
     un = kw.sum(dim=-2)  # [B,H,NC,Dk]
     rows = torch.arange(nc + 1, device=q.device)
     cols = torch.arange(nc, device=q.device)
@@ -292,8 +378,8 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     ngr = nc // gsz
     m_out = m_all[..., ::gsz]  # [B,H,NG+1] rows 0, G, ..., NC
     w_out = torch.exp(log_w[..., ::gsz, :] - m_out.unsqueeze(-1))  # [B,H,NG+1,NC]
-    c_out = w_out @ u  # [B,H,NG+1,Dk*Dv]
-    n_out = w_out @ un  # [B,H,NG+1,Dk]
+    c_out = _mm(w_out, u, matmul_dtype)  # [B,H,NG+1,Dk*Dv]
+    n_out = _mm(w_out, un, matmul_dtype)  # [B,H,NG+1,Dk]
     if c0 is not None:
         w0 = torch.exp(log_w0[..., ::gsz] - m_out)  # [B,H,NG+1]
         c_out = c_out + w0.unsqueeze(-1) * c0.reshape(bsz, heads, 1, dk * dv)
@@ -308,8 +394,8 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
         w_in = torch.exp(blk.permute(0, 1, 4, 2, 3) - m_grp.unsqueeze(-1))  # [B,H,NG,G(j),G(i)], 0 for i >= j
         g_in = F.pad(g.reshape(bsz, heads, ngr, gsz)[..., :-1], (1, 0)).cumsum(dim=-1)  # sum_{s<=l<j} g_l, direct
         carry = torch.exp(m_out[..., :-1].unsqueeze(-1) + g_in - m_grp).unsqueeze(-1)  # [B,H,NG,G,1]
-        c_s = w_in @ u.reshape(bsz, heads, ngr, gsz, dk * dv) + carry * c_out[:, :, :-1].unsqueeze(3)
-        n_s = w_in @ un.reshape(bsz, heads, ngr, gsz, dk) + carry * n_out[:, :, :-1].unsqueeze(3)
+        c_s = _mm(w_in, u.reshape(bsz, heads, ngr, gsz, dk * dv), matmul_dtype) + carry * c_out[:, :, :-1].unsqueeze(3)
+        n_s = _mm(w_in, un.reshape(bsz, heads, ngr, gsz, dk), matmul_dtype) + carry * n_out[:, :, :-1].unsqueeze(3)
     c_s = c_s.reshape(bsz, heads, nc, dk, dv)
     n_s = n_s.reshape(bsz, heads, nc, dk, 1)
 
@@ -318,18 +404,20 @@ def _chunks(q, k, v, igate, logf, c0, n0, m0, eps) -> tuple[Tensor, MLSTMState]:
     m_row = torch.maximum(log_inter, log_d.max(dim=-1).values)  # == recurrent m_t
     w_intra = torch.exp(log_d - m_row.unsqueeze(-1))  # masked entries are exactly 0
     w_inter = torch.exp(log_inter - m_row)  # [B,H,NC,L]
-    s = (q @ k.transpose(-1, -2)) * w_intra  # [B,H,NC,L,L]
-    num = s @ v + w_inter.unsqueeze(-1) * (q @ c_s)
-    qn = s.sum(dim=-1) + w_inter * (q @ n_s).squeeze(-1)
+    s = _mm(q, k.transpose(-1, -2), matmul_dtype) * w_intra  # [B,H,NC,L,L]
+    num = _mm(s, v, matmul_dtype) + w_inter.unsqueeze(-1) * _mm(q, c_s, matmul_dtype)
+    qn = s.sum(dim=-1) + w_inter * _mm(q, n_s, matmul_dtype).squeeze(-1)
     den = torch.maximum(qn.abs(), torch.exp(-m_row)) + eps
     return num / den.unsqueeze(-1), final
 
 
-def mlstm_chunkwise_unchecked(q, k, v, igate, fgate, state, chunk_size: int, eps: float) -> tuple[Tensor, MLSTMState]:
+def mlstm_chunkwise_unchecked(
+    q, k, v, igate, fgate, state, chunk_size: int, eps: float, matmul_dtype: str = "float32"
+) -> tuple[Tensor, MLSTMState]:
     """:func:`mlstm_chunkwise` without validation (the body that the KVpop scorer runs under ``torch.compile``).
 
     Same arguments and result as :func:`mlstm_chunkwise` (``chunk_size`` and ``eps`` positional); the caller
-    guarantees the shapes, devices and ``chunk_size >= 1``."""
+    guarantees the shapes, devices, ``chunk_size >= 1`` and a valid ``matmul_dtype``."""
     dt = _compute_dtype(q, k, v, igate, fgate, *(state if state is not None else ()))
     q, k, v, igate, fgate = (x.to(dt) for x in (q, k, v, igate, fgate))
     bsz, heads, t, _ = q.shape
@@ -350,7 +438,8 @@ def mlstm_chunkwise_unchecked(q, k, v, igate, fgate, state, chunk_size: int, eps
         def split(x: Tensor) -> Tensor:
             return x[:, :, lo:hi].reshape(bsz, heads, nc, length, *x.shape[3:])
 
-        h, (c0, n0, m0) = _chunks(split(q), split(k), split(v), split(igate), split(logf), c0, n0, m0, eps)
+        h, (c0, n0, m0) = _chunks(split(q), split(k), split(v), split(igate), split(logf), c0, n0, m0, eps,
+                                   matmul_dtype)
         outs.append(h.reshape(bsz, heads, hi - lo, dv))
     return (torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]), MLSTMState(c0, n0, m0)
 
@@ -364,6 +453,7 @@ def mlstm_chunkwise(
     chunk_size: int = 64,
     state: MLSTMState | None = None,
     eps: float = DEFAULT_EPS,
+    matmul_dtype: str = "float32",
 ) -> tuple[Tensor, MLSTMState]:
     """Chunkwise-parallel mLSTM: same result as :func:`mlstm_recurrent`, differentiable by autograd.
 
@@ -375,10 +465,14 @@ def mlstm_chunkwise(
         q, k: ``[B, H, T, Dk]``; v: ``[B, H, T, Dv]``; igate, fgate: ``[B, H, T]`` preactivations.
         chunk_size: chunk length ``L >= 1``.
         state: initial state or None (empty).
+        matmul_dtype: operand precision of the chunk matmuls, one of :data:`MATMUL_DTYPES` (``"float32"``:
+            exact; ``"tf32"``: TF32 on CUDA, a no-op on the CPU; ``"bfloat16"``: bf16 operands, float32 results;
+            see the module docstring). Gates and the stabiliser always run in float32.
 
     Returns:
         ``h [B, H, T, Dv]`` (float32) and the state after token ``T-1``.
     """
     check_int("chunk_size", chunk_size, 1)
+    check_matmul_dtype(matmul_dtype)
     _check_sequence_inputs(q, k, v, igate, fgate, state)
-    return mlstm_chunkwise_unchecked(q, k, v, igate, fgate, state, chunk_size, eps)
+    return mlstm_chunkwise_unchecked(q, k, v, igate, fgate, state, chunk_size, eps, matmul_dtype)
