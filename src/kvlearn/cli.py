@@ -247,8 +247,8 @@ def cmd_retrofit(args) -> int:
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                            lr_new=args.lr_new, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
-                            kd_topk=args.kd_topk, boundary_weight=args.boundary_weight,
+                            lr_new=args.lr_new, lr_decay=args.lr_decay, warmup_steps=args.warmup_steps,
+                            grad_clip=args.grad_clip, kd_topk=args.kd_topk, boundary_weight=args.boundary_weight,
                             save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                             num_workers=args.num_workers, method=args.method, **method_kw, **length)
     _threads(args.threads)
@@ -470,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KVpop scorer (mlstm: the paper's stateful scorer with the delayed readout)")
     sp.add_argument("--decay-init", type=float, default=None,
                     help="kvpop: every head's initial decay gamma, in (0.999, 0.999999) (default: the log-midpoint, 0.9995)")
+    sp.add_argument("--lr-decay", type=float, default=1e-2,
+                    help="kvpop: peak learning rate of the decays' alpha (the --lr-new schedule; 1e-2 lets ~1000 "
+                         "steps cross the decay range)")
     sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
     sp.add_argument("--window", type=int, default=256,

@@ -18,8 +18,11 @@ Read top to bottom: config, models, losses, schedule, checkpoints, loop.
   tokens, + ``boundary_weight`` × the mean over layers of :func:`~kvlearn.kvpop.loss.boundary_loss`. The
   scorer/decay parameters get only the boundary gradient (their ranks enter the attention as integers); the
   backbone gets only the KD gradient (scorer inputs are detached).
-* **Optimiser**: AdamW with two groups: existing weights at a constant ``lr``, the new KVpop weights at ``lr_new``
-  with a linear warm-up then a cosine to ``min_lr_ratio`` of it. Gradient clipping; bf16 autocast on CUDA only.
+* **Optimiser**: AdamW with three groups: existing weights at a constant ``lr``, the new KVpop weights at ``lr_new``
+  with a linear warm-up then a cosine to ``min_lr_ratio`` of it, and the per-head decay parameters ``alpha`` on the
+  same schedule at ``lr_decay`` (Adam moves ``alpha`` by at most about the learning rate per step, and the decay's
+  range spans ``alpha`` in about [-5, 5]: at ``lr_new`` it could not cross it in a retrofit of ~1000 steps;
+  docs/DESIGN.md "The learned decay"). Gradient clipping; bf16 autocast on CUDA only.
 * **Data**: :class:`~kvlearn.testbed.data.TestbedStream` (batch ``b`` of the stream is step ``b``: a resumed run
   sees the batches an uninterrupted run would).
 * **Processes**: one, or several under ``torchrun`` (:mod:`kvlearn.train.parallel`): the student and the teacher
@@ -104,7 +107,10 @@ class RetrofitConfig:
     seq_len: int = 4096
     # optimisation
     lr: float = 1e-5  # existing weights, constant
-    lr_new: float = 1e-3  # KVpop scorer/decay weights: warm-up, then cosine
+    lr_new: float = 1e-3  # KVpop scorer weights (DMS gates): warm-up, then cosine
+    # KVpop decays' alpha: the same schedule at this peak (Adam moves alpha ~lr per step; the decay range spans
+    # alpha in about [-5, 5], so 1e-2 lets ~1000 steps cross it, lr_new's 1e-3 only ~1/8 of it)
+    lr_decay: float = 1e-2
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
@@ -150,7 +156,7 @@ class RetrofitConfig:
         check(budget < self.seq_len,
               f"budget = {budget} is invalid for seq_len={self.seq_len}: expected < seq_len "
               "(else nothing is evicted and nothing is learned)")
-        for name in ("lr", "lr_new", "grad_clip"):
+        for name in ("lr", "lr_new", "lr_decay", "grad_clip"):
             check_positive(name, getattr(self, name))
         for name in ("weight_decay", "boundary_weight"):
             check_non_negative(name, getattr(self, name))
@@ -329,13 +335,27 @@ def new_lr_at(config: RetrofitConfig, step: int, fraction: float) -> float:
     return config.lr_new * warm * cos
 
 
+def decay_lr_at(config: RetrofitConfig, step: int, fraction: float) -> float:
+    """Learning rate of the KVpop decays' ``alpha``: :func:`new_lr_at`'s schedule with peak ``lr_decay``."""
+    return new_lr_at(config, step, fraction) * config.lr_decay / config.lr_new
+
+
+def is_decay_parameter(name: str) -> bool:
+    """Whether a parameter name is a KVpop decay's ``alpha`` (``...self_attn.kvpop.decay.alpha``)."""
+    return name.endswith(".kvpop.decay.alpha")
+
+
 def make_optimizer(config: RetrofitConfig, student, device: torch.device) -> torch.optim.AdamW:
     """AdamW with group 0 = the existing weights (constant ``lr``), group 1 = the method's new modules (``lr_new``;
-    empty for ``streaming_plus``)."""
+    empty for ``streaming_plus``) but the KVpop decays, group 2 = the KVpop decays' ``alpha`` (``lr_decay``; empty
+    for the other methods)."""
     marker = NEW_MODULES[config.method]
-    new = [p for n, p in student.named_parameters() if marker is not None and marker in n]
-    old = [p for n, p in student.named_parameters() if marker is None or marker not in n]
-    return torch.optim.AdamW([{"params": old, "lr": config.lr}, {"params": new, "lr": config.lr_new}],
+    named = list(student.named_parameters())
+    decay = [p for n, p in named if config.method == "kvpop" and is_decay_parameter(n)]
+    new = [p for n, p in named if marker is not None and marker in n and not any(p is d for d in decay)]
+    old = [p for n, p in named if marker is None or marker not in n]
+    return torch.optim.AdamW([{"params": old, "lr": config.lr}, {"params": new, "lr": config.lr_new},
+                              {"params": decay, "lr": config.lr_decay}],
                              weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
 
@@ -504,6 +524,7 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
             lr_new = new_lr_at(config, step, fraction)
             optimizer.param_groups[0]["lr"] = config.lr
             optimizer.param_groups[1]["lr"] = lr_new
+            optimizer.param_groups[2]["lr"] = lr_decay = decay_lr_at(config, step, fraction)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 with torch.no_grad():
                     teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
@@ -534,7 +555,7 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
                         / d.world) if means else []
             last = {"step": step, **{k: float(v) for k, v in zip(["loss", "kd", *shares], totals)},
                     **{k: float(v) for k, v in zip(means, averaged)},
-                    "grad_norm": parallel.scalar(grad_norm), "lr": config.lr, "lr_new": lr_new,
+                    "grad_norm": parallel.scalar(grad_norm), "lr": config.lr, "lr_new": lr_new, "lr_decay": lr_decay,
                     "seconds": round(seconds_done + time.time() - t0, 3)}
             log_file.write(json.dumps(last) + "\n")
             log_file.flush()
