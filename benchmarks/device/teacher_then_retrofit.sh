@@ -5,7 +5,8 @@
 # stage check reached 0.8 on niah, vt and recall on both splits, else the shipped checkpoints/testbed-teacher (so a
 # failed teacher costs only its own training). Then three jobs share the GPU: the new teacher's greedy evaluation, a
 # KVpop retrofit onto the chosen teacher (`retrofit.sh`: the default window 256, RETROFIT_MINUTES, default 3, N
-# examples per family, default 50, RETROFIT_EXTRA more retrofit options) and the eviction baselines on it
+# examples per family, default 50, RETROFIT_EXTRA more retrofit options, default '--decay-init 0.99999': decays that start with almost no recency
+# prior on a 4k context and move with their own learning rate, docs/DESIGN.md "The learned decay") and the eviction baselines on it
 # (`eviction_baselines.sh`, BASELINE_MINUTES, default 4; rows not reached are listed in its `not_run`). The three are
 # small-model, launch-bound jobs, so sharing one H200 costs each little; the retrofit's step count in its log says
 # what it got. Everything goes to RUN_DIR (default /tmp/session_out; `chosen_teacher.txt` names the teacher used);
@@ -28,7 +29,7 @@ if [ ! -e /tmp/teacher.pretrained ]; then echo "pretrain did not finish"; cat "$
 TEACHER=$(python3 benchmarks/teacher_stage_gate.py /tmp/testbed-teacher --fallback checkpoints/testbed-teacher)
 echo "$TEACHER" > "$RUN_DIR/chosen_teacher.txt"
 echo "== retrofit and baselines on $TEACHER $(date -u +%H:%M:%S)"
-(OUT="$RUN_DIR/retrofit" MODEL=$TEACHER MINUTES=${RETROFIT_MINUTES:-3} N=${N:-50} EXTRA=${RETROFIT_EXTRA:-} \
+(OUT="$RUN_DIR/retrofit" MODEL=$TEACHER MINUTES=${RETROFIT_MINUTES:-3} N=${N:-50} EXTRA=${RETROFIT_EXTRA---decay-init 0.99999} \
     bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit.log" 2>&1; echo "== retrofit done $(date -u +%H:%M:%S)") &
 (OUT="$RUN_DIR/baselines" MODEL=$TEACHER MINUTES=${BASELINE_MINUTES:-4} \
     bash benchmarks/device/eviction_baselines.sh > "$RUN_DIR/baselines.log" 2>&1; echo "== baselines done $(date -u +%H:%M:%S)") &
