@@ -62,10 +62,10 @@ def method_or_skip(name: str):
     except KVLearnError as e:
         pytest.skip(str(e))
     if not method.token_budget:
-        pytest.skip(f"{name} is budgeted by a compression target (a KV-Kaizen configuration per prompt; "
-                    "kaizen+snapkv/kvpop: under eviction): its harness rows and "
+        pytest.skip(f"{name} is budgeted by a compression target (a KV-Kaizen configuration per prompt; kivi: "
+                    "16 / target bits; kaizen+snapkv/kvpop: under eviction): its harness rows and "
                     "cache equivalence are tested in tests/kaizen/ (test_selector_train.py, test_batched_eval.py, "
-                    "test_dp_search.py, test_compose.py)")
+                    "test_dp_search.py, test_compose.py, test_untrained_backbone_and_kivi.py)")
     return method
 
 
@@ -126,7 +126,7 @@ def test_every_registered_method_is_listed_with_its_protocols():
     assert method_names()[:2] == ("dense", "streaming")
     assert set(method_names()) == {"dense", "streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random",
                                    "kvpop", "streaming_plus", "dms", "kaizen", "kaizen_static", "kaizen_random",
-                                   "kaizen_dp", "kaizen+snapkv", "kaizen+kvpop"}
+                                   "kaizen_dp", "kaizen+snapkv", "kaizen+kvpop", "kivi"}
     for name in method_names():
         try:
             m = get_method(name)

@@ -24,7 +24,8 @@ contract test matrix) resolves a method here, so a method registered once is eva
   prompt-independent baselines ``kaizen_static`` and ``kaizen_random`` (:mod:`kvlearn.kaizen.fixed`) and
   ``kaizen_dp`` (:mod:`kvlearn.kaizen.dp_method`: the offline DP search, calibrated in ``apply``) follow the same
   contract, and so do ``kaizen+snapkv`` and ``kaizen+kvpop`` (:mod:`kvlearn.kaizen.compose`: eviction over a Kaizen
-  configuration; ``budget`` in tokens and ``target`` the total factor, representation x ``context / budget``).
+  configuration; ``budget`` in tokens and ``target`` the total factor, representation x ``context / budget``), and
+  ``kivi`` (:mod:`kvlearn.kaizen.kivi_method`: post-hoc KIVI quantization at ``16 / target`` bits, every token kept).
 
 Modules are imported lazily, on :func:`get_method`: a method whose module is not in this checkout fails with a
 one-line :class:`~kvlearn.errors.KVLearnError` when it is asked for, never when this module is imported.
@@ -45,13 +46,13 @@ from .errors import KVLearnError, check
 PROTOCOLS: tuple[str, ...] = ("bounded", "context")
 EVICTION_METHODS: tuple[str, ...] = ("streaming", "tova", "h2o", "snapkv", "pyramidkv", "knorm", "random")
 LEARNED_METHODS: tuple[str, ...] = ("kvpop", "streaming_plus", "dms", "kaizen", "kaizen_static", "kaizen_random",
-                                     "kaizen_dp", "kaizen+snapkv", "kaizen+kvpop")
+                                     "kaizen_dp", "kaizen+snapkv", "kaizen+kvpop", "kivi")
 MODULES: dict[str, str] = {**{n: f"kvlearn.eviction.{n}" for n in EVICTION_METHODS}, "kvpop": "kvlearn.kvpop.apply",
                            "streaming_plus": "kvlearn.eviction.streaming_plus", "dms": "kvlearn.dms.apply",
                            "kaizen": "kvlearn.kaizen.apply", "kaizen_static": "kvlearn.kaizen.static_method",
                            "kaizen_random": "kvlearn.kaizen.random_method", "kaizen_dp": "kvlearn.kaizen.dp_method",
                            "kaizen+snapkv": "kvlearn.kaizen.compose_snapkv",
-                           "kaizen+kvpop": "kvlearn.kaizen.compose_kvpop"}
+                           "kaizen+kvpop": "kvlearn.kaizen.compose_kvpop", "kivi": "kvlearn.kaizen.kivi_method"}
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
+from ..errors import check  # noqa: E402
 from .accuracy import wilson_interval  # noqa: E402
 
 
@@ -105,37 +106,47 @@ def plot_accuracy(rows: list[dict], path: str | Path, title: str = "Testbed accu
     return _save(fig, path)
 
 
-def mean_accuracy(rows: list[dict]) -> dict[tuple, dict]:
-    """Mean accuracy over task families per ``(split, method, protocol, budget)``: ``{key: {"accuracy",
-    "compression", "tasks", "incomplete"}}``."""
+def mean_accuracy(rows: list[dict], extra_keys: tuple[str, ...] = ()) -> dict[tuple, dict]:
+    """Mean accuracy over task families per ``(split, method, protocol, budget, *extra_keys)``: ``{key: {"accuracy",
+    "compression", "factor", "tasks", "incomplete"}}`` (``factor``: the rows' mean realised ``factor``, 1 without
+    one)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r.get("split", "eval"), r["method"], r.get("protocol", "bounded"), r["budget"]), []).append(r)
+        key = (r.get("split", "eval"), r["method"], r.get("protocol", "bounded"), r["budget"])
+        groups.setdefault(key + tuple(r.get(k) for k in extra_keys), []).append(r)
     return {
         k: {"accuracy": sum(r["accuracy"] for r in g) / len(g), "compression": g[0]["compression"],
+            "factor": sum(r.get("factor", 1.0) for r in g) / len(g),
             "tasks": len(g), "incomplete": any(r.get("incomplete") for r in g)}
         for k, g in groups.items()
     }
 
 
-def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy against compression") -> Path:
-    """Mean accuracy over families against the compression ratio ``1 - budget/context``: one line (colour) per
-    method, one marker and line style per protocol; the full cache is a star at CR 0 and a dotted reference line.
-    One panel per split. Points from runs cut short by a time guard are drawn hollow."""
-    agg = mean_accuracy(rows)
+def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy against compression",
+                x: str = "compression", reference: str = "dense") -> Path:
+    """Mean accuracy over families against the compression ratio ``1 - budget/context`` (``x="factor"``: against the
+    rows' realised cache reduction ``factor``, log scale, points also split by ``target`` and ``selector``): one
+    line (colour) per method, one marker and line style per protocol; the full cache (method ``reference``) is a
+    star at CR 0 (factor 1) and a dotted reference line. One panel per split. Points from runs cut short by a time
+    guard are drawn hollow."""
+    check(x in ("compression", "factor"), f"x={x!r} is invalid: expected 'compression' or 'factor'")
+    by_factor = x == "factor"
+    agg = mean_accuracy(rows, ("target", "selector") if by_factor else ())
+    origin = 1.0 if by_factor else 0.0
     splits = list(dict.fromkeys(k[0] for k in agg))
-    methods = [m for m in dict.fromkeys(k[1] for k in agg) if m != "dense"]
+    methods = [m for m in dict.fromkeys(k[1] for k in agg) if m != reference]
     color = {m: f"C{i}" for i, m in enumerate(methods)}
     fig, axes = plt.subplots(1, len(splits), figsize=(6.4 * len(splits), 4.4), squeeze=False)
     for ax, split in zip(axes[0], splits):
-        for (sp, m, proto, _), v in agg.items():
-            if sp == split and m == "dense":
+        star = f"{reference} (full cache)"
+        for (sp, m, proto, *_), v in agg.items():
+            if sp == split and m == reference:
                 ax.axhline(v["accuracy"], color="0.4", linestyle=":", linewidth=1)
-                ax.plot([0.0], [v["accuracy"]], marker="*", markersize=14, color="0.2", linestyle="none",
-                        label="dense (full cache)" if not ax.get_legend_handles_labels()[1].count("dense (full cache)") else None)
+                ax.plot([origin], [v["accuracy"]], marker="*", markersize=14, color="0.2", linestyle="none",
+                        label=star if not ax.get_legend_handles_labels()[1].count(star) else None)
         for m in methods:
             for proto in dict.fromkeys(k[2] for k in agg if k[0] == split and k[1] == m):
-                pts = sorted((v["compression"], v["accuracy"], v["incomplete"]) for k, v in agg.items()
+                pts = sorted((v[x], v["accuracy"], v["incomplete"]) for k, v in agg.items()
                              if k[0] == split and k[1] == m and k[2] == proto)
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
                 ax.plot(xs, ys, color=color[m], linestyle=LINESTYLES.get(proto, "-"), marker=MARKERS.get(proto, "^"),
@@ -148,11 +159,15 @@ def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy again
         if any(v["incomplete"] for k, v in agg.items() if k[0] == split):
             ax.plot([], [], linestyle="none", marker="o", markerfacecolor="white", color="0.3",
                     label="hollow: run cut short (incomplete)")
-        ax.set_xlabel("compression ratio CR = 1 - budget/context")
         ax.set_ylabel("accuracy, mean over task families")
-        ax.set_xlim(-0.03, 1.0)
         ax.set_ylim(-0.03, 1.05)
-        ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        if by_factor:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("realised cache reduction factor (log scale)")
+        else:
+            ax.set_xlabel("compression ratio CR = 1 - budget/context")
+            ax.set_xlim(-0.03, 1.0)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         ax.grid(alpha=0.3)
         ax.set_title(f"split: {split}", fontsize=9)
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)

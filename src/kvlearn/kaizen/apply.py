@@ -29,7 +29,7 @@ from .cache import KaizenCache
 from .prompt import choice_cache, one_choice, prompt_capacity, prompt_rows
 from .selector import SELECTOR_NAME, KaizenSelector
 
-__all__ = ["KaizenMethodConfig", "apply_kaizen", "selector_of", "load_kaizen", "select", "prompt_choices",
+__all__ = ["KaizenMethodConfig", "apply_kaizen", "selector_of", "load_kaizen", "load_selector_onto", "select", "prompt_choices",
            "make_choice_cache", "make_prompt_cache", "config_from_budget", "CONFIG_KEY"]
 
 CONFIG_KEY = "kaizen"  # the entry of model.config
@@ -147,6 +147,22 @@ def load_kaizen(model, path) -> object:
     load_added_weights(selector_of(model), path, lambda k: True, "kaizen checkpoint",
                        "the selector's weights do not fit its recorded config", prefix=SELECTOR_NAME + ".")
     return model
+
+
+def load_selector_onto(model, path) -> object:
+    """The trained selector of checkpoint ``path`` on another backbone ``model`` (in place; e.g. the original teacher
+    the selector was never trained with: the comparison table's ``untrained_backbone`` row). Only the selector's
+    weights and recorded config come from ``path``; every backbone weight stays ``model``'s. One-line error unless
+    the two backbones have the same shape (:class:`Backbone` and vocabulary)."""
+    from ..hf import read_model_config
+
+    path = os.fspath(path)
+    theirs, mine = read_model_config(path), model.config
+    check(Backbone.from_config(theirs) == Backbone.from_config(mine) and theirs.vocab_size == mine.vocab_size,
+          f"selector checkpoint {path!r} was trained on a backbone of {Backbone.from_config(theirs)} and vocabulary "
+          f"{theirs.vocab_size}, this model is {Backbone.from_config(mine)} with vocabulary {mine.vocab_size}: "
+          "expected the same shapes")
+    return load_kaizen(model, path)
 
 
 @torch.no_grad()

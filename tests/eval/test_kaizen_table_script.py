@@ -1,0 +1,116 @@
+"""benchmarks/kaizen_table.py --smoke: every row kind of the KV-Kaizen comparison, realised factors, honest not_run
+and one-line errors for bad --selector values."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+KINDS = {"control", "kaizen", "untrained_backbone", "static", "random", "dp_search", "kivi", "posthoc_quant",
+         "kaizen+snapkv", "kaizen+kvpop"}
+
+
+def load_script():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("kaizen_table", BENCH / "kaizen_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ktable")
+    out = work / "table.json"
+    assert load_script().main(["--smoke", "--smoke-dir", str(work), "--out", str(out)]) == 0
+    return work, json.loads(out.read_text())
+
+
+def test_smoke_has_every_row_kind_with_realised_factors(smoke):
+    work, data = smoke
+    rows = data["rows"]
+    assert data["complete"] is True and data["not_run"] == [] and data["skipped"] == {}
+    assert data["command"].startswith("python benchmarks/kaizen_table.py --smoke")
+    assert "teacher itself" in data["control_model"]
+    assert {r["method"] for r in rows} == KINDS
+    assert {(r["split"], r["task"]) for r in rows} == {(s, t) for s in ("eval", "heldout") for t in ("niah", "vt")}
+    registry = {r["method"]: r["registry_method"] for r in rows}
+    assert registry == {"control": "dense", "kaizen": "kaizen", "untrained_backbone": "kaizen",
+                        "static": "kaizen_static", "random": "kaizen_random", "dp_search": "kaizen_dp", "kivi": "kivi",
+                        "posthoc_quant": "kaizen_static", "kaizen+snapkv": "kaizen+snapkv", "kaizen+kvpop": "kaizen+kvpop"}
+    assert all(r["n"] == 2 and r["context"] == 256 and "factor" in r for r in rows)
+    targets = {(r["method"], r.get("target")) for r in rows}
+    assert {("static", 4.0), ("static", 8.0), ("kaizen", 4.0), ("untrained_backbone", 4.0), ("kaizen+snapkv", 16.0),
+            ("kaizen+kvpop", 32.0)} <= targets
+    # the selector's rows: trained folder vs the teacher's weights, same label
+    sel = [r for r in rows if r["method"] in ("kaizen", "untrained_backbone")]
+    assert {r["selector"] for r in sel} == {"kaizen4"}
+    assert {r["model"] for r in sel if r["method"] == "untrained_backbone"} == {"teacher"}
+    assert all(r["model"] != "teacher" for r in sel if r["method"] == "kaizen")
+
+    def one(method, target, task="niah", split="eval"):
+        (r,) = [r for r in rows if (r["method"], r.get("target"), r["task"], r["split"]) == (method, target, task, split)]
+        return r
+
+    dense = one("control", None)["store_bytes"]
+    for f in (4.0, 8.0):  # bf16 smoke: the dense cache is the factor's reference; 4-bit/2-bit scales add 3%/6%
+        assert one("static", f)["factor"] == pytest.approx(f) and one("random", f)["factor"] >= f
+        assert one("static", f)["store_bytes"] == pytest.approx(dense / f, rel=0.07)
+    assert one("static", 4.0)["store_bytes"] == pytest.approx(dense / 4, rel=0.05)
+    assert one("posthoc_quant", 4.0)["options"] == {"axes": ["precision"]}
+    for f in (16.0, 32.0):
+        for m in ("kaizen+snapkv", "kaizen+kvpop"):
+            r = one(m, f)
+            assert r["factor"] == pytest.approx(f) and r["budget"] == 256 * 4 / f
+    kivi = one("kivi", 4.0)
+    assert 1 < kivi["factor"] < 4 and kivi["store_bytes"] == pytest.approx(dense / kivi["factor"], rel=0.05)
+    assert (work / "kaizen_table.png").stat().st_size > 1000
+
+
+def test_time_guard_lists_the_plan_in_priority_order(smoke, tmp_path):
+    work, data = smoke
+    selector = data["selectors"]["kaizen4"]["path"]
+    out = tmp_path / "t.json"
+    script = load_script()
+    assert script.main(["--smoke", "--smoke-dir", str(tmp_path), "--selector", f"k4={work / 'kaizen-t4' / 'final'}",
+                        "--minutes", "0", "--out", str(out)]) == 0
+    cut = json.loads(out.read_text())
+    assert cut["rows"] == [] and cut["complete"] is False and selector
+    assert cut["not_run"][:6] == ["control/bounded/eval", "control/bounded/heldout", "kaizen[k4]/bounded/eval/F=4",
+                                  "kaizen[k4]/bounded/heldout/F=4", "untrained_backbone[k4]/bounded/eval/F=4",
+                                  "untrained_backbone[k4]/bounded/heldout/F=4"]
+    assert cut["not_run"][6:8] == ["static/bounded/eval/F=4", "static/bounded/heldout/F=4"]
+    assert len(cut["not_run"]) == 2 * (1 + 2 + 5 * 2 + 2 * 2)
+    assert cut["not_run"][-1] == "kaizen+kvpop/bounded/heldout/F=32"
+
+
+def test_bad_selectors_are_one_line_errors(tmp_path, capsys):
+    script = load_script()
+    out = tmp_path / "t.json"
+    assert script.main(["--smoke", "--smoke-dir", str(tmp_path), "--selector", "x", "--out", str(out)]) == 2
+    assert script.main(["--smoke", "--smoke-dir", str(tmp_path), "--selector", f"x={tmp_path}", "--out", str(out)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert len(err) == 2 and all(e.startswith("kaizen_table: error: --selector") for e in err)
+
+
+def test_unreachable_factors_are_skipped_with_the_reason(smoke):
+    """Precision alone stops at 8x and KIVI at 2 bits: their 16x runs are listed under ``skipped``, never started."""
+    import argparse
+
+    work, _ = smoke
+    script = load_script()
+    args = argparse.Namespace(model=str(work / "teacher"), control=None, kvpop=None, splits="eval", baselines="all",
+                              factors="4,16", compose_factors="none", compose_rep=4.0, tasks="vt", n_per_task=1,
+                              context=256, batch_size=1, chunk_size=64, sinks=4, method_options={})
+    runs, skipped = script.plan_runs(args, [])
+    assert [r.describe() for r in runs] == ["control/bounded/eval", "static/bounded/eval/F=4",
+                                            "dp_search/bounded/eval/F=4", "random/bounded/eval/F=4",
+                                            "kivi/bounded/eval/F=4", "posthoc_quant/bounded/eval/F=4",
+                                            "static/bounded/eval/F=16", "dp_search/bounded/eval/F=16",
+                                            "random/bounded/eval/F=16"]
+    assert set(skipped) == {"kivi/bounded/eval/F=16", "posthoc_quant/bounded/eval/F=16"}
+    assert "outside the feasible range" in skipped["posthoc_quant/bounded/eval/F=16"]
+    assert all("\n" not in why for why in skipped.values())
