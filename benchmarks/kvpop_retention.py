@@ -18,7 +18,9 @@ towards). Reported per layer and KV head:
   their target yet; teacher itself low: the target, or the decay's recency bias, does not single the needles out
   at this budget (the learned per-head decays ``gamma`` are in the row too).
 
-``--window W`` re-splits the same budget (``topk = budget - sinks - W``), the target included. ``--heatmap``: for
+``--window W`` re-splits the same budget (``topk = budget - sinks - W``), the target included. ``--decay G`` sets
+every head's decay to ``G`` for both policies (a what-if: how much of the far needles does the teacher policy keep
+without the learned decays' recency prior?). ``--heatmap``: for
 the first example, which prompt tokens each layer/KV head keeps at the answer query (the paper's Figure 6 analog),
 needles marked. CPU; about a minute per example at length 4096 on two cores.
 """
@@ -33,7 +35,7 @@ import torch
 
 import kvlearn
 from kvlearn.kvpop.apply import kvpop_modules, recorded_config
-from kvlearn.kvpop.policy import sample_query_positions, teacher_policy
+from kvlearn.kvpop.policy import LearnedDecay, sample_query_positions, teacher_policy
 from kvlearn.kvpop.train_attention import TrainForward, use_train_attention
 from kvlearn.ops.masks import retention_mask_dense
 from kvlearn.results import make_results, write_results
@@ -102,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--window", type=int, default=None, help="re-split the budget with this window")
+    p.add_argument("--decay", type=float, default=None, help="set every head's decay gamma to this value (both policies)")
     p.add_argument("--queries", type=int, default=64, help="query positions for the retention recall")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -114,6 +117,13 @@ def main(argv=None) -> int:
         print(f"kvpop_retention: error: {args.model!r} holds no KVpop modules: expected a kvlearn retrofit output",
               file=sys.stderr)
         return 2
+    if args.decay is not None:
+        for decay in kvpop_modules(model)[1]:
+            if not decay.decay_min < args.decay < decay.decay_max:
+                print(f"kvpop_retention: error: --decay={args.decay} is invalid: expected a decay strictly between "
+                      f"{decay.decay_min} and {decay.decay_max} (the checkpoint's range)", file=sys.stderr)
+                return 2
+            decay.alpha.copy_(LearnedDecay(decay.alpha.numel(), decay.decay_min, decay.decay_max, init=args.decay).alpha)
     if args.window is not None:
         budget = config.sinks + config.window + config.topk
         config = dataclasses.replace(config, window=args.window, topk=budget - config.sinks - args.window)
@@ -138,7 +148,7 @@ def main(argv=None) -> int:
                          f"{args.family} example 0 ({ex.style}, {ex.regime}): kept keys at the answer query, "
                          f"budget {config.sinks}+{config.window}+{config.topk}")
     decays = [[round(float(g), 6) for g in torch.exp(d())] for d in kvpop_modules(model)[1]]  # gamma per layer, head
-    row = {"model": args.model, "family": args.family, "length": args.length, "sinks": config.sinks,
+    row = {"model": args.model, "family": args.family, "length": args.length, "decay_override": args.decay, "sinks": config.sinks,
            "window": config.window, "topk": config.topk, "queries": args.queries, "examples": examples,
            "decay_by_layer_head": decays,
            **{f"{k}_by_layer_head": rounded(torch.stack(v).mean(0)) for k, v in sums.items()},

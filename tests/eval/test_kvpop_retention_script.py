@@ -88,3 +88,24 @@ def test_the_script_leaves_autograd_on(tmp_path):
     full = checkpoint(tmp_path / "m", window=16, topk=300)
     assert script.main(["--model", full, "--length", "256", "--n", "1", "--queries", "4"]) == 0
     assert torch.is_grad_enabled()
+
+
+def test_decay_override_sets_every_head_and_a_slower_decay_keeps_older_tokens(tmp_path, capsys):
+    """``--decay G`` records G for every layer and head; with the teacher policy, a decay near 1 (almost no recency
+    prior) keeps more far needed tokens than a fast one (the same targets, only the age term changes;
+    measured 0.129 vs 0.116); a G outside the checkpoint's range is a one-line error."""
+    script = load_script()
+    out = tmp_path / "d.json"
+    tight = checkpoint(tmp_path / "tight", window=16, topk=24)
+    shares = {}
+    for g in (0.9991, 0.99999):
+        assert script.main(["--model", tight, "--family", "niah", "--length", "256", "--n", "2", "--queries", "8",
+                            "--decay", str(g), "--out", str(out)]) == 0
+        row = json.loads(out.read_text())["rows"][0]
+        assert row["decay_override"] == g
+        assert all(abs(x - g) < 2e-6 for layer in row["decay_by_layer_head"] for x in layer)
+        shares[g] = row["needles_teacher_mean"]
+    assert shares[0.99999] > shares[0.9991]  # 0.129 vs 0.116 here
+    capsys.readouterr()
+    assert script.main(["--model", tight, "--length", "256", "--n", "1", "--decay", "0.5"]) == 2
+    assert "--decay=0.5 is invalid: expected a decay strictly between 0.999 and 0.999999" in capsys.readouterr().err
