@@ -60,3 +60,17 @@ def test_merge_results_of_a_run_split_over_gpus(tmp_path):
     assert results_main(["merge", str(tmp_path / "m.json"), str(pa), str(pb)]) == 0
     assert read_results(tmp_path / "m.json")["command"] == "a && b"
     assert results_main(["merge", str(tmp_path / "m.json"), str(pa), str(tmp_path / "missing.json")]) == 2
+
+
+def test_merge_keeps_a_measured_row_over_a_failed_one():
+    """A row that failed in one part (``error``) and was measured in another is kept as measured, in the failed
+    row's place; a later failure never replaces a measured row."""
+    from kvlearn.results import make_results, merge_results
+
+    ok = {"method": "int4", "budget": 131072, "cache_bytes": 1}
+    failed = {"method": "int4", "budget": 131072, "error": "OutOfMemoryError"}
+    other = {"method": "bf16", "budget": 131072, "cache_bytes": 4}
+    a = make_results("kaizen_memory", [failed, other], device="cpu", command="a", commit="c1")
+    b = make_results("kaizen_memory", [ok], device="cpu", command="b", commit="c1")
+    assert merge_results([a, b], "m")["rows"] == [ok, other]
+    assert merge_results([b, a], "m")["rows"] == [ok, other]

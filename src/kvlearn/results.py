@@ -127,7 +127,8 @@ def merge_results(parts: list[dict], command: str) -> dict:
     """One results file from the files of runs split over processes or GPUs (same kind, commit and device).
 
     Rows are concatenated in order; a row whose ``(method, protocol, split, budget, task)`` already appeared (the
-    full cache, which every part measures first) is dropped. ``not_run`` and ``skipped`` are united, ``complete``
+    full cache, which every part measures first) is dropped, unless the kept one is an ``error`` row and this one
+    is not (a part that reran a failed row wins). ``not_run`` and ``skipped`` are united, ``complete``
     holds when every part is complete, ``wall_seconds`` is the longest part's."""
     from .errors import check
 
@@ -138,13 +139,15 @@ def merge_results(parts: list[dict], command: str) -> dict:
                                 "only parts of one run")
     merged = {k: v for k, v in parts[0].items() if k != "rows"}
     merged["command"] = command
-    seen, rows = set(), []
+    seen, rows = {}, []  # key -> index in rows
     for p in parts:
         for r in p["rows"]:
             key = (r.get("method"), r.get("protocol"), r.get("split"), r.get("budget"), r.get("task"))
             if key not in seen:
-                seen.add(key)
+                seen[key] = len(rows)
                 rows.append(r)
+            elif "error" in rows[seen[key]] and "error" not in r:  # a measured row beats a failed one
+                rows[seen[key]] = r
     if any("not_run" in p for p in parts):
         merged["not_run"] = [x for p in parts for x in p.get("not_run", [])]
     if any("skipped" in p for p in parts):
