@@ -133,6 +133,16 @@ def describe(c: EvalConfig) -> str:
     return f"{c.method}/{c.protocol}/{c.split}" + (f"/B={c.budget}" if c.method != "dense" else "")
 
 
+
+def print_summary(rows: list[dict], out, plot, title: str, start: float, **plot_options) -> None:
+    """The end of a table script's run: the accuracy table, the files written (the Pareto plot only when there are
+    rows; ``plot_options`` go to :func:`kvlearn.eval.plots.plot_pareto`) and the wall time since ``start``."""
+    print(format_table(rows))
+    print(f"wrote {out}")
+    if rows:
+        print(f"wrote {plot_pareto(rows, plot, title=title, **plot_options)}")
+    print(f"wall time {time.monotonic() - start:.0f} s")
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -192,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     bar.close()
     save()
-    print(format_table(rows))
-    print(f"wrote {out}")
-    if rows:
-        print(f"wrote {plot_pareto(rows, plot, title=f'{model_name}, context {args.context}')}")
-    print(f"wall time {time.monotonic() - start:.0f} s")
+    print_summary(rows, out, plot, f"{model_name}, context {args.context}", start)
     return 0
 
 

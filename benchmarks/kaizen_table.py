@@ -68,11 +68,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from eviction_baselines import add_run_options, parse_list, recorded_command, repo_relative  # noqa: E402
+from eviction_baselines import add_run_options, parse_list, print_summary, recorded_command, repo_relative  # noqa: E402
 
 from kvlearn.errors import KVLearnError, check  # noqa: E402
-from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
-from kvlearn.eval.plots import plot_pareto  # noqa: E402
+from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate  # noqa: E402
 from kvlearn.results import make_results, write_results  # noqa: E402
 
 BASELINES = ("static", "dp_search", "random", "kivi", "posthoc_quant")  # priority order within a factor
@@ -333,11 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     bar.close()
     save()
-    print(format_table(rows))
-    print(f"wrote {out}")
-    if rows:
-        print(f"wrote {plot_pareto(rows, plot, title=f'KV-Kaizen comparison, context {args.context}', x='factor', reference='control')}")
-    print(f"wall time {time.monotonic() - start:.0f} s")
+    print_summary(rows, out, plot, f"KV-Kaizen comparison, context {args.context}", start, x="factor", reference="control")
     return 0
 
 

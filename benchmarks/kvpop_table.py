@@ -37,12 +37,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from eviction_baselines import (parse_budgets, parse_list, add_run_options, recorded_command, repo_relative,  # noqa: E402
-                                smoke_settings, tiny_model)
+from eviction_baselines import (parse_budgets, parse_list, add_run_options, print_summary, recorded_command,  # noqa: E402
+                                repo_relative, smoke_settings, tiny_model)
 
 from kvlearn.errors import KVLearnError, check  # noqa: E402
-from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
-from kvlearn.eval.plots import plot_pareto  # noqa: E402
+from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate  # noqa: E402
 from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method, trained_options  # noqa: E402
 from kvlearn.results import make_results, write_results  # noqa: E402
 
@@ -159,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     bar.close()
     save()
-    print(format_table(rows))
-    print(f"wrote {out}")
-    if rows:
-        print(f"wrote {plot_pareto(rows, plot, title=f'KVpop Table 1 analog, context {args.context}')}")
-    print(f"wall time {time.monotonic() - start:.0f} s")
+    print_summary(rows, out, plot, f"KVpop Table 1 analog, context {args.context}", start)
     return 0
 
 
