@@ -20,7 +20,8 @@ towards). Reported per layer and KV head:
 
 ``--window W`` re-splits the same budget (``topk = budget - sinks - W``), the target included. ``--decay G`` sets
 every head's decay to ``G`` for both policies (a what-if: how much of the far needles does the teacher policy keep
-without the learned decays' recency prior?). ``--heatmap``: for
+without the learned decays' recency prior?). ``--target-aggregation`` / ``--count-normalize`` change the
+future-attention target the teacher policy ranks by (the learned ranking does not depend on them). ``--heatmap``: for
 the first example, which prompt tokens each layer/KV head keeps at the answer query (the paper's Figure 6 analog),
 needles marked. CPU; about a minute per example at length 4096 on two cores.
 """
@@ -34,6 +35,7 @@ import sys
 import torch
 
 import kvlearn
+from kvlearn import KVpopConfig
 from kvlearn.kvpop.apply import kvpop_modules, recorded_config
 from kvlearn.kvpop.policy import LearnedDecay, sample_query_positions, teacher_policy
 from kvlearn.kvpop.train_attention import TrainForward, use_train_attention
@@ -105,6 +107,10 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--window", type=int, default=None, help="re-split the budget with this window")
     p.add_argument("--decay", type=float, default=None, help="set every head's decay gamma to this value (both policies)")
+    p.add_argument("--target-aggregation", default=None, choices=KVpopConfig.AGGREGATIONS,
+                   help="the target's aggregation over future queries (default: the checkpoint's)")
+    p.add_argument("--count-normalize", default=None, choices=("0", "1"),
+                   help="1/0: divide the target's mass by the number of future queries or not (default: the checkpoint's)")
     p.add_argument("--queries", type=int, default=64, help="query positions for the retention recall")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -124,6 +130,10 @@ def main(argv=None) -> int:
                       f"{decay.decay_min} and {decay.decay_max} (the checkpoint's range)", file=sys.stderr)
                 return 2
             decay.alpha.copy_(LearnedDecay(decay.alpha.numel(), decay.decay_min, decay.decay_max, init=args.decay).alpha)
+    if args.target_aggregation is not None:
+        config = dataclasses.replace(config, target_aggregation=args.target_aggregation)
+    if args.count_normalize is not None:
+        config = dataclasses.replace(config, target_count_normalize=args.count_normalize == "1")
     if args.window is not None:
         budget = config.sinks + config.window + config.topk
         config = dataclasses.replace(config, window=args.window, topk=budget - config.sinks - args.window)
@@ -148,7 +158,9 @@ def main(argv=None) -> int:
                          f"{args.family} example 0 ({ex.style}, {ex.regime}): kept keys at the answer query, "
                          f"budget {config.sinks}+{config.window}+{config.topk}")
     decays = [[round(float(g), 6) for g in torch.exp(d())] for d in kvpop_modules(model)[1]]  # gamma per layer, head
-    row = {"model": args.model, "family": args.family, "length": args.length, "decay_override": args.decay, "sinks": config.sinks,
+    row = {"model": args.model, "family": args.family, "length": args.length, "decay_override": args.decay,
+           "target_aggregation": config.target_aggregation, "target_count_normalize": config.target_count_normalize,
+           "sinks": config.sinks,
            "window": config.window, "topk": config.topk, "queries": args.queries, "examples": examples,
            "decay_by_layer_head": decays,
            **{f"{k}_by_layer_head": rounded(torch.stack(v).mean(0)) for k, v in sums.items()},

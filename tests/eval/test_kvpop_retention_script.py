@@ -109,3 +109,20 @@ def test_decay_override_sets_every_head_and_a_slower_decay_keeps_older_tokens(tm
     capsys.readouterr()
     assert script.main(["--model", tight, "--length", "256", "--n", "1", "--decay", "0.5"]) == 2
     assert "--decay=0.5 is invalid: expected a decay strictly between 0.999 and 0.999999" in capsys.readouterr().err
+
+
+def test_target_options_change_the_teacher_policy_only(tmp_path):
+    """``--target-aggregation`` / ``--count-normalize`` are recorded and change what the teacher policy keeps, not
+    the learned ranking (the learned needles share is the same)."""
+    script = load_script()
+    out = tmp_path / "t.json"
+    tight = checkpoint(tmp_path / "tight", window=16, topk=24)
+    rows = []
+    for extra in ([], ["--target-aggregation", "mean", "--count-normalize", "0"]):
+        assert script.main(["--model", tight, "--family", "niah", "--length", "256", "--n", "2", "--queries", "8",
+                            "--out", str(out), *extra]) == 0
+        rows.append(json.loads(out.read_text())["rows"][0])
+    assert (rows[0]["target_aggregation"], rows[0]["target_count_normalize"]) == ("max", True)
+    assert (rows[1]["target_aggregation"], rows[1]["target_count_normalize"]) == ("mean", False)
+    assert rows[0]["needles_by_layer_head"] == rows[1]["needles_by_layer_head"]
+    assert rows[0]["needles_teacher_by_layer_head"] != rows[1]["needles_teacher_by_layer_head"]
