@@ -186,7 +186,7 @@ def smoke_setup(args) -> None:
 
     args.device, args.context, args.n_per_task, args.batch_size, args.chunk_size = "cpu", 256, 2, 4, 64
     args.tasks = "niah,vt" if args.tasks == "all" else args.tasks
-    args.factors = "4,8" if args.factors == ap_defaults["factors"] else args.factors
+    args.factors = args.factors or "4,8"
     args.method_options.setdefault("dp_search", {"examples": 2, "length": 128, "batch_size": 2})
     args.method_options.setdefault("kaizen+kvpop", {"window": 16})
     args.method_options.setdefault("kaizen+snapkv", {"window": 16})
@@ -206,9 +206,6 @@ def smoke_setup(args) -> None:
                                                 warmup_steps=0, lr=1e-3, lr_new=0.2, beta=50.0, eta=0.0),
                               progress=False)
         args.selector = [f"kaizen4={result['final']}"]
-
-
-ap_defaults: dict = {}
 
 
 def parse_options(texts: list[str]) -> dict[str, dict]:
@@ -238,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a kaizen-train folder (repeat the option); evaluated at each of its training targets")
     ap.add_argument("--kvpop", default=None, help="a KVpop retrofit folder for kaizen+kvpop (default: --model, "
                                                   "untrained scorers)")
-    ap.add_argument("--factors", default="2,4,8,16", help="the baselines' target factors")
+    ap.add_argument("--factors", default=None, help="the baselines' target factors (default 2,4,8,16; --smoke: 4,8)")
     ap.add_argument("--baselines", default="all", help=f"comma list of {','.join(BASELINES)}, 'all' or 'none'")
     ap.add_argument("--compose-factors", default="16,32", help="total factors of kaizen+snapkv/kvpop, or 'none'")
     ap.add_argument("--compose-rep", type=float, default=4.0,
@@ -254,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="model dtype (auto: bfloat16 on cuda, float32 on the CPU; --smoke: bfloat16)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models, a 4-step selector, context 256")
     ap.add_argument("--smoke-dir", default="runs/smoke/kaizen_table", help="--smoke's teacher and selector folder")
-    ap_defaults.update(factors=ap.get_default("factors"))
     args = ap.parse_args(argv)
     start = time.monotonic()
     try:
         args.method_options = parse_options(args.options)
         if args.smoke:
             smoke_setup(args)
+        args.factors = args.factors or "2,4,8,16"
         out = Path(args.out or (Path(args.smoke_dir) / "kaizen_table.json" if args.smoke else "results/kaizen_table.json"))
         plot = Path(args.plot or out.with_name("kaizen_table.png"))
         selectors = [parse_selector(s) for s in args.selector]
