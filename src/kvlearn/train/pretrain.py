@@ -68,7 +68,7 @@ class PretrainConfig:
     train_regimes: tuple[str, ...] | None = None
     # the first ``plain_stages`` curriculum stages (all of them if there are fewer) train on the plain haystack only
     # (style ``svo``, depths ``uniform``), the later ones on ``train_styles`` / ``train_regimes``. Default 0: the
-    # recipe of the shipped teacher (68c180d); 3 is the next experiment (docs/TESTBED.md, "Recipe runs")
+    # recipe of the shipped teacher (68c180d); 3 formed no lookup in 2 of 2 runs (docs/TESTBED.md, "The shipped teacher")
     plain_stages: int = 0
     # optimisation
     lr: float = 2e-3
