@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The collecting call of a detached device chain (teacher_then_retrofit.sh): wait until /tmp/session.done or WAIT_S
+# The collecting call of a detached device chain (teacher_then_retrofit.sh, method_tables.sh): wait until /tmp/session.done or WAIT_S
 # seconds (default 420: keep the call inside the session's device time left), then bring RUN_DIR (default
 # /tmp/session_out) back in at most 8 files, the device tool's limit: every small file (logs, JSON, PNG, TXT) in one
 # tar, the teacher and student checkpoints as their own tars. Runs still going are left running (a later call may

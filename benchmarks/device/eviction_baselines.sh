@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Evaluates the eviction baselines on the testbed (benchmarks/eviction_baselines.py) into $OUT/baselines_table.json,
-# stdout in $OUT/eviction_baselines*.log. With several GPUs the methods are dealt round robin over them (one process
-# per GPU, each measuring the full cache too) and the parts are merged (`python -m kvlearn.results merge`).
+# stdout in $OUT/eviction_baselines*.log. The methods are dealt round robin over PROCS_PER_GPU (default 3) processes
+# on each GPU, each measuring the full cache too, and the parts are merged (`python -m kvlearn.results merge`): the
+# testbed teacher is small and its decoding launch-bound, so processes sharing one H200 barely slow each other (at
+# 894106b a baselines process sharing the GPU with two other jobs ran as fast as the 68c180d one alone, ~30 s per run
+# of 400 examples).
 # Device time: at most MINUTES (default 9, one 10-minute device call) plus start-up; rows not reached are listed
 # in the file's `not_run` (run the script again with --methods/--budgets for them). The partial run at 68c180d did 9
-# runs of 400 examples in 183 s on one H200; the whole table has 25 runs (about 9 minutes), half that on 2 GPUs.
+# runs of 400 examples in 183 s on one H200; the whole table has 25 runs (about 9 minutes in one process).
 # MODEL (default: the shipped checkpoints/testbed-teacher) evaluates another checkpoint folder.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/eviction_baselines.sh
 set -u
@@ -13,17 +16,18 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)') triton $(python3 -c 'import triton; print(triton.__version__)' 2>/dev/null || echo none)"
 NGPU=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
+NPROC=$((NGPU * ${PROCS_PER_GPU:-3}))
 METHODS=${METHODS:-streaming,tova,h2o,snapkv,pyramidkv,knorm,random}
 IFS=',' read -ra M <<< "$METHODS"
 parts=()
-for g in $(seq 0 $((NGPU - 1))); do
+for p in $(seq 0 $((NPROC - 1))); do
     group=""
-    for i in "${!M[@]}"; do [ $((i % NGPU)) -eq "$g" ] && group="$group,${M[$i]}"; done
+    for i in "${!M[@]}"; do [ $((i % NPROC)) -eq "$p" ] && group="$group,${M[$i]}"; done
     [ -z "$group" ] && continue
-    CUDA_VISIBLE_DEVICES=$g python3 benchmarks/eviction_baselines.py --model "${MODEL:-checkpoints/testbed-teacher}" \
-        --methods "${group#,}" --minutes "${MINUTES:-9}" --out "$OUT/baselines_part$g.json" \
-        --plot "$OUT/baselines_part$g.png" > "$OUT/eviction_baselines_gpu$g.log" 2>&1 &
-    parts+=("$OUT/baselines_part$g.json")
+    CUDA_VISIBLE_DEVICES=$((p % NGPU)) python3 benchmarks/eviction_baselines.py --model "${MODEL:-checkpoints/testbed-teacher}" \
+        --methods "${group#,}" --minutes "${MINUTES:-9}" --out "$OUT/baselines_part$p.json" \
+        --plot "$OUT/baselines_part$p.png" > "$OUT/eviction_baselines_part$p.log" 2>&1 &
+    parts+=("$OUT/baselines_part$p.json")
 done
 wait
 python3 -m kvlearn.results merge "$OUT/baselines_table.json" "${parts[@]}"
@@ -32,4 +36,4 @@ import sys; sys.path.insert(0, 'src')
 from kvlearn.eval.plots import plot_pareto; from kvlearn.results import read_results
 print(plot_pareto(read_results('$OUT/baselines_table.json')['rows'], '$OUT/baselines_pareto.png', title='eviction baselines, context 4096'))"
 rm -f "$OUT"/baselines_part*.json "$OUT"/baselines_part*.png
-tail -n 30 "$OUT"/eviction_baselines_gpu*.log
+tail -n 12 "$OUT"/eviction_baselines_part*.log

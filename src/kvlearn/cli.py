@@ -237,7 +237,10 @@ def cmd_retrofit(args) -> int:
         check_int("--budget", args.budget, args.sinks + args.window + 1,
                   hint=f" ({args.method} needs sinks={args.sinks} + window={args.window} and at least one long-range slot)")
         kvpop = (KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
-                             scorer=args.scorer, decay_init=args.decay_init)
+                             scorer=args.scorer, decay_init=args.decay_init,
+                             **({"target_aggregation": args.target_aggregation} if args.target_aggregation else {}),
+                             **({"target_count_normalize": args.target_count_normalize == "1"}
+                                if args.target_count_normalize else {}))
                  if args.method == "kvpop" else KVpopConfig(scorer=args.scorer))
     if args.method == "dms":
         target_cr = args.target_cr if args.target_cr is not None else args.seq_len / args.budget
@@ -473,6 +476,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--lr-decay", type=float, default=1e-2,
                     help="kvpop: peak learning rate of the decays' alpha (the --lr-new schedule; 1e-2 lets ~1000 "
                          "steps cross the decay range)")
+    sp.add_argument("--target-aggregation", default=None, choices=("max", "mean"),
+                    help="kvpop: the future-attention target's aggregation over the query heads of a KV head "
+                         "(default: KVpopConfig's)")
+    sp.add_argument("--target-count-normalize", default=None, choices=("0", "1"),
+                    help="kvpop: 1 divides a token's future attention mass by its number of future queries (the "
+                         "mean, Eq. 2), 0 keeps the total (default: KVpopConfig's; docs/DESIGN.md, 'Future-attention target')")
     sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
     sp.add_argument("--window", type=int, default=256,
