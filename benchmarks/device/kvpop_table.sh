@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The KVpop paper's Table 1 on the testbed in one device call (issue #10 item 6): four retrofits of the shipped
+# teacher side by side on the one GPU, with the same data, minutes and budget (the teacher is small and its training
+# launch-bound: at 894106b a retrofit sharing the H200 with two other jobs still ran ~4.6 steps/s):
+#   kvpop_mlp (MLP scorer), kvpop (mLSTM scorer), streaming_plus, dms;
+# RETROFIT_MINUTES each (default 5), BUDGET (default 512, CR 88%), KVPOP_EXTRA more options of the two KVpop runs
+# (default '--decay-init 0.99999 --target-count-normalize 0': the total future attention, under which the teacher
+# policy itself answers, docs/notes/kvpop_retrofit_smoke.md section 7). Then `benchmarks/kvpop_table.py` on them in
+# parallel processes (one per student with --baselines none, two for the training-free baselines), each with the
+# minutes left of TOTAL_MINUTES (default 9.5), merged into $OUT/kvpop_table.json (`python -m kvlearn.results merge`;
+# `not_run` lists the runs cut) and plotted. The students come back as bf16 tars ($OUT/<name>.tar).
+# Device time: TOTAL_MINUTES plus the machine's start-up: one 10-minute call. DEVICE (default cuda), RETROFIT_ARGS and
+# TABLE_ARGS (more options for every retrofit / table process) let the same script run as a CPU dry run:
+#   DEVICE=cpu MODEL=<tiny model> BUDGET=48 RETROFIT_MINUTES=0.1 TOTAL_MINUTES=1 N_PER_TASK=1 \
+#   RETROFIT_ARGS='--seq-len 256 --batch-size 2 --window 16' TABLE_ARGS='--context 256 --budgets 48 --tasks niah --splits eval' ...
+# Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_table.sh
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-out}; mkdir -p "$OUT"
+MODEL=${MODEL:-checkpoints/testbed-teacher}
+M=${RETROFIT_MINUTES:-5}; B=${BUDGET:-512}; TOTAL=${TOTAL_MINUTES:-9.5}
+KVPOP_EXTRA=${KVPOP_EXTRA---decay-init 0.99999 --target-count-normalize 0}
+echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+start=$(date +%s)
+retrofit() {  # name, then retrofit options
+    local name=$1; shift
+    # shellcheck disable=SC2068
+    python3 -m kvlearn.cli retrofit --model "$MODEL" --out "/tmp/table_$name" --overwrite --device "${DEVICE:-cuda}" \
+        --budget "$B" --minutes "$M" --num-workers 3 $@ ${RETROFIT_ARGS:-} > "$OUT/retrofit_$name.log" 2>&1
+    echo "retrofit $name rc=$? $(date -u +%H:%M:%S)"
+}
+retrofit kvpop_mlp --method kvpop --scorer mlp $KVPOP_EXTRA &
+retrofit kvpop --method kvpop --scorer mlstm $KVPOP_EXTRA &
+retrofit streaming_plus --method streaming_plus &
+retrofit dms --method dms &
+wait
+left=$(python3 -c "print(max(1.0, round($TOTAL - ($(date +%s) - $start) / 60 - 0.7, 2)))")
+echo "table: $left minutes"
+parts=()
+table() {  # part name, then kvpop_table.py options
+    local name=$1; shift
+    # shellcheck disable=SC2086
+    python3 benchmarks/kvpop_table.py --model "$MODEL" --n-per-task "${N_PER_TASK:-100}" --minutes "$left" \
+        --device "${DEVICE:-cuda}" --out "$OUT/part_$name.json" --plot "$OUT/part_$name.png" "$@" ${TABLE_ARGS:-} \
+        > "$OUT/kvpop_table_$name.log" 2>&1
+}
+for s in kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms; do
+    name=${s%%=*}; method=${s#*=}
+    if [ -f "/tmp/table_$name/final/config.json" ]; then
+        table "$name" --student "$name=$method:/tmp/table_$name/final" --baselines none &
+        parts+=("$OUT/part_$name.json")
+    else
+        echo "$name left no final/ folder: its rows are missing (see $OUT/retrofit_$name.log)"
+    fi
+done
+table baselines_a --baselines streaming,tova,h2o & parts+=("$OUT/part_baselines_a.json")
+table baselines_b --baselines snapkv,pyramidkv,knorm,random & parts+=("$OUT/part_baselines_b.json")
+wait
+existing=(); for p in "${parts[@]}"; do [ -f "$p" ] && existing+=("$p"); done
+if [ ${#existing[@]} -eq 0 ]; then echo "no table part was written: see $OUT/kvpop_table_*.log"; tail -n 3 "$OUT"/kvpop_table_*.log; exit 1; fi
+python3 -m kvlearn.results merge "$OUT/kvpop_table.json" "${existing[@]}"
+python3 -c "
+import sys; sys.path.insert(0, 'src')
+from kvlearn.eval.plots import plot_pareto; from kvlearn.results import read_results
+print(plot_pareto(read_results('$OUT/kvpop_table.json')['rows'], '$OUT/kvpop_table.png', title='KVpop Table 1 on the testbed, context 4096'))"
+rm -f "$OUT"/part_*.json "$OUT"/part_*.png
+tail -n 8 "$OUT"/kvpop_table_*.log
+for name in kvpop_mlp kvpop streaming_plus dms; do
+    [ -f "/tmp/table_$name/final/config.json" ] || continue
+    python3 -c "
+import shutil, sys, torch, kvlearn
+src, dst = sys.argv[1], sys.argv[2]
+kvlearn.load(src, dtype=torch.bfloat16).save_pretrained(dst)
+for f in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
+    shutil.copy2(f'{src}/{f}', dst)
+" "/tmp/table_$name/final" "/tmp/student-$name" && tar -C /tmp -cf "$OUT/$name.tar" "student-$name"
+done
+ls -la "$OUT"
