@@ -4,8 +4,8 @@
 # launch-bound: at 894106b a retrofit sharing the H200 with two other jobs still ran ~4.6 steps/s):
 #   kvpop_mlp (MLP scorer), kvpop (mLSTM scorer), streaming_plus, dms;
 # RETROFIT_MINUTES each (default 5), BUDGET (default 512, CR 88%), KVPOP_EXTRA more options of the two KVpop runs
-# (default '--decay-init 0.99999 --target-count-normalize 0': the total future attention, under which the teacher
-# policy itself answers, docs/notes/kvpop_retrofit_smoke.md section 7). Then `benchmarks/kvpop_table.py` on them in
+# (default '--decay-init 0.99999 --target-reduction peak': the target under which the teacher policy itself answers
+# best, docs/notes/kvpop_retrofit_smoke.md section 7; method_tables.sh compares it with the total mass first). Then `benchmarks/kvpop_table.py` on them in
 # parallel processes (one per student with --baselines none, two for the training-free baselines), each with the
 # minutes left of TOTAL_MINUTES (default 9.5), merged into $OUT/kvpop_table.json (`python -m kvlearn.results merge`;
 # `not_run` lists the runs cut) and plotted. The students come back as bf16 tars ($OUT/<name>.tar).
@@ -19,7 +19,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-out}; mkdir -p "$OUT"
 MODEL=${MODEL:-checkpoints/testbed-teacher}
 M=${RETROFIT_MINUTES:-5}; B=${BUDGET:-512}; TOTAL=${TOTAL_MINUTES:-9.5}
-KVPOP_EXTRA=${KVPOP_EXTRA---decay-init 0.99999 --target-count-normalize 0}
+KVPOP_EXTRA=${KVPOP_EXTRA---decay-init 0.99999 --target-reduction peak}
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 start=$(date +%s)
 retrofit() {  # name, then retrofit options

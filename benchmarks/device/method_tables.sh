@@ -2,9 +2,10 @@
 # One device session's method tables on the shipped teacher, detached so that no device time is lost between calls:
 # three jobs share the GPU (the teacher is small and its jobs launch-bound):
 #   - the eviction baselines, whole (`eviction_baselines.sh`, BASELINE_MINUTES default 8, 3 processes);
-#   - a KVpop retrofit and its evaluation on both splits (`retrofit.sh`, RETROFIT_MINUTES default 5, N default 100,
-#     RETROFIT_EXTRA default '--decay-init 0.99999 --target-count-normalize 0': the total future attention, the
-#     target variant under which the teacher policy itself answers, docs/notes/kvpop_retrofit_smoke.md section 7);
+#   - two KVpop retrofits (MLP scorer, budget 1024) and their evaluation on both splits (`retrofit.sh`,
+#     RETROFIT_MINUTES default 5, N default 100), one per target under which the teacher policy itself answers
+#     (docs/notes/kvpop_retrofit_smoke.md section 7): PEAK_EXTRA (default '--decay-init 0.99999 --target-reduction
+#     peak') and TOTAL_EXTRA (default '--decay-init 0.99999 --target-count-normalize 0', the total mass);
 #   - the KV-Kaizen table (`kaizen_table.sh`, KAIZEN_MINUTES default 9.5 in all).
 # Everything goes to RUN_DIR (default /tmp/session_out); /tmp/session.done marks the end; /tmp/session.log is the
 # chain's own log. Device time: ~1 start + max(BASELINE_MINUTES + 1, RETROFIT_MINUTES + 3, KAIZEN_MINUTES), about
@@ -19,9 +20,12 @@ MODEL=${MODEL:-checkpoints/testbed-teacher}
 echo "== start $(date -u +%H:%M:%S) on $MODEL"
 (OUT="$RUN_DIR/baselines" MODEL=$MODEL MINUTES=${BASELINE_MINUTES:-8} \
     bash benchmarks/device/eviction_baselines.sh > "$RUN_DIR/baselines.log" 2>&1; echo "== baselines done $(date -u +%H:%M:%S)") &
-(OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} \
-    EXTRA=${RETROFIT_EXTRA---decay-init 0.99999 --target-count-normalize 0} \
-    bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit.log" 2>&1; echo "== retrofit done $(date -u +%H:%M:%S)") &
+(OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} TAG=peak \
+    EXTRA=${PEAK_EXTRA---decay-init 0.99999 --target-reduction peak} \
+    bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit_peak.log" 2>&1; echo "== retrofit peak done $(date -u +%H:%M:%S)") &
+(OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} TAG=total \
+    EXTRA=${TOTAL_EXTRA---decay-init 0.99999 --target-count-normalize 0} \
+    bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit_total.log" 2>&1; echo "== retrofit total done $(date -u +%H:%M:%S)") &
 (OUT="$RUN_DIR/kaizen" MODEL=$MODEL TOTAL_MINUTES=${KAIZEN_MINUTES:-9.5} \
     bash benchmarks/device/kaizen_table.sh > "$RUN_DIR/kaizen.log" 2>&1; echo "== kaizen done $(date -u +%H:%M:%S)") &
 wait

@@ -2,7 +2,8 @@
 # Retrofit KVpop onto the testbed teacher on the GPU (`kvlearn retrofit`), then evaluate the student through its
 # cache at the same budget on both splits (`kvlearn eval --method kvpop`), next to the teacher's streaming rows.
 # SCORER (default mlp), BUDGET (default 1024), MINUTES (default 8), MODEL (default checkpoints/testbed-teacher),
-# N (examples per family, default 100), EXTRA (more retrofit options). Writes $OUT/retrofit_<scorer>_<budget>.log,
+# N (examples per family, default 100), EXTRA (more retrofit options), TAG (a suffix of the run's names, so that
+# several retrofits can run side by side). Writes $OUT/retrofit_<scorer>_<budget>.log,
 # $OUT/kvpop_<scorer>_<budget>_<split>.json, and the student as $OUT/kvpop_<scorer>_<budget>.tar (bf16 weights).
 # Device time: MINUTES + ~1 minute of start-up + ~1 minute of evaluation per split.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/retrofit.sh
@@ -12,8 +13,8 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 SCORER=${SCORER:-mlp}; BUDGET=${BUDGET:-1024}; MINUTES=${MINUTES:-8}; N=${N:-100}
 MODEL=${MODEL:-checkpoints/testbed-teacher}
-RUN=/tmp/retrofit_${SCORER}_${BUDGET}
-tag=${SCORER}_${BUDGET}
+tag=${SCORER}_${BUDGET}${TAG:+_$TAG}
+RUN=/tmp/retrofit_$tag
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 # shellcheck disable=SC2086
 python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$RUN" --overwrite --device cuda --scorer "$SCORER" \

@@ -240,7 +240,8 @@ def cmd_retrofit(args) -> int:
                              scorer=args.scorer, decay_init=args.decay_init,
                              **({"target_aggregation": args.target_aggregation} if args.target_aggregation else {}),
                              **({"target_count_normalize": args.target_count_normalize == "1"}
-                                if args.target_count_normalize else {}))
+                                if args.target_count_normalize else {}),
+                             **({"target_reduction": args.target_reduction} if args.target_reduction else {}))
                  if args.method == "kvpop" else KVpopConfig(scorer=args.scorer))
     if args.method == "dms":
         target_cr = args.target_cr if args.target_cr is not None else args.seq_len / args.budget
@@ -482,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--target-count-normalize", default=None, choices=("0", "1"),
                     help="kvpop: 1 divides a token's future attention mass by its number of future queries (the "
                          "mean, Eq. 2), 0 keeps the total (default: KVpopConfig's; docs/DESIGN.md, 'Future-attention target')")
+    sp.add_argument("--target-reduction", default=None, choices=("mass", "peak"),
+                    help="kvpop: over a token's future queries, the sum of their attention probabilities (mass, the "
+                         "paper's) or the largest one (peak; the count normalisation is then ignored) "
+                         "(default: KVpopConfig's)")
     sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
     sp.add_argument("--window", type=int, default=256,

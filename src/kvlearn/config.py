@@ -104,6 +104,8 @@ class KVpopConfig:
     ``context`` (optional) is the evaluation context; when given, the budget must be below it (else nothing is
     compressed). ``mlstm_matmul_dtype`` (``"float32"`` default, ``"tf32"``, ``"bfloat16"``) is the operand precision
     of the mLSTM scorer's chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`); not a learned field.
+    ``target_aggregation``, ``target_count_normalize``, ``target_reduction``: the future-attention target the
+    scorers learn (:func:`kvlearn.ops.future_target.future_attention_target`; ``"peak"`` ignores the count).
     """
 
     sinks: int = 4
@@ -119,6 +121,7 @@ class KVpopConfig:
     target_eps: float = 1e-6
     target_aggregation: str = "max"
     target_count_normalize: bool = True
+    target_reduction: str = "mass"
     loss_temperature: float = 1.0
     margin_weighting: bool = True
     margin_min_weight: float = 0.1
@@ -130,6 +133,7 @@ class KVpopConfig:
     SCORERS = ("linear", "mlp", "mlstm")
     MATMUL_DTYPES = ("float32", "tf32", "bfloat16")  # = kvlearn.ops.mlstm.MATMUL_DTYPES
     AGGREGATIONS = ("max", "mean")
+    REDUCTIONS = ("mass", "peak")  # = kvlearn.ops.future_target.REDUCTIONS
 
     def __post_init__(self) -> None:
         check_int("sinks", self.sinks, 0)
@@ -159,6 +163,10 @@ class KVpopConfig:
             self.target_aggregation in self.AGGREGATIONS,
             f"target_aggregation={self.target_aggregation!r} is unknown: expected one of {', '.join(self.AGGREGATIONS)}",
         )
+        check(self.target_reduction in self.REDUCTIONS,
+              f"target_reduction={self.target_reduction!r} is unknown: expected one of {', '.join(self.REDUCTIONS)}")
+        check(isinstance(self.target_count_normalize, bool),
+              f"target_count_normalize={self.target_count_normalize!r} is invalid: expected True or False")
         check(self.target_eps > 0, f"target_eps={self.target_eps!r} is invalid: expected > 0")
         check(self.loss_temperature > 0, f"loss_temperature={self.loss_temperature!r} is invalid: expected > 0")
         check(

@@ -199,3 +199,67 @@ def test_lookahead_validation():
     q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 1, 8, 4)
     with pytest.raises(KVLearnError, match="lookahead=-1 is invalid"):
         future_attention_target(q, k, torch.zeros(1, 2, 8), 2, lookahead=-1)
+
+
+def _dense_peak_target(query, key, lse, window, eps, aggregation, scale, lookahead=None):
+    """float64 ``log(eps + Agg_g max_{d in D_t} P[d, t])`` written out (``reduction="peak"``; no count)."""
+    logits = _dense_logits(query, key, scale)
+    b, hq, s, _ = logits.shape
+    prob = torch.exp(logits - lse.double()[..., None])
+    d = torch.arange(s)[:, None]
+    t = torch.arange(s)[None, :]
+    keep = d >= t + window
+    if lookahead is not None:
+        keep &= d <= t + window + lookahead
+    peak = (prob * keep).amax(dim=-2).reshape(b, key.shape[1], hq // key.shape[1], s)
+    agg = peak.amax(2) if aggregation == "max" else peak.mean(2)
+    return torch.log(eps + agg)
+
+
+@pytest.mark.parametrize("aggregation", ["max", "mean"])
+@pytest.mark.parametrize("lookahead", [None, 6])
+@pytest.mark.parametrize("case", CASES)
+def test_peak_reduction_matches_dense_reference(case, aggregation, lookahead):
+    """``reduction="peak"``: the largest future probability per query head, aggregated, on dense and sparse
+    normalisers; the count normalisation does not apply (same result with it on or off)."""
+    b, hq, hkv, s, d, w = case
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    scale = 1 / math.sqrt(d)
+    for lse in (causal_lse(q, k), _sparse_lse(q, k, scale, g).float()):
+        want = _dense_peak_target(q, k, lse, w, 1e-6, aggregation, scale, lookahead)
+        for count in (True, False):
+            got = future_attention_target(q, k, lse, w, aggregation=aggregation, count_normalize=count,
+                                          reduction="peak", lookahead=lookahead)
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_peak_and_mass_on_a_hand_computed_case():
+    """Every logit and normaliser 0, so every term exp(0 - 0) is 1: the peak is log 1 = 0 and the mass log N_t with
+    N_t = S - (t + w) future queries; tokens with none are -inf (the torch backend's reduction itself)."""
+    import kvlearn.ops.future_target as ft
+
+    s, w = 12, 2
+    q = torch.zeros(1, 1, s, 4)
+    k = torch.zeros(1, 1, s, 4)
+    lse = torch.zeros(1, 1, s)
+    peak = ft._future_log_mass_torch(q, k, lse, w, 1.0, peak=True)
+    mass = ft._future_log_mass_torch(q, k, lse, w, 1.0)
+    # every logit is 0 and every normaliser 0: each term is exp(0) = 1, so peak = log 1 = 0 and mass = log N_t
+    pos = torch.arange(s)
+    n = (s - (pos + w)).clamp(min=0)
+    has = n > 0
+    torch.testing.assert_close(peak[0, 0][has], torch.zeros(int(has.sum())))
+    torch.testing.assert_close(mass[0, 0][has], torch.log(n[has].float()))
+    assert torch.isinf(peak[0, 0][~has]).all()
+
+
+def test_peak_validation():
+    q, k = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8)
+    lse = causal_lse(q, k)
+    with pytest.raises(KVLearnError, match="reduction='sum' is unknown") as err:
+        future_attention_target(q, k, lse, 2, reduction="sum")
+    assert "\n" not in str(err.value)
+    with pytest.raises(KVLearnError, match="reduction='peak' is invalid with backend='flex'") as err:
+        future_attention_target(q, k, lse, 2, reduction="peak", backend="flex")
+    assert "\n" not in str(err.value)

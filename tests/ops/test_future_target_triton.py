@@ -31,6 +31,20 @@ def dense_log_mass(query, key, lse, window, scale, lookahead=None):
     return logits.masked_fill(~keep, -math.inf).logsumexp(dim=-2)
 
 
+def dense_log_peak(query, key, lse, window, scale, lookahead=None):
+    """float64 ``max`` over the same band of ``ℓ(d, t) - lse_d`` (``reduction="peak"``), ``-inf`` where empty."""
+    g = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(g, dim=1)
+    logits = query.double() @ k.transpose(-1, -2) * scale - lse.double()[..., None]
+    s = logits.shape[-1]
+    d = torch.arange(s)[:, None]
+    t = torch.arange(s)[None, :]
+    keep = d >= t + window
+    if lookahead is not None:
+        keep &= d <= t + window + lookahead
+    return logits.masked_fill(~keep, -math.inf).amax(dim=-2)
+
+
 def dense_target(log_mass, hkv, window, eps, aggregation, lookahead=None):
     """``log(eps + Agg_g m / N_t)`` from float64 ``log m̄`` (count normalisation on)."""
     b, hq, s = log_mass.shape
@@ -101,13 +115,17 @@ def run_case(name, device="cpu"):
     same_inf = bool((torch.isfinite(got) == finite).all())
     err = (got[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
     ok = same_inf and torch.allclose(got[finite], ref[finite], atol=tol, rtol=tol)
+    peak_ref = dense_log_peak(q.cpu(), k.cpu(), lse.cpu(), window, scale, look)
+    peak = future_log_mass_triton(q, k, lse, window, scale, look, peak=True, **options).cpu().double()
+    peak_ok = bool((torch.isfinite(peak) == finite).all()) and torch.allclose(
+        peak[finite], peak_ref[finite], atol=tol, rtol=tol)
     targets_ok = True
     for aggregation in ("max", "mean"):
         tgt = future_attention_target(q, k, lse, window, aggregation=aggregation, scale=scale, backend="triton",
                                       lookahead=look, kernel_options=options or None)
         want = dense_target(ref, Hkv, window, 1e-6, aggregation, look)
         targets_ok &= tgt.shape == (B, Hkv, S) and torch.allclose(tgt.cpu().double(), want, atol=tol, rtol=tol)
-    return {"ok": bool(ok), "same_inf": same_inf, "err": err, "targets_ok": bool(targets_ok),
+    return {"ok": bool(ok), "same_inf": same_inf, "err": err, "targets_ok": bool(targets_ok), "peak_ok": bool(peak_ok),
             "n_finite": int(finite.sum()), "n_inf": int((~finite).sum()), "max_ref": ref[finite].max().item()
             if finite.any() else None}
 
@@ -115,7 +133,7 @@ def run_case(name, device="cpu"):
 @pytest.mark.parametrize("name", list(INTERP_CASES))
 def test_interpreter_matches_dense_float64(interpreter_results, name):
     res = interpreter_results[name]
-    assert res["ok"] and res["targets_ok"], res
+    assert res["ok"] and res["targets_ok"] and res["peak_ok"], res
 
 
 def test_cases_reach_what_they_claim(interpreter_results):
@@ -170,7 +188,7 @@ def test_bad_tunables_raise_one_line_errors(run_in_triton_interpreter):
 @pytest.mark.parametrize("name", ["g3_sparse", "lookahead40", "shifted_lse", "bf16_default", "fp16_lookahead"])
 def test_cuda_matches_dense_float64(name):
     res = run_case(name, device="cuda")
-    assert res["ok"] and res["targets_ok"], res
+    assert res["ok"] and res["targets_ok"] and res["peak_ok"], res
 
 
 @pytest.mark.gpu

@@ -265,3 +265,28 @@ def test_minutes_budget_and_leftover_temp_folder(teacher_path, tmp_path):
         retrofit(make_config(teacher_path, tmp_path / "k", steps=4, resume=True,
                              kvpop=KVpopConfig(**{**KV, "topk": 40})), progress=False)
     assert "topk" in one_line(err) and "resume" in one_line(err)
+
+
+def test_training_attention_computes_the_configured_target(teacher_path, tmp_path):
+    """``KVpopConfig.target_reduction`` / ``target_count_normalize`` reach the recorded targets. With a budget that
+    holds everything the attention is dense, so each future probability is <= 1: the peak target stays <= log(1 +
+    eps), the mean mass too, while the total mass of a token many queries attend exceeds 1 (target > 0)."""
+    import dataclasses
+
+    config = make_config(teacher_path, tmp_path / "t")
+    _, student = build_models(config, torch.device("cpu"))
+    ids, _ = training_batch(2, SEQ, 3)
+    full = KVpopConfig(sinks=4, window=16, topk=SEQ, scorer="mlp")
+    targets = {}
+    for name, kw in {"mean": {}, "total": {"target_count_normalize": False},
+                     "peak": {"target_reduction": "peak", "target_count_normalize": False}}.items():
+        with torch.no_grad():
+            _, state = student_forward(student, ids, dataclasses.replace(full, **kw))
+        targets[name] = torch.stack([state.records[i].target for i in sorted(state.records)])
+    ceiling = math.log(1 + 1e-6) + 1e-6
+    assert targets["peak"].max() <= ceiling and targets["mean"].max() <= ceiling
+    assert targets["total"].max() > 0.5  # some token collects more than e^0.5 of total future probability
+    assert not torch.equal(targets["peak"], targets["mean"])
+    with pytest.raises(KVLearnError, match="target_reduction='sum' is unknown") as err:
+        KVpopConfig(target_reduction="sum")
+    one_line(err)

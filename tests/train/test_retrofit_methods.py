@@ -191,17 +191,19 @@ def test_training_forward_under_bf16_autocast(teacher_path, name):
 
 
 def test_target_options_reach_the_saved_kvpop_config(teacher_path, tmp_path, capsys):
-    """``--target-aggregation`` / ``--target-count-normalize`` set the KVpop target of the run (saved with the
-    checkpoint); left out, the config's defaults stay; a bad value is argparse's one-line error."""
+    """``--target-aggregation`` / ``--target-count-normalize`` / ``--target-reduction`` set the KVpop target of the
+    run (saved with the checkpoint); left out, the config's defaults stay; a bad value is argparse's one-line
+    error."""
     assert cli_retrofit(teacher_path, tmp_path / "a", "kvpop", "--target-aggregation", "mean",
-                        "--target-count-normalize", "0") == 0
+                        "--target-count-normalize", "0", "--target-reduction", "peak") == 0
     saved = json.loads((tmp_path / "a" / "final" / "config.json").read_text())["kvpop"]
-    assert (saved["target_aggregation"], saved["target_count_normalize"]) == ("mean", False)
+    assert (saved["target_aggregation"], saved["target_count_normalize"], saved["target_reduction"]) == (
+        "mean", False, "peak")
     assert cli_retrofit(teacher_path, tmp_path / "b", "kvpop") == 0
     saved = json.loads((tmp_path / "b" / "final" / "config.json").read_text())["kvpop"]
     default = kvlearn.KVpopConfig()
-    assert (saved["target_aggregation"], saved["target_count_normalize"]) == (
-        default.target_aggregation, default.target_count_normalize)
+    assert (saved["target_aggregation"], saved["target_count_normalize"], saved["target_reduction"]) == (
+        default.target_aggregation, default.target_count_normalize, default.target_reduction)
     capsys.readouterr()
     with pytest.raises(SystemExit):
         cli_retrofit(teacher_path, tmp_path / "c", "kvpop", "--target-count-normalize", "2")

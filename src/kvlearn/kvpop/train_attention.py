@@ -109,7 +109,8 @@ def kvpop_train_attention(
     with torch.no_grad():
         target = future_attention_target(query.detach(), key.detach(), lse.detach(), cfg.window, eps=cfg.target_eps,
                                          aggregation=cfg.target_aggregation,
-                                         count_normalize=cfg.target_count_normalize, scale=scaling)
+                                         count_normalize=cfg.target_count_normalize, scale=scaling,
+                                         reduction=cfg.target_reduction)
     kvpop_train.records[module.layer_idx] = LayerRecord(priorities, target.float(), ranks, cutoffs, log_gamma)
     return out.transpose(1, 2).contiguous(), None
 

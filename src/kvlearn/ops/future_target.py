@@ -35,11 +35,15 @@ from kvlearn.ops.flex import check_kernel_options, flex_attention_lse
 from kvlearn.ops.future_target_triton import future_log_mass_triton
 from kvlearn.ops.triton_support import HAS_TRITON, check_triton_options, kernel_supports
 
-__all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS", "TRITON_OPTION_KEYS"]
+__all__ = ["causal_lse", "future_attention_target", "flex_lse", "BACKENDS", "AGGREGATIONS", "REDUCTIONS",
+           "TRITON_OPTION_KEYS"]
 
 BACKENDS = ("auto", "triton", "flex", "torch")
 TRITON_OPTION_KEYS = ("block_t", "block_d", "num_warps", "num_stages", "fp32_precision")
 AGGREGATIONS = ("max", "mean")
+# over the future queries of a token: "mass" sums their probabilities (the paper's Eq. 2, log-sum-exp in the log
+# domain), "peak" keeps the largest one (a what-if of this project, docs/DESIGN.md section 4.1)
+REDUCTIONS = ("mass", "peak")
 
 # Bytes of float32 scores one chunk of the torch backend may hold at a time.
 _CHUNK_BYTES = 1 << 26
@@ -210,8 +214,9 @@ def _future_log_mass_flex(query: Tensor, key: Tensor, lse: Tensor, window: int, 
 
 
 def _future_log_mass_torch(query: Tensor, key: Tensor, lse: Tensor, window: int, scale: float,
-                           lookahead: int | None = None) -> Tensor:
-    """Same as :func:`_future_log_mass_flex` by chunked matmuls over original keys (memory ``O(chunk * S)``)."""
+                           lookahead: int | None = None, peak: bool = False) -> Tensor:
+    """Same as :func:`_future_log_mass_flex` by chunked matmuls over original keys (memory ``O(chunk * S)``);
+    ``peak``: the largest term instead of the log-sum-exp."""
     b, hq, s, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -230,7 +235,7 @@ def _future_log_mass_torch(query: Tensor, key: Tensor, lse: Tensor, window: int,
         if lookahead is not None:
             keep = keep & (pos[None, :] <= pos[lo:hi, None] + window + lookahead)
         logits = logits.masked_fill(~keep, -math.inf)
-        out[..., lo:hi] = torch.logsumexp(logits, dim=-1).float()
+        out[..., lo:hi] = (logits.amax(dim=-1) if peak else torch.logsumexp(logits, dim=-1)).float()
     return out.reshape(b, hq, s)
 
 
@@ -244,6 +249,7 @@ def future_attention_target(
     count_normalize: bool = True,
     scale: float | None = None,
     *,
+    reduction: str = "mass",
     backend: str = "auto",
     lookahead: int | None = None,
     kernel_options: dict | None = None,
@@ -261,7 +267,11 @@ def future_attention_target(
         eps: ``> 0``, added inside the log after count normalisation and aggregation.
         aggregation: ``"max"`` (Eq. 14, paper default) or ``"mean"`` (probability-space mean, Eq. 15) over the
             ``G = q_heads // kv_heads`` query heads sharing a KV head.
-        count_normalize: divide the mass by ``N_t = max(1, S - (t + w))`` (appendix B.2).
+        count_normalize: divide the mass by ``N_t = max(1, S - (t + w))`` (appendix B.2); ignored with
+            ``reduction="peak"``.
+        reduction: over the future queries of a token: ``"mass"`` (default, the paper's Eq. 2: the sum of their
+            attention probabilities) or ``"peak"`` (the largest one, ``max_d p(d, t)``: a token that one future
+            query attends strongly ranks high however few queries attend it; torch and Triton backends only).
         scale: logit scale, default ``1 / sqrt(head_dim)`` (pass the model's attention scaling).
         lookahead: ``None`` (default: every future query, as in the paper's main experiments) or ``L >= 0``:
             only queries ``t + w <= d <= t + w + L`` count and ``N_t`` is clipped to ``L + 1`` (appendix B.2).
@@ -283,6 +293,7 @@ def future_attention_target(
     check(isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0,
           f"eps={eps!r} is invalid: expected a finite float > 0")
     check(aggregation in AGGREGATIONS, f"aggregation={aggregation!r} is unknown: expected one of {', '.join(AGGREGATIONS)}")
+    check(reduction in REDUCTIONS, f"reduction={reduction!r} is unknown: expected one of {', '.join(REDUCTIONS)}")
     check(isinstance(lse, Tensor) and tuple(lse.shape) == (b, hq, s),
           f"lse shape={tuple(getattr(lse, 'shape', ()))} is invalid: expected [batch, q_heads, seq] = {(b, hq, s)}")
     check(lse.dtype == torch.float32, f"lse dtype={lse.dtype} is invalid: expected torch.float32")
@@ -291,7 +302,13 @@ def future_attention_target(
     check(lookahead is None or (is_int(lookahead) and lookahead >= 0),
           f"lookahead={lookahead!r} is invalid: expected None or an integer >= 0")
     triton_ok = not kernel_options and kernel_supports(query.dtype, d) and key.dtype == query.dtype
+    peak = reduction == "peak"
+    if peak and backend == "auto" and query.device.type == "cuda" and not (triton_ok and HAS_TRITON):
+        backend = "torch"  # FlexAttention returns a log-sum-exp only: the peak runs on the kernel or in torch
     backend = resolve_backend(backend, query.device, triton_ok=triton_ok)
+    check(not (peak and backend == "flex"),
+          "reduction='peak' is invalid with backend='flex' (FlexAttention returns a log-sum-exp only): expected "
+          "backend 'auto', 'triton' or 'torch'")
     if backend == "triton":
         kernel_options = check_triton_options(kernel_options, TRITON_OPTION_KEYS)
     else:
@@ -299,16 +316,16 @@ def future_attention_target(
 
     with torch.no_grad():
         if backend == "triton":
-            log_mass = future_log_mass_triton(query, key, lse, window, scale, lookahead, **kernel_options)
+            log_mass = future_log_mass_triton(query, key, lse, window, scale, lookahead, peak=peak, **kernel_options)
         elif backend == "flex":
             log_mass = _future_log_mass_flex(query, key, lse, window, scale, lookahead, kernel_options)
         else:
-            log_mass = _future_log_mass_torch(query, key, lse, window, scale, lookahead)
+            log_mass = _future_log_mass_torch(query, key, lse, window, scale, lookahead, peak=peak)
         pos = torch.arange(s, device=query.device)
         # Rows without any future query are -inf whatever the kernel returns for fully masked rows.
         has_future = (pos + window) < s
         log_mass = torch.where(has_future, log_mass.float(), torch.full_like(log_mass, -math.inf, dtype=torch.float32))
-        if count_normalize:
+        if count_normalize and not peak:
             count = torch.clamp(s - (pos + window), min=1)
             if lookahead is not None:  # appendix B.2: the count is clipped to the L + 1 queries of the lookahead
                 count = torch.clamp(count, max=lookahead + 1)

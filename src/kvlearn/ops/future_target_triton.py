@@ -71,8 +71,10 @@ if _HAS_TRITON:
         HAS_LOOKAHEAD: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         DOT_UPCAST: tl.constexpr,
+        PEAK: tl.constexpr,
     ):
-        """One query tile ``d0 .. d0 + BLOCK_D - 1`` of the online log-sum-exp over ``D_t`` (base 2)."""
+        """One query tile ``d0 .. d0 + BLOCK_D - 1`` of the online log-sum-exp over ``D_t`` (base 2); with ``PEAK``
+        the running maximum instead, ``l_i`` counting the kept scores (0: nothing seen)."""
         d_pos = d0 + offs_d
         if MASKED:
             live = d_pos < S
@@ -88,6 +90,8 @@ if _HAS_TRITON:
             if HAS_LOOKAHEAD:
                 keep = keep & (d_pos[None, :] <= t_pos[:, None] + window + lookahead)
             s = tl.where(keep, s, float("-inf"))
+        if PEAK:
+            return tl.maximum(m_i, tl.max(s, 1)), l_i + tl.sum((s > float("-inf")).to(tl.float32), 1)
         m_new, l_i, _, _ = online_lse_step(m_i, l_i, s)
         return m_new, l_i
 
@@ -116,6 +120,7 @@ if _HAS_TRITON:
         DOT_PRECISION: tl.constexpr,
         DOT_UPCAST: tl.constexpr,
         INTERPRET: tl.constexpr,  # `while` loops (the CPU interpreter cannot take runtime `range` bounds)
+        PEAK: tl.constexpr,  # the largest score of D_t instead of its log-sum-exp
     ):
         t0 = tl.program_id(0) * BLOCK_T  # earliest key blocks (the longest) are launched first
         bi = tl.program_id(1)
@@ -151,28 +156,32 @@ if _HAS_TRITON:
             d0 = d_lo
             while d0 < full_lo:
                 m_i, l_i = _future_tile(m_i, l_i, k, t_pos, d0, q_base, lse_base, stride_qt, S, window, lookahead,
-                                        qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST)
+                                        qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST, PEAK)
                 d0 += BLOCK_D
             while d0 < full_hi:
                 m_i, l_i = _future_tile(m_i, l_i, k, t_pos, d0, q_base, lse_base, stride_qt, S, window, lookahead,
-                                        qk_scale, offs_d, offs_h, False, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST)
+                                        qk_scale, offs_d, offs_h, False, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST, PEAK)
                 d0 += BLOCK_D
             while d0 < d_hi:
                 m_i, l_i = _future_tile(m_i, l_i, k, t_pos, d0, q_base, lse_base, stride_qt, S, window, lookahead,
-                                        qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST)
+                                        qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST, PEAK)
                 d0 += BLOCK_D
         else:
             for d0 in range(d_lo, full_lo, BLOCK_D):
                 m_i, l_i = _future_tile(m_i, l_i, k, t_pos, d0, q_base, lse_base, stride_qt, S, window, lookahead,
-                                        qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST)
+                                        qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST, PEAK)
             for d0 in range(full_lo, full_hi, BLOCK_D):
                 m_i, l_i = _future_tile(m_i, l_i, k, t_pos, d0, q_base, lse_base, stride_qt, S, window, lookahead,
-                                        qk_scale, offs_d, offs_h, False, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST)
+                                        qk_scale, offs_d, offs_h, False, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST, PEAK)
             for d0 in range(full_hi, d_hi, BLOCK_D):
                 m_i, l_i = _future_tile(m_i, l_i, k, t_pos, d0, q_base, lse_base, stride_qt, S, window, lookahead,
-                                        qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST)
+                                        qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST, PEAK)
 
-        tl.store(out_ptr + (b * HQ + i) * S + t_pos, finish_lse(m_i, l_i), mask=t_pos < S)
+        if PEAK:
+            result = tl.where(l_i > 0.0, m_i * 0.6931471805599453, float("-inf"))  # base 2 -> natural log
+        else:
+            result = finish_lse(m_i, l_i)
+        tl.store(out_ptr + (b * HQ + i) * S + t_pos, result, mask=t_pos < S)
 
 
 def default_config(dtype: torch.dtype, lookahead: bool) -> dict:
@@ -195,8 +204,10 @@ def future_log_mass_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fp32_precision: str = "ieee",
+    peak: bool = False,
 ) -> Tensor:
-    """``log m̄`` per query head by the fused transposed pass (see the module docstring).
+    """``log m̄`` per query head by the fused transposed pass (see the module docstring); with ``peak`` the log of
+    the largest single probability instead, ``max_{d in D_t} (scale * <q_d, k_t> - lse_d)``.
 
     The shape checks on ``query``/``key``/``lse``/``window``/``scale``/``lookahead`` are those of
     :func:`kvlearn.ops.future_target.future_attention_target`, which calls this with ``backend="triton"``
@@ -214,6 +225,7 @@ def future_log_mass_triton(
     Returns:
         float32 ``[batch, q_heads, S]``, natural log; ``-inf`` for keys with no query in their band.
     """
+    check(isinstance(peak, bool), f"peak={peak!r} is invalid: expected True or False")
     check(_HAS_TRITON, "backend='triton' is unavailable: triton is not installed (use backend='flex' or 'torch')")
     check(query.is_cuda or _interpreting(),
           f"device {query.device} is invalid for backend='triton': expected a CUDA tensor "
@@ -241,7 +253,7 @@ def future_log_mass_triton(
             S, window, 0 if lookahead is None else lookahead, float(scale) * LOG2E)
     meta = dict(HQ=Hq, G=Hq // Hkv, HEAD_DIM=D, HAS_LOOKAHEAD=lookahead is not None,
                 DOT_PRECISION=fp32_precision if query.dtype == torch.float32 else "tf32",
-                DOT_UPCAST=_interpreting() and query.dtype == torch.bfloat16, INTERPRET=_interpreting())
+                DOT_UPCAST=_interpreting() and query.dtype == torch.bfloat16, INTERPRET=_interpreting(), PEAK=bool(peak))
     _future_log_mass_kernel[(triton.cdiv(S, block_t), B * Hq)](
         *args, BLOCK_T=block_t, BLOCK_D=block_d, **meta, num_warps=num_warps, num_stages=num_stages)
     return out
