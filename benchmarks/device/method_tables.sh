@@ -6,10 +6,12 @@
 #     RETROFIT_MINUTES default 5, N default 100), one per target under which the teacher policy itself answers
 #     (docs/notes/kvpop_retrofit_smoke.md section 7): PEAK_EXTRA (default '--decay-init 0.99999 --target-reduction
 #     peak') and TOTAL_EXTRA (default '--decay-init 0.99999 --target-count-normalize 0', the total mass);
-#   - the KV-Kaizen table (`kaizen_table.sh`, KAIZEN_MINUTES default 9.5 in all).
+#   - the KV-Kaizen table (`kaizen_table.sh`, KAIZEN_MINUTES default 9.5 in all);
+# then, alone on the GPU, `benchmarks/packed_decode_speed.py` (the packed-store decode kernel against the bf16 cache
+# at 16k-131k, about a minute).
 # Everything goes to RUN_DIR (default /tmp/session_out); /tmp/session.done marks the end; /tmp/session.log is the
-# chain's own log. Device time: ~1 start + max(BASELINE_MINUTES + 1, RETROFIT_MINUTES + 3, KAIZEN_MINUTES), about
-# 11 minutes, so the calls are:
+# chain's own log. Device time: ~1 start + max(BASELINE_MINUTES + 1, RETROFIT_MINUTES + 5, KAIZEN_MINUTES) + 1, about
+# 12 minutes, so the calls are:
 #   call 1:  KVLEARN_COMMIT=<sha> setsid bash benchmarks/device/method_tables.sh > /tmp/session.log 2>&1 < /dev/null & sleep 570; cat /tmp/session.log
 #   call 2 (within the 30 s the machine stays warm):  WAIT_S=300 bash benchmarks/device/collect_session.sh
 set -u
@@ -29,5 +31,8 @@ echo "== start $(date -u +%H:%M:%S) on $MODEL"
 (OUT="$RUN_DIR/kaizen" MODEL=$MODEL TOTAL_MINUTES=${KAIZEN_MINUTES:-9.5} \
     bash benchmarks/device/kaizen_table.sh > "$RUN_DIR/kaizen.log" 2>&1; echo "== kaizen done $(date -u +%H:%M:%S)") &
 wait
+# alone on the GPU, so that its timings are not shared: the packed-store decode kernel against the bf16 cache
+python3 benchmarks/packed_decode_speed.py --out "$RUN_DIR/packed_decode_h200.json" > "$RUN_DIR/packed_decode.log" 2>&1
+tail -n 8 "$RUN_DIR/packed_decode.log"
 echo "== done $(date -u +%H:%M:%S)"
 touch /tmp/session.done

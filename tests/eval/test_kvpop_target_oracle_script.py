@@ -65,6 +65,8 @@ def test_peak_is_the_largest_future_probability():
             assert abs(float(peak[0, i, t]) - max(future, default=0.0)) < 1e-6
     target = script.arm_target("maxq:-:1", *script.future_statistics(q, k, w, scale), 2, w, 1e-6)
     torch.testing.assert_close(target.exp() - 1e-6, peak.view(1, 2, 2, T).amax(2), atol=1e-6, rtol=1e-5)
+    lib = future_attention_target(q, k, causal_lse(q, k, scale=scale), w, eps=1e-6, scale=scale, reduction="peak")
+    torch.testing.assert_close(target, lib, atol=1e-5, rtol=1e-5)  # the library's peak target is this arm
 
 
 class Layer(torch.nn.Module):

@@ -11,7 +11,7 @@ stored vector), and the same for the values. ``allocated_bytes`` is exactly code
 unpacks and dequantizes every slot into a full-size temporary in the compute dtype. That temporary is acceptable on
 this CPU reference path only: **the GPU path must dequantize inside the attention kernel**, reading the packed codes
 and scales directly, never into a temporary, or the memory saved by the store is spent again at every step. That
-kernel is not built yet.
+kernel is :func:`kvlearn.ops.packed_decode.packed_decode_attention`; the layer does not call it yet.
 
 Within a multi-token forward the new tokens are attended in full precision (the layer returns the dequantized store
 followed by the chunk) and quantized when written; a decoded token is written first and attended dequantized.

@@ -1,0 +1,117 @@
+"""Decode attention over a packed KV store against the bf16 cache, one layer of a Qwen2.5-14B shape, on the GPU.
+
+    PYTHONPATH=src python benchmarks/packed_decode_speed.py --out results/packed_decode_h200.json
+
+For each context ``C`` and bit-width, one decode step's attention (batch 1, 40 query heads over 8 KV heads of 128,
+every slot visible) three ways, timed with CUDA events (median of ``--iters`` after warm-up), in one process:
+
+- ``bf16``: ``scaled_dot_product_attention`` over bf16 K/V ``[1, 8, C, 128]`` (the plain store's read is a view);
+- ``read_then_attend``: what the cache does today, ``PackedStore.read()`` (unpack and dequantize every slot into
+  a full-size bf16 temporary) then the same SDPA;
+- ``fused``: :func:`kvlearn.ops.packed_decode.packed_decode_attention` (codes unpacked in registers, no temporary).
+
+Rows: ``ms`` per variant and the ratios ``fused / bf16`` and ``read_then_attend / bf16`` measured in the same run,
+plus the largest difference of ``fused`` from ``read_then_attend`` (same codes, so only float rounding). KV-Kaizen's
+acceptance asks ``fused / bf16 <= 1`` at 131k (issue #11 item 9). ``--smoke`` runs tiny shapes on the CPU through
+the torch backend (checks the plumbing, times nothing meaningful).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvlearn.cache import PackedStore
+from kvlearn.ops.packed_decode import packed_decode_attention
+from kvlearn.results import make_results, write_results
+
+
+def timed(fn, iters: int, device) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, backend: str) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    k = torch.randn(1, hkv, context, d, device=device, dtype=dtype, generator=g)
+    v = torch.randn(1, hkv, context, d, device=device, dtype=dtype, generator=g)
+    q = torch.randn(1, hq, 1, d, device=device, dtype=dtype, generator=g)
+    store = PackedStore(bits)
+    store.allocate(1, hkv, context, d, d, dtype, device)
+    store.write(torch.arange(context, device=device).expand(1, hkv, context), k, v)
+    visible = torch.ones(1, 1, context, dtype=torch.bool, device=device)
+    group = hq // hkv
+
+    def bf16():
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1) if device.type != "cuda" else k,
+                                              v.repeat_interleave(group, 1) if device.type != "cuda" else v,
+                                              enable_gqa=device.type == "cuda")
+
+    def read_then_attend():
+        keys, values = store.read()
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True) if device.type == "cuda" else \
+            F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1))
+
+    def fused():
+        return packed_decode_attention(q[:, :, 0], store.key_codes, store.key_scales, store.value_codes,
+                                       store.value_scales, visible, bits, backend=backend)
+
+    ms = {name: timed(fn, iters, device) for name, fn in
+          (("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused))}
+    diff = (fused().float() - read_then_attend()[:, :, 0].float()).abs().max().item()
+    return {"context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "backend": backend,
+            "ms": {k2: round(v2, 4) for k2, v2 in ms.items()},
+            "fused_over_bf16": round(ms["fused"] / ms["bf16"], 3),
+            "read_then_attend_over_bf16": round(ms["read_then_attend"] / ms["bf16"], 3),
+            "max_abs_diff_fused_vs_read": diff}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="16384,32768,65536,131072")
+    p.add_argument("--bits", default="4,2")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, torch backend")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.smoke:
+        device, contexts, shape, backend = torch.device("cpu"), [64, 128], (4, 2, 16), "torch"
+    else:
+        if not torch.cuda.is_available():
+            print("packed_decode_speed: error: no CUDA device (use --smoke on the CPU)", file=sys.stderr)
+            return 2
+        device, shape, backend = torch.device("cuda"), (40, 8, 128), "triton"
+        contexts = [int(c) for c in args.contexts.split(",")]
+    rows = []
+    for c in contexts:
+        for b in (int(x) for x in args.bits.split(",")):
+            rows.append(row(c, b, *shape, iters=args.iters, device=device, backend=backend))
+            print(rows[-1], flush=True)
+    if args.out:
+        write_results(args.out, make_results("speed", rows, device=str(device)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

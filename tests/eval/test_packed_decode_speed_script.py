@@ -1,0 +1,30 @@
+"""benchmarks/packed_decode_speed.py --smoke on the CPU: rows for every context and bit-width, the fused path equal
+to read-then-attend up to float rounding, the results file written; without CUDA the GPU run is one line."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("packed_decode_speed", BENCH / "packed_decode_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_rows_and_agreement(tmp_path, capsys):
+    import torch
+
+    script = load_script()
+    out = tmp_path / "s.json"
+    assert script.main(["--smoke", "--iters", "1", "--bits", "4,2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["context"], r["bits"]) for r in rows] == [(64, 4), (64, 2), (128, 4), (128, 2)]
+    assert all(r["max_abs_diff_fused_vs_read"] < 1e-5 and r["fused_over_bf16"] > 0 for r in rows)
+    if not torch.cuda.is_available():
+        capsys.readouterr()
+        assert script.main([]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
