@@ -106,6 +106,9 @@ def kvlearn_attention(
     check(not getattr(layer, "borrows", False),
           f"layer {module.layer_idx} shares its anchor's cache: run the model with kvlearn.kaizen.attach(model)")
     mask = layer.visibility_mask(step.positions, step.has_padding)  # [batch, P, q, kv]
+    if layer.store_attends:  # a decode step over a store that attends itself (packed codes, no read-back)
+        out = layer.store.decode_attention(query[:, :, 0], mask[:, :, 0], scaling)  # [batch, q_heads, head_dim]
+        return out.to(query.dtype)[:, None].contiguous(), None
     out = masked_attention(query, key, value, mask, scaling)
     if layer.policy.observes:  # the policy evicts after attending
         request = layer.policy.attention_request(step)

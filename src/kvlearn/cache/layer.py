@@ -10,7 +10,9 @@ One forward of the model with ``q`` new tokens:
 1. :meth:`CompactCache.begin_forward` (the pre-forward hook of :func:`kvlearn.hf.attach`) receives the 2-D padding
    mask and fixes the positions of the new tokens, ``[batch, q]`` (``-1`` for padding).
 2. Each attention layer calls ``update(k, v)``; the layer asks its policy for a :class:`SlotPlan`. For one new token
-   (decoding) the token is written into its slot first and the whole store is returned (``capacity`` keys); for
+   (decoding) the token is written into its slot first and the whole store is returned (``capacity`` keys; or no
+   keys at all when the store attends the step itself, :meth:`Store.attends_decode`: the packed store on the GPU,
+   whose kernel reads the codes, for policies that need no attention back); for
    ``q > 1`` the old store followed by the ``q`` new tokens is returned (``capacity + q`` keys) and the survivors are
    written after (or, for a policy that decides after attending, in :meth:`CompactLayer.observe_attention`).
    This is exactly what :meth:`CompactLayer.get_mask_sizes` promises.
@@ -63,6 +65,7 @@ class CompactLayer(CacheLayerMixin):
         self.slot_state: dict[str, torch.Tensor] = {}
         self._visible: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None = None
+        self.store_attends = False  # the last update was a decode step the store attends itself (no read-back)
         self.trace: list | None = None  # set to a list to record (query_positions, key_positions, mask) per forward
 
     @property
@@ -115,9 +118,15 @@ class CompactLayer(CacheLayerMixin):
             if plan.old_end is not None:
                 self._free(plan.old_end, step.positions.max(dim=1).values[:, None, None])
             self._write(plan.write_slots, key_states, value_states, new_pos, plan.new_state)
-            keys, values = self.store.read()
             self._visible = (self.slot_positions, None, -1)
+            self.store_attends = self.store.attends_decode() and not self.policy.observes
+            if self.store_attends:  # the attention reads the store itself: hand back no keys (kvlearn_attention)
+                keys = key_states.new_empty(b, h, 0, key_states.shape[-1])
+                values = value_states.new_empty(b, h, 0, value_states.shape[-1])
+            else:
+                keys, values = self.store.read()
         else:
+            self.store_attends = False
             stored_k, stored_v = self.store.read()
             new_k, new_v = (self.store.round_trip(key_states, value_states) if self.attend_stored_form
                             else (key_states, value_states))
@@ -247,6 +256,7 @@ class CompactLayer(CacheLayerMixin):
         self.seen = 0
         self._visible = None
         self._pending = None
+        self.store_attends = False
 
     def _unsupported(self, *args, **kwargs):
         raise KVLearnError(

@@ -11,7 +11,8 @@ stored vector), and the same for the values. ``allocated_bytes`` is exactly code
 unpacks and dequantizes every slot into a full-size temporary in the compute dtype. That temporary is acceptable on
 this CPU reference path only: **the GPU path must dequantize inside the attention kernel**, reading the packed codes
 and scales directly, never into a temporary, or the memory saved by the store is spent again at every step. That
-kernel is :func:`kvlearn.ops.packed_decode.packed_decode_attention`; the layer does not call it yet.
+kernel is :func:`kvlearn.ops.packed_decode.packed_decode_attention`: where it runs (:meth:`PackedStore.attends_decode`)
+a decode step reads no keys back and the attention function calls :meth:`PackedStore.decode_attention`.
 
 Within a multi-token forward the new tokens are attended in full precision (the layer returns the dequantized store
 followed by the chunk) and quantized when written; a decoded token is written first and attended dequantized.
@@ -23,7 +24,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import check
+from ..ops.packed_decode import packed_decode_attention
 from ..ops.quant import QUANT_BITS, check_bits, dequantize, pack, quantize, unpack
+from ..ops.triton_support import HAS_TRITON, interpreting
 from .store import PlainStore, Store, scatter_slots
 
 
@@ -70,6 +73,18 @@ class PackedStore(Store):
         keys = dequantize(unpack(self.key_codes, self.bits, dk), self.key_scales, self.dtype)
         values = dequantize(unpack(self.value_codes, self.bits, dv), self.value_scales, self.dtype)
         return keys, values
+
+    def attends_decode(self) -> bool:
+        """True where the packed decode kernel runs (CUDA with triton, or Triton's CPU interpreter) and the head dim
+        suits it: a decode step then attends the codes directly, with no dequantized temporary."""
+        d = self.dims[0] if self.dims else 0
+        return (HAS_TRITON and self.key_codes is not None and (self.key_codes.is_cuda or interpreting())
+                and self.dims[0] == self.dims[1] and d >= 16 and d & (d - 1) == 0 and d <= 256)
+
+    def decode_attention(self, query: torch.Tensor, visible: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """:func:`~kvlearn.ops.packed_decode.packed_decode_attention` on this store's buffers (Triton kernel)."""
+        return packed_decode_attention(query, self.key_codes, self.key_scales, self.value_codes, self.value_scales,
+                                       visible, self.bits, scale, backend="triton")
 
     def allocated_bytes(self) -> int:
         if self.key_codes is None:

@@ -71,6 +71,17 @@ class Store:
     def allocated_bytes(self) -> int:
         raise NotImplementedError  # pragma: no cover
 
+    def attends_decode(self) -> bool:
+        """Whether a decode step attends inside the store (:meth:`decode_attention`) instead of over :meth:`read`'s
+        tensors (default: no)."""
+        return False
+
+    def decode_attention(self, query: torch.Tensor, visible: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """One-token attention over the stored slots: ``query [batch, q_heads, head_dim]``, ``visible`` bool
+        ``[batch, kv_heads or 1, capacity]``; ``[batch, q_heads, head_dim]`` float32. Only where
+        :meth:`attends_decode`."""
+        raise NotImplementedError  # pragma: no cover
+
     def bytes_per_token(self) -> int:
         """Bytes one token takes in one KV head (for :meth:`CompactCache.peak_bytes`)."""
         raise NotImplementedError  # pragma: no cover

@@ -169,6 +169,10 @@ def kaizen_attention(
             kaizen_forward.shared[l] = (key, value, mask)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    source = getattr(layer, "anchor", layer)  # the layer whose store holds these keys (a sharer reads its anchor's)
+    if source.store_attends:  # a decode step over a store that attends itself (packed codes: no keys were read)
+        out = source.store.decode_attention(query[:, :, 0], mask[:, :, 0], scaling)
+        return out.to(query.dtype)[:, None].contiguous(), None
     out = masked_attention(query, key, value, mask, scaling)
     if not action.share and layer.policy.observes:  # an evicting anchor decides after attending
         step = kvlearn_cache.step
