@@ -306,10 +306,10 @@ def summarise(rows: list[dict], contexts: tuple[int, ...]) -> dict:
                                             else int4["decode_ms_per_token"] / bf16["decode_ms_per_token"]),
         f"int4_decode_not_slower_than_bf16_at_{top}": (None if int4 is None or bf16 is None
                                                        else int4["decode_ms_per_token"] <= bf16["decode_ms_per_token"]),
-        "decode_reads_full_size_temporary": ("PackedStore.read / KIVIStore.read dequantize every slot into a "
-                                             "full-size bf16 temporary per layer and decode step (no attention "
-                                             "kernel reads packed codes yet); masked_attention expands the K/V of "
-                                             "every path to the query heads"),
+        "decode_reads_full_size_temporary": ("PackedStore decodes through the fused kernel on CUDA "
+                                             "(kvlearn.ops.packed_decode: no temporary); KIVIStore.read and the MLA "
+                                             "latent dequantize every slot into a full-size bf16 temporary per layer "
+                                             "and decode step; masked_attention expands their K/V to the query heads"),
     }
 
 
