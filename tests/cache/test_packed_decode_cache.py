@@ -4,6 +4,7 @@ and the attention reads the codes) equals decoding with the read-back path, on a
 ``TRITON_INTERPRET=1``), the read-back path in this process; both against the same saved model:
 
 - a streaming cache on ``PackedStore(4)`` through :func:`kvlearn.attach` (``kvlearn_attention``);
+- ``KVLEARN_PACKED_DECODE=0`` turns the kernel off there (the read-back path, same logits);
 - KV-Kaizen caches with mixed bits and cross-layer sharing through :func:`kvlearn.kaizen.sharing.attach` (a sharer
   attends its anchor's packed store), against the no-cache forward of the configuration (fake-quantized anchors).
 """
@@ -11,6 +12,7 @@ and the attention reads the codes) equals decoding with the read-back path, on a
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvlearn.cache import PackedStore
@@ -55,6 +57,11 @@ def test_streaming_and_kaizen_decode_through_the_kernel_equal_the_read_back(tmp_
         want = torch.load({str(tmp_path / "want.pt")!r})
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         print("streaming OK", float((got - want).abs().max()))
+        import os
+        os.environ["KVLEARN_PACKED_DECODE"] = "0"  # the switch: the read-back path even where the kernel runs
+        torch.testing.assert_close(streaming_logits({str(tmp_path / "m")!r}, fused_expected=False), want,
+                                   atol=1e-4, rtol=1e-4)
+        del os.environ["KVLEARN_PACKED_DECODE"]
 
         # KV-Kaizen: mixed bits and sharing, against the configuration's no-cache forward
         from test_cache_sharing import CONFIGS, config, decode_through, tiny
@@ -75,3 +82,34 @@ def test_streaming_and_kaizen_decode_through_the_kernel_equal_the_read_back(tmp_
     """)
     out = run_in_triton_interpreter(script)
     assert "streaming OK" in out and out.count("kaizen OK") == 3, out
+
+
+@pytest.mark.gpu
+def test_cuda_decode_through_the_kernel_equals_the_read_back(tmp_path, monkeypatch):
+    """On CUDA the packed store attends decode steps itself by default; ``KVLEARN_PACKED_DECODE=0`` gives the
+    read-back path; the logits agree (float32 model, 4-bit stores)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import kvlearn
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
+
+    def run():
+        model = kvlearn.attach(kvlearn.load(str(tmp_path / "m"), dtype=torch.float32, device="cuda"))
+        cache = streaming_cache(StreamingConfig(budget=16, sinks=2), model.config,
+                                store_factory=lambda: PackedStore(4))
+        ids = torch.randint(1, 60, (2, 34), generator=torch.Generator().manual_seed(5)).cuda()
+        with torch.no_grad():
+            out = [model(input_ids=ids[:, :20], past_key_values=cache, use_cache=True).logits[:, -1:]]
+            out += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                    for t in range(20, 34)]
+        return torch.cat(out, 1), all(layer.store_attends for layer in cache.layers)
+
+    fused, attended = run()
+    monkeypatch.setenv("KVLEARN_PACKED_DECODE", "0")
+    read_back, attended_off = run()
+    assert attended and not attended_off
+    torch.testing.assert_close(fused, read_back, atol=1e-4, rtol=1e-4)

@@ -16,9 +16,9 @@ from kvlearn.ops.future_target import future_attention_target
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def dense_log_mass(query, key, lse, window, scale, lookahead=None):
-    """float64 ``log m̄ [B, Hq, S]``: logsumexp over the band ``t + w <= d (<= t + w + L)`` of ``ℓ(d, t) - lse_d``
-    (query head ``i`` reads KV head ``i // G``), ``-inf`` where the band is empty."""
+def band_logits(query, key, lse, window, scale, lookahead=None):
+    """float64 ``ℓ(d, t) - lse_d`` ``[B, Hq, d, t]`` (query head ``i`` reads KV head ``i // G``), ``-inf`` outside
+    the band ``t + w <= d (<= t + w + L)``."""
     g = query.shape[1] // key.shape[1]
     k = key.double().repeat_interleave(g, dim=1)
     logits = query.double() @ k.transpose(-1, -2) * scale - lse.double()[..., None]  # [B, Hq, d, t]
@@ -28,21 +28,17 @@ def dense_log_mass(query, key, lse, window, scale, lookahead=None):
     keep = d >= t + window
     if lookahead is not None:
         keep &= d <= t + window + lookahead
-    return logits.masked_fill(~keep, -math.inf).logsumexp(dim=-2)
+    return logits.masked_fill(~keep, -math.inf)
+
+
+def dense_log_mass(query, key, lse, window, scale, lookahead=None):
+    """float64 ``log m̄ [B, Hq, S]``: logsumexp over the band, ``-inf`` where it is empty."""
+    return band_logits(query, key, lse, window, scale, lookahead).logsumexp(dim=-2)
 
 
 def dense_log_peak(query, key, lse, window, scale, lookahead=None):
-    """float64 ``max`` over the same band of ``ℓ(d, t) - lse_d`` (``reduction="peak"``), ``-inf`` where empty."""
-    g = query.shape[1] // key.shape[1]
-    k = key.double().repeat_interleave(g, dim=1)
-    logits = query.double() @ k.transpose(-1, -2) * scale - lse.double()[..., None]
-    s = logits.shape[-1]
-    d = torch.arange(s)[:, None]
-    t = torch.arange(s)[None, :]
-    keep = d >= t + window
-    if lookahead is not None:
-        keep &= d <= t + window + lookahead
-    return logits.masked_fill(~keep, -math.inf).amax(dim=-2)
+    """float64 ``max`` over the same band (``reduction="peak"``), ``-inf`` where it is empty."""
+    return band_logits(query, key, lse, window, scale, lookahead).amax(dim=-2)
 
 
 def dense_target(log_mass, hkv, window, eps, aggregation, lookahead=None):

@@ -21,6 +21,8 @@ Re-writing a dequantized token (a deferring policy's ``replace_all``) reproduces
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..errors import check
@@ -76,10 +78,12 @@ class PackedStore(Store):
 
     def attends_decode(self) -> bool:
         """True where the packed decode kernel runs (CUDA with triton, or Triton's CPU interpreter) and the head dim
-        suits it: a decode step then attends the codes directly, with no dequantized temporary."""
+        suits it: a decode step then attends the codes directly, with no dequantized temporary. The environment
+        variable ``KVLEARN_PACKED_DECODE=0`` turns the kernel off (the read-back path, e.g. to compare them)."""
         d = self.dims[0] if self.dims else 0
         return (HAS_TRITON and self.key_codes is not None and (self.key_codes.is_cuda or interpreting())
-                and self.dims[0] == self.dims[1] and d >= 16 and d & (d - 1) == 0 and d <= 256)
+                and self.dims[0] == self.dims[1] and d >= 16 and d & (d - 1) == 0 and d <= 256
+                and os.environ.get("KVLEARN_PACKED_DECODE", "1") != "0")
 
     def decode_attention(self, query: torch.Tensor, visible: torch.Tensor, scale: float | None) -> torch.Tensor:
         """:func:`~kvlearn.ops.packed_decode.packed_decode_attention` on this store's buffers (Triton kernel)."""
