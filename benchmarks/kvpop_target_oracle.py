@@ -40,7 +40,7 @@ from kvlearn.ops.masks import retention_mask_dense
 from kvlearn.kvpop.policy import static_priorities
 from kvlearn.ops.fenwick import running_topk_cutoff
 from kvlearn.ops.future_target import causal_lse, future_attention_target
-from kvlearn.results import make_results, write_results
+from kvlearn.results import git_commit, make_results, write_results
 from kvlearn.testbed import tasks
 from kvlearn.train.pretrain import checked_answer_positions
 
@@ -190,6 +190,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     arms = [check_arm(a) for a in args.arms.split(",") if a]
+    commit = git_commit()  # the code that runs: read now, not when the file is written at the end of a long run
     torch.set_num_threads(args.threads)
     model = kvlearn.load(args.model, dtype=torch.float32, device="cpu")
     kv_heads = model.config.num_key_value_heads
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['split']:8s} {r['task']:7s} {r['arm']:16s} {r['accuracy']:.3f}")
     if args.out:
-        write_results(args.out, make_results("probe", rows, device="cpu", model=args.model, context=args.length,
+        write_results(args.out, make_results("probe", rows, device="cpu", commit=commit, model=args.model,
+                                              context=args.length,
                                               teacher_forced=True, wall_seconds=round(time.time() - start, 1)))
     return 0
 
