@@ -64,7 +64,8 @@ def plan_runs(args, students: list[tuple[str, str, str]]) -> list[tuple[str, str
     common = dict(tasks=tuple(args.tasks.split(",")) if args.tasks != "all" else EvalConfig().tasks,
                   n_per_task=args.n_per_task, context=args.context, batch_size=args.batch_size,
                   chunk_size=args.chunk_size, sinks=args.sinks)
-    runs = [("teacher", "dense", None, EvalConfig(method="dense", split=s, protocol=protocols[0], **common)) for s in splits]
+    runs = [] if getattr(args, "no_teacher", False) else [
+        ("teacher", "dense", None, EvalConfig(method="dense", split=s, protocol=protocols[0], **common)) for s in splits]
     for budget in budgets:
         for split in splits:
             for p in protocols:
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a trained checkpoint and the registered method it runs with (repeat the option)")
     ap.add_argument("--baselines", default="all", help=f"comma list of {','.join(EVICTION_METHODS)}, 'all' or 'none'")
     ap.add_argument("--budgets", default="1024,512,256", help="comma list of budgets (tokens per KV head)")
+    ap.add_argument("--no-teacher", action="store_true",
+                    help="skip the teacher's rows (when parallel parts of one table share them out)")
     ap.add_argument("--protocols", default="bounded", help=f"comma list of {','.join(PROTOCOLS)} or 'all'")
     ap.add_argument("--splits", default="all", help=f"comma list of {','.join(eval_splits())} or 'all'")
     add_run_options(ap)

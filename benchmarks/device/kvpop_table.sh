@@ -6,7 +6,8 @@
 # RETROFIT_MINUTES each (default 5), BUDGET (default 512, CR 88%), KVPOP_EXTRA more options of the two KVpop runs
 # (default '--decay-init 0.99999 --target-reduction peak': the target under which the teacher policy itself answers
 # best, docs/notes/kvpop_retrofit_smoke.md section 7; method_tables.sh compares it with the total mass first). Then `benchmarks/kvpop_table.py` on them in
-# parallel processes (one per student with --baselines none, two for the training-free baselines), each with the
+# parallel processes (one per student with --baselines none, two for the training-free baselines; only the first
+# baselines part measures the teacher, the others pass --no-teacher), each with the
 # minutes left of TOTAL_MINUTES (default 9.5), merged into $OUT/kvpop_table.json (`python -m kvlearn.results merge`;
 # `not_run` lists the runs cut) and plotted. The students come back as bf16 tars ($OUT/<name>.tar).
 # Device time: TOTAL_MINUTES plus the machine's start-up: one 10-minute call. DEVICE (default cuda), RETROFIT_ARGS and
@@ -47,14 +48,14 @@ table() {  # part name, then kvpop_table.py options
 for s in kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms; do
     name=${s%%=*}; method=${s#*=}
     if [ -f "/tmp/table_$name/final/config.json" ]; then
-        table "$name" --student "$name=$method:/tmp/table_$name/final" --baselines none &
+        table "$name" --student "$name=$method:/tmp/table_$name/final" --baselines none --no-teacher &
         parts+=("$OUT/part_$name.json")
     else
         echo "$name left no final/ folder: its rows are missing (see $OUT/retrofit_$name.log)"
     fi
 done
 table baselines_a --baselines streaming,tova,h2o & parts+=("$OUT/part_baselines_a.json")
-table baselines_b --baselines snapkv,pyramidkv,knorm,random & parts+=("$OUT/part_baselines_b.json")
+table baselines_b --baselines snapkv,pyramidkv,knorm,random --no-teacher & parts+=("$OUT/part_baselines_b.json")
 wait
 existing=(); for p in "${parts[@]}"; do [ -f "$p" ] && existing+=("$p"); done
 if [ ${#existing[@]} -eq 0 ]; then echo "no table part was written: see $OUT/kvpop_table_*.log"; tail -n 3 "$OUT"/kvpop_table_*.log; exit 1; fi

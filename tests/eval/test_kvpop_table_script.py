@@ -55,3 +55,17 @@ def test_students_are_evaluated_under_their_trained_window_and_scorer(tmp_path):
     student = [(c.budget, c.method_config) for label, _, _, c in runs if label == "kvpop"]
     assert [(b, cfg.window, cfg.topk, cfg.scorer) for b, cfg in student] == [(512, 256, 252, "linear"),
                                                                             (1024, 256, 764, "linear")]
+
+
+def test_no_teacher_leaves_out_only_the_teacher_rows(tmp_path):
+    """``--no-teacher`` (parallel parts of one table): the plan without the teacher's runs, the rest unchanged."""
+    import argparse
+
+    script = load_script()
+    args = argparse.Namespace(protocols="bounded", splits="all", baselines="streaming", budgets="512", tasks="vt",
+                              n_per_task=1, context=4096, batch_size=1, chunk_size=256, sinks=4)
+    full = script.plan_runs(args, [])
+    args.no_teacher = True
+    part = script.plan_runs(args, [])
+    assert [r[0] for r in full if r[0] == "teacher"] == ["teacher", "teacher"]  # one per split
+    assert [r[:3] for r in part] == [r[:3] for r in full if r[0] != "teacher"] and part
