@@ -2,9 +2,9 @@
 # Evaluates the eviction baselines on the testbed (benchmarks/eviction_baselines.py) into $OUT/baselines_table.json,
 # stdout in $OUT/eviction_baselines*.log. The methods are dealt round robin over PROCS_PER_GPU (default 3) processes
 # on each GPU, each measuring the full cache too, and the parts are merged (`python -m kvlearn.results merge`): the
-# testbed teacher is small and its decoding launch-bound, so processes sharing one H200 barely slow each other (at
-# 894106b a baselines process sharing the GPU with two other jobs ran as fast as the 68c180d one alone, ~30 s per run
-# of 400 examples).
+# testbed teacher is small and its decoding launch-bound, so processes sharing one H200 slow each other far less than
+# they would queue (from the committed tables' wall_seconds: the 68c180d baselines process alone took ~20 s per run of
+# 400 examples, the 894106b one, sharing the GPU with two other jobs, ~28 s).
 # Device time: at most MINUTES (default 9, one 10-minute device call) plus start-up; rows not reached are listed
 # in the file's `not_run` (run the script again with --methods/--budgets for them). The partial run at 68c180d did 9
 # runs of 400 examples in 183 s on one H200; the whole table has 25 runs (about 9 minutes in one process).
