@@ -91,9 +91,11 @@ if _HAS_TRITON:
                 keep = keep & (d_pos[None, :] <= t_pos[:, None] + window + lookahead)
             s = tl.where(keep, s, float("-inf"))
         if PEAK:
-            return tl.maximum(m_i, tl.max(s, 1)), l_i + tl.sum((s > float("-inf")).to(tl.float32), 1)
-        m_new, l_i, _, _ = online_lse_step(m_i, l_i, s)
-        return m_new, l_i
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            l_new = l_i + tl.sum((s > float("-inf")).to(tl.float32), 1)
+        else:
+            m_new, l_new, _, _ = online_lse_step(m_i, l_i, s)
+        return m_new, l_new
 
     @triton.jit
     def _future_log_mass_kernel(
