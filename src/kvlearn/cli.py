@@ -237,11 +237,7 @@ def cmd_retrofit(args) -> int:
         check_int("--budget", args.budget, args.sinks + args.window + 1,
                   hint=f" ({args.method} needs sinks={args.sinks} + window={args.window} and at least one long-range slot)")
         kvpop = (KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
-                             scorer=args.scorer, decay_init=args.decay_init,
-                             **({"target_aggregation": args.target_aggregation} if args.target_aggregation else {}),
-                             **({"target_count_normalize": args.target_count_normalize == "1"}
-                                if args.target_count_normalize else {}),
-                             **({"target_reduction": args.target_reduction} if args.target_reduction else {}))
+                             scorer=args.scorer, decay_init=args.decay_init, **_target_options(args))
                  if args.method == "kvpop" else KVpopConfig(scorer=args.scorer))
     if args.method == "dms":
         target_cr = args.target_cr if args.target_cr is not None else args.seq_len / args.budget
@@ -260,6 +256,13 @@ def cmd_retrofit(args) -> int:
     print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model {result['final']} "
           f"--method {args.method} --budget {args.budget}")
     return 0
+
+
+def _target_options(args) -> dict:
+    """The KVpop target options given on the retrofit command line (the rest keep KVpopConfig's defaults)."""
+    given = {"target_aggregation": args.target_aggregation, "target_reduction": args.target_reduction,
+             "target_count_normalize": None if args.target_count_normalize is None else args.target_count_normalize == "1"}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def cmd_kaizen_train(args) -> int:

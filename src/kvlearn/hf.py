@@ -107,14 +107,20 @@ def kvlearn_attention(
           f"layer {module.layer_idx} shares its anchor's cache: run the model with kvlearn.kaizen.attach(model)")
     mask = layer.visibility_mask(step.positions, step.has_padding)  # [batch, P, q, kv]
     if layer.store_attends:  # a decode step over a store that attends itself (packed codes, no read-back)
-        out = layer.store.decode_attention(query[:, :, 0], mask[:, :, 0], scaling)  # [batch, q_heads, head_dim]
-        return out.to(query.dtype)[:, None].contiguous(), None
+        return store_decode_attention(layer, query, mask, scaling), None
     out = masked_attention(query, key, value, mask, scaling)
     if layer.policy.observes:  # the policy evicts after attending
         request = layer.policy.attention_request(step)
         attention = None if request is None else attention_summary(query, key, mask, scaling, request, step.positions)
         layer.observe_attention(step, attention)
     return out, None
+
+
+def store_decode_attention(layer, query: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """A decode step attended inside ``layer``'s store (``layer.store_attends``): ``query [batch, q_heads, 1,
+    head_dim]``, ``mask [batch, P, 1, capacity]``; returns ``[batch, 1, q_heads, head_dim]`` in the query dtype."""
+    out = layer.store.decode_attention(query[:, :, 0], mask[:, :, 0], scaling)  # [batch, q_heads, head_dim] float32
+    return out.to(query.dtype)[:, None].contiguous()
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

@@ -26,9 +26,8 @@ import os
 import torch
 
 from ..errors import check
-from ..ops.packed_decode import packed_decode_attention
+from ..ops.packed_decode import fused_decode_applies, packed_decode_attention
 from ..ops.quant import QUANT_BITS, check_bits, dequantize, pack, quantize, unpack
-from ..ops.triton_support import HAS_TRITON, interpreting, is_pow2
 from .store import PlainStore, Store, scatter_slots
 
 
@@ -80,8 +79,8 @@ class PackedStore(Store):
         """True where the packed decode kernel runs (CUDA with triton, or Triton's CPU interpreter) and the head dim
         suits it: a decode step then attends the codes directly, with no dequantized temporary. The environment
         variable ``KVLEARN_PACKED_DECODE=0`` turns the kernel off (the read-back path, e.g. to compare them)."""
-        return (HAS_TRITON and self.key_codes is not None and (self.key_codes.is_cuda or interpreting())
-                and self.dims[0] == self.dims[1] and is_pow2(self.dims[0]) and 16 <= self.dims[0] <= 256
+        return (self.key_codes is not None and self.dims[0] == self.dims[1]
+                and fused_decode_applies(self.key_codes.device, self.dims[0])
                 and os.environ.get("KVLEARN_PACKED_DECODE", "1") != "0")
 
     def decode_attention(self, query: torch.Tensor, visible: torch.Tensor, scale: float | None) -> torch.Tensor:

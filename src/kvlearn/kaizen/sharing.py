@@ -34,7 +34,7 @@ from transformers.masking_utils import sdpa_mask
 from ..cache.observe import attention_summary
 from ..errors import check
 from ..hf import attach as attach_kvlearn
-from ..hf import kvlearn_attention, masked_attention
+from ..hf import kvlearn_attention, masked_attention, store_decode_attention
 from ..ops.quant import fake_quantize
 from .actions import KaizenConfig
 from .cache import KaizenCache
@@ -171,8 +171,7 @@ def kaizen_attention(
         return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     source = getattr(layer, "anchor", layer)  # the layer whose store holds these keys (a sharer reads its anchor's)
     if source.store_attends:  # a decode step over a store that attends itself (packed codes: no keys were read)
-        out = source.store.decode_attention(query[:, :, 0], mask[:, :, 0], scaling)
-        return out.to(query.dtype)[:, None].contiguous(), None
+        return store_decode_attention(source, query, mask, scaling), None
     out = masked_attention(query, key, value, mask, scaling)
     if not action.share and layer.policy.observes:  # an evicting anchor decides after attending
         step = kvlearn_cache.step

@@ -40,9 +40,16 @@ from kvlearn.errors import check, check_int
 from kvlearn.ops.quant import QUANT_BITS, check_bits, dequantize, unpack
 from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, interpreting, is_pow2, tl, triton
 
-__all__ = ["BACKENDS", "packed_decode_attention"]
+__all__ = ["BACKENDS", "fused_decode_applies", "packed_decode_attention"]
 
 BACKENDS = ("auto", "torch", "triton")
+
+
+def fused_decode_applies(device: torch.device, head_dim: int) -> bool:
+    """Whether the Triton kernel takes a decode step here: triton installed, a CUDA device (or Triton's CPU
+    interpreter), ``head_dim`` a power of two in [16, 256]."""
+    return (HAS_TRITON and (torch.device(device).type == "cuda" or interpreting())
+            and is_pow2(head_dim) and 16 <= head_dim <= 256)
 
 
 def _check_inputs(query, key_codes, key_scales, value_codes, value_scales, visible, bits) -> tuple[int, ...]:
@@ -160,13 +167,13 @@ if HAS_TRITON:
 def _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visible, bits, scale,
                    block_c: int, split: int) -> Tensor:
     check(HAS_TRITON, "backend='triton' is unavailable: triton is not installed (use backend='torch')")
+    b, hq, d = query.shape
+    hkv, slots = key_codes.shape[1], key_codes.shape[2]
     check(query.is_cuda or interpreting(),
           f"device {query.device} is invalid for backend='triton': expected a CUDA tensor "
           "(or TRITON_INTERPRET=1 to run the kernel on the CPU)")
-    b, hq, d = query.shape
-    hkv, slots = key_codes.shape[1], key_codes.shape[2]
-    check(is_pow2(d) and 16 <= d <= 256, f"head_dim={d} is invalid for backend='triton': expected a power of two "
-                                         "in [16, 256]")
+    check(fused_decode_applies(query.device, d),
+          f"head_dim={d} is invalid for backend='triton': expected a power of two in [16, 256]")
     check(is_pow2(block_c) and block_c >= 16, f"block_c={block_c!r} is invalid: expected a power of two >= 16")
     check_int("split", split, block_c)
     g = hq // hkv
@@ -208,7 +215,7 @@ def packed_decode_attention(query: Tensor, key_codes: Tensor, key_scales: Tensor
           f"scale={scale!r} is invalid: expected a float > 0")
     check(backend in BACKENDS, f"backend={backend!r} is unknown: expected one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "triton" if HAS_TRITON and query.is_cuda and is_pow2(d) and 16 <= d <= 256 else "torch"
+        backend = "triton" if query.is_cuda and fused_decode_applies(query.device, d) else "torch"
     if visible.shape[1] != hkv:
         visible = visible.expand(b, hkv, slots)
     with torch.no_grad():
