@@ -14,6 +14,10 @@
 # 12 minutes, so the calls are:
 #   call 1:  KVLEARN_COMMIT=<sha> setsid bash benchmarks/device/method_tables.sh > /tmp/session.log 2>&1 < /dev/null & sleep 570; cat /tmp/session.log
 #   call 2 (within the 30 s the machine stays warm):  WAIT_S=300 bash benchmarks/device/collect_session.sh
+# With THEN_KVPOP_TABLE=1 the chain goes on, on the GPU alone, with `kvpop_table.sh` (the KVpop Table 1: OUT
+# TABLE_DIR, default /tmp/table_out; its log /tmp/table.log; /tmp/table.done marks its end), so that one machine
+# start serves both; collect it with a third call:
+#   call 3:  WAIT_S=560 RUN_DIR=/tmp/table_out DONE=/tmp/table.done LOG=/tmp/table.log bash benchmarks/device/collect_session.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 RUN_DIR=${RUN_DIR:-/tmp/session_out}; mkdir -p "$RUN_DIR"
@@ -42,3 +46,9 @@ python3 benchmarks/packed_decode_speed.py --out "$RUN_DIR/packed_decode_h200.jso
 tail -n 8 "$RUN_DIR/packed_decode.log"
 echo "== done $(date -u +%H:%M:%S)"
 touch /tmp/session.done
+if [ "${THEN_KVPOP_TABLE:-0}" = 1 ]; then
+    rm -f /tmp/table.done
+    OUT=${TABLE_DIR:-/tmp/table_out} MODEL=$MODEL bash benchmarks/device/kvpop_table.sh > /tmp/table.log 2>&1
+    echo "== kvpop table done rc=$? $(date -u +%H:%M:%S)"
+    touch /tmp/table.done
+fi
