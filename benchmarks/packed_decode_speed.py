@@ -8,10 +8,12 @@ every slot visible) three ways, timed with CUDA events (median of ``--iters`` af
 - ``bf16``: ``scaled_dot_product_attention`` over bf16 K/V ``[1, 8, C, 128]`` (the plain store's read is a view);
 - ``read_then_attend``: what the cache does today, ``PackedStore.read()`` (unpack and dequantize every slot into
   a full-size bf16 temporary) then the same SDPA;
-- ``fused``: :func:`kvlearn.ops.packed_decode.packed_decode_attention` (codes unpacked in registers, no temporary).
+- ``fused``: :func:`kvlearn.ops.packed_decode.packed_decode_attention` (codes unpacked in registers, no temporary),
+  at its default tile of 64 slots, and ``fused_block_c_128`` at 128 (the choice of the default).
 
 Rows: ``ms`` per variant and the ratios ``fused / bf16`` and ``read_then_attend / bf16`` measured in the same run,
-plus the largest difference of ``fused`` from ``read_then_attend`` (same codes, so only float rounding). KV-Kaizen's
+plus the largest difference of ``fused`` from ``read_then_attend`` (same codes: only float rounding, chiefly the
+bf16 probabilities of the value product, as in flash attention). KV-Kaizen's
 acceptance asks ``fused / bf16 <= 1`` at 131k (issue #11 item 9). ``--smoke`` runs tiny shapes on the CPU through
 the torch backend (checks the plumbing, times nothing meaningful).
 """
@@ -73,16 +75,18 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True) if device.type == "cuda" else \
             F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1))
 
-    def fused():
+    def fused(block_c=64):
         return packed_decode_attention(q[:, :, 0], store.key_codes, store.key_scales, store.value_codes,
-                                       store.value_scales, visible, bits, backend=backend)
+                                       store.value_scales, visible, bits, backend=backend, block_c=block_c)
 
     ms = {name: timed(fn, iters, device) for name, fn in
-          (("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused))}
+          (("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused),
+           ("fused_block_c_128", lambda: fused(128)))}
     diff = (fused().float() - read_then_attend()[:, :, 0].float()).abs().max().item()
     return {"context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "backend": backend,
             "ms": {k2: round(v2, 4) for k2, v2 in ms.items()},
             "fused_over_bf16": round(ms["fused"] / ms["bf16"], 3),
+            "fused_block_c_128_over_bf16": round(ms["fused_block_c_128"] / ms["bf16"], 3),
             "read_then_attend_over_bf16": round(ms["read_then_attend"] / ms["bf16"], 3),
             "max_abs_diff_fused_vs_read": diff}
 

@@ -14,6 +14,10 @@
 # TABLE_ARGS (more options for every retrofit / table process) let the same script run as a CPU dry run:
 #   DEVICE=cpu MODEL=<tiny model> BUDGET=48 RETROFIT_MINUTES=0.1 TOTAL_MINUTES=1 N_PER_TASK=1 \
 #   RETROFIT_ARGS='--seq-len 256 --batch-size 2 --window 16' TABLE_ARGS='--context 256 --budgets 48 --tasks niah --splits eval' ...
+# Students trained earlier: STUDENTS_FROM=<folder> (its <name>/ checkpoints, carried to the device) skips the
+# retrofits and evaluates them; STUDENTS (default 'kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms',
+# name=method pairs) picks which; SPLIT_PARTS=1 runs each student's eval and held-out splits as two processes;
+# BASELINES=0 leaves the training-free baselines out.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_table.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -30,11 +34,15 @@ retrofit() {  # name, then retrofit options
         --budget "$B" --minutes "$M" --num-workers 3 $@ ${RETROFIT_ARGS:-} > "$OUT/retrofit_$name.log" 2>&1
     echo "retrofit $name rc=$? $(date -u +%H:%M:%S)"
 }
-retrofit kvpop_mlp --method kvpop --scorer mlp $KVPOP_EXTRA &
-retrofit kvpop --method kvpop --scorer mlstm $KVPOP_EXTRA &
-retrofit streaming_plus --method streaming_plus &
-retrofit dms --method dms &
-wait
+STUDENTS=${STUDENTS:-kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms}
+student_dir() { if [ -n "${STUDENTS_FROM:-}" ]; then echo "$STUDENTS_FROM/$1"; else echo "/tmp/table_$1/final"; fi; }
+if [ -z "${STUDENTS_FROM:-}" ]; then
+    retrofit kvpop_mlp --method kvpop --scorer mlp $KVPOP_EXTRA &
+    retrofit kvpop --method kvpop --scorer mlstm $KVPOP_EXTRA &
+    retrofit streaming_plus --method streaming_plus &
+    retrofit dms --method dms &
+    wait
+fi
 left=$(python3 -c "print(max(1.0, round($TOTAL - ($(date +%s) - $start) / 60 - 0.7, 2)))")
 echo "table: $left minutes"
 parts=()
@@ -45,17 +53,24 @@ table() {  # part name, then kvpop_table.py options
         --device "${DEVICE:-cuda}" --out "$OUT/part_$name.json" --plot "$OUT/part_$name.png" "$@" ${TABLE_ARGS:-} \
         > "$OUT/kvpop_table_$name.log" 2>&1
 }
-for s in kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms; do
-    name=${s%%=*}; method=${s#*=}
-    if [ -f "/tmp/table_$name/final/config.json" ]; then
-        table "$name" --student "$name=$method:/tmp/table_$name/final" --baselines none --no-teacher &
-        parts+=("$OUT/part_$name.json")
+for s in $STUDENTS; do
+    name=${s%%=*}; method=${s#*=}; dir=$(student_dir "$name")
+    if [ ! -f "$dir/config.json" ]; then
+        echo "$name: no checkpoint at $dir: its rows are missing (see $OUT/retrofit_$name.log)"
+    elif [ "${SPLIT_PARTS:-0}" = 1 ]; then
+        for split in eval heldout; do
+            table "${name}_$split" --student "$name=$method:$dir" --baselines none --no-teacher --splits "$split" &
+            parts+=("$OUT/part_${name}_$split.json")
+        done
     else
-        echo "$name left no final/ folder: its rows are missing (see $OUT/retrofit_$name.log)"
+        table "$name" --student "$name=$method:$dir" --baselines none --no-teacher &
+        parts+=("$OUT/part_$name.json")
     fi
 done
-table baselines_a --baselines streaming,tova,h2o & parts+=("$OUT/part_baselines_a.json")
-table baselines_b --baselines snapkv,pyramidkv,knorm,random --no-teacher & parts+=("$OUT/part_baselines_b.json")
+if [ "${BASELINES:-1}" = 1 ]; then
+    table baselines_a --baselines streaming,tova,h2o & parts+=("$OUT/part_baselines_a.json")
+    table baselines_b --baselines snapkv,pyramidkv,knorm,random --no-teacher & parts+=("$OUT/part_baselines_b.json")
+fi
 wait
 existing=(); for p in "${parts[@]}"; do [ -f "$p" ] && existing+=("$p"); done
 if [ ${#existing[@]} -eq 0 ]; then echo "no table part was written: see $OUT/kvpop_table_*.log"; tail -n 3 "$OUT"/kvpop_table_*.log; exit 1; fi
@@ -67,7 +82,7 @@ print(plot_pareto(read_results('$OUT/kvpop_table.json')['rows'], '$OUT/kvpop_tab
 rm -f "$OUT"/part_*.json "$OUT"/part_*.png
 tail -n 8 "$OUT"/kvpop_table_*.log
 for name in kvpop_mlp kvpop streaming_plus dms; do
-    [ -f "/tmp/table_$name/final/config.json" ] || continue
+    [ -z "${STUDENTS_FROM:-}" ] && [ -f "/tmp/table_$name/final/config.json" ] || continue
     python3 -c "
 import shutil, sys, torch, kvlearn
 src, dst = sys.argv[1], sys.argv[2]

@@ -1,6 +1,7 @@
 """Decoding through packed stores with the fused kernel (``PackedStore.attends_decode``: the layer hands back no keys
 and the attention reads the codes) equals decoding with the read-back path, on a tiny random GQA Qwen3 (float32,
-2 KV heads x 2 query heads, head_dim 16). The kernel runs in Triton's CPU interpreter (a subprocess with
+2 KV heads x 2 query heads, head_dim 32; the KV-Kaizen model head_dim 64, so that its 2-bit layer's packed
+bytes fill one ``tl.dot`` operand). The kernel runs in Triton's CPU interpreter (a subprocess with
 ``TRITON_INTERPRET=1``), the read-back path in this process; both against the same saved model:
 
 - a streaming cache on ``PackedStore(4)`` through :func:`kvlearn.attach` (``kvlearn_attention``);
@@ -45,7 +46,7 @@ def test_streaming_and_kaizen_decode_through_the_kernel_equal_the_read_back(tmp_
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
     Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
     want = streaming_logits(str(tmp_path / "m"), fused_expected=False)  # this process: no interpreter, read-back
     torch.save(want, tmp_path / "want.pt")
@@ -67,7 +68,7 @@ def test_streaming_and_kaizen_decode_through_the_kernel_equal_the_read_back(tmp_
         from test_cache_sharing import CONFIGS, config, decode_through, tiny
         from kvlearn.kaizen.cache import make_cache
         for name in ("sharing, mixed bits", "mixed bits, no sharing", "one anchor"):
-            model = tiny(1)
+            model = tiny(1, head_dim=64)
             cfg = config(model, *CONFIGS[name])
             ids = torch.randint(1, 64, (2, 24), generator=torch.Generator().manual_seed(2))
             with torch.no_grad():
@@ -94,7 +95,7 @@ def test_cuda_decode_through_the_kernel_equals_the_read_back(tmp_path, monkeypat
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
     Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
 
     def run():

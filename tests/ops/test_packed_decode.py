@@ -87,22 +87,27 @@ def test_bad_inputs_raise_one_line_errors():
 
 # name: (seed, B, Hq, Hkv, C, D, bits, shared visibility, block_c, split)
 INTERP_CASES = {
-    "g2_4bit_ragged": (0, 1, 4, 2, 150, 16, 4, False, 16, 64),  # three splits, the last one ragged
-    "g5_2bit_pad": (1, 2, 10, 2, 70, 32, 2, True, 16, 32),  # G = 5 padded to 16 rows, shared visibility
+    "g2_4bit_ragged": (0, 1, 4, 2, 150, 32, 4, False, 16, 64),  # three splits, the last one ragged
+    "g5_2bit_pad": (1, 2, 10, 2, 70, 64, 2, True, 16, 32),  # G = 5 padded to 16 rows, shared visibility
     "g1_8bit": (2, 1, 2, 2, 40, 16, 8, False, 16, 16),  # MHA, one tile per split
-    "one_split_tail_masked": (3, 1, 4, 1, 50, 16, 4, False, 32, 1024),  # one split, tile past the end
+    "g2_4bit_default_split": (4, 1, 4, 2, 300, 32, 4, False, 16, None),  # the default split (several, ragged)
+    "bf16_query_4bit": (5, 1, 4, 2, 90, 32, 4, False, 16, 32),  # bf16 operands (the GPU's dtype)
+    "one_split_tail_masked": (3, 1, 4, 1, 50, 32, 4, False, 32, 1024),  # one split, tile past the end
 }
 
 
 def run_case(name):
     seed, B, Hq, Hkv, C, D, bits, shared, block_c, split = INTERP_CASES[name]
-    q, store, visible, keys, values = packed_inputs(seed, B, Hq, Hkv, C, D, bits, shared)
+    bf16 = name.startswith("bf16")
+    q, store, visible, keys, values = packed_inputs(seed, B, Hq, Hkv, C, D, bits, shared,
+                                                    dtype=torch.bfloat16 if bf16 else torch.float32)
     if name == "one_split_tail_masked":
         visible[..., 1:] = False  # one visible slot: the softmax is exactly its value
     got = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split).double()
     want = reference(q, keys, values, visible, 1 / math.sqrt(D))
     err = (got - want).abs().max().item()
-    return {"ok": bool(torch.allclose(got, want, atol=2e-5, rtol=2e-5)), "err": err}
+    tol = 1e-2 if bf16 else 2e-5  # bf16: the probabilities meet the value codes in bf16, as in flash attention
+    return {"ok": bool(torch.allclose(got, want, atol=tol, rtol=tol)), "err": err}
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))
@@ -113,8 +118,8 @@ def test_interpreter_matches_reference(interpreter_results, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_cuda_kernel_matches_torch_at_a_real_shape(bits):
-    """bf16 store, 40 query heads over 8 KV heads of 128, 5000 slots (5 splits), on CUDA: the kernel equals the
-    torch backend to float32 accuracy."""
+    """bf16 store, 40 query heads over 8 KV heads of 128, 5000 slots (several splits), on CUDA: the kernel equals
+    the torch backend (float32 throughout) up to the bf16 rounding of the probabilities in the value product."""
     torch.manual_seed(0)
     store = PackedStore(bits)
     store.allocate(1, 8, 5000, 128, 128, torch.bfloat16, "cuda")
@@ -126,4 +131,5 @@ def test_cuda_kernel_matches_torch_at_a_real_shape(bits):
     visible[..., 4000:] = False
     got = call(q, store, visible, bits, backend="triton")
     want = call(q, store, visible, bits, backend="torch")
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert (got - want).abs().mean() < 1e-3

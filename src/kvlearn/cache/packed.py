@@ -80,7 +80,7 @@ class PackedStore(Store):
         suits it: a decode step then attends the codes directly, with no dequantized temporary. The environment
         variable ``KVLEARN_PACKED_DECODE=0`` turns the kernel off (the read-back path, e.g. to compare them)."""
         return (self.key_codes is not None and self.dims[0] == self.dims[1]
-                and fused_decode_applies(self.key_codes.device, self.dims[0])
+                and fused_decode_applies(self.key_codes.device, self.dims[0], self.bits)
                 and os.environ.get("KVLEARN_PACKED_DECODE", "1") != "0")
 
     def decode_attention(self, query: torch.Tensor, visible: torch.Tensor, scale: float | None) -> torch.Tensor:

@@ -24,13 +24,16 @@ Returns ``[batch, q_heads, head_dim]`` float32. Query head ``i`` reads KV head `
 
 Backends: ``"torch"`` (dequantize, then a masked softmax in float32: the reference, any device) and ``"triton"``
 (split-K flash decoding: programs over ``(batch * kv_heads, slot splits)`` each hold the ``G`` query heads of one
-KV head, padded to 16 rows for ``tl.dot``, and stream slot tiles with an online softmax in base 2; a torch epilogue
-merges the splits). ``"auto"`` takes Triton on CUDA when triton is installed. Runs on the CPU in Triton's
+KV head, padded to 16 rows for ``tl.dot``, and stream slot tiles with an online softmax in base 2; a second small
+kernel merges the splits). The codes are loaded as whole packed bytes (vector loads of contiguous rows) and split
+into ``8 / bits`` bit planes in registers; the dot operands take the query's dtype (bf16 in a bf16 model: the
+codes are exact in it, and the probabilities go to bf16 for the value product as in flash attention). ``"auto"`` takes Triton on CUDA when triton is installed. Runs on the CPU in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,16 +43,20 @@ from kvlearn.errors import check, check_int
 from kvlearn.ops.quant import QUANT_BITS, check_bits, dequantize, unpack
 from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, interpreting, is_pow2, tl, triton
 
+if HAS_TRITON:
+    from kvlearn.ops.triton_support import dot_fp32, online_lse_step
+
 __all__ = ["BACKENDS", "fused_decode_applies", "packed_decode_attention"]
 
 BACKENDS = ("auto", "torch", "triton")
 
 
-def fused_decode_applies(device: torch.device, head_dim: int) -> bool:
+def fused_decode_applies(device: torch.device, head_dim: int, bits: int) -> bool:
     """Whether the Triton kernel takes a decode step here: triton installed, a CUDA device (or Triton's CPU
-    interpreter), ``head_dim`` a power of two in [16, 256]."""
+    interpreter), ``head_dim`` a power of two in [16, 256] whose packed bytes (``head_dim * bits / 8``) are at
+    least 16 (the width of one ``tl.dot`` operand: 2-bit codes need ``head_dim >= 64``)."""
     return (HAS_TRITON and (torch.device(device).type == "cuda" or interpreting())
-            and is_pow2(head_dim) and 16 <= head_dim <= 256)
+            and is_pow2(head_dim) and 16 <= head_dim <= 256 and head_dim * bits // 8 >= 16)
 
 
 def _check_inputs(query, key_codes, key_scales, value_codes, value_scales, visible, bits) -> tuple[int, ...]:
@@ -97,19 +104,17 @@ def _torch_decode(query, key_codes, key_scales, value_codes, value_scales, visib
 if HAS_TRITON:
 
     @triton.jit
-    def _unpacked(codes_ptr, rows, row_live, stride_row, offs_d, PER_BYTE: tl.constexpr, BITS: tl.constexpr):
-        """Codes ``[len(rows), HEAD_DIM]`` as float32 from packed bytes (element ``e`` in byte ``e // PER_BYTE``,
-        bits ``[(e % PER_BYTE) * BITS, ...)``, biased by ``2^(BITS - 1)``)."""
-        byte = tl.load(codes_ptr + rows[:, None] * stride_row + (offs_d // PER_BYTE)[None, :],
-                       mask=row_live[:, None], other=0).to(tl.int32)
-        u = (byte >> ((offs_d % PER_BYTE) * BITS)[None, :]) & ((1 << BITS) - 1)
-        return (u - (1 << (BITS - 1))).to(tl.float32)
+    def _code_plane(byte, J: tl.constexpr, BITS: tl.constexpr):
+        """Plane ``J`` of packed bytes ``[rows, HEAD_DIM / PER_BYTE]`` (int32): the codes of elements
+        ``t * PER_BYTE + J`` (bits ``[J * BITS, (J + 1) * BITS)`` of byte ``t``, biased by ``2^(BITS - 1)``),
+        as float32."""
+        return (((byte >> (J * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))).to(tl.float32)
 
     @triton.jit
     def _packed_decode_kernel(
         q_ptr,  # [B, Hq, D]
         kc_ptr, ks_ptr, vc_ptr, vs_ptr,  # codes [B, Hkv, C, D / PER_BYTE] uint8, scales [B, Hkv, C]
-        vis_ptr,  # bool as uint8 [B, Hv, C] (Hv = Hkv or 1)
+        vis_ptr,  # bool viewed as uint8 [B, Hv, C] (Hv = Hkv or 1; stride 0 when shared)
         m_ptr, l_ptr, acc_ptr,  # partials: [B * Hkv, SPLITS, G_PAD], [..., G_PAD], [..., G_PAD, D] float32
         stride_qb, stride_qh,
         stride_cb, stride_ch, stride_ct,  # codes (keys and values share the layout)
@@ -117,19 +122,31 @@ if HAS_TRITON:
         stride_vb, stride_vh,  # visibility
         C, qk_scale,  # scale * log2(e)
         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PER_BYTE: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr, SPLIT: tl.constexpr,
-        SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
+        PER_BYTE: tl.constexpr, DB: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
+        SPLIT: tl.constexpr, SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ):
+        """One (batch x KV head, slot split): the split's slots in tiles of ``BLOCK_C``, online softmax in base 2.
+
+        Codes are read as whole packed bytes ``[BLOCK_C, HEAD_DIM / PER_BYTE]`` (contiguous rows, vector loads)
+        and split into ``PER_BYTE`` planes in registers; plane ``J`` holds the elements ``t * PER_BYTE + J``, so
+        ``<q, k> = sum_J <q[J::PER_BYTE], plane_J>`` and the value accumulator is kept per plane, interleaved back
+        on the store. The dot operands take the query's dtype (bf16 on the GPU: the codes are exact in it)."""
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         b = (bh // HKV).to(tl.int64)
         h = (bh % HKV).to(tl.int64)
         offs_g = tl.arange(0, G_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
+        offs_t = tl.arange(0, DB)
         offs_c = tl.arange(0, BLOCK_C)
         g_live = offs_g < G
-        q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_live[:, None], other=0.0).to(tl.float32)
+        q_rows = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh
+        q0 = tl.load(q_rows + (offs_t * PER_BYTE)[None, :], mask=g_live[:, None], other=0.0)
+        q1 = tl.load(q_rows + (offs_t * PER_BYTE + 1)[None, :],
+                     mask=g_live[:, None] & ((offs_t * PER_BYTE + 1) < HEAD_DIM)[None, :], other=0.0)
+        q2 = tl.load(q_rows + (offs_t * PER_BYTE + 2)[None, :],
+                     mask=g_live[:, None] & ((offs_t * PER_BYTE + 2) < HEAD_DIM)[None, :], other=0.0)
+        q3 = tl.load(q_rows + (offs_t * PER_BYTE + 3)[None, :],
+                     mask=g_live[:, None] & ((offs_t * PER_BYTE + 3) < HEAD_DIM)[None, :], other=0.0)
         kc_base = kc_ptr + b * stride_cb + h * stride_ch
         vc_base = vc_ptr + b * stride_cb + h * stride_ch
         ks_base = ks_ptr + b * stride_sb + h * stride_sh
@@ -137,53 +154,126 @@ if HAS_TRITON:
         vis_base = vis_ptr + b * stride_vb + h * stride_vh
         m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
-        acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+        acc0 = tl.zeros([G_PAD, DB], dtype=tl.float32)
+        acc1 = tl.zeros([G_PAD, DB], dtype=tl.float32)
+        acc2 = tl.zeros([G_PAD, DB], dtype=tl.float32)
+        acc3 = tl.zeros([G_PAD, DB], dtype=tl.float32)
         lo = sp * SPLIT
         hi = tl.minimum(lo + SPLIT, C)
-        c0 = lo
-        while c0 < hi:
+        for c0 in range(lo, hi, BLOCK_C):
             rows = c0 + offs_c
             live = rows < hi
             visible = tl.load(vis_base + rows, mask=live, other=0) != 0
-            k_codes = _unpacked(kc_base, rows, live, stride_ct, offs_d, PER_BYTE, BITS)  # [BLOCK_C, D]
+            kb = tl.load(kc_base + rows[:, None] * stride_ct + offs_t[None, :], mask=live[:, None], other=0)
+            kb = kb.to(tl.int32)  # [BLOCK_C, DB] packed bytes
+            s = dot_fp32(q0, tl.trans(_code_plane(kb, 0, BITS).to(q0.dtype)), None, DOT_PRECISION, DOT_UPCAST)
+            if PER_BYTE > 1:
+                s = dot_fp32(q1, tl.trans(_code_plane(kb, 1, BITS).to(q0.dtype)), s, DOT_PRECISION, DOT_UPCAST)
+            if PER_BYTE > 2:
+                s = dot_fp32(q2, tl.trans(_code_plane(kb, 2, BITS).to(q0.dtype)), s, DOT_PRECISION, DOT_UPCAST)
+                s = dot_fp32(q3, tl.trans(_code_plane(kb, 3, BITS).to(q0.dtype)), s, DOT_PRECISION, DOT_UPCAST)
             k_scale = tl.load(ks_base + rows, mask=live, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k_codes), input_precision="ieee") * (k_scale * qk_scale)[None, :]
+            s = s * (k_scale * qk_scale)[None, :]
             s = tl.where(visible[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.math.exp2(m_i - m_new)
-            p = tl.math.exp2(s - m_new[:, None])  # masked: exp2(-inf) = 0
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_codes = _unpacked(vc_base, rows, live, stride_ct, offs_d, PER_BYTE, BITS)
+            m_i, l_i, alpha, p = online_lse_step(m_i, l_i, s)
             v_scale = tl.load(vs_base + rows, mask=live, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p * v_scale[None, :], v_codes, input_precision="ieee")
-            m_i = m_new
-            c0 += BLOCK_C
+            pv = (p * v_scale[None, :]).to(q0.dtype)  # [G_PAD, BLOCK_C]
+            vb = tl.load(vc_base + rows[:, None] * stride_ct + offs_t[None, :], mask=live[:, None], other=0)
+            vb = vb.to(tl.int32)
+            acc0 = dot_fp32(pv, _code_plane(vb, 0, BITS).to(q0.dtype), acc0 * alpha[:, None], DOT_PRECISION,
+                            DOT_UPCAST)
+            if PER_BYTE > 1:
+                acc1 = dot_fp32(pv, _code_plane(vb, 1, BITS).to(q0.dtype), acc1 * alpha[:, None], DOT_PRECISION,
+                                DOT_UPCAST)
+            if PER_BYTE > 2:
+                acc2 = dot_fp32(pv, _code_plane(vb, 2, BITS).to(q0.dtype), acc2 * alpha[:, None], DOT_PRECISION,
+                                DOT_UPCAST)
+                acc3 = dot_fp32(pv, _code_plane(vb, 3, BITS).to(q0.dtype), acc3 * alpha[:, None], DOT_PRECISION,
+                                DOT_UPCAST)
         part = bh * SPLITS + sp
         tl.store(m_ptr + part * G_PAD + offs_g, m_i)
         tl.store(l_ptr + part * G_PAD + offs_g, l_i)
-        tl.store(acc_ptr + (part * G_PAD + offs_g)[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        acc_rows = acc_ptr + (part * G_PAD + offs_g)[:, None] * HEAD_DIM
+        tl.store(acc_rows + (offs_t * PER_BYTE)[None, :], acc0)
+        if PER_BYTE > 1:
+            tl.store(acc_rows + (offs_t * PER_BYTE + 1)[None, :], acc1)
+        if PER_BYTE > 2:
+            tl.store(acc_rows + (offs_t * PER_BYTE + 2)[None, :], acc2)
+            tl.store(acc_rows + (offs_t * PER_BYTE + 3)[None, :], acc3)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        m_ptr, l_ptr, acc_ptr,  # the partials above
+        out_ptr,  # [B, Hq, D] float32
+        HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    ):
+        """One (batch x KV head, query head of the group): ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``
+        with ``M = max_s m_s`` (a split with nothing visible has ``m_s = -1e30, l_s = 0`` and weighs nothing)."""
+        bh = tl.program_id(0)
+        g = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        m_all = tl.load(m_ptr + (bh * SPLITS + offs_s) * G_PAD + g, mask=offs_s < SPLITS, other=-1.0e30)
+        top = tl.max(m_all, 0)
+        offs_k = tl.arange(0, CHUNK)
+        offs_d = tl.arange(0, HEAD_DIM)
+        num = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        den = tl.zeros([CHUNK], dtype=tl.float32)
+        for s0 in range(0, SPLITS, CHUNK):
+            sl = s0 + offs_k
+            live = sl < SPLITS
+            idx = (bh * SPLITS + sl) * G_PAD + g
+            w = tl.where(live, tl.math.exp2(tl.load(m_ptr + idx, mask=live, other=-1.0e30) - top), 0.0)
+            den += w * tl.load(l_ptr + idx, mask=live, other=0.0)
+            a = tl.load(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=live[:, None], other=0.0)
+            num += tl.sum(w[:, None] * a, 0)
+        b = bh // HKV
+        h = bh % HKV
+        tl.store(out_ptr + ((b * HKV + h) * G + g) * HEAD_DIM + offs_d, num / tl.sum(den, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _programs_wanted(device: torch.device) -> int:
+    """About four programs per streaming multiprocessor (the interpreter: a handful)."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_split(slots: int, rows: int, block_c: int, device: torch.device) -> int:
+    """Slots per program when ``split`` is not given: enough splits that ``rows`` (batch x KV heads) times the
+    splits fill the GPU about four times over, at most 128 splits, a power of two and a multiple of ``block_c``."""
+    want = max(1, _programs_wanted(torch.device(device)) // max(1, rows))
+    split = triton.next_power_of_2(max(1, triton.cdiv(slots, want)))
+    split = max(split, triton.next_power_of_2(triton.cdiv(slots, 128)))  # the merge loads every split's max at once
+    return max(block_c, split)
 
 
 def _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visible, bits, scale,
-                   block_c: int, split: int) -> Tensor:
+                   block_c: int, split: int | None) -> Tensor:
     check(HAS_TRITON, "backend='triton' is unavailable: triton is not installed (use backend='torch')")
     b, hq, d = query.shape
     hkv, slots = key_codes.shape[1], key_codes.shape[2]
     check(query.is_cuda or interpreting(),
           f"device {query.device} is invalid for backend='triton': expected a CUDA tensor "
           "(or TRITON_INTERPRET=1 to run the kernel on the CPU)")
-    check(fused_decode_applies(query.device, d),
-          f"head_dim={d} is invalid for backend='triton': expected a power of two in [16, 256]")
+    check(fused_decode_applies(query.device, d, bits),
+          f"head_dim={d} is invalid for backend='triton' at {bits} bits: expected a power of two in [16, 256] "
+          f"with head_dim * bits / 8 >= 16")
     check(is_pow2(block_c) and block_c >= 16, f"block_c={block_c!r} is invalid: expected a power of two >= 16")
+    if split is None:
+        split = default_split(slots, b * hkv, block_c, query.device)
     check_int("split", split, block_c)
+    check(split % block_c == 0, f"split={split} is invalid: expected a multiple of block_c={block_c}")
     g = hq // hkv
     g_pad = max(16, triton.next_power_of_2(g))
     splits = max(1, triton.cdiv(slots, split))
-    per_byte = 8 // bits
     kc, vc = key_codes.contiguous(), value_codes.contiguous()
     ks, vs = key_scales.contiguous(), value_scales.contiguous()
-    vis = visible.to(torch.uint8).contiguous()
+    vis = (visible if visible.stride(-1) == 1 else visible.contiguous()).view(torch.uint8)
     q = query.contiguous()
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        q = q.float()
     dev = query.device
     m = torch.empty(b * hkv, splits, g_pad, dtype=torch.float32, device=dev)
     l_ = torch.empty_like(m)
@@ -193,29 +283,30 @@ def _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visi
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1),
         vis.stride(0), vis.stride(1) if vis.shape[1] > 1 else 0,
         slots, float(scale) * LOG2E,
-        HKV=hkv, G=g, G_PAD=g_pad, HEAD_DIM=d, PER_BYTE=per_byte, BITS=bits, BLOCK_C=block_c, SPLIT=split,
-        SPLITS=splits, INTERPRET=interpreting(), num_warps=4, num_stages=2)
-    # merge the splits (base 2): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
-    top = m.amax(dim=1, keepdim=True)
-    w = torch.exp2(m - top)
-    out = (acc * w[..., None]).sum(1) / (l_ * w).sum(1)[..., None]  # [B * Hkv, G_PAD, D]
-    return out[:, :g].reshape(b, hkv * g, d)
+        HKV=hkv, G=g, G_PAD=g_pad, HEAD_DIM=d, PER_BYTE=8 // bits, DB=d * bits // 8, BITS=bits, BLOCK_C=block_c,
+        SPLIT=split, SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=interpreting(),
+        num_warps=4, num_stages=2)
+    out = torch.empty(b, hq, d, dtype=torch.float32, device=dev)
+    _merge_splits_kernel[(b * hkv, g)](m, l_, acc, out, HKV=hkv, G=g, G_PAD=g_pad, HEAD_DIM=d, SPLITS=splits,
+                                       SPLITS_PAD=triton.next_power_of_2(splits), CHUNK=16, num_warps=4)
+    return out
 
 
 def packed_decode_attention(query: Tensor, key_codes: Tensor, key_scales: Tensor, value_codes: Tensor,
                             value_scales: Tensor, visible: Tensor, bits: int, scale: float | None = None, *,
-                            backend: str = "auto", block_c: int = 64, split: int = 1024) -> Tensor:
+                            backend: str = "auto", block_c: int = 64, split: int | None = None) -> Tensor:
     """One-token attention over packed ``bits``-bit K/V (module docstring); ``[batch, q_heads, head_dim]`` float32.
 
-    ``block_c`` (slots per tile) and ``split`` (slots per program, a multiple of ``block_c``) are the Triton
-    launch's; the torch backend ignores them."""
+    ``block_c`` (slots per tile) and ``split`` (slots per program, a multiple of ``block_c``; default
+    :func:`default_split`: about four programs per multiprocessor) are the Triton launch's; the torch backend
+    ignores them."""
     b, hq, hkv, slots, d = _check_inputs(query, key_codes, key_scales, value_codes, value_scales, visible, bits)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
           f"scale={scale!r} is invalid: expected a float > 0")
     check(backend in BACKENDS, f"backend={backend!r} is unknown: expected one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "triton" if query.is_cuda and fused_decode_applies(query.device, d) else "torch"
+        backend = "triton" if query.is_cuda and fused_decode_applies(query.device, d, bits) else "torch"
     if visible.shape[1] != hkv:
         visible = visible.expand(b, hkv, slots)
     with torch.no_grad():
