@@ -11,9 +11,10 @@ accuracy over families against the compression ratio, one line per method, one m
 Runs, in this order so that the time guard cuts the least important ones: the full cache (``dense``) once per split
 (its result does not depend on the protocol: both protocols keep every token), then for every budget (1024 then
 512: CR 75% / 88% at context 4096), every eviction method and every protocol it defines. ``--minutes`` stops
-cleanly: no batch starts after the deadline, the file is rewritten after every run, rows cut short are marked
-``"incomplete": true`` and runs never started are listed under ``not_run``. Methods whose module is not in this
-checkout are listed under ``skipped``.
+cleanly: no batch starts after the deadline, rows cut short are marked ``"incomplete": true`` and runs never
+started are listed under ``not_run``. The file is written before the model is loaded and rewritten after every run,
+each time with every run not done yet under ``not_run``: a process killed mid-way leaves ``complete: false``.
+Methods whose module is not in this checkout are listed under ``skipped``.
 
 ``--smoke`` runs the same code on the CPU with a tiny random model (context 256, budgets 96 and 48, 2 examples of
 niah and vt) in seconds, writing under ``runs/smoke/`` unless ``--out`` / ``--plot`` say otherwise.
@@ -171,37 +172,40 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.monotonic()
     deadline = start + 60 * args.minutes
-    if args.smoke:
-        model, model_name, dtype = tiny_model(), "tiny random Qwen3 (--smoke)", torch.float32
-    else:
-        from kvlearn import load_model
-
-        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-        model, model_name = load_model(args.model, dtype=dtype, device=args.device), repo_relative(args.model)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") and not args.smoke else torch.float32
+    model_name = "tiny random Qwen3 (--smoke)" if args.smoke else repo_relative(args.model)
     rows: list[dict] = []
-    not_run: list[str] = []
     command = recorded_command(argv)
 
-    def save():
+    def save(not_run: list[str]) -> None:
+        """Write the file as it stands; ``not_run``: every planned run not done yet (complete only when empty)."""
         results = make_results("accuracy", rows, device=args.device, command=command, model=model_name,
                                context=args.context, dtype=str(dtype).replace("torch.", ""), n_per_task=args.n_per_task,
                                wall_seconds=round(time.monotonic() - start, 1), skipped=skipped, not_run=not_run,
                                complete=not not_run and not any(r.get("incomplete") for r in rows))
         write_results(out, results)
 
+    not_run = [describe(c) for c in runs]  # a process killed mid-way (or while loading) leaves an honest file
+    save(not_run)
+    if args.smoke:
+        model = tiny_model()
+    else:
+        from kvlearn import load_model
+
+        model = load_model(args.model, dtype=dtype, device=args.device)
     total = sum(len(c.tasks) * c.n_per_task for c in runs)
     # on the device the log is not a terminal: one progress line every 20 s instead of a live bar
     bar = tqdm(total=total, desc="baselines", unit="ex", mininterval=0.1 if sys.stderr.isatty() else 20.0)
-    for i, config in enumerate(runs):
+    for config in runs:
         if time.monotonic() >= deadline:
-            not_run.extend(describe(c) for c in runs[i:])
-            print(f"time guard ({args.minutes} min): {len(runs) - i} run(s) not started", flush=True)
+            print(f"time guard ({args.minutes} min): {len(not_run)} run(s) not started", flush=True)
             break
         bar.set_description(describe(config))
         rows += evaluate(model, config, progress=False, deadline=deadline, bar=bar)
-        save()
+        not_run = not_run[1:]
+        save(not_run)
     bar.close()
-    save()
+    save(not_run)
     print_summary(rows, out, plot, f"{model_name}, context {args.context}", start)
     return 0
 

@@ -43,8 +43,9 @@ zero-initialised scorers. Factors a method cannot reach (KIVI at 16x, precision 
 ``skipped`` with the reason. Protocol ``bounded`` for all but ``kaizen+snapkv`` (``context``, SnapKV's).
 
 Runs go in priority order (the control; the selectors and their untrained-backbone rows; the baselines at the
-selectors' targets, then at the other factors; the compositions), the file is rewritten after every run, and
-``--minutes`` stops cleanly as in ``eviction_baselines.py`` (``not_run`` lists what was cut).
+selectors' targets, then at the other factors; the compositions), the file is written before the first run and
+rewritten after every run with every run not done yet under ``not_run`` (a process killed mid-way leaves a file that
+says ``complete: false``), and ``--minutes`` stops cleanly as in ``eviction_baselines.py``.
 
 ``--smoke`` runs the same code on the CPU in about a minute: a tiny random GQA Qwen3 (4 layers, 2 KV heads of 128,
 2 query heads per KV head) saved as the teacher, a selector trained 4 steps at target 4 with the trainer's Python
@@ -288,11 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         return models[key]
 
     rows: list[dict] = []
-    not_run: list[str] = []
     command = recorded_command(argv).replace("benchmarks/eviction_baselines.py", "benchmarks/kaizen_table.py")
     control = repo_relative(args.control) if args.control else None
 
-    def save():
+    def save(not_run: list[str]) -> None:
+        """Write the file as it stands; ``not_run``: every planned run not done yet (complete only when empty)."""
         results = make_results(
             "accuracy", rows, device=args.device, command=command,
             model=("tiny random Qwen3 (--smoke): " if args.smoke else "") + repo_relative(args.model),
@@ -308,12 +309,13 @@ def main(argv: list[str] | None = None) -> int:
             complete=not not_run and not any(r.get("incomplete") for r in rows))
         write_results(out, results)
 
+    not_run = [r.describe() for r in runs]  # a process killed mid-way leaves an honest file
+    save(not_run)
     total = sum(len(r.config.tasks) * r.config.n_per_task for r in runs)
     bar = tqdm(total=total, desc="table", unit="ex", mininterval=0.1 if sys.stderr.isatty() else 20.0)
-    for i, run in enumerate(runs):
+    for run in runs:
         if time.monotonic() >= deadline:
-            not_run.extend(r.describe() for r in runs[i:])
-            print(f"time guard ({args.minutes} min): {len(runs) - i} run(s) not started", flush=True)
+            print(f"time guard ({args.minutes} min): {len(not_run)} run(s) not started", flush=True)
             break
         bar.set_description(run.describe())
         new = evaluate(model_for(run), run.config, progress=False, deadline=deadline, bar=bar)
@@ -326,9 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                 r["selector_path"] = repo_relative(run.selector)
             r.setdefault("factor", 1.0)  # control: the dense cache
         rows += new
-        save()
+        not_run = not_run[1:]
+        save(not_run)
     bar.close()
-    save()
+    save(not_run)
     print_summary(rows, out, plot, f"KV-Kaizen comparison, context {args.context}", start, x="factor", reference="control")
     return 0
 

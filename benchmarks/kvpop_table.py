@@ -16,8 +16,10 @@ the row's label, ``registry_method`` = the cache method it ran, ``model``, ``pro
 label). ``--student LABEL=METHOD:PATH`` adds a trained checkpoint evaluated with registered method ``METHOD``; a
 student trained at one budget is evaluated at every budget of ``--budgets`` (its top-k follows the budget). Runs
 go in priority order (the teacher; then per budget from the tightest, the students, then the baselines), the
-file is rewritten after every run, and ``--minutes`` stops cleanly as in ``eviction_baselines.py`` (``not_run``
-lists what was cut).
+file is written before the first run and rewritten after every run with every run not done yet under ``not_run``
+(a process killed mid-way leaves a file that says ``complete: false``), and ``--minutes`` stops cleanly as in
+``eviction_baselines.py``. A student's runs at a budget its trained options cannot take (e.g. below sinks + window
++ 1) are listed under ``skipped`` with the reason; a student with no valid budget at all is an error.
 
 ``--smoke`` runs the same code on the CPU in about a minute: a tiny random Qwen3 as the teacher and as an
 untrained KVpop "student", context 256, budgets 96 and 48, 2 examples of niah and vt, into ``runs/smoke/``.
@@ -55,8 +57,11 @@ def parse_student(text: str) -> tuple[str, str, str]:
     return label, method, path
 
 
-def plan_runs(args, students: list[tuple[str, str, str]]) -> list[tuple[str, str, str | None, EvalConfig]]:
-    """``[(label, registry method, model path or None = the teacher, config)]`` in priority order."""
+def plan_runs(args, students: list[tuple[str, str, str]]
+              ) -> tuple[list[tuple[str, str, str | None, EvalConfig]], dict[str, str]]:
+    """``[(label, registry method, model path or None = the teacher, config)]`` in priority order, and ``{run: why
+    skipped}`` for a student's runs at a budget its trained options cannot take (e.g. below sinks + window + 1); a
+    student with no valid run at all is a one-line error."""
     protocols = parse_list(args.protocols, PROTOCOLS, "--protocols")
     splits = parse_list(args.splits, eval_splits(), "--splits")
     baselines = parse_list(args.baselines, EVICTION_METHODS, "--baselines") if args.baselines != "none" else ()
@@ -64,23 +69,41 @@ def plan_runs(args, students: list[tuple[str, str, str]]) -> list[tuple[str, str
     common = dict(tasks=tuple(args.tasks.split(",")) if args.tasks != "all" else EvalConfig().tasks,
                   n_per_task=args.n_per_task, context=args.context, batch_size=args.batch_size,
                   chunk_size=args.chunk_size, sinks=args.sinks)
+    options = {label: trained_options(method, path) or None for label, method, path in students}
     runs = [] if getattr(args, "no_teacher", False) else [
         ("teacher", "dense", None, EvalConfig(method="dense", split=s, protocol=protocols[0], **common)) for s in splits]
+    skipped: dict[str, str] = {}
     for budget in budgets:
         for split in splits:
             for p in protocols:
                 for label, method, path in students:  # each under the pattern it was trained for (its window, scorer)
                     if p in get_method(method).protocols:
-                        options = trained_options(method, path) or None
-                        runs.append((label, method, path, EvalConfig(method=method, budget=budget, split=split, protocol=p,
-                                                                     options=options, **common)))
+                        try:
+                            config = EvalConfig(method=method, budget=budget, split=split, protocol=p,
+                                                options=options[label], **common)
+                        except KVLearnError as e:
+                            what = argparse.Namespace(method=method, budget=budget, split=split, protocol=p)
+                            skipped[describe(label, what)] = str(e)
+                            continue
+                        runs.append((label, method, path, config))
                 for m in baselines:
                     if p in get_method(m).protocols:
                         runs.append((m, m, None, EvalConfig(method=m, budget=budget, split=split, protocol=p, **common)))
-    return runs
+    check_students_run(students, runs, skipped, args.budgets)
+    return runs, skipped
 
 
-def describe(label: str, c: EvalConfig) -> str:
+def check_students_run(students, runs, skipped: dict[str, str], budgets: str) -> None:
+    """A one-line error for a student none of whose planned runs is valid (with the largest budget's reason)."""
+    for label, method, path in students:
+        reasons = [why for what, why in skipped.items() if what.startswith(f"{label}/")]
+        if reasons:
+            check(any(r[:3] == (label, method, path) for r in runs),
+                  f"--student {label}={method}: no budget of --budgets {budgets} is valid for it: {reasons[-1]}")
+
+
+def describe(label: str, c) -> str:
+    """``label/protocol/split[/B=budget]`` of an :class:`EvalConfig` (or anything with those fields and ``method``)."""
     return f"{label}/{c.protocol}/{c.split}" + (f"/B={c.budget}" if c.method != "dense" else "")
 
 
@@ -111,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         students = [parse_student(s) for s in args.student]
         check(len({s[0] for s in students}) == len(students), f"--student labels repeat: {[s[0] for s in students]}")
-        runs = plan_runs(args, students)
+        runs, skipped = plan_runs(args, students)
     except KVLearnError as e:
         print(f"kvpop_table: error: {e}", file=sys.stderr)
         return 2
+    for what, why in skipped.items():
+        print(f"skipped {what}: {why}")
 
     start = time.monotonic()
     deadline = start + 60 * args.minutes
@@ -133,24 +158,25 @@ def main(argv: list[str] | None = None) -> int:
         return models[path]
 
     rows: list[dict] = []
-    not_run: list[str] = []
     command = recorded_command(argv).replace("benchmarks/eviction_baselines.py", "benchmarks/kvpop_table.py")
 
-    def save():
+    def save(not_run: list[str]) -> None:
+        """Write the file as it stands; ``not_run``: every planned run not done yet (complete only when empty)."""
         results = make_results("accuracy", rows, device=args.device, command=command,
                                model="tiny random Qwen3 (--smoke)" if args.smoke else repo_relative(args.model),
                                students={label: f"{method}:{repo_relative(path)}" for label, method, path in students},
                                context=args.context, dtype=str(dtype).replace("torch.", ""), n_per_task=args.n_per_task,
-                               wall_seconds=round(time.monotonic() - start, 1), not_run=not_run,
+                               wall_seconds=round(time.monotonic() - start, 1), skipped=skipped, not_run=not_run,
                                complete=not not_run and not any(r.get("incomplete") for r in rows))
         write_results(out, results)
 
+    not_run = [describe(label, c) for label, _, _, c in runs]  # a process killed mid-way leaves an honest file
+    save(not_run)
     total = sum(len(c.tasks) * c.n_per_task for *_, c in runs)
     bar = tqdm(total=total, desc="table", unit="ex", mininterval=0.1 if sys.stderr.isatty() else 20.0)
-    for i, (label, method, path, config) in enumerate(runs):
+    for label, method, path, config in runs:
         if time.monotonic() >= deadline:
-            not_run.extend(describe(lbl, c) for lbl, _, _, c in runs[i:])
-            print(f"time guard ({args.minutes} min): {len(runs) - i} run(s) not started", flush=True)
+            print(f"time guard ({args.minutes} min): {len(not_run)} run(s) not started", flush=True)
             break
         bar.set_description(describe(label, config))
         new = evaluate(model_for(path), config, progress=False, deadline=deadline, bar=bar)
@@ -158,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             r["registry_method"], r["method"] = r["method"], label
             r["model"] = "teacher" if path is None else repo_relative(path)
         rows += new
-        save()
+        not_run = not_run[1:]
+        save(not_run)
     bar.close()
-    save()
+    save(not_run)
     print_summary(rows, out, plot, f"KVpop Table 1 analog, context {args.context}", start)
     return 0
 

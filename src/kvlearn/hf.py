@@ -25,9 +25,10 @@ from transformers.masking_utils import sdpa_mask
 
 from .cache import CompactCache
 from .cache.observe import attention_summary
-from .errors import KVLearnError, check
+from .errors import KVLearnError, check, check_int
 
 ATTENTION_NAME = "kvlearn"
+MAX_MASK_BYTES = 512 * 2**20  # masked_attention: the largest float mask SDPA may build before the queries are chunked
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 
@@ -124,10 +125,31 @@ def store_decode_attention(layer, query: torch.Tensor, mask: torch.Tensor, scali
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scaling: float | None) -> torch.Tensor:
+                     scaling: float | None, *, max_mask_bytes: int | None = None) -> torch.Tensor:
     """SDPA of ``query [batch, q_heads, q, head_dim]`` over ``key, value [batch, kv_heads, kv, head_dim]`` (GQA, not
     expanded) under the boolean ``mask [batch, P, q, kv]`` (``P`` = 1: one mask for every head, or ``kv_heads``).
-    Returns ``[batch, q, q_heads, head_dim]`` (transformers' attention output layout)."""
+    Returns ``[batch, q, q_heads, head_dim]`` (transformers' attention output layout).
+
+    SDPA turns the boolean mask into a float bias over every query head (``batch * q_heads * q * kv`` floats; a
+    4096-token prefill at batch 8 asked the GPU for 18.5 GiB), so when ``4 * batch * q_heads * q * kv`` bytes would
+    exceed ``max_mask_bytes`` (default :data:`MAX_MASK_BYTES`) the query axis goes through in chunks, each with its
+    rows of the mask; query rows are independent, so the result is the same."""
+    b, hq, q, _ = query.shape
+    limit = MAX_MASK_BYTES if max_mask_bytes is None else max_mask_bytes
+    check_int("max_mask_bytes", limit, 1)
+    rows = max(1, limit // max(1, b * hq * key.shape[2] * 4))  # query rows per chunk
+    if q <= rows:
+        return _grouped_sdpa(query, key, value, mask, scaling)
+    per_row = mask.shape[2] == q  # a mask with one row broadcasts over the queries
+    chunks = [_grouped_sdpa(query[:, :, s:s + rows], key, value, mask[:, :, s:s + rows] if per_row else mask, scaling)
+              for s in range(0, q, rows)]
+    return torch.cat(chunks, dim=1)  # [batch, q, q_heads, head_dim]
+
+
+def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                  scaling: float | None) -> torch.Tensor:
+    """:func:`masked_attention` in one SDPA call: ``query [batch, q_heads, q, head_dim]``, ``key, value [batch,
+    kv_heads, kv, head_dim]``, ``mask [batch, P, q or 1, kv]`` -> ``[batch, q, q_heads, head_dim]``."""
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -137,7 +159,7 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             k = key[:, :, None].expand(b, hkv, g, *key.shape[2:]).reshape(b, hq, *key.shape[2:])
             v = value[:, :, None].expand(b, hkv, g, *value.shape[2:]).reshape(b, hq, *value.shape[2:])
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
-    else:  # per-KV-head masks: fold each group's query heads into the query axis
+    else:  # per-KV-head masks: fold each group's query heads into the query axis (group outermost)
         qf = query.reshape(b, hkv, g * q, d)
         mf = mask[:, :, None].expand(b, hkv, g, q, mask.shape[-1]).reshape(b, hkv, g * q, mask.shape[-1])
         out = F.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scaling).reshape(b, hq, q, -1)

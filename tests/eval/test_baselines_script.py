@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from kvlearn.methods import PROTOCOLS, is_available
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "eviction_baselines.py"
@@ -39,3 +41,26 @@ def test_time_guard_and_unavailable_methods_are_recorded(tmp_path):
     assert data["not_run"][0] == "dense/bounded/eval" and "streaming/context/eval/B=48" in data["not_run"]
     assert set(data["skipped"]) == {m for m in ("tova", "h2o", "snapkv", "pyramidkv", "knorm", "random") if not is_available(m)}
     assert script.main(["--smoke", "--methods", "bogus", "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize("done", [0, 1])
+def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(done, tmp_path, monkeypatch):
+    """Every save lists the runs not done yet: a crash after ``done`` runs (a CUDA OOM, a kill) leaves a file that
+    is not complete (it used to say ``complete: true, not_run: []``)."""
+    script = load_script()
+    real, calls = script.evaluate, []
+
+    def evaluate(*a, **k):
+        calls.append(1)
+        if len(calls) > done:
+            raise RuntimeError("CUDA out of memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(script, "evaluate", evaluate)
+    out = tmp_path / "t.json"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        script.main(["--smoke", "--methods", "streaming", "--protocols", "bounded", "--out", str(out)])
+    data = json.loads(out.read_text())
+    plan = ["dense/bounded/eval", "streaming/bounded/eval/B=96", "streaming/bounded/eval/B=48"]
+    assert data["complete"] is False and data["not_run"] == plan[done:]
+    assert {r["method"] for r in data["rows"]} == ({"dense"} if done else set())

@@ -1,9 +1,14 @@
 """benchmarks/kvpop_table.py --smoke: the Table 1 analog's rows, labels, priority order and bad --student values."""
 
+import argparse
 import importlib.util
 import json
 import sys
 from pathlib import Path
+
+import pytest
+
+from kvlearn.errors import KVLearnError
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -44,14 +49,13 @@ def test_time_guard_order_and_bad_students(tmp_path):
 def test_students_are_evaluated_under_their_trained_window_and_scorer(tmp_path):
     """A student's rows use the fields its checkpoint records (window, scorer, ...), not the harness defaults
     (window 32, MLP): a retrofit at window 256 is measured at window 256, with the budget from --budgets."""
-    import argparse
-
     script = load_script()
     (tmp_path / "config.json").write_text(json.dumps({"kvpop": {"sinks": 4, "window": 256, "topk": 764,
                                                                  "scorer": "linear", "delayed_readout": True}}))
     args = argparse.Namespace(protocols="bounded", splits="eval", baselines="none", budgets="1024,512", tasks="vt",
                               n_per_task=1, context=4096, batch_size=1, chunk_size=256, sinks=4)
-    runs = script.plan_runs(args, [("kvpop", "kvpop", str(tmp_path))])
+    runs, skipped = script.plan_runs(args, [("kvpop", "kvpop", str(tmp_path))])
+    assert skipped == {}
     student = [(c.budget, c.method_config) for label, _, _, c in runs if label == "kvpop"]
     assert [(b, cfg.window, cfg.topk, cfg.scorer) for b, cfg in student] == [(512, 256, 252, "linear"),
                                                                             (1024, 256, 764, "linear")]
@@ -59,13 +63,80 @@ def test_students_are_evaluated_under_their_trained_window_and_scorer(tmp_path):
 
 def test_no_teacher_leaves_out_only_the_teacher_rows(tmp_path):
     """``--no-teacher`` (parallel parts of one table): the plan without the teacher's runs, the rest unchanged."""
-    import argparse
-
     script = load_script()
     args = argparse.Namespace(protocols="bounded", splits="all", baselines="streaming", budgets="512", tasks="vt",
                               n_per_task=1, context=4096, batch_size=1, chunk_size=256, sinks=4)
-    full = script.plan_runs(args, [])
+    full, _ = script.plan_runs(args, [])
     args.no_teacher = True
-    part = script.plan_runs(args, [])
+    part, _ = script.plan_runs(args, [])
     assert [r[0] for r in full if r[0] == "teacher"] == ["teacher", "teacher"]  # one per split
     assert [r[:3] for r in part] == [r[:3] for r in full if r[0] != "teacher"] and part
+
+
+def student_folder(path: Path, window: int) -> str:
+    """A KVpop checkpoint folder whose ``config.json`` records ``window`` (its minimum budget: sinks + window + 1)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"kvpop": {"sinks": 4, "window": window, "scorer": "linear"}}))
+    return str(path)
+
+
+def test_budgets_below_a_students_trained_window_are_skipped_not_fatal(tmp_path):
+    """Window 256 + 4 sinks needs a budget >= 261: at the default budgets 1024,512,256 the student's 256 runs are
+    skipped with the reason (the baselines still run there); a student with no valid budget at all is an error."""
+    script = load_script()
+    args = argparse.Namespace(protocols="bounded", splits="all", baselines="streaming", budgets="1024,512,256",
+                              tasks="vt", n_per_task=1, context=4096, batch_size=1, chunk_size=256, sinks=4)
+    students = [("kvpop", "kvpop", student_folder(tmp_path / "w256", 256))]
+    runs, skipped = script.plan_runs(args, students)
+    assert set(skipped) == {"kvpop/bounded/eval/B=256", "kvpop/bounded/heldout/B=256"}
+    assert all(why.startswith("budget=256 is invalid") and ">= 261" in why for why in skipped.values())
+    assert [(r[0], r[3].split, r[3].budget) for r in runs if r[0] != "teacher"] == [
+        ("streaming", "eval", 256), ("streaming", "heldout", 256),
+        ("kvpop", "eval", 512), ("streaming", "eval", 512), ("kvpop", "heldout", 512), ("streaming", "heldout", 512),
+        ("kvpop", "eval", 1024), ("streaming", "eval", 1024), ("kvpop", "heldout", 1024), ("streaming", "heldout", 1024)]
+    args.budgets = "256,128"
+    with pytest.raises(KVLearnError, match=r"--student kvpop=kvpop: no budget of --budgets 256,128 is valid"):
+        script.plan_runs(args, students)
+
+
+def test_smoke_records_a_skipped_student_budget_and_runs_the_rest(tmp_path, capsys):
+    """Window 64 + 4 sinks: the smoke budget 48 is below the minimum 69, 96 is not; the process carries on."""
+    script = load_script()
+    out = tmp_path / "t.json"
+    student = f"w64=kvpop:{student_folder(tmp_path / 'w64', 64)}"
+    assert script.main(["--smoke", "--splits", "eval", "--baselines", "none", "--no-teacher", "--student", student,
+                        "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert list(data["skipped"]) == ["w64/bounded/eval/B=48"] and ">= 69" in data["skipped"]["w64/bounded/eval/B=48"]
+    assert {(r["method"], r["budget"]) for r in data["rows"]} == {("w64", 96)}
+    assert data["complete"] is True and data["not_run"] == []
+    assert [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("skipped ")] == [
+        f"skipped w64/bounded/eval/B=48: {data['skipped']['w64/bounded/eval/B=48']}"]
+    too_wide = f"w128=kvpop:{student_folder(tmp_path / 'w128', 128)}"  # minimum 133: neither 96 nor 48
+    assert script.main(["--smoke", "--student", too_wide, "--out", str(tmp_path / "none.json")]) == 2
+    assert "kvpop_table: error: --student w128=kvpop: no budget of --budgets 96,48 is valid" in capsys.readouterr().err
+    assert not (tmp_path / "none.json").exists()
+
+
+@pytest.mark.parametrize("done", [0, 1])
+def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(done, tmp_path, monkeypatch):
+    """Every save lists the runs not done yet: a crash after ``done`` runs (a CUDA OOM, a kill) leaves a file that
+    is not complete (it used to say ``complete: true, not_run: []``, and ``kvlearn.results merge`` believed it)."""
+    script = load_script()
+    real, calls = script.evaluate, []
+
+    def evaluate(*a, **k):
+        calls.append(1)
+        if len(calls) > done:
+            raise RuntimeError("CUDA out of memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(script, "evaluate", evaluate)
+    out = tmp_path / "t.json"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        script.main(["--smoke", "--splits", "eval", "--out", str(out)])
+    data = json.loads(out.read_text())
+    plan = ["teacher/bounded/eval"] + [f"{m}/bounded/eval/B={b}" for b in (48, 96)
+                                       for m in ("kvpop_untrained", "streaming", "tova")]
+    assert data["complete"] is False and data["not_run"] == plan[done:]
+    assert {r["method"] for r in data["rows"]} == ({"teacher"} if done else set())
