@@ -62,6 +62,33 @@ def test_merge_results_of_a_run_split_over_gpus(tmp_path):
     assert results_main(["merge", str(tmp_path / "m.json"), str(pa), str(tmp_path / "missing.json")]) == 2
 
 
+def test_merge_across_runs_keeps_each_rows_run(tmp_path):
+    """Parts of different runs merge only when asked; each row then carries its own run's commit, date and
+    n_per_task, the file lists the runs, and a repeated row keeps the first part's."""
+    from kvlearn.results import main as results_main
+    from kvlearn.results import make_results, merge_results, read_results, write_results
+
+    def row(method, acc):
+        return {"method": method, "protocol": "bounded", "split": "eval", "budget": 512, "task": "niah",
+                "accuracy": acc}
+
+    a = make_results("accuracy", [row("teacher", 1.0), row("streaming", 0.2)], device="cuda", command="a",
+                     commit="c1", n_per_task=100)
+    b = make_results("accuracy", [row("teacher", 0.9), row("kvpop", 0.98)], device="cuda", command="b", commit="c2",
+                     n_per_task=50)
+    m = merge_results([a, b], "a; b", across_runs=True)
+    assert [(r["method"], r["accuracy"], r["commit"], r["n_per_task"]) for r in m["rows"]] == [
+        ("teacher", 1.0, "c1", 100), ("streaming", 0.2, "c1", 100), ("kvpop", 0.98, "c2", 50)]
+    assert m["commit"] == "c1,c2" and [r["commit"] for r in m["runs"]] == ["c1", "c2"]
+    assert "commit" not in a["rows"][0]  # the inputs are not modified
+    with pytest.raises(KVLearnError, match="differ in device"):
+        merge_results([a, {**b, "device": "cpu"}], "x", across_runs=True)
+    pa, pb = write_results(tmp_path / "a.json", a), write_results(tmp_path / "b.json", b)
+    assert results_main(["merge", str(tmp_path / "m.json"), str(pa), str(pb)]) == 2  # different commits
+    assert results_main(["merge", "--across-runs", str(tmp_path / "m.json"), str(pa), str(pb)]) == 0
+    assert read_results(tmp_path / "m.json")["commit"] == "c1,c2"
+
+
 def test_merge_keeps_a_measured_row_over_a_failed_one():
     """A row that failed in one part (``error``) and was measured in another is kept as measured, in the failed
     row's place; a later failure never replaces a measured row."""

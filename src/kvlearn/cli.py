@@ -482,14 +482,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "steps cross the decay range)")
     sp.add_argument("--target-aggregation", default=None, choices=("max", "mean"),
                     help="kvpop: the future-attention target's aggregation over the query heads of a KV head "
-                         "(default: KVpopConfig's)")
+                         "(default: KVpopConfig's, max)")
     sp.add_argument("--target-count-normalize", default=None, choices=("0", "1"),
                     help="kvpop: 1 divides a token's future attention mass by its number of future queries (the "
                          "mean, Eq. 2), 0 keeps the total (default: KVpopConfig's; docs/DESIGN.md, 'Future-attention target')")
     sp.add_argument("--target-reduction", default=None, choices=("mass", "peak"),
                     help="kvpop: over a token's future queries, the sum of their attention probabilities (mass, the "
                          "paper's) or the largest one (peak; the count normalisation is then ignored) "
-                         "(default: KVpopConfig's)")
+                         "(default: KVpopConfig's, peak)")
     sp.add_argument("--budget", type=int, default=1024, help="tokens kept per KV head: sinks + window + top-k")
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
     sp.add_argument("--window", type=int, default=256,

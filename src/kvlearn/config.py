@@ -121,7 +121,7 @@ class KVpopConfig:
     target_eps: float = 1e-6
     target_aggregation: str = "max"
     target_count_normalize: bool = True
-    target_reduction: str = "mass"
+    target_reduction: str = "peak"
     loss_temperature: float = 1.0
     margin_weighting: bool = True
     margin_min_weight: float = 0.1

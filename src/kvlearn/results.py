@@ -123,25 +123,35 @@ def read_results(path: str | os.PathLike) -> dict:
     return data
 
 
-def merge_results(parts: list[dict], command: str) -> dict:
+def merge_results(parts: list[dict], command: str, across_runs: bool = False) -> dict:
     """One results file from the files of runs split over processes or GPUs (same kind, commit and device).
 
     Rows are concatenated in order; a row whose ``(method, protocol, split, budget, task)`` already appeared (the
     full cache, which every part measures first) is dropped, unless the kept one is an ``error`` row and this one
     is not (a part that reran a failed row wins). ``not_run`` and ``skipped`` are united, ``complete``
-    holds when every part is complete, ``wall_seconds`` is the longest part's."""
+    holds when every part is complete, ``wall_seconds`` is the longest part's.
+
+    ``across_runs``: the parts may come from different runs (commits, dates): every row gets its run's ``commit``,
+    ``date`` and ``n_per_task`` (where the part has them), ``runs`` lists each part's ``commit``, ``date`` and
+    ``command``, and the file's ``commit`` names every commit (comma-separated, in order). Same kind and device
+    still."""
     from .errors import check
 
     check(len(parts) > 0, "merge_results: no results to merge")
-    for field in ("schema", "kind", "commit", "device"):
+    for field in ("schema", "kind", "device") + (() if across_runs else ("commit",)):
         values = {p.get(field) for p in parts}
         check(len(values) == 1, f"merge_results: the parts differ in {field} ({sorted(map(str, values))}): merge "
-                                "only parts of one run")
+                                "only parts of one run" + ("" if across_runs else " (or pass across_runs)"))
     merged = {k: v for k, v in parts[0].items() if k != "rows"}
     merged["command"] = command
+    if across_runs:
+        merged["commit"] = ",".join(dict.fromkeys(str(p.get("commit")) for p in parts))
+        merged["runs"] = [{k: p.get(k) for k in ("commit", "date", "command")} for p in parts]
     seen, rows = {}, []  # key -> index in rows
     for p in parts:
         for r in p["rows"]:
+            if across_runs:
+                r = {**r, **{k: p[k] for k in ("commit", "date", "n_per_task") if k in p and k not in r}}
             key = (r.get("method"), r.get("protocol"), r.get("split"), r.get("budget"), r.get("task"))
             if key not in seen:
                 seen[key] = len(rows)
@@ -170,13 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("merge", help="merge results files of one run split over processes or GPUs")
     m.add_argument("out")
     m.add_argument("inputs", nargs="+")
+    m.add_argument("--across-runs", action="store_true",
+                   help="the inputs come from different runs (commits): each row keeps its run's commit and date")
     args = ap.parse_args(argv)
     from .errors import KVLearnError
 
     try:
         parts = [read_results(p) for p in args.inputs]
         command = " && ".join(p["command"] for p in parts)
-        print(write_results(args.out, merge_results(parts, command)))
+        print(write_results(args.out, merge_results(parts, command, across_runs=args.across_runs)))
     except (KVLearnError, ValueError, OSError) as e:
         print(f"python -m kvlearn.results: error: {e}", file=sys.stderr)
         return 2

@@ -278,8 +278,9 @@ def test_training_attention_computes_the_configured_target(teacher_path, tmp_pat
     ids, _ = training_batch(2, SEQ, 3)
     full = KVpopConfig(sinks=4, window=16, topk=SEQ, scorer="mlp")
     targets = {}
-    for name, kw in {"mean": {}, "total": {"target_count_normalize": False},
-                     "peak": {"target_reduction": "peak", "target_count_normalize": False}}.items():
+    for name, kw in {"mean": {"target_reduction": "mass"},
+                     "total": {"target_reduction": "mass", "target_count_normalize": False},
+                     "peak": {}}.items():  # the peak is the default
         with torch.no_grad():
             _, state = student_forward(student, ids, dataclasses.replace(full, **kw))
         targets[name] = torch.stack([state.records[i].target for i in sorted(state.records)])
@@ -287,6 +288,7 @@ def test_training_attention_computes_the_configured_target(teacher_path, tmp_pat
     assert targets["peak"].max() <= ceiling and targets["mean"].max() <= ceiling
     assert targets["total"].max() > 0.5  # some token collects more than e^0.5 of total future probability
     assert not torch.equal(targets["peak"], targets["mean"])
+    assert KVpopConfig().target_reduction == "peak" and KVpopConfig().target_count_normalize  # the paper's count
     with pytest.raises(KVLearnError, match="target_reduction='sum' is unknown") as err:
         KVpopConfig(target_reduction="sum")
     one_line(err)

@@ -22,7 +22,8 @@ by hand. Each section names its file, the command that produced it, the commit, 
 
 def _provenance(name: str, data: dict) -> str:
     lines = [
-        f"File `results/{name}` | device: {data['device']} | date: {data['date']} | commit: `{str(data['commit'])[:12]}`",
+        f"File `results/{name}` | device: {data['device']} | date: {data['date']} | commit: "
+        f"`{', '.join(c[:12] for c in str(data['commit']).split(','))}`",
         "",
         f"Command: `{data['command']}`",
     ]
