@@ -21,7 +21,8 @@ towards). Reported per layer and KV head:
 ``--window W`` re-splits the same budget (``topk = budget - sinks - W``), the target included. ``--decay G`` sets
 every head's decay to ``G`` for both policies (a what-if: how much of the far needles does the teacher policy keep
 without the learned decays' recency prior?). ``--target-aggregation`` / ``--count-normalize`` change the
-future-attention target the teacher policy ranks by (the learned ranking does not depend on them). ``--heatmap``: for
+future-attention target the teacher policy ranks by, and ``--target-reduction`` its reduction (default: the
+checkpoint's; the learned ranking does not depend on them). ``--heatmap``: for
 the first example, which prompt tokens each layer/KV head keeps at the answer query (the paper's Figure 6 analog),
 needles marked. CPU; about a minute per example at length 4096 on two cores.
 """
@@ -109,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--decay", type=float, default=None, help="set every head's decay gamma to this value (both policies)")
     p.add_argument("--target-aggregation", default=None, choices=KVpopConfig.AGGREGATIONS,
                    help="the target's aggregation over future queries (default: the checkpoint's)")
+    p.add_argument("--target-reduction", default=None, choices=KVpopConfig.REDUCTIONS,
+                   help="the teacher policy's target reduction (default: the checkpoint's)")
     p.add_argument("--count-normalize", default=None, choices=("0", "1"),
                    help="1/0: divide the target's mass by the number of future queries or not (default: the checkpoint's)")
     p.add_argument("--queries", type=int, default=64, help="query positions for the retention recall")
@@ -134,6 +137,8 @@ def main(argv=None) -> int:
         config = dataclasses.replace(config, target_aggregation=args.target_aggregation)
     if args.count_normalize is not None:
         config = dataclasses.replace(config, target_count_normalize=args.count_normalize == "1")
+    if args.target_reduction is not None:
+        config = dataclasses.replace(config, target_reduction=args.target_reduction)
     if args.window is not None:
         budget = config.sinks + config.window + config.topk
         config = dataclasses.replace(config, window=args.window, topk=budget - config.sinks - args.window)
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
     decays = [[round(float(g), 6) for g in torch.exp(d())] for d in kvpop_modules(model)[1]]  # gamma per layer, head
     row = {"model": args.model, "family": args.family, "length": args.length, "decay_override": args.decay,
            "target_aggregation": config.target_aggregation, "target_count_normalize": config.target_count_normalize,
-           "sinks": config.sinks,
+           "target_reduction": config.target_reduction, "sinks": config.sinks,
            "window": config.window, "topk": config.topk, "queries": args.queries, "examples": examples,
            "decay_by_layer_head": decays,
            **{f"{k}_by_layer_head": rounded(torch.stack(v).mean(0)) for k, v in sums.items()},
