@@ -15,14 +15,16 @@ def blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
 
 
-@pytest.mark.skipif(not (ROOT / "checkpoints" / "testbed-teacher" / "model.safetensors").exists(),
-                    reason="no embedded teacher in this checkout")
+@pytest.mark.skipif(not all((ROOT / "checkpoints" / name / "model.safetensors").exists()
+                        for name in ("testbed-teacher", "testbed-kvpop")),
+                    reason="no embedded teacher or KVpop student in this checkout")
 def test_python_example_runs(monkeypatch, capsys):
     (code,) = blocks("python")
     monkeypatch.chdir(ROOT)
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
     printed = capsys.readouterr().out.split()
     assert printed[0] in ("True", "False") and int(printed[1]) > 1000 and int(printed[2]) > 0
+    assert printed[3] in ("True", "False") and int(printed[4]) > 0  # the KVpop student
 
 
 def test_two_setup_commands_and_every_registered_method_named():

@@ -15,10 +15,12 @@ from .errors import KVLearnError, check, check_int
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "testbed-teacher"
+DEFAULT_KVPOP_MODEL = REPO_ROOT / "checkpoints" / "testbed-kvpop"
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 # The demo must finish within 10 minutes on 2 shared CPU cores. Its cost is dominated by the dense cache's prefill of
-# 4096 tokens and by trace answers (~300 decoded tokens when the teacher does not stop early): one batch per family
-# and method. The wall time of a fresh-clone run is stored in results/demo.json (`wall_seconds`).
+# 4096 tokens, by trace answers (~300 decoded tokens when the teacher does not stop early) and by the KVpop student's
+# chunked prefill (the running top-k cutoff of each chunk): one batch per family and method. The wall time of a
+# run is stored in results/demo.json (`wall_seconds`).
 DEMO_N_PER_TASK = 4
 DEMO_BATCH_SIZE = 4
 # One thread: on 2 cores shared with another busy process, a decode step of the teacher at batch 4 took 21 ms with one
@@ -29,6 +31,12 @@ DEMO_THREADS = 1
 def default_model_path() -> str:
     """The embedded teacher: ``$KVLEARN_MODEL`` if set, else ``checkpoints/testbed-teacher`` of this checkout."""
     return os.environ.get("KVLEARN_MODEL", str(DEFAULT_MODEL))
+
+
+def default_kvpop_model_path() -> str:
+    """The shipped KVpop student: ``$KVLEARN_KVPOP_MODEL`` if set, else ``checkpoints/testbed-kvpop`` of this
+    checkout."""
+    return os.environ.get("KVLEARN_KVPOP_MODEL", str(DEFAULT_KVPOP_MODEL))
 
 
 def _device(name: str) -> str:
@@ -102,14 +110,34 @@ def check_model_context(path: str, context: int) -> None:
           f"--context {context} exceeds the model's max_position_embeddings={limit} ({path}): expected --context <= {limit}")
 
 
-def _eval_config(args, method: str, budget, tasks):
+def check_kvpop_model(path: str) -> None:
+    """One-line error unless ``path`` is a checkpoint folder whose ``config.json`` records a ``kvpop`` block (a model
+    saved after ``apply_kvpop``, e.g. by ``kvlearn retrofit``); checked before any evaluation starts."""
+    import json
+
+    from .methods import get_method
+
+    key = get_method("kvpop").config_key
+    check(Path(path).is_dir(), f"--kvpop-model {path!r} does not exist: expected a KVpop checkpoint folder or 'none'")
+    try:
+        saved = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        saved = None
+    check(isinstance(saved, dict) and isinstance(saved.get(key), dict),
+          f"--kvpop-model {path!r} has no {key!r} block in config.json: expected a model saved after apply_kvpop "
+          "(kvlearn retrofit) or 'none'")
+
+
+def _eval_config(args, method: str, budget, tasks, model: str | None = None):
+    """The ``EvalConfig`` of ``method`` at ``budget`` from the command line, with the trained options of the
+    checkpoint ``model`` (default ``--model``)."""
     from .eval.accuracy import EvalConfig
 
     from .methods import trained_options
 
     # a trained checkpoint is evaluated under the pattern it was trained for (its scorer, window, ...), the budget
     # from the command line; --window re-splits the budget, except for a delayed mLSTM readout, tied to its window
-    options = trained_options(method, args.model)
+    options = trained_options(method, model or args.model)
     window = getattr(args, "window", None)
     if window is not None:
         tied = options.get("scorer") == "mlstm" and options.get("delayed_readout", True) and "window" in options
@@ -152,33 +180,68 @@ def cmd_eval(args) -> int:
     return 0
 
 
-DEMO_METHODS = (("dense", None), ("streaming", "budget"))  # issue #10 adds KVpop
+# the teacher's row sets; the KVpop student (--kvpop-model) adds one more: method kvpop at the same budget
+DEMO_METHODS = (("dense", None), ("streaming", "budget"))
+DEMO_TITLE = "Testbed teacher, context {context}: full cache vs sinks+window (StreamingLLM)"
+DEMO_KVPOP_TITLE = ("Testbed teacher, context {context}: full cache vs sinks+window (StreamingLLM);\n"
+                    "its KVpop student: sinks+window+learned top-k (KVpop)")
+
+
+def _demo_student(args) -> str | None:
+    """The KVpop student of the demo: ``--kvpop-model``, or ``None`` for ``none``."""
+    return None if args.kvpop_model.lower() == "none" else args.kvpop_model
+
+
+def _demo_runs(args, tasks) -> list[tuple[str, object]]:
+    """``(model folder, EvalConfig)`` per row set of the demo: the teacher under :data:`DEMO_METHODS`, then the KVpop
+    student (``--kvpop-model``, unless ``none``) under ``kvpop`` at ``--budget`` with its trained options. Every
+    config is built (and so checked) here, before anything is evaluated."""
+    runs = [(args.model, _eval_config(args, m, args.budget if b else None, tasks)) for m, b in DEMO_METHODS]
+    student = _demo_student(args)
+    if student is not None:
+        check_kvpop_model(student)
+        runs.append((student, _eval_config(args, "kvpop", args.budget, tasks, model=student)))
+    return runs
+
+
+def _evaluate_runs(runs: list[tuple[str, object]], device: str) -> list[dict]:
+    """The rows of every run, each naming its ``model`` (as results record paths); one model loaded at a time."""
+    from itertools import groupby
+
+    from .eval.accuracy import evaluate
+
+    rows = []
+    for path, group in groupby(runs, key=lambda run: run[0]):
+        model = _load(path, device)
+        for _, config in group:
+            rows += [{"method": r["method"], "model": display_path(path), **r} for r in evaluate(model, config)]
+        del model
+    return rows
 
 
 def cmd_demo(args) -> int:
-    from .eval.accuracy import evaluate, format_table
+    from .eval.accuracy import format_table
     from .eval.plots import plot_accuracy
     from .results import make_results, write_results
 
     start = time.perf_counter()
-    tasks = _tasks(args.tasks)
-    configs = [_eval_config(args, m, args.budget if b else None, tasks) for m, b in DEMO_METHODS]
+    runs = _demo_runs(args, _tasks(args.tasks))
     check_int("--threads", args.threads, 0)
     check_output_path(args.out, "--out", (".json",))
     check_output_path(args.plot, "--plot", PLOT_SUFFIXES)
     device = _device(args.device)
-    check_model_context(args.model, args.context)
+    for path in dict.fromkeys(path for path, _ in runs):
+        check_model_context(path, args.context)
     _threads(args.threads)
-    model = _load(args.model, device)
-    rows = []
-    for config in configs:
-        rows += evaluate(model, config)
+    rows = _evaluate_runs(runs, device)
     wall = time.perf_counter() - start
     print(format_table(rows))
-    results = make_results("accuracy", rows, device=device, model=display_path(args.model), context=args.context,
+    student = _demo_student(args)
+    results = make_results("accuracy", rows, device=device, model=display_path(args.model),
+                           kvpop_model=display_path(student) if student else None, context=args.context,
                            split=args.split, protocol=args.protocol, wall_seconds=round(wall, 1))
     print(f"wrote {write_results(args.out, results)}")
-    title = f"Testbed teacher, context {args.context}: full cache vs sinks+window (StreamingLLM)"
+    title = (DEMO_KVPOP_TITLE if student else DEMO_TITLE).format(context=args.context)
     print(f"wrote {plot_accuracy(rows, args.plot, title=title)}")
     print(f"wall time {wall:.0f} s")
     return 0
@@ -405,9 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--threads", type=int, default=threads_default,
                         help="CPU threads for torch (0: torch's default, one per core)")
 
-    sp = sub.add_parser("demo", help="embedded teacher: full cache vs a sinks+window cache on every family")
+    sp = sub.add_parser("demo", help="embedded teacher: full cache vs a sinks+window cache, and its KVpop student, on "
+                                     "every family")
     common_eval(sp, DEMO_N_PER_TASK, DEMO_BATCH_SIZE, DEMO_THREADS)
-    sp.add_argument("--budget", type=int, default=1024, help="tokens the streaming cache keeps (CR = 1 - budget/context)")
+    sp.add_argument("--budget", type=int, default=1024,
+                    help="tokens the streaming and KVpop caches keep (CR = 1 - budget/context)")
+    sp.add_argument("--kvpop-model", default=default_kvpop_model_path(),
+                    help="KVpop student evaluated with method kvpop at --budget, or 'none' to leave it out "
+                         "($KVLEARN_KVPOP_MODEL overrides the default)")
     sp.add_argument("--out", default="runs/demo/demo.json", help="results file (runs/ is not tracked by git)")
     sp.add_argument("--plot", default="runs/demo/demo.png", help="plot file")
     sp.set_defaults(func=cmd_demo)

@@ -1,12 +1,15 @@
-"""The demo's two-panel plot, the Pareto plot and `kvlearn demo` end to end on a tiny checkpoint."""
+"""The demo's two-panel plot, the Pareto plot and `kvlearn demo` end to end on a tiny teacher and KVpop student."""
 
 import json
 
+import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from kvlearn.cli import main
+from kvlearn import KVpopConfig, apply_kvpop
+from kvlearn.cli import DEFAULT_KVPOP_MODEL, main
 from kvlearn.eval.plots import mean_accuracy, plot_accuracy, plot_pareto
+from kvlearn.kvpop.apply import kvpop_modules
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
 
 
@@ -32,20 +35,91 @@ def test_pareto_plot_and_its_means(tmp_path):
     assert plot_pareto(rows(), tmp_path / "p.png").stat().st_size > 5000
 
 
-def test_demo_end_to_end_on_a_tiny_checkpoint(tmp_path, capsys):
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                                 pad_token_id=0)).save_pretrained(tmp_path / "tiny")
+def tiny_model(seed=0):
+    """A tiny random GQA model of the testbed's vocabulary."""
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        max_position_embeddings=512, pad_token_id=0))
+
+
+def tiny_teacher(path):
+    tiny_model().save_pretrained(path)
+
+
+def tiny_student(path):
+    """A tiny KVpop student (MLP scorers, random weights; sinks 4 + window 16: budgets from 21), saved at ``path``."""
+    model = tiny_model(seed=1)
+    apply_kvpop(model, KVpopConfig(sinks=4, window=16, topk=44, scorer="mlp"))
+    torch.manual_seed(2)
+    scorers, _ = kvpop_modules(model)
+    for p in scorers[0].parameters():  # non-zero scores: a ranking that is not recency alone
+        torch.nn.init.normal_(p)
+    model.save_pretrained(path)
+
+
+def demo(tmp_path, *extra):
     out, plot = tmp_path / "d" / "demo.json", tmp_path / "d" / "demo.png"
     code = main(["demo", "--model", str(tmp_path / "tiny"), "--context", "256", "--budget", "64", "--n-per-task", "1",
-                 "--tasks", "niah,vt", "--device", "cpu", "--out", str(out), "--plot", str(plot)])
+                 "--device", "cpu", "--out", str(out), "--plot", str(plot), *extra])
+    return code, out, plot
+
+
+def test_demo_end_to_end_on_a_tiny_teacher_and_kvpop_student(tmp_path, capsys):
+    tiny_teacher(tmp_path / "tiny")
+    tiny_student(tmp_path / "student")
+    code, out, plot = demo(tmp_path, "--tasks", "niah,vt", "--kvpop-model", str(tmp_path / "student"))
     assert code == 0
     data = json.loads(out.read_text())
-    assert [(r["method"], r["task"]) for r in data["rows"]] == [("dense", "niah"), ("dense", "vt"), ("streaming", "niah"), ("streaming", "vt")]
+    assert [(r["method"], r["task"]) for r in data["rows"]] == [
+        ("dense", "niah"), ("dense", "vt"), ("streaming", "niah"), ("streaming", "vt"), ("kvpop", "niah"), ("kvpop", "vt")]
+    models = {r["method"]: r["model"] for r in data["rows"]}
+    assert models["dense"] == models["streaming"] == data["model"] and models["kvpop"] == data["kvpop_model"]
+    assert data["kvpop_model"].endswith("student") and data["model"].endswith("tiny")
+    kvpop = [r for r in data["rows"] if r["method"] == "kvpop"]
+    # the student's trained options (its window) are read from its config; the budget is --budget
+    assert all(r["budget"] == 64 and r["options"]["window"] == 16 and r["options"]["scorer"] == "mlp" for r in kvpop)
     assert data["wall_seconds"] > 0 and data["split"] == "eval" and data["protocol"] == "bounded"
     assert plot.stat().st_size > 5000
-    assert "wall time" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wall time" in printed and "kvpop      student" in printed and "dense      tiny" in printed
+
+
+def test_demo_without_the_kvpop_student(tmp_path, capsys):
+    tiny_teacher(tmp_path / "tiny")
+    code, out, _ = demo(tmp_path, "--tasks", "niah", "--kvpop-model", "none")
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert [r["method"] for r in data["rows"]] == ["dense", "streaming"] and data["kvpop_model"] is None
+
+
+def test_demo_bad_kvpop_student_or_budget_is_a_one_line_error_before_evaluating(tmp_path, capsys):
+    tiny_teacher(tmp_path / "tiny")
+    tiny_student(tmp_path / "student")
+    cases = [
+        (["--kvpop-model", str(tmp_path / "nope")], f"--kvpop-model '{tmp_path / 'nope'}' does not exist"),
+        (["--kvpop-model", str(tmp_path / "tiny")], f"--kvpop-model '{tmp_path / 'tiny'}' has no 'kvpop' block"),
+        # below the student's sinks 4 + window 16 + 1 (streaming alone would take budget 20)
+        (["--kvpop-model", str(tmp_path / "student"), "--budget", "20"], "budget=20 is invalid: expected an integer >= 21"),
+    ]
+    capsys.readouterr()  # the progress bars of saving the tiny models
+    for extra, needle in cases:
+        code, out, plot = demo(tmp_path, "--tasks", "niah", *extra)
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and needle in err, (extra, err)
+        assert len(err.splitlines()) == 1 and err.startswith("kvlearn: error:")
+        assert not out.exists() and not plot.exists()
+
+
+@pytest.mark.skipif(not (DEFAULT_KVPOP_MODEL / "config.json").exists(), reason="no shipped KVpop student in this checkout")
+def test_demo_budget_below_the_shipped_students_minimum_is_a_one_line_error(tmp_path, capsys):
+    """The shipped student keeps 4 sinks + a window of 256: --budget 260 is refused before anything loads."""
+    code = main(["demo", "--budget", "260", "--device", "cpu", "--out", str(tmp_path / "d.json"),
+                 "--plot", str(tmp_path / "d.png")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "budget=260 is invalid: expected an integer >= 261 (KVpop needs sinks=4 + window=256" in err
+    assert not (tmp_path / "d.json").exists()
 
 
 def test_eval_command_writes_protocol_and_split_rows(tmp_path, capsys):

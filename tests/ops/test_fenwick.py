@@ -1,4 +1,5 @@
-"""Running top-k cutoff: torch Fenwick reference and Triton wavelet kernel against an O(T^2) brute force."""
+"""Running top-k cutoff: torch Fenwick reference, the CPU counts backend and the Triton wavelet kernel against an
+O(T^2) brute force."""
 
 import os
 import textwrap
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from kvlearn.errors import KVLearnError
-from kvlearn.ops.fenwick import running_cutoff, running_topk_cutoff, static_ranks
+from kvlearn.ops.fenwick import _running_cutoff_counts, running_cutoff, running_topk_cutoff, static_ranks
 
 
 def brute_ranks(priorities):
@@ -85,8 +86,19 @@ def test_torch_cutoffs_match_brute_force(case):
     ranks, cutoffs = running_topk_cutoff(p, sinks, window, topk, backend="torch")
     assert cutoffs.dtype == torch.int32 and cutoffs.shape == (B, H, T)
     assert torch.equal(cutoffs, brute_cutoffs(ranks, sinks, window, topk))
-    # "auto" on a CPU tensor is the torch backend
+    # the counts backend ("auto" on a CPU tensor) gives the same cutoffs
+    assert torch.equal(running_cutoff(ranks, sinks, window, topk, backend="counts"), cutoffs)
     assert torch.equal(running_cutoff(ranks, sinks, window, topk), cutoffs)
+
+
+@pytest.mark.parametrize("T, sinks, window, topk", [(200, 4, 16, 40), (97, 0, 1, 1), (120, 3, 20, 60)])
+def test_counts_backend_matches_the_scan_with_repeated_ranks_and_any_block(T, sinks, window, topk):
+    """Repeated values count with multiplicity; blocks of one prefix length, a few, or all give the same cutoffs."""
+    g = torch.Generator().manual_seed(T)
+    ranks = torch.randint(0, T, (2, 3, T), generator=g, dtype=torch.int32)
+    expect = running_cutoff(ranks, sinks, window, topk, backend="torch")
+    for block_elements in (1, 7 * 6 * T, 1 << 22):
+        assert torch.equal(_running_cutoff_counts(ranks, sinks, window, topk, block_elements), expect), block_elements
 
 
 def test_cutoffs_hand_case():

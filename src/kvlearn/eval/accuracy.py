@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import PurePath
 
 import torch
 from tqdm.auto import tqdm
@@ -318,14 +319,26 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
     return rows
 
 
+def model_name(row: dict) -> str:
+    """The folder name of the model a row records (``row["model"]``, a path), or ``""`` when it records none."""
+    return PurePath(str(row.get("model", ""))).name
+
+
 def format_table(rows: list[dict]) -> str:
-    """A plain-text table of result rows."""
-    header = f"{'method':<10} {'protocol':<8} {'budget':>6} {'CR':>5} {'task':<8} {'acc':>6} {'n':>4} {'kv_bytes':>12}"
+    """A plain-text table of result rows; with a ``model`` column (its folder name) when rows record their model."""
+    width = max((len(model_name(r)) for r in rows), default=0)
+    width = max(width, len("model")) if width else 0
+
+    def model(name: str) -> str:
+        return f" {name:<{width}}" if width else ""
+
+    header = (f"{'method':<10}{model('model')} {'protocol':<8} {'budget':>6} {'CR':>5} {'task':<8} "
+              f"{'acc':>6} {'n':>4} {'kv_bytes':>12}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['method']:<10} {r.get('protocol', 'bounded'):<8} {r['budget']:>6} {r['compression']:>5.2f} {r['task']:<8} {r['accuracy']:>6.3f} "
-            f"{r['n']:>4} {r['kv_bytes']:>12,}"
+            f"{r['method']:<10}{model(model_name(r))} {r.get('protocol', 'bounded'):<8} {r['budget']:>6} "
+            f"{r['compression']:>5.2f} {r['task']:<8} {r['accuracy']:>6.3f} {r['n']:>4} {r['kv_bytes']:>12,}"
         )
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
 from ..errors import check  # noqa: E402
-from .accuracy import wilson_interval  # noqa: E402
+from .accuracy import model_name, wilson_interval  # noqa: E402
 
 
 MARKERS = {"bounded": "o", "context": "s"}
@@ -20,10 +20,18 @@ MARKERSIZES = {"bounded": 10, "context": 6}  # a smaller marker on top keeps coi
 
 
 def _label(row: dict) -> str:
+    """A series' name: method, budget and CR, and the model's folder name when the row records one."""
+    model = f" [{model_name(row)}]" if model_name(row) else ""
     if row["method"] == "dense":
-        return "dense (full cache)"
+        return f"dense (full cache){model}"
     proto = f", {row['protocol']}" if row.get("protocol", "bounded") != "bounded" else ""
-    return f"{row['method']} B={row['budget']} (CR {row['compression']:.0%}{proto})"
+    return f"{row['method']} B={row['budget']} (CR {row['compression']:.0%}{proto}){model}"
+
+
+def _tick(label: str) -> str:
+    """A series' short name under the memory panel: the label before its parentheses, the model below it."""
+    model = label.rsplit(" [", 1)[1].rstrip("]") if label.endswith("]") else ""
+    return label.split(" (")[0] + (f"\n{model}" if model else "")
 
 
 def _save(fig, path) -> Path:
@@ -41,7 +49,8 @@ def _mib(nbytes: float) -> str:
 def plot_accuracy(rows: list[dict], path: str | Path, title: str = "Testbed accuracy") -> Path:
     """Two panels: accuracy per task family (grouped bars, 95% Wilson intervals, a marker and label at 0 so no bar
     is invisible) and the allocated KV bytes per example of each series (mean over families, with the memory saved
-    against the full cache). The legend sits below the panels; n and ``CR = 1 - budget/context`` are stated."""
+    against the full cache). The legend sits below the panels; n and ``CR = 1 - budget/context`` are stated. A series
+    is one method, budget and protocol, and one model when the rows record theirs (``row["model"]``)."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     series = list(dict.fromkeys(_label(r) for r in rows))
     colors = [f"C{i}" for i in range(len(series))]
@@ -82,18 +91,19 @@ def plot_accuracy(rows: list[dict], path: str | Path, title: str = "Testbed accu
     # allocated KV bytes per example, mean over families
     dense = [r["kv_bytes"] for r in rows if r["method"] == "dense"]
     dense_mean = sum(dense) / len(dense) if dense else None
-    means = []
+    means, is_dense = [], []
     for name in series:
         b = [r["kv_bytes"] for r in rows if _label(r) == name]
         means.append(sum(b) / len(b))
+        is_dense.append(any(r["method"] == "dense" for r in rows if _label(r) == name))
     bars = mx.bar(range(len(series)), [m / 2**20 for m in means], color=colors, width=0.6)
     top = max(means) / 2**20 if means else 1
     for i, m in enumerate(means):
         text = _mib(m)
-        if dense_mean and series[i] != "dense (full cache)":
+        if dense_mean and not is_dense[i]:
             text += f"\n{1 - m / dense_mean:.0%} saved"
         mx.text(i, m / 2**20 + 0.02 * top, text, ha="center", va="bottom", fontsize=7)
-    mx.set_xticks(range(len(series)), [s.split(" (")[0] for s in series], fontsize=8)
+    mx.set_xticks(range(len(series)), [_tick(s) for s in series], fontsize=8)
     mx.set_ylim(0, top * 1.3)
     mx.set_ylabel("allocated KV cache per example (MiB)")
     mx.set_title("KV memory (end of generation)", fontsize=9)

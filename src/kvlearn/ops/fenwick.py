@@ -8,11 +8,17 @@ Tokens are ranked once by a static priority (rank 0 = highest priority); the cut
 Sentinels: ``cutoffs[q] = T`` ("keep every eligible token") while ``|E(q)| < topk``, and ``-1`` ("keep none")
 everywhere when ``topk == 0``.
 
-Two backends with the same signature and bit-identical results:
+Three backends with the same signature and bit-identical results:
 
 * ``torch``: the paper's algorithm (appendix C.2): scan ``q`` left to right, insert the rank of the token
   ``t = q - window`` that enters ``E(q)`` into a Fenwick tree over ranks, and find the ``topk``-th inserted rank
   by binary lifting. Vectorised over batch * heads; a Python loop over ``q``. The reference.
+* ``counts``: the CPU default, no loop over ``q``. ``E(q)`` is a prefix of ``e_j = ranks[sinks + j]``, and the
+  ``topk``-th smallest value of a prefix is the number of values ``r`` with fewer than ``topk`` prefix elements
+  ``<= r``; for a block of prefix lengths at once, comparisons of the block's elements with every value, summed
+  along the prefix, give those counts. ``O(T x (T - window - sinks - topk))`` work per (batch, head), in blocks of
+  bounded memory; on a CPU it is ~10x faster than the scan at the KVpop cache's chunk shapes (a Python loop of ~30
+  small ops per query costs more than the counts).
 * ``triton``: a parallel scheme for the GPU. ``E(q)`` is a prefix of the sequence ``e_j = ranks[sinks + j]``,
   of length ``n(q) = q - window - sinks + 1``, so the cutoff is a "k-th smallest value in a prefix" query. One
   program per (batch, head) builds a wavelet matrix over ``e`` (``ceil(log2 T)`` levels, each a stable
@@ -30,7 +36,8 @@ from kvlearn.ops.triton_support import HAS_TRITON as _HAS_TRITON
 from kvlearn.ops.triton_support import interpreting as _interpreting
 from kvlearn.ops.triton_support import tl, triton
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "counts", "triton")
+COUNTS_BLOCK_ELEMENTS = 1 << 22  # int32 elements of one block of the counts backend (16 MiB)
 
 
 def _check_params(sinks, window, topk) -> None:
@@ -85,8 +92,8 @@ def running_cutoff(
         sinks: number of always-kept first tokens (>= 0).
         window: protected recent window (>= 1; the query itself is inside it).
         topk: long-range budget (>= 0).
-        backend: ``"auto"`` (triton when ``ranks`` is on CUDA and triton imports, else torch), ``"torch"`` or
-            ``"triton"``.
+        backend: ``"auto"`` (triton when ``ranks`` is on CUDA and triton imports, else counts), ``"torch"``,
+            ``"counts"`` or ``"triton"``.
 
     Returns:
         int32 ``[batch, kv_heads, T]``: ``cutoffs[..., q]`` = the ``topk``-th smallest rank in
@@ -97,7 +104,7 @@ def running_cutoff(
     _check_params(sinks, window, topk)
     check(backend in BACKENDS, f"backend={backend!r} is invalid: expected one of {BACKENDS}")
     if backend == "auto":
-        backend = "triton" if (_HAS_TRITON and ranks.is_cuda) else "torch"
+        backend = "triton" if (_HAS_TRITON and ranks.is_cuda) else "counts"
     if backend == "triton":
         check(_HAS_TRITON, "backend='triton' is unavailable: triton is not installed (use backend='torch')")
         check(
@@ -114,6 +121,8 @@ def running_cutoff(
     ranks = ranks.contiguous()
     if backend == "torch":
         return _running_cutoff_torch(ranks, sinks, window, topk)
+    if backend == "counts":
+        return _running_cutoff_counts(ranks, sinks, window, topk)
     return running_cutoff_triton(ranks, sinks, window, topk)
 
 
@@ -169,6 +178,36 @@ def _running_cutoff_torch(ranks: torch.Tensor, sinks: int, window: int, topk: in
             remaining = remaining - torch.where(take, count, 0)
             step >>= 1
         out[:, q] = pos.to(torch.int32)
+    return out.reshape(B, H, T)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# counts: the cutoffs of a block of prefix lengths at once, from value histograms (no loop over q)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _running_cutoff_counts(ranks: torch.Tensor, sinks: int, window: int, topk: int,
+                           block_elements: int = COUNTS_BLOCK_ELEMENTS) -> torch.Tensor:
+    """Counting form of the scan. ``ranks`` int32 ``[B, H, T]`` contiguous, ``1 <= topk <= T - window - sinks``;
+    returns int32 ``[B, H, T]``. Prefix length ``n`` of ``e_j = ranks[sinks + j]`` answers query
+    ``q = n + window + sinks - 1``; its cutoff is ``#{r : #{j < n : e_j <= r} < topk}``. Lengths below ``topk`` keep
+    the sentinel ``T``; the others run in blocks of about ``block_elements`` counts ``[rows, value, length]``."""
+    B, H, T = ranks.shape
+    rows = ranks.reshape(B * H, T).long()
+    n_rows, n_max, device = rows.shape[0], T - window - sinks, ranks.device
+    out = torch.full((n_rows, T), T, dtype=torch.int32, device=device)
+    first = rows[:, sinks:sinks + topk - 1]  # e[:topk - 1], in every prefix that gets a cutoff
+    seen = torch.zeros(n_rows, T, dtype=torch.int32, device=device).scatter_add_(1, first, torch.ones_like(first, dtype=torch.int32))
+    seen = seen.cumsum(dim=1, dtype=torch.int32)  # seen[r] = #{j < n0 - 1 : e_j <= r}
+    values = torch.arange(T, device=device)[None, :, None]
+    step = max(1, block_elements // (n_rows * T))
+    for n0 in range(topk, n_max + 1, step):
+        n1 = min(n_max + 1, n0 + step)  # prefix lengths n0 .. n1 - 1; their last elements e[n0 - 1 : n1 - 1]
+        last = rows[:, None, sinks + n0 - 1:sinks + n1 - 1]
+        counts = (last <= values).cumsum(dim=2, dtype=torch.int32)  # [rows, value r, length]: new elements <= r
+        below = counts < (topk - seen)[:, :, None]  # fewer than topk prefix elements <= r
+        out[:, n0 + window + sinks - 1:n1 + window + sinks - 1] = below.sum(dim=1, dtype=torch.int32)
+        seen = seen + counts[:, :, -1]
     return out.reshape(B, H, T)
 
 
