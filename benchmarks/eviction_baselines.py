@@ -39,11 +39,18 @@ from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
 from kvlearn.eval.plots import plot_pareto  # noqa: E402
 from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method  # noqa: E402
-from kvlearn.results import make_results, write_results  # noqa: E402
+from kvlearn.results import portable_path, make_results, write_results  # noqa: E402
 
 
 def repo_relative(arg: str) -> str:
-    """``arg`` relative to the repository when it is a path inside it."""
+    """``arg`` relative to the repository when it is a path inside it; an absolute path elsewhere as
+    :func:`kvlearn.results.portable_path` writes it (``$OUT/...``, ``$TMPDIR/...``), also after the last ``:`` of
+    ``LABEL=METHOD:PATH``."""
+    head, sep, tail = arg.rpartition(":")
+    if sep and os.path.isabs(tail):
+        return head + sep + portable_path(tail)
+    if os.path.isabs(arg):
+        return portable_path(arg)
     try:
         return str(Path(arg).resolve().relative_to(REPO)) if (os.sep in arg or Path(arg).exists()) else arg
     except ValueError:

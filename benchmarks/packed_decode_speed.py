@@ -12,6 +12,8 @@ every slot visible) three ways, timed with CUDA events (median of ``--iters`` af
   at its default tile of 64 slots, and ``fused_block_c_128`` at 128 (the choice of the default).
 
 Rows: ``ms`` per variant and the ratios ``fused / bf16`` and ``read_then_attend / bf16`` measured in the same run,
+``--graph`` adds ``ms_graph``: each variant replayed from a CUDA graph, so the kernels are timed without the host's
+Python and launch overhead (what a compiled / graph-captured decode loop pays), and ``fused_over_bf16_graph``;
 plus the largest difference of ``fused`` from ``read_then_attend`` (same codes: only float rounding, chiefly the
 bf16 probabilities of the value product, as in flash attention). KV-Kaizen's
 acceptance asks ``fused / bf16 <= 1`` at 131k (issue #11 item 9). ``--smoke`` runs tiny shapes on the CPU through
@@ -30,6 +32,21 @@ import torch.nn.functional as F
 from kvlearn.cache import PackedStore
 from kvlearn.ops.packed_decode import packed_decode_attention
 from kvlearn.results import make_results, write_results
+
+
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after warm-up on a side stream): returns the graph's ``replay``, so a timing
+    measures the kernels alone, without the host's Python and launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def timed(fn, iters: int, device) -> float:
@@ -53,7 +70,8 @@ def timed(fn, iters: int, device) -> float:
 
 
 @torch.no_grad()
-def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, backend: str) -> dict:
+def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, backend: str,
+        graph: bool = False) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(1, hkv, context, d, device=device, dtype=dtype, generator=g)
@@ -83,12 +101,23 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
           (("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused),
            ("fused_block_c_128", lambda: fused(128)))}
     diff = (fused().float() - read_then_attend()[:, :, 0].float()).abs().max().item()
+    extra = {}
+    if graph:  # the same three, each replayed from a CUDA graph: the kernels' own time
+        ms_graph = {}
+        for name, fn in (("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused)):
+            try:
+                ms_graph[name] = round(timed(graphed(fn), iters, device), 4)
+            except RuntimeError as e:  # a variant that cannot be captured is reported, not fatal
+                ms_graph[name] = f"not capturable: {str(e).splitlines()[0][:200]}"
+        extra = {"ms_graph": ms_graph}
+        if all(isinstance(ms_graph[k], float) for k in ("bf16", "fused")):
+            extra["fused_over_bf16_graph"] = round(ms_graph["fused"] / ms_graph["bf16"], 3)
     return {"context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "backend": backend,
             "ms": {k2: round(v2, 4) for k2, v2 in ms.items()},
             "fused_over_bf16": round(ms["fused"] / ms["bf16"], 3),
             "fused_block_c_128_over_bf16": round(ms["fused_block_c_128"] / ms["bf16"], 3),
             "read_then_attend_over_bf16": round(ms["read_then_attend"] / ms["bf16"], 3),
-            "max_abs_diff_fused_vs_read": diff}
+            "max_abs_diff_fused_vs_read": diff, **extra}
 
 
 def main(argv=None) -> int:
@@ -96,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="16384,32768,65536,131072")
     p.add_argument("--bits", default="4,2")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--graph", action="store_true",
+                   help="also time each variant replayed from a CUDA graph (the kernels without host overhead)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, torch backend")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -110,7 +141,8 @@ def main(argv=None) -> int:
     rows = []
     for c in contexts:
         for b in (int(x) for x in args.bits.split(",")):
-            rows.append(row(c, b, *shape, iters=args.iters, device=device, backend=backend))
+            rows.append(row(c, b, *shape, iters=args.iters, device=device, backend=backend,
+                            graph=args.graph and device.type == "cuda"))
             print(rows[-1], flush=True)
     if args.out:
         write_results(args.out, make_results("speed", rows, device=str(device)))

@@ -52,3 +52,22 @@ def interpreter_results(request, run_in_triton_interpreter):
     stdout = run_in_triton_interpreter(script)
     line = next(x for x in stdout.splitlines() if x.startswith("RESULTS "))
     return json.loads(line[len("RESULTS "):])
+
+
+@pytest.fixture
+def crashing_evaluate():
+    """``make(real, done) -> evaluate``: a stand-in for a table script's ``evaluate`` that runs ``done`` real runs,
+    then raises a CUDA out-of-memory error (a process killed mid-table)."""
+
+    def make(real, done: int):
+        calls = []
+
+        def evaluate(*a, **k):
+            calls.append(1)
+            if len(calls) > done:
+                raise RuntimeError("CUDA out of memory")
+            return real(*a, **k)
+
+        return evaluate
+
+    return make

@@ -8,7 +8,9 @@
 # Device time: at most MINUTES (default 9, one 10-minute device call) plus start-up; rows not reached are listed
 # in the file's `not_run` (run the script again with --methods/--budgets for them). The partial run at 68c180d did 9
 # runs of 400 examples in 183 s on one H200; the whole table has 25 runs (about 9 minutes in one process).
-# MODEL (default: the shipped checkpoints/testbed-teacher) evaluates another checkpoint folder.
+# MODEL (default: the shipped checkpoints/testbed-teacher) evaluates another checkpoint folder; METHODS (default all
+# seven) and BUDGETS (default the script's, 1024,512) pick the rows, e.g. the ones a merged table's `not_run` lists:
+#   METHODS=streaming,snapkv,random BUDGETS=512 ...
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/eviction_baselines.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -25,7 +27,7 @@ for p in $(seq 0 $((NPROC - 1))); do
     for i in "${!M[@]}"; do [ $((i % NPROC)) -eq "$p" ] && group="$group,${M[$i]}"; done
     [ -z "$group" ] && continue
     CUDA_VISIBLE_DEVICES=$((p % NGPU)) python3 benchmarks/eviction_baselines.py --model "${MODEL:-checkpoints/testbed-teacher}" \
-        --methods "${group#,}" --minutes "${MINUTES:-9}" --out "$OUT/baselines_part$p.json" \
+        --methods "${group#,}" ${BUDGETS:+--budgets "$BUDGETS"} --minutes "${MINUTES:-9}" --out "$OUT/baselines_part$p.json" \
         --plot "$OUT/baselines_part$p.png" > "$OUT/eviction_baselines_part$p.log" 2>&1 &
     parts+=("$OUT/baselines_part$p.json")
 done

@@ -44,19 +44,12 @@ def test_time_guard_and_unavailable_methods_are_recorded(tmp_path):
 
 
 @pytest.mark.parametrize("done", [0, 1])
-def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(done, tmp_path, monkeypatch):
+def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(done, tmp_path, monkeypatch,
+                                                                          crashing_evaluate):
     """Every save lists the runs not done yet: a crash after ``done`` runs (a CUDA OOM, a kill) leaves a file that
     is not complete (it used to say ``complete: true, not_run: []``)."""
     script = load_script()
-    real, calls = script.evaluate, []
-
-    def evaluate(*a, **k):
-        calls.append(1)
-        if len(calls) > done:
-            raise RuntimeError("CUDA out of memory")
-        return real(*a, **k)
-
-    monkeypatch.setattr(script, "evaluate", evaluate)
+    monkeypatch.setattr(script, "evaluate", crashing_evaluate(script.evaluate, done))
     out = tmp_path / "t.json"
     with pytest.raises(RuntimeError, match="out of memory"):
         script.main(["--smoke", "--methods", "streaming", "--protocols", "bounded", "--out", str(out)])
@@ -64,3 +57,16 @@ def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(done
     plan = ["dense/bounded/eval", "streaming/bounded/eval/B=96", "streaming/bounded/eval/B=48"]
     assert data["complete"] is False and data["not_run"] == plan[done:]
     assert {r["method"] for r in data["rows"]} == ({"dense"} if done else set())
+
+
+def test_recorded_paths_name_no_machine_folder(tmp_path):
+    """Paths the table scripts record (commands, ``model`` fields, ``LABEL=METHOD:PATH`` students) are repository-
+    relative or ``$TMPDIR/...``, never this machine's temporary folder."""
+    import tempfile
+
+    script = load_script()
+    tmp = Path(tempfile.gettempdir())
+    assert script.repo_relative(str(tmp / "table_x" / "final")) == "$TMPDIR/table_x/final"
+    assert script.repo_relative(f"kvpop=kvpop:{tmp / 's'}") == "kvpop=kvpop:$TMPDIR/s"
+    assert script.repo_relative(str(script.REPO / "checkpoints" / "testbed-teacher")) == "checkpoints/testbed-teacher"
+    assert script.repo_relative("--budgets") == "--budgets"

@@ -116,20 +116,13 @@ def test_unreachable_factors_are_skipped_with_the_reason(smoke):
     assert all("\n" not in why for why in skipped.values())
 
 
-def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(smoke, tmp_path, monkeypatch):
+def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(smoke, tmp_path, monkeypatch,
+                                                                          crashing_evaluate):
     """Every save lists the runs not done yet: a crash after the first run (a CUDA OOM, a kill) leaves a file that is
     not complete (it used to say ``complete: true, not_run: []``)."""
     work, _ = smoke
     script = load_script()
-    real, calls = script.evaluate, []
-
-    def evaluate(*a, **k):
-        calls.append(1)
-        if len(calls) > 1:
-            raise RuntimeError("CUDA out of memory")
-        return real(*a, **k)
-
-    monkeypatch.setattr(script, "evaluate", evaluate)
+    monkeypatch.setattr(script, "evaluate", crashing_evaluate(script.evaluate, 1))
     out = tmp_path / "t.json"
     with pytest.raises(RuntimeError, match="out of memory"):
         script.main(["--smoke", "--smoke-dir", str(tmp_path), "--selector", f"k4={work / 'kaizen-t4' / 'final'}",

@@ -119,19 +119,12 @@ def test_smoke_records_a_skipped_student_budget_and_runs_the_rest(tmp_path, caps
 
 
 @pytest.mark.parametrize("done", [0, 1])
-def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(done, tmp_path, monkeypatch):
+def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(done, tmp_path, monkeypatch,
+                                                                          crashing_evaluate):
     """Every save lists the runs not done yet: a crash after ``done`` runs (a CUDA OOM, a kill) leaves a file that
     is not complete (it used to say ``complete: true, not_run: []``, and ``kvlearn.results merge`` believed it)."""
     script = load_script()
-    real, calls = script.evaluate, []
-
-    def evaluate(*a, **k):
-        calls.append(1)
-        if len(calls) > done:
-            raise RuntimeError("CUDA out of memory")
-        return real(*a, **k)
-
-    monkeypatch.setattr(script, "evaluate", evaluate)
+    monkeypatch.setattr(script, "evaluate", crashing_evaluate(script.evaluate, done))
     out = tmp_path / "t.json"
     with pytest.raises(RuntimeError, match="out of memory"):
         script.main(["--smoke", "--splits", "eval", "--out", str(out)])

@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -28,3 +30,14 @@ def test_smoke_rows_and_agreement(tmp_path, capsys):
         capsys.readouterr()
         assert script.main([]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_graph_replay_times_every_variant_on_cuda():
+    """``--graph`` on CUDA: each variant captured in a CUDA graph and replayed, a positive time each."""
+    import torch
+
+    script = load_script()
+    r = script.row(4096, 4, 8, 2, 128, iters=3, device=torch.device("cuda"), backend="triton", graph=True)
+    assert all(isinstance(r["ms_graph"][k], float) and r["ms_graph"][k] > 0 for k in ("bf16", "read_then_attend", "fused"))
+    assert r["fused_over_bf16_graph"] > 0
