@@ -7,8 +7,10 @@
 #     (docs/notes/kvpop_retrofit_smoke.md section 7): PEAK_EXTRA (default '--decay-init 0.99999 --target-reduction
 #     peak') and TOTAL_EXTRA (default '--decay-init 0.99999 --target-count-normalize 0', the total mass);
 #   - the KV-Kaizen table (`kaizen_table.sh`, KAIZEN_MINUTES default 9.5 in all);
-# then, alone on the GPU, `benchmarks/packed_decode_speed.py` (the packed-store decode kernel against the bf16 cache
-# at 16k-131k, about a minute).
+# RETROFITS=0 leaves the two retrofits out (their question, peak or total mass, is answered: docs/DESIGN.md 4.1);
+# METHODS / BUDGETS reach eviction_baselines.sh (e.g. only the rows results/baselines_table.json's not_run lists);
+# then, alone on the GPU, `benchmarks/packed_decode_speed.py --graph` (the packed-store decode kernel against the
+# bf16 cache at 16k-131k, eager and replayed from CUDA graphs, about a minute).
 # Everything goes to RUN_DIR (default /tmp/session_out); /tmp/session.done marks the end; /tmp/session.log is the
 # chain's own log. Device time: ~1 start + max(BASELINE_MINUTES + 1, RETROFIT_MINUTES + 5, KAIZEN_MINUTES) + 1, about
 # 12 minutes, so the calls are:
@@ -32,17 +34,19 @@ python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_packed_decode.py 
 tail -n 3 "$RUN_DIR/gpu_tests_new_kernels.log"
 (OUT="$RUN_DIR/baselines" MODEL=$MODEL MINUTES=${BASELINE_MINUTES:-8} \
     bash benchmarks/device/eviction_baselines.sh > "$RUN_DIR/baselines.log" 2>&1; echo "== baselines done $(date -u +%H:%M:%S)") &
-(OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} TAG=peak \
-    EXTRA=${PEAK_EXTRA---decay-init 0.99999 --target-reduction peak} \
-    bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit_peak.log" 2>&1; echo "== retrofit peak done $(date -u +%H:%M:%S)") &
-(OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} TAG=total \
-    EXTRA=${TOTAL_EXTRA---decay-init 0.99999 --target-count-normalize 0} \
-    bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit_total.log" 2>&1; echo "== retrofit total done $(date -u +%H:%M:%S)") &
+if [ "${RETROFITS:-1}" = 1 ]; then
+    (OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} TAG=peak \
+        EXTRA=${PEAK_EXTRA---decay-init 0.99999 --target-reduction peak} \
+        bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit_peak.log" 2>&1; echo "== retrofit peak done $(date -u +%H:%M:%S)") &
+    (OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} TAG=total \
+        EXTRA=${TOTAL_EXTRA---decay-init 0.99999 --target-count-normalize 0} \
+        bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit_total.log" 2>&1; echo "== retrofit total done $(date -u +%H:%M:%S)") &
+fi
 (OUT="$RUN_DIR/kaizen" MODEL=$MODEL TOTAL_MINUTES=${KAIZEN_MINUTES:-9.5} \
     bash benchmarks/device/kaizen_table.sh > "$RUN_DIR/kaizen.log" 2>&1; echo "== kaizen done $(date -u +%H:%M:%S)") &
 wait
 # alone on the GPU, so that its timings are not shared: the packed-store decode kernel against the bf16 cache
-python3 benchmarks/packed_decode_speed.py --out "$RUN_DIR/packed_decode_h200.json" > "$RUN_DIR/packed_decode.log" 2>&1
+python3 benchmarks/packed_decode_speed.py --graph --out "$RUN_DIR/packed_decode_h200.json" > "$RUN_DIR/packed_decode.log" 2>&1
 tail -n 8 "$RUN_DIR/packed_decode.log"
 echo "== done $(date -u +%H:%M:%S)"
 touch /tmp/session.done
