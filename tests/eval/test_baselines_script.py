@@ -1,21 +1,17 @@
 """benchmarks/eviction_baselines.py --smoke: the baselines table and Pareto plot on a tiny random model."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from kvlearn.methods import PROTOCOLS, is_available
+from benchmark_loader import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "eviction_baselines.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("eviction_baselines", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("eviction_baselines")
 
 
 def test_smoke_run_writes_rows_per_method_budget_protocol_and_the_pareto_plot(tmp_path):

@@ -1,24 +1,17 @@
 """benchmarks/kaizen_table.py --smoke: every row kind of the KV-Kaizen comparison, realised factors, honest not_run
 and one-line errors for bad --selector values."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 KINDS = {"control", "kaizen", "untrained_backbone", "static", "random", "dp_search", "kivi", "posthoc_quant",
          "kaizen+snapkv", "kaizen+kvpop"}
 
 
 def load_script():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("kaizen_table", BENCH / "kaizen_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kaizen_table")
 
 
 @pytest.fixture(scope="module")

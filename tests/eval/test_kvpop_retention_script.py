@@ -2,9 +2,7 @@
 with a budget that keeps every token every share is 1; with a tight one the shares are fractions that match a
 brute-force recount from the dense retention mask; the heatmap is written; a non-KVpop folder is one line."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -12,15 +10,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from kvlearn import KVpopConfig
 from kvlearn.kvpop.apply import apply_kvpop
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
+from benchmark_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("kvpop_retention", BENCH / "kvpop_retention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kvpop_retention")
 
 
 def checkpoint(path, window, topk):

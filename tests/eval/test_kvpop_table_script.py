@@ -1,24 +1,18 @@
 """benchmarks/kvpop_table.py --smoke: the Table 1 analog's rows, labels, priority order and bad --student values."""
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvlearn.errors import KVLearnError
+from benchmark_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_script():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("kvpop_table", BENCH / "kvpop_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kvpop_table")
 
 
 def test_smoke_rows_carry_the_label_and_the_registry_method(tmp_path):

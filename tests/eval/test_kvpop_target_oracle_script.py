@@ -4,10 +4,8 @@ attention under a by-hand retention (sinks, window, top-k of ``target - t log γ
 budget that keeps everything gives the dense logits, and the script runs and rejects bad arguments in one line.
 GQA: 2 KV heads x 2 query heads."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,15 +13,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kvlearn.ops.future_target import causal_lse, future_attention_target
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
+from benchmark_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("kvpop_target_oracle", BENCH / "kvpop_target_oracle.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kvpop_target_oracle")
 
 
 def qkv(T=48, D=8, seed=0):

@@ -1,20 +1,15 @@
 """benchmarks/packed_decode_speed.py --smoke on the CPU: rows for every context and bit-width, the fused path equal
 to read-then-attend up to float rounding, the results file written; without CUDA the GPU run is one line."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from benchmark_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("packed_decode_speed", BENCH / "packed_decode_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("packed_decode_speed")
 
 
 def test_smoke_rows_and_agreement(tmp_path, capsys):

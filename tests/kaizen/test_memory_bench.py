@@ -2,20 +2,15 @@
 the expected compression against bf16, the time guard, honest not_run / complete in every write (a run killed between
 two rows, a file or merge with missing rows re-summarised), the summary rewrite, and one-line errors for bad flags."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from benchmark_loader import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kaizen_memory.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("kaizen_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kaizen_memory")
 
 
 @pytest.fixture(scope="module")
