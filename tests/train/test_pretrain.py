@@ -134,14 +134,11 @@ def test_stage_check_gate_reads_the_last_stage_of_every_split():
 
 
 def test_teacher_stage_gate_script_falls_back_on_a_failed_or_missing_teacher(tmp_path, capsys):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "teacher_stage_gate.py"
-    spec = importlib.util.spec_from_file_location("teacher_stage_gate", path)
-    teacher_stage_gate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(teacher_stage_gate)
+    from benchmark_loader import load_benchmark
+
+    teacher_stage_gate = load_benchmark("teacher_stage_gate")
 
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.mkdir(), bad.mkdir()
