@@ -135,8 +135,7 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     exceed ``max_mask_bytes`` (default :data:`MAX_MASK_BYTES`) the query axis goes through in chunks, each with its
     rows of the mask; query rows are independent, so the result is the same."""
     b, hq, q, _ = query.shape
-    limit = MAX_MASK_BYTES if max_mask_bytes is None else max_mask_bytes
-    check_int("max_mask_bytes", limit, 1)
+    limit = MAX_MASK_BYTES if max_mask_bytes is None else check_int("max_mask_bytes", max_mask_bytes, 1)
     rows = max(1, limit // max(1, b * hq * key.shape[2] * 4))  # query rows per chunk
     if q <= rows:
         return _grouped_sdpa(query, key, value, mask, scaling)
