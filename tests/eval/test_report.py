@@ -39,7 +39,33 @@ def test_accuracy_section_ratios_to_dense_per_split_with_and_without_bookkeeping
     (tmp_path / "t.json").write_text(json.dumps(data))
     text = build(tmp_path)
     # the heldout h2o row is compared with the heldout dense row: 530 / 2000 in all, 500 / 2000 keys/values alone
-    assert "| h2o | bounded | heldout | 1024 | 75% | vt | 1.000 | 10 | 530 | 0.265 | 0.250 |" in text
+    assert "| h2o | bounded | heldout | 1024 | 75% | vt | 1.000 | 1.00 | 10 | 530 | 0.265 | 0.250 |" in text
+    assert "![" not in text  # no plot file next to it
+
+
+def test_accuracy_relative_to_a_full_cache_row_labelled_teacher_and_the_plot(tmp_path):
+    """A table whose full-cache rows are labelled (``teacher``, cache method ``dense``): accuracy and bytes relative
+    to them per task and split (0.45 / 0.90 = 0.50; a dense accuracy of 0 leaves the ratio blank), and the plot
+    named after the file shown under its table."""
+    row = dict(protocol="bounded", compression=0.0, n=10, split="eval", variants={})
+    rows = [
+        {**row, "method": "teacher", "registry_method": "dense", "budget": 4096, "task": "vt", "accuracy": 0.9,
+         "kv_bytes": 1000},
+        {**row, "method": "teacher", "registry_method": "dense", "budget": 4096, "task": "trace", "accuracy": 0.0,
+         "kv_bytes": 1000},
+        {**row, "method": "kvpop_mlp", "registry_method": "kvpop", "budget": 512, "compression": 0.875, "task": "vt",
+         "accuracy": 0.45, "kv_bytes": 125},
+        {**row, "method": "kvpop_mlp", "registry_method": "kvpop", "budget": 512, "compression": 0.875,
+         "task": "trace", "accuracy": 0.1, "kv_bytes": 125},
+    ]
+    data = {"schema": "kvlearn.results.v1", "kind": "accuracy", "command": "x", "commit": "abc", "date": "d",
+            "device": "cpu", "context": 4096, "rows": rows}
+    (tmp_path / "kvpop_table.json").write_text(json.dumps(data))
+    (tmp_path / "kvpop_table.png").write_bytes(b"png")
+    text = build(tmp_path)
+    assert "| kvpop_mlp | bounded | eval | 512 | 88% | vt | 0.450 | 0.50 | 10 | 125 | 0.125 |" in text
+    assert "| kvpop_mlp | bounded | eval | 512 | 88% | trace | 0.100 |  | 10 | 125 | 0.125 |" in text
+    assert "![kvpop_table.png](../results/kvpop_table.png)" in text
 
 
 def test_other_kinds_get_a_plain_table_and_time_guard_cuts_are_listed(tmp_path):

@@ -35,25 +35,30 @@ def _provenance(name: str, data: dict) -> str:
 
 
 def accuracy_section(name: str, data: dict) -> str:
+    """The rows of an accuracy file, each next to the full-cache row of its task and split (the row whose cache
+    method is ``dense``, whatever its label, e.g. ``teacher``): accuracy relative to it and bytes relative to it."""
     rows = data["rows"]
     out = [f"## Accuracy: {name.removesuffix('.json')} (context {data.get('context')})", "", _provenance(name, data), ""]
     has_store = any("store_bytes" in r for r in rows)  # keys/values alone, without slot positions and scores
     extra = " K/V only / dense |" if has_store else ""
-    out.append("| method | protocol | split | budget | CR | task | accuracy | n | kv_bytes (mean per example) | "
-               f"kv_bytes / dense |{extra}")
-    out.append("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if has_store else ""))
+    out.append("| method | protocol | split | budget | CR | task | accuracy | accuracy / dense | n | "
+               f"kv_bytes (mean per example) | kv_bytes / dense |{extra}")
+    out.append("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"
+               + (" ---: |" if has_store else ""))
     key = lambda r: (r["task"], r.get("split", "eval"))  # noqa: E731
-    dense = {key(r): r for r in rows if r["method"] == "dense"}
+    dense = {key(r): r for r in rows if r.get("registry_method", r["method"]) == "dense"}
     for r in rows:
         d = dense.get(key(r))
         ratio = f"{r['kv_bytes'] / d['kv_bytes']:.3f}" if d else ""
+        relative = f"{r['accuracy'] / d['accuracy']:.2f}" if d and d["accuracy"] > 0 else ""
         store = ""
         if has_store:
             store = f" {r['store_bytes'] / d['store_bytes']:.3f} |" if d and "store_bytes" in r and "store_bytes" in d else " |"
         mark = " (incomplete)" if r.get("incomplete") else ""
         out.append(
             f"| {r['method']} | {r.get('protocol', 'bounded')} | {r.get('split', 'eval')} | {r['budget']} | "
-            f"{r['compression']:.0%} | {r['task']} | {r['accuracy']:.3f} | {r['n']}{mark} | {r['kv_bytes']:,} | {ratio} |"
+            f"{r['compression']:.0%} | {r['task']} | {r['accuracy']:.3f} | {relative} | {r['n']}{mark} | "
+            f"{r['kv_bytes']:,} | {ratio} |"
             + store
         )
     variants = [(r["method"], r["task"], k, v) for r in rows for k, v in r.get("variants", {}).items() if len(r.get("variants", {})) > 1]
@@ -137,6 +142,15 @@ def table_section(name: str, data: dict) -> str:
     return "\n".join(out)
 
 
+PLOTS = {"baselines_table.json": "baselines_pareto.png"}  # a results file's plot, when not named after it
+
+
+def plot_line(results_dir: Path, name: str) -> str:
+    """A Markdown image of the file's plot (``<stem>.png`` or :data:`PLOTS`) when it exists, else nothing."""
+    png = PLOTS.get(name, name.removesuffix(".json") + ".png")
+    return f"\n\n![{png}](../results/{png})" if (results_dir / png).is_file() else ""
+
+
 def build(results_dir: Path) -> str:
     sections = [INTRO]
     first = ("testbed_teacher.json", "kvpop_ops_h200.json")  # the acceptance files first, then the rest by name
@@ -145,7 +159,7 @@ def build(results_dir: Path) -> str:
         if data.get("schema") != SCHEMA:
             continue
         if data.get("kind") == "accuracy":
-            sections.append(accuracy_section(path.name, data))
+            sections.append(accuracy_section(path.name, data) + plot_line(results_dir, path.name))
         elif data.get("kind") == "ops":
             sections.append(ops_section(path.name, data))
         elif data.get("kind") == "testbed":
