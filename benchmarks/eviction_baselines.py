@@ -5,7 +5,7 @@ On the device (H200, bf16, large batches):
     PYTHONPATH=src python benchmarks/eviction_baselines.py --n-per-task 100 --minutes 25
 
 writes ``results/baselines_table.json`` (schema ``kvlearn.results.v1``, kind ``accuracy``; every row has ``method``,
-``protocol``, ``split``, ``budget``, ``compression``, ``kv_bytes``) and ``results/baselines_pareto.png`` (mean
+``protocol``, ``split``, ``budget``, ``compression``, ``kv_bytes``) and ``results/baselines_table.png`` (mean
 accuracy over families against the compression ratio, one line per method, one marker per protocol).
 
 Runs, in this order so that the time guard cuts the least important ones: the full cache (``dense``) once per split
@@ -162,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     add_run_options(ap)
     ap.add_argument("--out", default=None, help="results file (default: results/baselines_table.json, "
                                                 "runs/smoke/baselines_table.json with --smoke)")
-    ap.add_argument("--plot", default=None, help="Pareto plot (default: next to --out, baselines_pareto.png)")
+    ap.add_argument("--plot", default=None, help="Pareto plot (default: next to --out, with its name: baselines_table.png)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random model, context 256, budgets 96,48, n 2, niah and vt")
     args = ap.parse_args(argv)
     if args.smoke:
         smoke_settings(args)
     out = Path(args.out or ("runs/smoke/baselines_table.json" if args.smoke else "results/baselines_table.json"))
-    plot = Path(args.plot or out.with_name("baselines_pareto.png"))
+    plot = Path(args.plot or out.with_suffix(".png"))
     try:
         runs, skipped = plan_runs(args)
     except KVLearnError as e:

@@ -36,6 +36,6 @@ python3 -m kvlearn.results merge "$OUT/baselines_table.json" "${parts[@]}"
 python3 -c "
 import sys; sys.path.insert(0, 'src')
 from kvlearn.eval.plots import plot_pareto; from kvlearn.results import read_results
-print(plot_pareto(read_results('$OUT/baselines_table.json')['rows'], '$OUT/baselines_pareto.png', title='eviction baselines, context 4096'))"
+print(plot_pareto(read_results('$OUT/baselines_table.json')['rows'], '$OUT/baselines_table.png', title='eviction baselines, context 4096'))"
 rm -f "$OUT"/baselines_part*.json "$OUT"/baselines_part*.png
 tail -n 12 "$OUT"/eviction_baselines_part*.log

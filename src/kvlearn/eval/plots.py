@@ -28,10 +28,10 @@ def _label(row: dict) -> str:
     return f"{row['method']} B={row['budget']} (CR {row['compression']:.0%}{proto}){model}"
 
 
-def _tick(label: str) -> str:
-    """A series' short name under the memory panel: the label before its parentheses, the model below it."""
-    model = label.rsplit(" [", 1)[1].rstrip("]") if label.endswith("]") else ""
-    return label.split(" (")[0] + (f"\n{model}" if model else "")
+def _tick(row: dict) -> str:
+    """A series' short name under the memory panel: method (and budget), the model's folder name below it."""
+    name = "dense" if row["method"] == "dense" else f"{row['method']} B={row['budget']}"
+    return name + (f"\n{model_name(row)}" if model_name(row) else "")
 
 
 def _save(fig, path) -> Path:
@@ -103,7 +103,8 @@ def plot_accuracy(rows: list[dict], path: str | Path, title: str = "Testbed accu
         if dense_mean and not is_dense[i]:
             text += f"\n{1 - m / dense_mean:.0%} saved"
         mx.text(i, m / 2**20 + 0.02 * top, text, ha="center", va="bottom", fontsize=7)
-    mx.set_xticks(range(len(series)), [_tick(s) for s in series], fontsize=8)
+    ticks = {_label(r): _tick(r) for r in rows}
+    mx.set_xticks(range(len(series)), [ticks[s] for s in series], fontsize=8)
     mx.set_ylim(0, top * 1.3)
     mx.set_ylabel("allocated KV cache per example (MiB)")
     mx.set_title("KV memory (end of generation)", fontsize=9)

@@ -142,12 +142,10 @@ def table_section(name: str, data: dict) -> str:
     return "\n".join(out)
 
 
-PLOTS = {"baselines_table.json": "baselines_pareto.png"}  # a results file's plot, when not named after it
-
-
 def plot_line(results_dir: Path, name: str) -> str:
-    """A Markdown image of the file's plot (``<stem>.png`` or :data:`PLOTS`) when it exists, else nothing."""
-    png = PLOTS.get(name, name.removesuffix(".json") + ".png")
+    """A Markdown image of the file's plot (the PNG named after it, as the table scripts write it) when it exists,
+    else nothing."""
+    png = name.removesuffix(".json") + ".png"
     return f"\n\n![{png}](../results/{png})" if (results_dir / png).is_file() else ""
 
 
