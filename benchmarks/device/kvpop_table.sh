@@ -14,6 +14,7 @@
 # TABLE_ARGS (more options for every retrofit / table process) let the same script run as a CPU dry run:
 #   DEVICE=cpu MODEL=<tiny model> BUDGET=48 RETROFIT_MINUTES=0.1 TOTAL_MINUTES=1 N_PER_TASK=1 \
 #   RETROFIT_ARGS='--seq-len 256 --batch-size 2 --window 16' TABLE_ARGS='--context 256 --budgets 48 --tasks niah --splits eval' ...
+# STUDENTS also picks which students are trained; TAG (e.g. _b256) keeps two chains' /tmp folders apart.
 # Students trained earlier: STUDENTS_FROM=<folder> (its <name>/ checkpoints, carried to the device) skips the
 # retrofits and evaluates them; STUDENTS (default 'kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms',
 # name=method pairs) picks which; SPLIT_PARTS=1 runs each student's eval and held-out splits as two processes;
@@ -30,17 +31,22 @@ start=$(date +%s)
 retrofit() {  # name, then retrofit options
     local name=$1; shift
     # shellcheck disable=SC2068
-    python3 -m kvlearn.cli retrofit --model "$MODEL" --out "/tmp/table_$name" --overwrite --device "${DEVICE:-cuda}" \
+    python3 -m kvlearn.cli retrofit --model "$MODEL" --out "/tmp/table${TAG:-}_$name" --overwrite --device "${DEVICE:-cuda}" \
         --budget "$B" --minutes "$M" --num-workers 3 $@ ${RETROFIT_ARGS:-} > "$OUT/retrofit_$name.log" 2>&1
     echo "retrofit $name rc=$? $(date -u +%H:%M:%S)"
 }
 STUDENTS=${STUDENTS:-kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms}
-student_dir() { if [ -n "${STUDENTS_FROM:-}" ]; then echo "$STUDENTS_FROM/$1"; else echo "/tmp/table_$1/final"; fi; }
-if [ -z "${STUDENTS_FROM:-}" ]; then
-    retrofit kvpop_mlp --method kvpop --scorer mlp $KVPOP_EXTRA &
-    retrofit kvpop --method kvpop --scorer mlstm $KVPOP_EXTRA &
-    retrofit streaming_plus --method streaming_plus &
-    retrofit dms --method dms &
+student_dir() { if [ -n "${STUDENTS_FROM:-}" ]; then echo "$STUDENTS_FROM/$1"; else echo "/tmp/table${TAG:-}_$1/final"; fi; }
+if [ -z "${STUDENTS_FROM:-}" ]; then  # train the students STUDENTS names, side by side
+    for s in $STUDENTS; do
+        case ${s%%=*} in
+            kvpop_mlp) retrofit kvpop_mlp --method kvpop --scorer mlp $KVPOP_EXTRA & ;;
+            kvpop) retrofit kvpop --method kvpop --scorer mlstm $KVPOP_EXTRA & ;;
+            streaming_plus) retrofit streaming_plus --method streaming_plus & ;;
+            dms) retrofit dms --method dms & ;;
+            *) echo "STUDENTS: unknown student ${s%%=*}: expected kvpop_mlp, kvpop, streaming_plus or dms"; exit 2 ;;
+        esac
+    done
     wait
 fi
 left=$(python3 -c "print(max(1.0, round($TOTAL - ($(date +%s) - $start) / 60 - 0.7, 2)))")
@@ -81,14 +87,15 @@ from kvlearn.eval.plots import plot_pareto; from kvlearn.results import read_res
 print(plot_pareto(read_results('$OUT/kvpop_table.json')['rows'], '$OUT/kvpop_table.png', title='KVpop Table 1 on the testbed, context 4096'))"
 rm -f "$OUT"/part_*.json "$OUT"/part_*.png
 tail -n 8 "$OUT"/kvpop_table_*.log
-for name in kvpop_mlp kvpop streaming_plus dms; do
-    [ -z "${STUDENTS_FROM:-}" ] && [ -f "/tmp/table_$name/final/config.json" ] || continue
+for s in $STUDENTS; do
+    name=${s%%=*}
+    [ -z "${STUDENTS_FROM:-}" ] && [ -f "/tmp/table${TAG:-}_$name/final/config.json" ] || continue
     python3 -c "
 import shutil, sys, torch, kvlearn
 src, dst = sys.argv[1], sys.argv[2]
 kvlearn.load(src, dtype=torch.bfloat16).save_pretrained(dst)
 for f in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
     shutil.copy2(f'{src}/{f}', dst)
-" "/tmp/table_$name/final" "/tmp/student-$name" && tar -C /tmp -cf "$OUT/$name.tar" "student-$name"
+" "/tmp/table${TAG:-}_$name/final" "/tmp/student${TAG:-}-$name" && tar -C /tmp -cf "$OUT/$name.tar" "student${TAG:-}-$name"
 done
 ls -la "$OUT"

@@ -150,3 +150,51 @@ def test_teacher_stage_gate_script_falls_back_on_a_failed_or_missing_teacher(tmp
         assert capsys.readouterr().out.strip() == str(expected)
     assert teacher_stage_gate.main([str(good), "--fallback", "x", "--threshold", "1.5"]) == 2
     assert "--threshold=1.5 is invalid" in capsys.readouterr().err
+
+
+def test_pretrain_early_gate_reads_the_stage_check_of_a_growing_log(tmp_path, capsys):
+    """The gate that stops a failing teacher trial: nothing until the stage's check is printed, then pass / fail by
+    the family's eval accuracy (a hand-written log: progress lines, a half-written line, two checks)."""
+    import json
+
+    from benchmark_loader import load_benchmark
+
+    gate = load_benchmark("pretrain_early_gate")
+    check = {"stage": 2, "length": 1024, "accuracy": {"eval": {"trace": 0.25, "niah": 0.5, "vt": 0.0, "recall": 0.0},
+                                                     "heldout": {"trace": 0.1, "niah": 0.5, "vt": 0.0, "recall": 0.0}}}
+    log = tmp_path / "pretrain.log"
+    log.write_text("step 50 stage 0 len 256 loss 2.6\n" + json.dumps({**check, "stage": 1, "length": 512}) + "\n"
+                   + '{"stage": 2, "length": 10')  # the stage-2 line is still being written
+    args = [str(log), "--stage", "2", "--family", "trace"]
+    assert gate.main([*args, "--threshold", "0.2"]) == 0 and capsys.readouterr().out == ""
+    log.write_text(log.read_text().rsplit("\n", 1)[0] + "\n" + json.dumps(check) + "\nWriting model shards\n")
+    assert gate.main([*args, "--threshold", "0.2"]) == 0
+    assert capsys.readouterr().out.startswith("pass 0.250")
+    assert gate.main([*args, "--threshold", "0.3"]) == 0
+    assert capsys.readouterr().out.startswith("fail 0.250")
+    assert gate.main([*args, "--threshold", "0.2", "--split", "heldout"]) == 0
+    assert capsys.readouterr().out.startswith("fail 0.100")
+    assert gate.main([str(tmp_path / "missing.log"), "--stage", "0", "--threshold", "0.2"]) == 0
+    assert capsys.readouterr().out == ""
+    assert gate.main([*args, "--threshold", "1.5", "--family", "poem"]) == 2
+    err = capsys.readouterr().err
+    assert "--threshold=1.5 is invalid" in err and "--family='poem' is invalid" in err and "trace, niah" in err
+
+
+def test_teacher_trial_chain_stops_a_failing_trial_and_keeps_a_passing_one(tmp_path):
+    """benchmarks/device/teacher_trial_then_tables.sh as a dry run (fake pretrain log, sleeps for the GPU jobs): the
+    gate's verdict decides whether the method tables run."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "device" / "teacher_trial_then_tables.sh"
+    for trace, tables in (("0.0", True), ("0.5", False)):
+        run_dir = tmp_path / f"trace{trace}"
+        env = {**os.environ, "RUN_DIR": str(run_dir), "DRY_RUN": "1", "DRY_TRACE": trace}
+        out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120,
+                             cwd=script.parents[2]).stdout
+        gate = (run_dir / "gate.txt").read_text()
+        assert gate.startswith("fail" if tables else "pass"), (gate, out)
+        assert (run_dir / "table512.log").exists() == tables and (run_dir / "baselines.log").exists() == tables, out
+        assert ("== done" in out) == tables
