@@ -14,6 +14,8 @@ every slot visible) three ways, timed with CUDA events (median of ``--iters`` af
 Rows: ``ms`` per variant and the ratios ``fused / bf16`` and ``read_then_attend / bf16`` measured in the same run,
 ``--graph`` adds ``ms_graph``: each variant replayed from a CUDA graph, so the kernels are timed without the host's
 Python and launch overhead (what a compiled / graph-captured decode loop pays), and ``fused_over_bf16_graph``;
+``--graph --sweep`` adds the fused kernel's graph-replayed time over its launch grid (:func:`launch_sweep`), to
+choose :func:`kvlearn.ops.packed_decode.default_split` by measurement;
 plus the largest difference of ``fused`` from ``read_then_attend`` (same codes: only float rounding, chiefly the
 bf16 probabilities of the value product, as in flash attention). KV-Kaizen's
 acceptance asks ``fused / bf16 <= 1`` at 131k (issue #11 item 9). ``--smoke`` runs tiny shapes on the CPU through
@@ -71,7 +73,7 @@ def timed(fn, iters: int, device) -> float:
 
 @torch.no_grad()
 def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, backend: str,
-        graph: bool = False) -> dict:
+        graph: bool = False, sweep: bool = False) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(1, hkv, context, d, device=device, dtype=dtype, generator=g)
@@ -93,9 +95,10 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True) if device.type == "cuda" else \
             F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1))
 
-    def fused(block_c=64):
+    def fused(block_c=64, split=None):
         return packed_decode_attention(q[:, :, 0], store.key_codes, store.key_scales, store.value_codes,
-                                       store.value_scales, visible, bits, backend=backend, block_c=block_c)
+                                       store.value_scales, visible, bits, backend=backend, block_c=block_c,
+                                       split=split)
 
     ms = {name: timed(fn, iters, device) for name, fn in
           (("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused),
@@ -112,12 +115,30 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
         extra = {"ms_graph": ms_graph}
         if all(isinstance(ms_graph[k], float) for k in ("bf16", "fused")):
             extra["fused_over_bf16_graph"] = round(ms_graph["fused"] / ms_graph["bf16"], 3)
+        if sweep and isinstance(ms_graph["bf16"], float):
+            extra.update(launch_sweep(lambda bc, sp: graphed(lambda: fused(bc, sp)), context, iters, device,
+                                      ms_graph["bf16"]))
     return {"context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "backend": backend,
             "ms": {k2: round(v2, 4) for k2, v2 in ms.items()},
             "fused_over_bf16": round(ms["fused"] / ms["bf16"], 3),
             "fused_block_c_128_over_bf16": round(ms["fused_block_c_128"] / ms["bf16"], 3),
             "read_then_attend_over_bf16": round(ms["read_then_attend"] / ms["bf16"], 3),
             "max_abs_diff_fused_vs_read": diff, **extra}
+
+
+def launch_sweep(make, context: int, iters: int, device, bf16_ms: float) -> dict:
+    """The fused kernel's graph-replayed time over its launch grid: tiles ``block_c`` in {32, 64, 128} times slots
+    per program ``split`` from 128 up to 8192 (at most 2048 splits): ``sweep`` maps ``"block_c/split"`` to ms,
+    ``sweep_best`` is the fastest and ``sweep_best_over_bf16_graph`` its ratio to the graph-replayed bf16 cache."""
+    times = {}
+    for block_c in (32, 64, 128):
+        split = max(block_c, 128)
+        while split <= 8192:
+            if context // split <= 2048:
+                times[f"{block_c}/{split}"] = round(timed(make(block_c, split), iters, device), 4)
+            split *= 2
+    best = min(times, key=times.get)
+    return {"sweep": times, "sweep_best": best, "sweep_best_over_bf16_graph": round(times[best] / bf16_ms, 3)}
 
 
 def main(argv=None) -> int:
@@ -127,6 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--graph", action="store_true",
                    help="also time each variant replayed from a CUDA graph (the kernels without host overhead)")
+    p.add_argument("--sweep", action="store_true",
+                   help="with --graph: also time the fused kernel over its launch grid (block_c x split)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, torch backend")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -142,7 +165,7 @@ def main(argv=None) -> int:
     for c in contexts:
         for b in (int(x) for x in args.bits.split(",")):
             rows.append(row(c, b, *shape, iters=args.iters, device=device, backend=backend,
-                            graph=args.graph and device.type == "cuda"))
+                            graph=args.graph and device.type == "cuda", sweep=args.sweep))
             print(rows[-1], flush=True)
     if args.out:
         write_results(args.out, make_results("speed", rows, device=str(device)))

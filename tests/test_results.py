@@ -101,3 +101,31 @@ def test_merge_keeps_a_measured_row_over_a_failed_one():
     b = make_results("kaizen_memory", [ok], device="cpu", command="b", commit="c1")
     assert merge_results([a, b], "m")["rows"] == [ok, other]
     assert merge_results([b, a], "m")["rows"] == [ok, other]
+
+
+def test_merge_across_runs_clears_the_not_run_that_a_later_run_measured():
+    """An earlier run's ``not_run`` entry that a later run measured is dropped, and the merged file is complete
+    once nothing is left unmeasured; an entry no run measured stays, and the file stays incomplete."""
+    from kvlearn.results import make_results, merge_results, row_run_key
+
+    def row(method, budget, task="niah"):
+        return {"method": method, "protocol": "bounded", "split": "eval", "budget": budget, "task": task,
+                "accuracy": 0.5}
+
+    assert row_run_key(row("random", 512)) == "random/bounded/eval/B=512"
+    assert row_run_key(row("dense", 4096)) == "dense/bounded/eval"
+    first = make_results("accuracy", [row("dense", 4096), row("streaming", 1024)], device="cuda", command="a",
+                         commit="c1", not_run=["random/bounded/eval/B=512", "snapkv/context/eval/B=512"],
+                         complete=False)
+    second = make_results("accuracy", [row("random", 512), row("random", 512, "vt")], device="cuda", command="b",
+                          commit="c2", not_run=[], complete=True)
+    m = merge_results([first, second], "a; b", across_runs=True)
+    assert m["not_run"] == ["snapkv/context/eval/B=512"] and m["complete"] is False
+    third = make_results("accuracy", [{**row("snapkv", 512), "protocol": "context"}], device="cuda", command="c",
+                         commit="c3", complete=True)
+    m = merge_results([first, second, third], "a; b; c", across_runs=True)
+    assert m["not_run"] == [] and m["complete"] is True
+    failed = make_results("accuracy", [{**row("snapkv", 512), "protocol": "context", "error": "boom"}],
+                          device="cuda", command="c", commit="c3", complete=True)
+    m = merge_results([first, second, failed], "a; b; c", across_runs=True)
+    assert m["not_run"] == ["snapkv/context/eval/B=512"] and m["complete"] is False

@@ -123,6 +123,13 @@ def read_results(path: str | os.PathLike) -> dict:
     return data
 
 
+def row_run_key(row: dict) -> str:
+    """``method/protocol/split[/B=budget]``: the name under which a table script lists a run of rows in ``not_run``
+    (one run = every task of one method, protocol, split and budget; the full cache has no budget)."""
+    key = f"{row.get('method')}/{row.get('protocol')}/{row.get('split')}"
+    return key if row.get("method") in ("dense", "teacher") else f"{key}/B={row.get('budget')}"
+
+
 def merge_results(parts: list[dict], command: str, across_runs: bool = False) -> dict:
     """One results file from the files of runs split over processes or GPUs (same kind, commit and device).
 
@@ -133,8 +140,9 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
 
     ``across_runs``: the parts may come from different runs (commits, dates): every row gets its run's ``commit``,
     ``date`` and ``n_per_task`` (where the part has them), ``runs`` lists each part's ``commit``, ``date`` and
-    ``command``, and the file's ``commit`` names every commit (comma-separated, in order). Same kind and device
-    still."""
+    ``command``, and the file's ``commit`` names every commit (comma-separated, in order); a ``not_run`` entry that
+    another part measured is dropped (:func:`row_run_key`), and ``complete`` holds when no ``not_run`` entry and no
+    ``error`` row is left. Same kind and device still."""
     from .errors import check
 
     check(len(parts) > 0, "merge_results: no results to merge")
@@ -160,10 +168,15 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
                 rows[seen[key]] = r
     if any("not_run" in p for p in parts):
         merged["not_run"] = [x for p in parts for x in p.get("not_run", [])]
+        if across_runs:  # a later run may have measured what an earlier one did not reach
+            measured = {row_run_key(r) for r in rows if "error" not in r}
+            merged["not_run"] = list(dict.fromkeys(x for x in merged["not_run"] if x not in measured))
     if any("skipped" in p for p in parts):
         merged["skipped"] = {k: v for p in parts for k, v in p.get("skipped", {}).items()}
     if any("complete" in p for p in parts):
         merged["complete"] = all(p.get("complete", False) for p in parts)
+        if across_runs:
+            merged["complete"] = not merged.get("not_run") and not any("error" in r for r in rows)
     if any("wall_seconds" in p for p in parts):
         merged["wall_seconds"] = max(p.get("wall_seconds", 0) for p in parts)
     merged["rows"] = rows

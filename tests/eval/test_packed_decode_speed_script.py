@@ -36,3 +36,46 @@ def test_graph_replay_times_every_variant_on_cuda():
     r = script.row(4096, 4, 8, 2, 128, iters=3, device=torch.device("cuda"), backend="triton", graph=True)
     assert all(isinstance(r["ms_graph"][k], float) and r["ms_graph"][k] > 0 for k in ("bf16", "read_then_attend", "fused"))
     assert r["fused_over_bf16_graph"] > 0
+
+
+def test_launch_sweep_covers_the_grid_and_names_the_fastest():
+    """The launch-grid sweep times every (block_c, split) with split from max(block_c, 128) to 8192 and at most 2048
+    splits, and reports the fastest (its own times, here of callables made slow on purpose)."""
+    import time
+
+    import torch
+
+    script = load_script()
+    made = []
+
+    def make(block_c, split):
+        made.append((block_c, split))
+        return lambda: time.sleep(0.002 if (block_c, split) != (64, 1024) else 0.0)
+
+    r = script.launch_sweep(make, 262144, iters=1, device=torch.device("cpu"), bf16_ms=1.0)
+    expected = [(bc, sp) for bc in (32, 64, 128) for sp in (128, 256, 512, 1024, 2048, 4096, 8192)
+                if 262144 // sp <= 2048]
+    assert made == expected and set(r["sweep"]) == {f"{bc}/{sp}" for bc, sp in expected}
+    assert r["sweep_best"] == "64/1024" and r["sweep_best_over_bf16_graph"] == round(r["sweep"]["64/1024"], 3)
+
+
+@pytest.mark.gpu
+def test_launch_sweep_on_cuda_agrees_with_the_default_launch():
+    """On CUDA every launch of the sweep gives the default launch's output (same codes, different split only)."""
+    import torch
+
+    from kvlearn.cache import PackedStore
+    from kvlearn.ops.packed_decode import packed_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k, v = (torch.randn(1, 2, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q = torch.randn(1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    store = PackedStore(4)
+    store.allocate(1, 2, 4096, 128, 128, torch.bfloat16, torch.device("cuda"))
+    store.write(torch.arange(4096, device="cuda").expand(1, 2, 4096), k, v)
+    visible = torch.ones(1, 1, 4096, dtype=torch.bool, device="cuda")
+    args = (q, store.key_codes, store.key_scales, store.value_codes, store.value_scales, visible, 4)
+    ref = packed_decode_attention(*args, backend="triton")
+    for block_c, split in ((32, 128), (64, 256), (128, 1024), (64, 4096)):
+        out = packed_decode_attention(*args, backend="triton", block_c=block_c, split=split)
+        torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
