@@ -224,6 +224,15 @@ def _score_head(h: Tensor, a: Tensor, b: Tensor, norm_weight: Tensor | None, nor
     return torch.einsum("bh...d,hd->bh...", F.silu(h), a.float()) + b.float().view((heads,) + (1,) * extra)
 
 
+def _direct_score(x: Tensor, w1: Tensor | None, b1: Tensor | None, w2: Tensor | None) -> Tensor | float:
+    """The direct per-token path ``w2ᵀ SiLU(W1ᵀ x + b1)`` of ``x [B,H,...,2D]`` -> ``[B,H,...]`` (0 when absent)."""
+    if w1 is None:
+        return 0.0
+    extra = x.dim() - 3
+    hid = torch.einsum("bh...c,hcd->bh...d", x, w1.float()) + b1.float().view((w1.shape[0],) + (1,) * extra + (-1,))
+    return torch.einsum("bh...d,hd->bh...", F.silu(hid), w2.float())
+
+
 def mlstm_scores(
     key: Tensor,
     value: Tensor,
@@ -241,10 +250,11 @@ def mlstm_scores(
     Scores ``[B,H,T]`` float32 and the final state ``(C [B,H,Dk,Dv], n [B,H,Dk], m [B,H])`` of a full sequence, from
     validated key/value ``[B,H,T,D]`` and ``valid`` ``[B,T]`` (None: no padding).
 
-    ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b)``; ``delay`` is the readout delay;
+    ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b, d_w1, d_b1, d_w2)`` (the last three
+    None without the direct path); ``delay`` is the readout delay;
     ``matmul_dtype`` the operand precision of the mLSTM chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`).
     """
-    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b = params
+    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b, d_w1, d_b1, d_w2 = params
     x = _cat_kv(key, value)
     q, k, v, ig, fg = _project(x, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)
     if valid is not None:  # padding neither writes (input gate -> 0) nor decays (forget gate -> 1) the memory
@@ -261,7 +271,7 @@ def mlstm_scores(
         h_seq, state = mlstm_chunkwise_unchecked(q_read, k, v, ig, fg, None, chunk_size, eps, matmul_dtype)
         h_prov = mlstm_readout_unchecked(q[:, :, t - shift :], *state, eps)  # u = T-w .. T-1, read at T-1
         h = torch.cat([h_seq[:, :, shift:], h_prov], dim=2)  # u = 0 .. T-1-w read at u + w, then provisional
-    return (_score_head(h, a, b, norm_weight, norm_eps), *state)
+    return (_score_head(h, a, b, norm_weight, norm_eps) + _direct_score(x, d_w1, d_b1, d_w2), *state)
 
 
 def mlstm_continue_scores(
@@ -294,9 +304,10 @@ def mlstm_continue_scores(
     (final for ``j < n_real``, provisional after; None without the delayed readout) and the state after the
     forward's last real token.
     """
-    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b = params
+    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b, d_w1, d_b1, d_w2 = params
     bsz, heads, t, _ = key.shape
-    q, k, v, ig, fg = _project(_cat_kv(key, value), w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)
+    x = _cat_kv(key, value)
+    q, k, v, ig, fg = _project(x, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)
     if valid is None:
         valid = torch.ones(bsz, t, dtype=torch.bool, device=key.device)
     valid = valid.to(torch.bool)
@@ -321,8 +332,10 @@ def mlstm_continue_scores(
     else:
         if past_key is None:
             q_past = torch.zeros(bsz, heads, delay, q.shape[-1], device=q.device, dtype=q.dtype)
+            x_past = torch.zeros(bsz, heads, delay, x.shape[-1], device=x.device, dtype=x.dtype)
         else:
-            q_past = _project(_cat_kv(past_key, past_value), w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)[0]
+            x_past = _cat_kv(past_key, past_value)
+            q_past = _project(x_past, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)[0]
         ext = torch.cat([q_past, q], dim=2)  # [B,H,w+T,D]: query features by rank over the past and the forward
         h_seq, state = mlstm_chunkwise_unchecked(ext[:, :, :t], k, v, ig, fg, state, chunk_size, eps, matmul_dtype)
         h_end = mlstm_readout_unchecked(ext, *state, eps)  # [B,H,w+T,Dv] every token read from the final memory
@@ -330,8 +343,9 @@ def mlstm_continue_scores(
         h = torch.where(final, F.pad(h_seq, (0, 0, 0, delay)), h_end)  # token of ext rank j read at rank j
         scores_ext = _score_head(h, a, b, norm_weight, norm_eps)
         past_scores, scores_r = scores_ext[:, :, :delay], scores_ext[:, :, delay:]
+        past_scores = past_scores + _direct_score(x_past, d_w1, d_b1, d_w2)
     inverse = torch.argsort(order, dim=1)  # rank of each column
-    scores = torch.gather(scores_r, 2, inverse[:, None, :].expand(bsz, heads, t))
+    scores = torch.gather(scores_r, 2, inverse[:, None, :].expand(bsz, heads, t)) + _direct_score(x, d_w1, d_b1, d_w2)
     return scores, past_scores, state
 
 
@@ -406,6 +420,15 @@ class MLSTMScorer(KVScorer):
     (``σ(3) = 0.95`` ... ``σ(6) = 0.9975``: memories of ~20 to ~400 tokens, kept early); ``a = 0``, ``b = 0``
     (neutral ranking at start); RMSNorm weight 1.
 
+    ``direct=True`` (not in the paper; default False) adds a direct per-token path, ``MLPScorer``'s two-layer MLP
+    on ``x_u`` (hidden ``direct_hidden``, default ``2D``; output layer zero at init):
+    ``r̂_u = aᵀ SiLU(Norm(h_{u|q})) + b + w2ᵀ SiLU(W1ᵀ x_u + b1)``. Without it the score depends on token ``u`` only
+    through ``q̃_u`` (the value half of ``x_u`` not at all at init) and the readout is a normalised mixture of the
+    *memory's* values, which the later tokens dominate (at the default forget biases ``u``'s own write has decayed
+    by ``σ(3)^w`` to ``σ(6)^w`` when it is read at ``u + w``): a linear readout of the initial ``SiLU(h)`` explains
+    ~4% of the peak target's variance on the testbed teacher where the MLP's initial hidden layer explains ~60%
+    (``benchmarks/kvpop_scorer_fit.py``). ``step`` uses ``u``'s cached key/value for it, as for ``q̃_u``.
+
     ``compile=True`` (default) runs the full-sequence forward (``forward``/``prefill``) through
     ``torch.compile(dynamic=False)`` when the inputs are on CUDA and autograd is on (training; the first call per
     input shape compiles); without autograd (``no_grad``/``inference_mode``), on other devices and with
@@ -432,6 +455,8 @@ class MLSTMScorer(KVScorer):
         forget_bias_range: tuple[float, float] = (3.0, 6.0),
         compile: bool = True,
         matmul_dtype: str = "float32",
+        direct: bool = False,
+        direct_hidden: int | None = None,
     ) -> None:
         super().__init__(num_kv_heads, head_dim)
         check(
@@ -443,6 +468,7 @@ class MLSTMScorer(KVScorer):
         check(isinstance(delayed_readout, bool), f"delayed_readout={delayed_readout!r} is invalid: expected True or False")
         check(isinstance(use_norm, bool), f"use_norm={use_norm!r} is invalid: expected True or False")
         check(isinstance(compile, bool), f"compile={compile!r} is invalid: expected True or False")
+        check(isinstance(direct, bool), f"direct={direct!r} is invalid: expected True or False")
         check_matmul_dtype(matmul_dtype)
         value_dim = head_dim // 2 if value_dim is None else value_dim
         check_int("value_dim", value_dim, 1)
@@ -481,19 +507,30 @@ class MLSTMScorer(KVScorer):
         self.norm_weight = nn.Parameter(torch.ones(h, value_dim)) if use_norm else None
         self.a = nn.Parameter(torch.zeros(h, value_dim))
         self.b = nn.Parameter(torch.zeros(h))
+        self.direct = direct
+        if direct:  # MLPScorer's per-token path on x_u, its output layer zero (neutral ranking at start)
+            hidden = 2 * d if direct_hidden is None else direct_hidden
+            check_int("direct_hidden", hidden, 1)
+            bound = 1.0 / math.sqrt(2 * d)
+            self.direct_w1 = nn.Parameter(torch.empty(h, 2 * d, hidden).uniform_(-bound, bound))
+            self.direct_b1 = nn.Parameter(torch.empty(h, hidden).uniform_(-bound, bound))
+            self.direct_w2 = nn.Parameter(torch.zeros(h, hidden))
+        else:
+            self.direct_w1 = self.direct_b1 = self.direct_w2 = None
 
     def extra_repr(self) -> str:
         return (
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, window={self.window}, "
             f"delayed_readout={self.delayed_readout}, use_norm={self.use_norm}, value_dim={self.value_dim}, "
             f"gate_softcap={self.gate_softcap}, chunk_size={self.chunk_size}, compile={self.compile}, "
-            f"matmul_dtype={self.matmul_dtype!r}"
+            f"matmul_dtype={self.matmul_dtype!r}, direct={self.direct}"
         )
 
     # -- pieces ---------------------------------------------------------------------------------------------
     def score_params(self) -> tuple:
         """The parameter tensors :func:`mlstm_scores` takes as ``params``, in its order."""
-        return (self.w_q, self.w_k, self.w_v, self.w_i, self.b_i, self.w_f, self.b_f, self.norm_weight, self.a, self.b)
+        return (self.w_q, self.w_k, self.w_v, self.w_i, self.b_i, self.w_f, self.b_f, self.norm_weight, self.a, self.b,
+                self.direct_w1, self.direct_b1, self.direct_w2)
 
     def _features(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``x [B,H,...,2D]`` -> ``q̃ [..,D]``, ``k̃ [..,D]``, ``ṽ [..,Dv]``, ``ĩ [..]``, ``f̃ [..]``."""
@@ -624,6 +661,7 @@ class MLSTMScorer(KVScorer):
                 key_u is None and value_u is None,
                 "key_u/value_u given with delayed_readout=False: expected None (the scored token is t itself)",
             )
+            x_u = x_t
             q = self._features(x_t)[0]
         elif key_u is None or value_u is None:
             check(key_u is None and value_u is None, "only one of key_u/value_u given: expected both or neither")
@@ -634,7 +672,9 @@ class MLSTMScorer(KVScorer):
             q = self._features(x_u)[0]
         _, k, v, ig, fg = self._features(x_t)
         h, new_state = mlstm_step(q if q is not None else torch.zeros_like(k), k, v, ig, fg, state, eps=self.eps)
-        return (self._head(h) if q is not None else None), new_state
+        if q is None:
+            return None, new_state
+        return self._head(h) + _direct_score(x_u, self.direct_w1, self.direct_b1, self.direct_w2), new_state
 
     def state_bytes_per_head(self) -> int:
         """float32 ``C [D, Dv]`` + ``n [D]`` + ``m``: ``4·(D·Dv + D + 1)`` bytes per KV head and sequence."""
