@@ -104,6 +104,8 @@ class KVpopConfig:
     ``context`` (optional) is the evaluation context; when given, the budget must be below it (else nothing is
     compressed). ``mlstm_matmul_dtype`` (``"float32"`` default, ``"tf32"``, ``"bfloat16"``) is the operand precision
     of the mLSTM scorer's chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`); not a learned field.
+    ``mlstm_skip``: the mLSTM scorer's optional skip connection from the scored token to the score (the paper's
+    appendix E.5 variant; :class:`kvlearn.kvpop.scorers.MLSTMScorer` ``skip``); a learned field.
     ``target_aggregation``, ``target_count_normalize``, ``target_reduction``: the future-attention target the
     scorers learn (:func:`kvlearn.ops.future_target.future_attention_target`; ``"peak"`` ignores the count).
     """
@@ -117,6 +119,7 @@ class KVpopConfig:
     decay_step: int = 1
     scorer: str = "mlstm"
     delayed_readout: bool = True
+    mlstm_skip: bool = False
     mlstm_matmul_dtype: str = "float32"
     target_eps: float = 1e-6
     target_aggregation: str = "max"
@@ -157,6 +160,7 @@ class KVpopConfig:
             f"decay_min={self.decay_min} and decay_max={self.decay_max}",
         )
         check(self.scorer in self.SCORERS, f"scorer={self.scorer!r} is unknown: expected one of {', '.join(self.SCORERS)}")
+        check(isinstance(self.mlstm_skip, bool), f"mlstm_skip={self.mlstm_skip!r} is invalid: expected True or False")
         check(isinstance(self.mlstm_matmul_dtype, str) and self.mlstm_matmul_dtype in self.MATMUL_DTYPES,
               f"mlstm_matmul_dtype={self.mlstm_matmul_dtype!r} is unknown: expected one of {', '.join(self.MATMUL_DTYPES)}")
         check(

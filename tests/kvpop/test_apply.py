@@ -343,7 +343,7 @@ def test_kvlearn_eval_takes_an_mlstm_checkpoints_learned_fields(tmp_path, capsys
     model, config, _ = mlstm_harness_model(True)
     model.save_pretrained(tmp_path)
     options = trained_options("kvpop", tmp_path)
-    assert options == {"scorer": "mlstm", "delayed_readout": True, "decay_min": config.decay_min,
+    assert options == {"scorer": "mlstm", "delayed_readout": True, "mlstm_skip": False, "decay_min": config.decay_min,
                        "decay_max": config.decay_max, "window": 32}
     assert trained_options("kvpop", tmp_path / "nope") == {} and trained_options("streaming", tmp_path) == {}
     out = tmp_path / "rows.json"
@@ -402,3 +402,26 @@ def test_decay_init_sets_every_heads_initial_gamma(capsys):
     assert main(["retrofit", "--model", "nowhere", "--out", "nowhere2", "--decay-init", "0.2"]) == 2
     err = capsys.readouterr().err
     assert "decay_init=0.2 is invalid" in err and err.count("\n") == 1
+
+
+def test_the_mlstm_skip_variant_decodes_like_its_mask_round_trips_and_must_match(tmp_path):
+    """KVpopConfig(mlstm_skip=True): every layer's mLSTM scorer has the skip path; decoding through the cache equals
+    the masked full forward (rule 4); save_pretrained -> load keeps it (identical decode logits); loading it under a
+    config without the skip is a one-line error naming the field."""
+    model, config = kvpop_model(scorer="mlstm", seed=3, mlstm_skip=True)
+    scorers, decays = kvpop_modules(model)
+    assert all(s.skip and s.skip_w1 is not None for s in scorers)
+    ids = torch.randint(1, VOCAB, (2, 40))
+    ref = reference_logits(model, scorers, decays, config, ids)
+    got = decode_logits(model, make_kvpop_cache(model), ids, prefill=12)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["kvpop"]["mlstm_skip"] is True
+    loaded = kvlearn.load(tmp_path)
+    assert all(s.skip for s in kvpop_modules(loaded)[0])
+    torch.testing.assert_close(decode_logits(loaded, make_kvpop_cache(loaded), ids, prefill=12), got, atol=0, rtol=0)
+    with pytest.raises(KVLearnError, match="mlstm_skip=False but the model's KVpop modules were built with mlstm_skip=True") as err:
+        make_kvpop_cache(model, KVpopConfig(**{**KV}, scorer="mlstm"))
+    one_line(err)
+    with pytest.raises(KVLearnError, match="mlstm_skip=1 is invalid"):
+        KVpopConfig(scorer="mlstm", mlstm_skip=1)

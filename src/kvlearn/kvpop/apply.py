@@ -37,7 +37,7 @@ __all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kv
 
 CONFIG_KEY = "kvpop"  # the entry of model.config
 # fields a trained checkpoint fixes for its evaluation (kvlearn.methods.trained_options); the budget's top-k is free
-TRAINED_FIELDS = ("scorer", "delayed_readout", "decay_min", "decay_max", "window")
+TRAINED_FIELDS = ("scorer", "delayed_readout", "mlstm_skip", "decay_min", "decay_max", "window")
 
 # ----------------------------------------------------------------------------------------------------------------
 # model structure
@@ -71,6 +71,7 @@ def _check_modules_fit(model, config: KVpopConfig, what: str) -> None:
     built = {"scorer": first.scorer_kind, "decay_min": first.decay.decay_min, "decay_max": first.decay.decay_max}
     if first.scorer_kind == "mlstm":  # the readout only exists for the stateful scorer
         built["delayed_readout"] = first.scorer.delayed_readout
+        built["mlstm_skip"] = first.scorer.skip
     for name, have in built.items():
         want = getattr(config, name)
         check(have == want,

@@ -28,7 +28,8 @@ class KVpopModules(nn.Module):
             self.scorer = MLPScorer(num_kv_heads, head_dim)
         else:
             self.scorer = MLSTMScorer(num_kv_heads, head_dim, window=config.window,
-                                      delayed_readout=config.delayed_readout, matmul_dtype=config.mlstm_matmul_dtype)
+                                      delayed_readout=config.delayed_readout, matmul_dtype=config.mlstm_matmul_dtype,
+                                      skip=config.mlstm_skip)
         self.decay = LearnedDecay(num_kv_heads, config.decay_min, config.decay_max, config.decay_init)
         self.scorer_kind = config.scorer
 

@@ -224,8 +224,8 @@ def _score_head(h: Tensor, a: Tensor, b: Tensor, norm_weight: Tensor | None, nor
     return torch.einsum("bh...d,hd->bh...", F.silu(h), a.float()) + b.float().view((heads,) + (1,) * extra)
 
 
-def _direct_score(x: Tensor, w1: Tensor | None, b1: Tensor | None, w2: Tensor | None) -> Tensor | float:
-    """The direct per-token path ``w2ᵀ SiLU(W1ᵀ x + b1)`` of ``x [B,H,...,2D]`` -> ``[B,H,...]`` (0 when absent)."""
+def _skip_score(x: Tensor, w1: Tensor | None, b1: Tensor | None, w2: Tensor | None) -> Tensor | float:
+    """The skip path ``w2ᵀ SiLU(W1ᵀ x + b1)`` of ``x [B,H,...,2D]`` -> ``[B,H,...]`` (0 when absent)."""
     if w1 is None:
         return 0.0
     extra = x.dim() - 3
@@ -251,7 +251,7 @@ def mlstm_scores(
     validated key/value ``[B,H,T,D]`` and ``valid`` ``[B,T]`` (None: no padding).
 
     ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b, d_w1, d_b1, d_w2)`` (the last three
-    None without the direct path); ``delay`` is the readout delay;
+    None without the skip path); ``delay`` is the readout delay;
     ``matmul_dtype`` the operand precision of the mLSTM chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`).
     """
     w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b, d_w1, d_b1, d_w2 = params
@@ -271,7 +271,7 @@ def mlstm_scores(
         h_seq, state = mlstm_chunkwise_unchecked(q_read, k, v, ig, fg, None, chunk_size, eps, matmul_dtype)
         h_prov = mlstm_readout_unchecked(q[:, :, t - shift :], *state, eps)  # u = T-w .. T-1, read at T-1
         h = torch.cat([h_seq[:, :, shift:], h_prov], dim=2)  # u = 0 .. T-1-w read at u + w, then provisional
-    return (_score_head(h, a, b, norm_weight, norm_eps) + _direct_score(x, d_w1, d_b1, d_w2), *state)
+    return (_score_head(h, a, b, norm_weight, norm_eps) + _skip_score(x, d_w1, d_b1, d_w2), *state)
 
 
 def mlstm_continue_scores(
@@ -343,9 +343,9 @@ def mlstm_continue_scores(
         h = torch.where(final, F.pad(h_seq, (0, 0, 0, delay)), h_end)  # token of ext rank j read at rank j
         scores_ext = _score_head(h, a, b, norm_weight, norm_eps)
         past_scores, scores_r = scores_ext[:, :, :delay], scores_ext[:, :, delay:]
-        past_scores = past_scores + _direct_score(x_past, d_w1, d_b1, d_w2)
+        past_scores = past_scores + _skip_score(x_past, d_w1, d_b1, d_w2)
     inverse = torch.argsort(order, dim=1)  # rank of each column
-    scores = torch.gather(scores_r, 2, inverse[:, None, :].expand(bsz, heads, t)) + _direct_score(x, d_w1, d_b1, d_w2)
+    scores = torch.gather(scores_r, 2, inverse[:, None, :].expand(bsz, heads, t)) + _skip_score(x, d_w1, d_b1, d_w2)
     return scores, past_scores, state
 
 
@@ -420,14 +420,15 @@ class MLSTMScorer(KVScorer):
     (``σ(3) = 0.95`` ... ``σ(6) = 0.9975``: memories of ~20 to ~400 tokens, kept early); ``a = 0``, ``b = 0``
     (neutral ranking at start); RMSNorm weight 1.
 
-    ``direct=True`` (not in the paper; default False) adds a direct per-token path, ``MLPScorer``'s two-layer MLP
-    on ``x_u`` (hidden ``direct_hidden``, default ``2D``; output layer zero at init):
+    ``skip=True`` (default False) is the paper's optional skip connection from the delayed token to the score
+    (appendix E.5, "practical variants"), here ``MLPScorer``'s two-layer MLP on ``x_u`` (hidden ``skip_hidden``,
+    default ``2D``; output layer zero at init) added to the score:
     ``r̂_u = aᵀ SiLU(Norm(h_{u|q})) + b + w2ᵀ SiLU(W1ᵀ x_u + b1)``. Without it the score depends on token ``u`` only
     through ``q̃_u`` (the value half of ``x_u`` not at all at init) and the readout is a normalised mixture of the
     *memory's* values, which the later tokens dominate (at the default forget biases ``u``'s own write has decayed
-    by ``σ(3)^w`` to ``σ(6)^w`` when it is read at ``u + w``): a linear readout of the initial ``SiLU(h)`` explains
-    ~4% of the peak target's variance on the testbed teacher where the MLP's initial hidden layer explains ~60%
-    (``benchmarks/kvpop_scorer_fit.py``). ``step`` uses ``u``'s cached key/value for it, as for ``q̃_u``.
+    by ``σ(3)^w`` to ``σ(6)^w`` when it is read at ``u + w``), so the needles, whose importance is in their own
+    keys, are hard to score (``benchmarks/kvpop_scorer_fit.py``, ``docs/DESIGN.md`` 4.2). ``step`` uses ``u``'s
+    cached key/value for it, as for ``q̃_u``.
 
     ``compile=True`` (default) runs the full-sequence forward (``forward``/``prefill``) through
     ``torch.compile(dynamic=False)`` when the inputs are on CUDA and autograd is on (training; the first call per
@@ -455,8 +456,8 @@ class MLSTMScorer(KVScorer):
         forget_bias_range: tuple[float, float] = (3.0, 6.0),
         compile: bool = True,
         matmul_dtype: str = "float32",
-        direct: bool = False,
-        direct_hidden: int | None = None,
+        skip: bool = False,
+        skip_hidden: int | None = None,
     ) -> None:
         super().__init__(num_kv_heads, head_dim)
         check(
@@ -468,7 +469,7 @@ class MLSTMScorer(KVScorer):
         check(isinstance(delayed_readout, bool), f"delayed_readout={delayed_readout!r} is invalid: expected True or False")
         check(isinstance(use_norm, bool), f"use_norm={use_norm!r} is invalid: expected True or False")
         check(isinstance(compile, bool), f"compile={compile!r} is invalid: expected True or False")
-        check(isinstance(direct, bool), f"direct={direct!r} is invalid: expected True or False")
+        check(isinstance(skip, bool), f"skip={skip!r} is invalid: expected True or False")
         check_matmul_dtype(matmul_dtype)
         value_dim = head_dim // 2 if value_dim is None else value_dim
         check_int("value_dim", value_dim, 1)
@@ -507,30 +508,30 @@ class MLSTMScorer(KVScorer):
         self.norm_weight = nn.Parameter(torch.ones(h, value_dim)) if use_norm else None
         self.a = nn.Parameter(torch.zeros(h, value_dim))
         self.b = nn.Parameter(torch.zeros(h))
-        self.direct = direct
-        if direct:  # MLPScorer's per-token path on x_u, its output layer zero (neutral ranking at start)
-            hidden = 2 * d if direct_hidden is None else direct_hidden
-            check_int("direct_hidden", hidden, 1)
+        self.skip = skip
+        if skip:  # MLPScorer's per-token path on x_u, its output layer zero (neutral ranking at start)
+            hidden = 2 * d if skip_hidden is None else skip_hidden
+            check_int("skip_hidden", hidden, 1)
             bound = 1.0 / math.sqrt(2 * d)
-            self.direct_w1 = nn.Parameter(torch.empty(h, 2 * d, hidden).uniform_(-bound, bound))
-            self.direct_b1 = nn.Parameter(torch.empty(h, hidden).uniform_(-bound, bound))
-            self.direct_w2 = nn.Parameter(torch.zeros(h, hidden))
+            self.skip_w1 = nn.Parameter(torch.empty(h, 2 * d, hidden).uniform_(-bound, bound))
+            self.skip_b1 = nn.Parameter(torch.empty(h, hidden).uniform_(-bound, bound))
+            self.skip_w2 = nn.Parameter(torch.zeros(h, hidden))
         else:
-            self.direct_w1 = self.direct_b1 = self.direct_w2 = None
+            self.skip_w1 = self.skip_b1 = self.skip_w2 = None
 
     def extra_repr(self) -> str:
         return (
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, window={self.window}, "
             f"delayed_readout={self.delayed_readout}, use_norm={self.use_norm}, value_dim={self.value_dim}, "
             f"gate_softcap={self.gate_softcap}, chunk_size={self.chunk_size}, compile={self.compile}, "
-            f"matmul_dtype={self.matmul_dtype!r}, direct={self.direct}"
+            f"matmul_dtype={self.matmul_dtype!r}, skip={self.skip}"
         )
 
     # -- pieces ---------------------------------------------------------------------------------------------
     def score_params(self) -> tuple:
         """The parameter tensors :func:`mlstm_scores` takes as ``params``, in its order."""
         return (self.w_q, self.w_k, self.w_v, self.w_i, self.b_i, self.w_f, self.b_f, self.norm_weight, self.a, self.b,
-                self.direct_w1, self.direct_b1, self.direct_w2)
+                self.skip_w1, self.skip_b1, self.skip_w2)
 
     def _features(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``x [B,H,...,2D]`` -> ``q̃ [..,D]``, ``k̃ [..,D]``, ``ṽ [..,Dv]``, ``ĩ [..]``, ``f̃ [..]``."""
@@ -674,7 +675,7 @@ class MLSTMScorer(KVScorer):
         h, new_state = mlstm_step(q if q is not None else torch.zeros_like(k), k, v, ig, fg, state, eps=self.eps)
         if q is None:
             return None, new_state
-        return self._head(h) + _direct_score(x_u, self.direct_w1, self.direct_b1, self.direct_w2), new_state
+        return self._head(h) + _skip_score(x_u, self.skip_w1, self.skip_b1, self.skip_w2), new_state
 
     def state_bytes_per_head(self) -> int:
         """float32 ``C [D, Dv]`` + ``n [D]`` + ``m``: ``4·(D·Dv + D + 1)`` bytes per KV head and sequence."""

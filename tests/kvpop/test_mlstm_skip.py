@@ -1,4 +1,4 @@
-"""MLSTMScorer(direct=True): the mLSTM readout plus a direct per-token MLP path on x_u (every entry point agrees)."""
+"""MLSTMScorer(skip=True): the mLSTM readout plus the skip path (an MLP of x_u added to the score) on x_u (every entry point agrees)."""
 
 import pytest
 import torch
@@ -11,8 +11,8 @@ def _kv(seed, b=2, h=2, t=30, d=8):
     return torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
 
 
-def _direct(window=5, seed=0, d=8, **kw):
-    s = MLSTMScorer(2, d, window=window, direct=True, compile=False, **kw)
+def _with_skip(window=5, seed=0, d=8, **kw):
+    s = MLSTMScorer(2, d, window=window, skip=True, compile=False, **kw)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in s.parameters():
@@ -20,44 +20,44 @@ def _direct(window=5, seed=0, d=8, **kw):
     return s
 
 
-def test_default_has_no_direct_path_and_the_paper_parameter_count():
+def test_default_has_no_skip_path_and_the_paper_parameter_count():
     s = MLSTMScorer(8, 128, window=256)
-    assert not s.direct and s.direct_w1 is None
+    assert not s.skip and s.skip_w1 is None
     assert s.num_parameters_per_head() == 49731
-    d = MLSTMScorer(8, 128, window=256, direct=True)
+    d = MLSTMScorer(8, 128, window=256, skip=True)
     assert d.num_parameters_per_head() == 49731 + 256 * 256 + 256 + 256
     with pytest.raises(Exception):
-        MLSTMScorer(2, 8, window=3, direct=1)
+        MLSTMScorer(2, 8, window=3, skip=1)
 
 
-def test_zero_init_is_constant_and_the_direct_path_gets_the_first_gradient():
-    s = MLSTMScorer(2, 8, window=3, direct=True, compile=False)
+def test_zero_init_is_constant_and_the_skip_path_gets_the_first_gradient():
+    s = MLSTMScorer(2, 8, window=3, skip=True, compile=False)
     k, v = _kv(0)
     r = s(k, v)
     assert torch.equal(r, torch.zeros_like(r))
     (r * torch.randn_like(r)).sum().backward()
-    assert s.direct_w2.grad is not None and float(s.direct_w2.grad.norm()) > 0
+    assert s.skip_w2.grad is not None and float(s.skip_w2.grad.norm()) > 0
     assert float(s.a.grad.norm()) > 0
 
 
 @pytest.mark.parametrize("delayed", [True, False])
 def test_forward_is_the_plain_mlstm_plus_the_mlp(delayed):
-    s = _direct(window=4, seed=1, delayed_readout=delayed)
+    s = _with_skip(window=4, seed=1, delayed_readout=delayed)
     plain = MLSTMScorer(2, 8, window=4, delayed_readout=delayed, compile=False)
     mlp = MLPScorer(2, 8)
     with torch.no_grad():
         for name, p in plain.named_parameters():
             p.copy_(getattr(s, name))
-        mlp.w1.copy_(s.direct_w1)
-        mlp.b1.copy_(s.direct_b1)
-        mlp.w2.copy_(s.direct_w2)
+        mlp.w1.copy_(s.skip_w1)
+        mlp.b1.copy_(s.skip_b1)
+        mlp.w2.copy_(s.skip_w2)
     k, v = _kv(2)
     torch.testing.assert_close(s(k, v), plain(k, v) + mlp(k, v), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("t0,t,window,delayed", [(20, 45, 6, True), (3, 30, 6, True), (10, 33, 5, False)])
 def test_prefill_then_steps_reproduce_forward(t0, t, window, delayed):
-    s = _direct(window=window, seed=t0, chunk_size=8, delayed_readout=delayed)
+    s = _with_skip(window=window, seed=t0, chunk_size=8, delayed_readout=delayed)
     k, v = _kv(t0 + t, t=t)
     full = s(k, v)
     scores, state = s.prefill(k[:, :, :t0], v[:, :, :t0])
@@ -81,7 +81,7 @@ def test_prefill_then_steps_reproduce_forward(t0, t, window, delayed):
 @pytest.mark.parametrize("delayed", [True, False])
 def test_continue_prefill_in_chunks_equals_forward(delayed):
     window, t = 3, 37
-    s = _direct(window=window, seed=5, d=16, chunk_size=4, delayed_readout=delayed)
+    s = _with_skip(window=window, seed=5, d=16, chunk_size=4, delayed_readout=delayed)
     k, v = _kv(9, d=16, t=t)
     full, state_full = s.prefill(k, v)
     scores = torch.full_like(full, float("nan"))
