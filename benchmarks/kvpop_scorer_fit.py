@@ -44,6 +44,7 @@ from transformers.masking_utils import sdpa_mask
 
 import kvlearn
 from kvlearn import KVpopConfig
+from kvlearn.errors import KVLearnError, check
 from kvlearn.kvpop.loss import boundary_loss
 from kvlearn.kvpop.modules import KVpopModules
 from kvlearn.kvpop.policy import (LearnedDecay, TeacherPolicy, boundary_decisions, sample_query_positions,
@@ -252,6 +253,32 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:
+        return run(args)
+    except KVLearnError as err:
+        print(f"kvpop_scorer_fit: error: {err}", file=sys.stderr)
+        return 2
+
+
+ARMS = ("mlp", "linear", "mlstm", "mlstm+mlp")
+ARM_KEYS = ("lr", "forget", "delayed", "skip", "norm")
+
+
+def check_arm(spec: str) -> None:
+    """One-line error for an arm that is not ``NAME`` or ``NAME:key=value,...`` (module docstring)."""
+    name, _, rest = spec.partition(":")
+    check(name in ARMS, f"arm {spec!r}: scorer {name!r} is unknown: expected one of {', '.join(ARMS)}")
+    for item in filter(None, rest.split(",")):
+        key, eq, _ = item.partition("=")
+        check(eq == "=" and key in ARM_KEYS,
+              f"arm {spec!r}: option {item!r} is invalid: expected key=value with key in {', '.join(ARM_KEYS)}")
+
+
+def run(args) -> int:
+    for spec in args.scorers:
+        check_arm(spec)
+    check(args.steps >= 1 and args.train_rows >= 1 and args.eval_n >= 1,
+          f"--steps {args.steps}, --train-rows {args.train_rows}, --eval-n {args.eval_n}: expected each >= 1")
     torch.set_num_threads(args.threads)
 
     cfg = KVpopConfig(sinks=args.sinks, window=args.window, topk=args.topk, decay_init=args.decay_init,
@@ -288,7 +315,8 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "command": " ".join(sys.argv), "results": results}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -300,8 +300,7 @@ def cmd_retrofit(args) -> int:
         check_int("--budget", args.budget, args.sinks + args.window + 1,
                   hint=f" ({args.method} needs sinks={args.sinks} + window={args.window} and at least one long-range slot)")
         kvpop = (KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
-                             scorer=args.scorer, decay_init=args.decay_init, mlstm_skip=args.mlstm_skip,
-                             **_target_options(args))
+                             scorer=args.scorer, decay_init=args.decay_init, **_target_options(args))
                  if args.method == "kvpop" else KVpopConfig(scorer=args.scorer))
     if args.method == "dms":
         target_cr = args.target_cr if args.target_cr is not None else args.seq_len / args.budget
@@ -323,9 +322,11 @@ def cmd_retrofit(args) -> int:
 
 
 def _target_options(args) -> dict:
-    """The KVpop target options given on the retrofit command line (the rest keep KVpopConfig's defaults)."""
+    """The KVpop target and mLSTM-skip options given on the retrofit command line (the rest keep KVpopConfig's
+    defaults)."""
     given = {"target_aggregation": args.target_aggregation, "target_reduction": args.target_reduction,
-             "target_count_normalize": None if args.target_count_normalize is None else args.target_count_normalize == "1"}
+             "target_count_normalize": None if args.target_count_normalize is None else args.target_count_normalize == "1",
+             "mlstm_skip": None if args.mlstm_skip is None else args.mlstm_skip == "1"}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -544,9 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--compression-weight", type=float, default=1.0, help="dms: weight of the compression hinge")
     sp.add_argument("--scorer", default="mlp", choices=("linear", "mlp", "mlstm"),
                     help="KVpop scorer (mlstm: the paper's stateful scorer with the delayed readout)")
-    sp.add_argument("--mlstm-skip", action="store_true",
-                    help="kvpop, --scorer mlstm: add the skip connection from the scored token to the score (an MLP of "
-                         "its key and value; the paper's appendix E.5 variant, docs/DESIGN.md 4.2)")
+    sp.add_argument("--mlstm-skip", default=None, choices=("0", "1"),
+                    help="kvpop, --scorer mlstm: 1 adds the skip connection from the scored token to the score (an MLP "
+                         "of its key and value; the paper's appendix E.5 variant, docs/DESIGN.md section 5), 0 leaves the "
+                         "paper's plain delayed readout (default: KVpopConfig's, 1)")
     sp.add_argument("--decay-init", type=float, default=None,
                     help="kvpop: every head's initial decay gamma, in (0.999, 0.999999) (default: the log-midpoint, 0.9995)")
     sp.add_argument("--lr-decay", type=float, default=1e-2,

@@ -104,8 +104,9 @@ class KVpopConfig:
     ``context`` (optional) is the evaluation context; when given, the budget must be below it (else nothing is
     compressed). ``mlstm_matmul_dtype`` (``"float32"`` default, ``"tf32"``, ``"bfloat16"``) is the operand precision
     of the mLSTM scorer's chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`); not a learned field.
-    ``mlstm_skip``: the mLSTM scorer's optional skip connection from the scored token to the score (the paper's
-    appendix E.5 variant; :class:`kvlearn.kvpop.scorers.MLSTMScorer` ``skip``); a learned field.
+    ``mlstm_skip`` (default True): the mLSTM scorer's skip connection from the scored token to the score (the
+    paper's appendix E.5 variant; :class:`kvlearn.kvpop.scorers.MLSTMScorer` ``skip``; ``docs/DESIGN.md`` section 5, "The skip connection"); a
+    learned field. Records written before it existed were built without it: read them with :meth:`from_record`.
     ``target_aggregation``, ``target_count_normalize``, ``target_reduction``: the future-attention target the
     scorers learn (:func:`kvlearn.ops.future_target.future_attention_target`; ``"peak"`` ignores the count).
     """
@@ -119,7 +120,7 @@ class KVpopConfig:
     decay_step: int = 1
     scorer: str = "mlstm"
     delayed_readout: bool = True
-    mlstm_skip: bool = False
+    mlstm_skip: bool = True
     mlstm_matmul_dtype: str = "float32"
     target_eps: float = 1e-6
     target_aggregation: str = "max"
@@ -134,9 +135,18 @@ class KVpopConfig:
     context: int | None = None
 
     SCORERS = ("linear", "mlp", "mlstm")
+    # fields a recorded config (config.json, a run's saved config) may lack, with the value they had before they
+    # existed: mlstm_skip came with its default True, so an older record means the scorer without the skip
+    RECORD_DEFAULTS = {"mlstm_skip": False}
     MATMUL_DTYPES = ("float32", "tf32", "bfloat16")  # = kvlearn.ops.mlstm.MATMUL_DTYPES
     AGGREGATIONS = ("max", "mean")
     REDUCTIONS = ("mass", "peak")  # = kvlearn.ops.future_target.REDUCTIONS
+
+    @classmethod
+    def from_record(cls, record: dict) -> "KVpopConfig":
+        """The config a recorded dict describes (``asdict`` of one, from ``config.json`` or a run's saved config),
+        with :attr:`RECORD_DEFAULTS` for the fields records written before them lack."""
+        return cls(**{**cls.RECORD_DEFAULTS, **record})
 
     def __post_init__(self) -> None:
         check_int("sinks", self.sinks, 0)

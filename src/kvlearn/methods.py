@@ -284,4 +284,5 @@ def trained_options(name: str, path) -> dict:
         return {}
     if not isinstance(saved, dict):
         return {}
+    saved = {**getattr(method.config_cls, "RECORD_DEFAULTS", {}), **saved}  # fields older records lack
     return {k: saved[k] for k in method.trained_fields if k in saved}

@@ -343,7 +343,7 @@ def test_kvlearn_eval_takes_an_mlstm_checkpoints_learned_fields(tmp_path, capsys
     model, config, _ = mlstm_harness_model(True)
     model.save_pretrained(tmp_path)
     options = trained_options("kvpop", tmp_path)
-    assert options == {"scorer": "mlstm", "delayed_readout": True, "mlstm_skip": False, "decay_min": config.decay_min,
+    assert options == {"scorer": "mlstm", "delayed_readout": True, "mlstm_skip": True, "decay_min": config.decay_min,
                        "decay_max": config.decay_max, "window": 32}
     assert trained_options("kvpop", tmp_path / "nope") == {} and trained_options("streaming", tmp_path) == {}
     out = tmp_path / "rows.json"
@@ -421,7 +421,26 @@ def test_the_mlstm_skip_variant_decodes_like_its_mask_round_trips_and_must_match
     assert all(s.skip for s in kvpop_modules(loaded)[0])
     torch.testing.assert_close(decode_logits(loaded, make_kvpop_cache(loaded), ids, prefill=12), got, atol=0, rtol=0)
     with pytest.raises(KVLearnError, match="mlstm_skip=False but the model's KVpop modules were built with mlstm_skip=True") as err:
-        make_kvpop_cache(model, KVpopConfig(**{**KV}, scorer="mlstm"))
+        make_kvpop_cache(model, KVpopConfig(**{**KV}, scorer="mlstm", mlstm_skip=False))
     one_line(err)
     with pytest.raises(KVLearnError, match="mlstm_skip=1 is invalid"):
         KVpopConfig(scorer="mlstm", mlstm_skip=1)
+
+
+def test_a_record_from_before_mlstm_skip_loads_without_the_skip(tmp_path):
+    """mlstm_skip defaults to True, but a checkpoint saved before the field existed (no "mlstm_skip" in its
+    config.json) was built without the skip: it loads as such, with identical logits, and its trained options say so."""
+    from kvlearn.methods import trained_options
+
+    assert KVpopConfig().mlstm_skip is True and KVpopConfig.from_record({"scorer": "mlstm"}).mlstm_skip is False
+    model, _ = kvpop_model(scorer="mlstm", seed=4, mlstm_skip=False)
+    model.save_pretrained(tmp_path)
+    record = json.loads((tmp_path / "config.json").read_text())
+    del record["kvpop"]["mlstm_skip"]  # as written before the field existed
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    assert trained_options("kvpop", tmp_path)["mlstm_skip"] is False
+    loaded = kvlearn.load(tmp_path)
+    assert not any(s.skip for s in kvpop_modules(loaded)[0])
+    ids = torch.randint(1, VOCAB, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)

@@ -133,6 +133,13 @@ def mean_accuracy(rows: list[dict], extra_keys: tuple[str, ...] = ()) -> dict[tu
     }
 
 
+def method_colors(methods: list[str]) -> dict:
+    """One colour per method: matplotlib's ten default colours for up to ten methods, else tab20's twenty, so no
+    two of up to twenty methods share a colour (then they repeat)."""
+    palette = [f"C{i}" for i in range(10)] if len(methods) <= 10 else list(plt.get_cmap("tab20").colors)
+    return {m: palette[i % len(palette)] for i, m in enumerate(methods)}
+
+
 def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy against compression",
                 x: str = "compression", reference: str = "dense") -> Path:
     """Mean accuracy over families against the compression ratio ``1 - budget/context`` (``x="factor"``: against the
@@ -146,7 +153,7 @@ def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy again
     origin = 1.0 if by_factor else 0.0
     splits = list(dict.fromkeys(k[0] for k in agg))
     methods = [m for m in dict.fromkeys(k[1] for k in agg) if m != reference]
-    color = {m: f"C{i}" for i, m in enumerate(methods)}
+    color = method_colors(methods)
     fig, axes = plt.subplots(1, len(splits), figsize=(6.4 * len(splits), 4.4), squeeze=False)
     for ax, split in zip(axes[0], splits):
         star = f"{reference} (full cache)"

@@ -56,7 +56,7 @@ def recorded_config(model) -> KVpopConfig | None:
         return None
     check(isinstance(saved, dict), f"model.config.{CONFIG_KEY}={saved!r} is invalid: expected the dict apply_kvpop records")
     try:
-        return KVpopConfig(**saved)
+        return KVpopConfig.from_record(saved)
     except TypeError as err:
         raise KVLearnError(f"model.config.{CONFIG_KEY} is not a KVpopConfig ({err}): expected the dict apply_kvpop records") from None
 
@@ -146,7 +146,7 @@ def load_kvpop(model, path: str | os.PathLike):
     check(isinstance(saved.get(CONFIG_KEY), dict),
           f"checkpoint {path!r} has no KVpop config ({CONFIG_KEY!r} in config.json): expected a model saved after apply_kvpop")
     try:
-        config = KVpopConfig(**saved[CONFIG_KEY])
+        config = KVpopConfig.from_record(saved[CONFIG_KEY])
     except TypeError as err:
         raise KVLearnError(f"checkpoint {path!r}: its {CONFIG_KEY!r} entry is not a KVpopConfig ({err})") from None
     check_supported(model)

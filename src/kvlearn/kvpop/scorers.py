@@ -427,7 +427,7 @@ class MLSTMScorer(KVScorer):
     through ``q̃_u`` (the value half of ``x_u`` not at all at init) and the readout is a normalised mixture of the
     *memory's* values, which the later tokens dominate (at the default forget biases ``u``'s own write has decayed
     by ``σ(3)^w`` to ``σ(6)^w`` when it is read at ``u + w``), so the needles, whose importance is in their own
-    keys, are hard to score (``benchmarks/kvpop_scorer_fit.py``, ``docs/DESIGN.md`` 4.2). ``step`` uses ``u``'s
+    keys, are hard to score (``benchmarks/kvpop_scorer_fit.py``, ``docs/DESIGN.md`` section 5, "The skip connection"). ``step`` uses ``u``'s
     cached key/value for it, as for ``q̃_u``.
 
     ``compile=True`` (default) runs the full-sequence forward (``forward``/``prefill``) through

@@ -128,7 +128,7 @@ class RetrofitConfig:
     def __post_init__(self) -> None:
         check(self.method in METHODS, f"method={self.method!r} is unknown: expected one of {', '.join(METHODS)}")
         if isinstance(self.kvpop, dict):
-            self.kvpop = KVpopConfig(**self.kvpop)
+            self.kvpop = KVpopConfig.from_record(self.kvpop)
         if isinstance(self.streaming, dict):
             self.streaming = StreamingConfig(**self.streaming)
         if isinstance(self.dms, dict):
