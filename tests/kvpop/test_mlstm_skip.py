@@ -55,29 +55,6 @@ def test_forward_is_the_plain_mlstm_plus_the_mlp(delayed):
     torch.testing.assert_close(s(k, v), plain(k, v) + mlp(k, v), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("t0,t,window,delayed", [(20, 45, 6, True), (3, 30, 6, True), (10, 33, 5, False)])
-def test_prefill_then_steps_reproduce_forward(t0, t, window, delayed):
-    s = _with_skip(window=window, seed=t0, chunk_size=8, delayed_readout=delayed)
-    k, v = _kv(t0 + t, t=t)
-    full = s(k, v)
-    scores, state = s.prefill(k[:, :, :t0], v[:, :, :t0])
-    d = s.readout_delay
-    final = torch.full_like(full, float("nan"))
-    final[:, :, : max(t0 - d, 0)] = scores[:, :, : max(t0 - d, 0)]
-    for step in range(t0, t):
-        u = step - d
-        if d == 0:
-            r, state = s.step(k[:, :, step], v[:, :, step], state=state)
-        elif u < 0:
-            r, state = s.step(k[:, :, step], v[:, :, step], None, None, state)
-            assert r is None
-            continue
-        else:
-            r, state = s.step(k[:, :, step], v[:, :, step], k[:, :, u], v[:, :, u], state)
-        final[:, :, u] = r
-    torch.testing.assert_close(final[:, :, : t - d], full[:, :, : t - d], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("delayed", [True, False])
 def test_continue_prefill_in_chunks_equals_forward(delayed):
     window, t = 3, 37

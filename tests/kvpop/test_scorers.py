@@ -196,11 +196,15 @@ def test_immediate_readout_differs_and_is_causal_at_u():
 
 
 @pytest.mark.parametrize(
-    "t0,t,window,delayed,use_norm",
-    [(20, 45, 6, True, False), (3, 30, 6, True, True), (1, 41, 30, True, False), (17, 40, 1, True, True), (10, 33, 5, False, False)],
+    "t0,t,window,delayed,use_norm,skip",
+    [(20, 45, 6, True, False, False), (3, 30, 6, True, True, False), (1, 41, 30, True, False, False),
+     (17, 40, 1, True, True, False), (10, 33, 5, False, False, False),
+     (20, 45, 6, True, False, True), (3, 30, 6, True, False, True), (10, 33, 5, False, False, True)],
 )
-def test_prefill_then_steps_reproduce_forward(t0, t, window, delayed, use_norm):
-    s = _mlstm(window=window, seed=t0, chunk_size=8, delayed_readout=delayed, use_norm=use_norm)
+def test_prefill_then_steps_reproduce_forward(t0, t, window, delayed, use_norm, skip):
+    """Decoding token by token (``step``, with u's cached key/value for the delayed readout and the skip path)
+    equals the full forward, with or without the skip connection."""
+    s = _mlstm(window=window, seed=t0, chunk_size=8, delayed_readout=delayed, use_norm=use_norm, skip=skip)
     k, v = _kv(t0 + t, t=t)
     full = s(k, v)
     scores, state = s.prefill(k[:, :, :t0], v[:, :, :t0])
