@@ -39,7 +39,7 @@ from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
 from kvlearn.eval.plots import plot_pareto  # noqa: E402
 from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method  # noqa: E402
-from kvlearn.results import portable_path, make_results, write_results  # noqa: E402
+from kvlearn.results import portable_path, make_results, run_key, write_results  # noqa: E402
 
 
 def repo_relative(arg: str) -> str:
@@ -138,7 +138,8 @@ def plan_runs(args) -> tuple[list[EvalConfig], dict[str, str]]:
 
 
 def describe(c: EvalConfig) -> str:
-    return f"{c.method}/{c.protocol}/{c.split}" + (f"/B={c.budget}" if c.method != "dense" else "")
+    """The run's name in ``not_run`` (:func:`kvlearn.results.run_key`)."""
+    return run_key(c.method, c.protocol, c.split, None if c.method == "dense" else c.budget)
 
 
 

@@ -45,7 +45,7 @@ from eviction_baselines import (parse_budgets, parse_list, add_run_options, prin
 from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate  # noqa: E402
 from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method, trained_options  # noqa: E402
-from kvlearn.results import make_results, write_results  # noqa: E402
+from kvlearn.results import make_results, run_key, write_results  # noqa: E402
 
 
 def parse_student(text: str) -> tuple[str, str, str]:
@@ -104,7 +104,7 @@ def check_students_run(students, runs, skipped: dict[str, str], budgets: str) ->
 
 def describe(label: str, c) -> str:
     """``label/protocol/split[/B=budget]`` of an :class:`EvalConfig` (or anything with those fields and ``method``)."""
-    return f"{label}/{c.protocol}/{c.split}" + (f"/B={c.budget}" if c.method != "dense" else "")
+    return run_key(label, c.protocol, c.split, None if c.method == "dense" else c.budget)
 
 
 def main(argv: list[str] | None = None) -> int:

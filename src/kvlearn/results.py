@@ -123,11 +123,19 @@ def read_results(path: str | os.PathLike) -> dict:
     return data
 
 
+FULL_CACHE_LABELS = ("dense", "teacher")  # how table rows name the full cache (no budget in their run key)
+
+
+def run_key(method: str, protocol: str, split: str, budget: int | None) -> str:
+    """``method/protocol/split[/B=budget]``: the name under which a table script lists a run (every task of one
+    method, protocol, split and budget) in ``not_run``; ``budget`` None for the full cache."""
+    return f"{method}/{protocol}/{split}" + ("" if budget is None else f"/B={budget}")
+
+
 def row_run_key(row: dict) -> str:
-    """``method/protocol/split[/B=budget]``: the name under which a table script lists a run of rows in ``not_run``
-    (one run = every task of one method, protocol, split and budget; the full cache has no budget)."""
-    key = f"{row.get('method')}/{row.get('protocol')}/{row.get('split')}"
-    return key if row.get("method") in ("dense", "teacher") else f"{key}/B={row.get('budget')}"
+    """:func:`run_key` of the run a results row belongs to."""
+    full = row.get("method") in FULL_CACHE_LABELS
+    return run_key(row.get("method"), row.get("protocol"), row.get("split"), None if full else row.get("budget"))
 
 
 def merge_results(parts: list[dict], command: str, across_runs: bool = False) -> dict:

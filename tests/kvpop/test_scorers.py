@@ -488,12 +488,12 @@ def test_inductor_compiled_scores_equal_eager_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [32, 64, 128])
-def test_compiled_scorer_on_cuda_equals_eager(chunk):
+@pytest.mark.parametrize("chunk,skip", [(32, False), (64, False), (128, False), (64, True)])
+def test_compiled_scorer_on_cuda_equals_eager(chunk, skip):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    s = _mlstm(h=4, d=32, window=64, seed=17, chunk_size=chunk).cuda()
-    eager = _mlstm(h=4, d=32, window=64, seed=17, chunk_size=chunk, compile=False).cuda()
+    s = _mlstm(h=4, d=32, window=64, seed=17, chunk_size=chunk, skip=skip).cuda()
+    eager = _mlstm(h=4, d=32, window=64, seed=17, chunk_size=chunk, compile=False, skip=skip).cuda()
     k, v = (x.cuda() for x in _kv(18, b=1, h=4, t=1000, d=32, dtype=torch.bfloat16))
     r, st = s.prefill(k, v)
     r_e, st_e = eager.prefill(k, v)
@@ -509,10 +509,11 @@ def test_compiled_scorer_on_cuda_equals_eager(chunk):
 # matmul_dtype of the mLSTM chunk matmuls (bounds measured in tests/ops/test_mlstm.py)
 
 
-@pytest.mark.parametrize("matmul_dtype", ["tf32", "bfloat16"])
-def test_compiled_scores_with_reduced_precision_matmuls_trace_in_one_graph(matmul_dtype):
+@pytest.mark.parametrize("matmul_dtype,skip", [("tf32", False), ("bfloat16", False), ("float32", True)])
+def test_compiled_scores_with_reduced_precision_matmuls_trace_in_one_graph(matmul_dtype, skip):
+    torch._dynamo.reset()  # mlstm_scores is compiled by other tests of this file: start below the recompile limit
     compiled = torch.compile(scorers_mod.mlstm_scores, dynamic=False, fullgraph=True, backend="aot_eager")
-    s = _mlstm(window=5, seed=11, chunk_size=8)
+    s = _mlstm(window=5, seed=11, chunk_size=8, skip=skip)
     k, v = _kv(12, t=77)
     args = _scores_args(s, k, v) + (matmul_dtype,)
     got, want = compiled(*args), scorers_mod.mlstm_scores(*args)

@@ -250,11 +250,11 @@ def mlstm_scores(
     Scores ``[B,H,T]`` float32 and the final state ``(C [B,H,Dk,Dv], n [B,H,Dk], m [B,H])`` of a full sequence, from
     validated key/value ``[B,H,T,D]`` and ``valid`` ``[B,T]`` (None: no padding).
 
-    ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b, d_w1, d_b1, d_w2)`` (the last three
+    ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b, skip_w1, skip_b1, skip_w2)`` (the last three
     None without the skip path); ``delay`` is the readout delay;
     ``matmul_dtype`` the operand precision of the mLSTM chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`).
     """
-    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b, d_w1, d_b1, d_w2 = params
+    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b, skip_w1, skip_b1, skip_w2 = params
     x = _cat_kv(key, value)
     q, k, v, ig, fg = _project(x, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)
     if valid is not None:  # padding neither writes (input gate -> 0) nor decays (forget gate -> 1) the memory
@@ -271,7 +271,7 @@ def mlstm_scores(
         h_seq, state = mlstm_chunkwise_unchecked(q_read, k, v, ig, fg, None, chunk_size, eps, matmul_dtype)
         h_prov = mlstm_readout_unchecked(q[:, :, t - shift :], *state, eps)  # u = T-w .. T-1, read at T-1
         h = torch.cat([h_seq[:, :, shift:], h_prov], dim=2)  # u = 0 .. T-1-w read at u + w, then provisional
-    return (_score_head(h, a, b, norm_weight, norm_eps) + _skip_score(x, d_w1, d_b1, d_w2), *state)
+    return (_score_head(h, a, b, norm_weight, norm_eps) + _skip_score(x, skip_w1, skip_b1, skip_w2), *state)
 
 
 def mlstm_continue_scores(
@@ -304,7 +304,7 @@ def mlstm_continue_scores(
     (final for ``j < n_real``, provisional after; None without the delayed readout) and the state after the
     forward's last real token.
     """
-    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b, d_w1, d_b1, d_w2 = params
+    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b, skip_w1, skip_b1, skip_w2 = params
     bsz, heads, t, _ = key.shape
     x = _cat_kv(key, value)
     q, k, v, ig, fg = _project(x, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)
@@ -343,9 +343,9 @@ def mlstm_continue_scores(
         h = torch.where(final, F.pad(h_seq, (0, 0, 0, delay)), h_end)  # token of ext rank j read at rank j
         scores_ext = _score_head(h, a, b, norm_weight, norm_eps)
         past_scores, scores_r = scores_ext[:, :, :delay], scores_ext[:, :, delay:]
-        past_scores = past_scores + _skip_score(x_past, d_w1, d_b1, d_w2)
+        past_scores = past_scores + _skip_score(x_past, skip_w1, skip_b1, skip_w2)
     inverse = torch.argsort(order, dim=1)  # rank of each column
-    scores = torch.gather(scores_r, 2, inverse[:, None, :].expand(bsz, heads, t)) + _skip_score(x, d_w1, d_b1, d_w2)
+    scores = torch.gather(scores_r, 2, inverse[:, None, :].expand(bsz, heads, t)) + _skip_score(x, skip_w1, skip_b1, skip_w2)
     return scores, past_scores, state
 
 
