@@ -19,7 +19,9 @@ go in priority order (the teacher; then per budget from the tightest, the studen
 file is written before the first run and rewritten after every run with every run not done yet under ``not_run``
 (a process killed mid-way leaves a file that says ``complete: false``), and ``--minutes`` stops cleanly as in
 ``eviction_baselines.py``. A student's runs at a budget its trained options cannot take (e.g. below sinks + window
-+ 1) are listed under ``skipped`` with the reason; a student with no valid budget at all is an error.
++ 1) are listed under ``skipped`` with the reason; a student with no valid budget at all is an error. As in the
+paper's Table 1, a KVpop student's recurrent state (mLSTM) counts toward its budget: its cache keeps that many
+fewer long-range tokens (``KVpopConfig.state_in_budget``), so its ``kv_bytes`` match the MLP scorer's.
 
 ``--smoke`` runs the same code on the CPU in about a minute: a tiny random Qwen3 as the teacher and as an
 untrained KVpop "student", context 256, budgets 96 and 48, 2 examples of niah and vt, into ``runs/smoke/``.
@@ -69,7 +71,10 @@ def plan_runs(args, students: list[tuple[str, str, str]]
     common = dict(tasks=tuple(args.tasks.split(",")) if args.tasks != "all" else EvalConfig().tasks,
                   n_per_task=args.n_per_task, context=args.context, batch_size=args.batch_size,
                   chunk_size=args.chunk_size, sinks=args.sinks)
-    options = {label: trained_options(method, path) or None for label, method, path in students}
+    # each student under the pattern it was trained for; a KVpop student's recurrent state (mLSTM) counts toward
+    # its budget, as in the paper's Table 1 (KVpopConfig.state_in_budget; no effect for a stateless scorer)
+    options = {label: {**trained_options(method, path), **({"state_in_budget": True} if method == "kvpop" else {})}
+               or None for label, method, path in students}
     runs = [] if getattr(args, "no_teacher", False) else [
         ("teacher", "dense", None, EvalConfig(method="dense", split=s, protocol=protocols[0], **common)) for s in splits]
     skipped: dict[str, str] = {}

@@ -107,6 +107,9 @@ class KVpopConfig:
     ``mlstm_skip`` (default True): the mLSTM scorer's skip connection from the scored token to the score (the
     paper's appendix E.5 variant; :class:`kvlearn.kvpop.scorers.MLSTMScorer` ``skip``; ``docs/DESIGN.md`` section 5, "The skip connection"); a
     learned field. Records written before it existed were built without it: read them with :meth:`from_record`.
+    ``state_in_budget`` (default False): a stateful scorer's recurrent state counts toward the budget, so the cache
+    keeps ``topk`` minus the slots the state's bytes would hold (:func:`kvlearn.kvpop.apply.make_kvpop_cache`; the
+    KVpop paper's Table 1 rule, "its top-k is reduced to match the MLP variant's footprint"); not a learned field.
     ``target_aggregation``, ``target_count_normalize``, ``target_reduction``: the future-attention target the
     scorers learn (:func:`kvlearn.ops.future_target.future_attention_target`; ``"peak"`` ignores the count).
     """
@@ -121,6 +124,7 @@ class KVpopConfig:
     scorer: str = "mlstm"
     delayed_readout: bool = True
     mlstm_skip: bool = True
+    state_in_budget: bool = False
     mlstm_matmul_dtype: str = "float32"
     target_eps: float = 1e-6
     target_aggregation: str = "max"
@@ -171,6 +175,8 @@ class KVpopConfig:
         )
         check(self.scorer in self.SCORERS, f"scorer={self.scorer!r} is unknown: expected one of {', '.join(self.SCORERS)}")
         check(isinstance(self.mlstm_skip, bool), f"mlstm_skip={self.mlstm_skip!r} is invalid: expected True or False")
+        check(isinstance(self.state_in_budget, bool),
+              f"state_in_budget={self.state_in_budget!r} is invalid: expected True or False")
         check(isinstance(self.mlstm_matmul_dtype, str) and self.mlstm_matmul_dtype in self.MATMUL_DTYPES,
               f"mlstm_matmul_dtype={self.mlstm_matmul_dtype!r} is unknown: expected one of {', '.join(self.MATMUL_DTYPES)}")
         check(

@@ -88,6 +88,9 @@ def test_budgets_below_a_students_trained_window_are_skipped_not_fatal(tmp_path)
         ("streaming", "eval", 256), ("streaming", "heldout", 256),
         ("kvpop", "eval", 512), ("streaming", "eval", 512), ("kvpop", "heldout", 512), ("streaming", "heldout", 512),
         ("kvpop", "eval", 1024), ("streaming", "eval", 1024), ("kvpop", "heldout", 1024), ("streaming", "heldout", 1024)]
+    # a KVpop student's state counts toward its budget (the paper's Table 1 rule); the baselines take no such option
+    assert all(r[3].options["state_in_budget"] is True for r in runs if r[0] == "kvpop")
+    assert all(not r[3].options for r in runs if r[0] == "streaming")
     args.budgets = "256,128"
     with pytest.raises(KVLearnError, match=r"--student kvpop=kvpop: no budget of --budgets 256,128 is valid"):
         script.plan_runs(args, students)

@@ -3,6 +3,7 @@ head_dim 16): generate through the KVpop cache built from the model's own module
 logits == the masked full-sequence forward (rule 4), the save_pretrained -> load round trip, the method registry
 entry, and one-line errors for bad input."""
 
+import dataclasses
 import json
 
 import pytest
@@ -444,3 +445,30 @@ def test_a_record_from_before_mlstm_skip_loads_without_the_skip(tmp_path):
     ids = torch.randint(1, VOCAB, (2, 30))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)
+
+
+def test_state_in_budget_trades_the_mlstm_state_for_long_range_slots():
+    """KVpopConfig(state_in_budget=True): the mLSTM cache keeps topk - ceil(state bytes / one token's K+V bytes)
+    long-range tokens, so its K/V plus state stay within the MLP cache's bytes at the same budget (hand count: the
+    tiny model's head_dim 16, float32, state 4 * (16 * 8 + 16 + 1) = 580 bytes per KV head, a token 2 * 16 * 4 = 128
+    bytes: 5 slots); stateless scorers are unchanged; a budget whose top-k the state would fill is one line."""
+    from kvlearn.kvpop.apply import state_budget_config
+
+    ids = torch.randint(1, VOCAB, (2, 40))
+    caches = {}
+    for scorer, flag in (("mlstm", True), ("mlstm", False), ("mlp", True)):
+        model, config = kvpop_model(scorer=scorer, seed=5, topk=12)
+        cache = make_kvpop_cache(model, dataclasses.replace(config, state_in_budget=flag))
+        decode_logits(model, cache, ids, prefill=12)
+        caches[scorer, flag] = cache
+    model, config = kvpop_model(scorer="mlstm", seed=5, topk=12)
+    scorer = kvpop_modules(model)[0][0]
+    assert scorer.state_bytes_per_head() == 4 * (16 * 8 + 16 + 1)
+    assert caches["mlstm", True].layers[0].keys.shape[2] == config.budget - 5
+    assert caches["mlstm", False].layers[0].keys.shape[2] == config.budget
+    assert caches["mlp", True].layers[0].keys.shape[2] == config.budget
+    assert caches["mlstm", True].allocated_bytes() <= caches["mlp", True].allocated_bytes()
+    assert caches["mlstm", False].allocated_bytes() > caches["mlp", True].allocated_bytes()
+    with pytest.raises(KVLearnError, match="takes 5 of topk=5 long-range slots") as err:
+        state_budget_config(dataclasses.replace(config, topk=5, state_in_budget=True), scorer, 128)
+    one_line(err)

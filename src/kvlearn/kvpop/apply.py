@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from torch import nn
@@ -32,8 +32,8 @@ from ..hf import attach, check_supported, load_added_weights
 from .cache import KVpopCache
 from .modules import MODULE_NAME, KVpopModules, attention_modules, has_kvpop, kvpop_modules
 
-__all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kvpop_cache", "load_kvpop",
-           "recorded_config", "config_from_budget"]
+__all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kvpop_cache", "state_budget_config",
+           "load_kvpop", "recorded_config", "config_from_budget"]
 
 CONFIG_KEY = "kvpop"  # the entry of model.config
 # fields a trained checkpoint fixes for its evaluation (kvlearn.methods.trained_options); the budget's top-k is free
@@ -127,7 +127,24 @@ def make_kvpop_cache(model, config: KVpopConfig | None = None) -> KVpopCache:
     check(isinstance(config, KVpopConfig), f"config is {type(config).__name__}: expected a kvlearn.KVpopConfig")
     _check_modules_fit(model, config, "make_kvpop_cache")
     scorers, decays = kvpop_modules(model)
-    return KVpopCache(config, scorers, decays)
+    _, head_dim = _kv_shape(attention_modules(model)[0])
+    token_bytes = 2 * head_dim * next(model.parameters()).dtype.itemsize  # one token's key + value per KV head
+    return KVpopCache(state_budget_config(config, scorers[0], token_bytes), scorers, decays)
+
+
+def state_budget_config(config: KVpopConfig, scorer, token_bytes: int) -> KVpopConfig:
+    """``config`` with ``state_in_budget`` applied: a stateful scorer's recurrent state per KV head
+    (``scorer.state_bytes_per_head()``) takes ``ceil(state / token_bytes)`` of the ``topk`` long-range slots, so
+    the cache's K/V plus the state stay within the budget's bytes (``token_bytes``: one token's key and value in
+    one KV head). Unchanged without the flag or for a stateless scorer; a one-line error when the state would take
+    every long-range slot."""
+    if not config.state_in_budget or not scorer.stateful:
+        return config
+    slots = -(-scorer.state_bytes_per_head() // token_bytes)
+    check(slots < config.topk,
+          f"state_in_budget: the mLSTM state ({scorer.state_bytes_per_head()} bytes per KV head) takes {slots} of "
+          f"topk={config.topk} long-range slots: expected a budget with more than {slots} long-range slots")
+    return replace(config, topk=config.topk - slots)
 
 
 # ----------------------------------------------------------------------------------------------------------------
