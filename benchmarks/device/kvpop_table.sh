@@ -90,9 +90,9 @@ from kvlearn.eval.plots import plot_pareto; from kvlearn.results import read_res
 print(plot_pareto(read_results('$OUT/kvpop_table.json')['rows'], '$OUT/kvpop_table.png', title='KVpop Table 1 on the testbed, context 4096'))"
 rm -f "$OUT"/part_*.json "$OUT"/part_*.png
 tail -n 8 "$OUT"/kvpop_table_*.log
-for s in $STUDENTS; do
+for s in $STUDENTS; do  # each trained student as a bf16 tar (EXPORT_STUDENTS=0: not)
     name=${s%%=*}
-    [ -z "${STUDENTS_FROM:-}" ] && [ -f "/tmp/table${TAG:-}_$name/final/config.json" ] || continue
+    [ "${EXPORT_STUDENTS:-1}" = 1 ] && [ -z "${STUDENTS_FROM:-}" ] && [ -f "/tmp/table${TAG:-}_$name/final/config.json" ] || continue
     python3 -c "
 import shutil, sys, torch, kvlearn
 src, dst = sys.argv[1], sys.argv[2]

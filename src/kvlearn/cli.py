@@ -330,6 +330,20 @@ def _target_options(args) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def cmd_reproduce(args) -> int:
+    from .eval.reproduce import ReproduceConfig, reproduce_kvpop
+
+    budgets = []
+    for part in args.budgets.split(","):
+        check(part.strip().isdigit(), f"--budgets {args.budgets!r} is invalid: expected a comma list of integers")
+        budgets.append(int(part))
+    config = ReproduceConfig(out=args.out, budgets=tuple(budgets), minutes=args.minutes, n_per_task=args.n_per_task,
+                             device=args.device, model=args.model, retrofit_args=args.retrofit_args,
+                             table_args=args.table_args, overwrite=args.overwrite)
+    print(f"wrote {reproduce_kvpop(config)}")
+    return 0
+
+
 def cmd_kaizen_train(args) -> int:
     from .train.kaizen_train import KaizenTrainConfig, kaizen_train
 
@@ -571,6 +585,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_options(sp, "the existing weights", "the new weights (KVpop, DMS gates)")
     sp.add_argument("--boundary-weight", type=float, default=1.0, help="weight of the boundary loss")
     sp.set_defaults(func=cmd_retrofit)
+
+    sp = sub.add_parser("reproduce", help="rebuild a paper table on the testbed from the committed teacher (GPU; "
+                                          "kvpop: the KVpop paper's Table 1, ~27 minutes on one H200)")
+    sp.add_argument("table", choices=("kvpop",), help="which table: kvpop (Table 1 of the KVpop paper)")
+    sp.add_argument("--out", default="runs/reproduce-kvpop", help="folder for the runs and the merged kvpop_table.json")
+    sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
+    sp.add_argument("--budgets", default="1024,512,256", help="comma list of budgets (tokens per KV head)")
+    sp.add_argument("--minutes", type=float, default=5.0, help="training minutes of each retrofit")
+    sp.add_argument("--n-per-task", type=int, default=100, help="examples per family and split")
+    sp.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (cpu: a smoke run)")
+    sp.add_argument("--model", default=None, help="the teacher's folder (default: checkpoints/testbed-teacher)")
+    sp.add_argument("--retrofit-args", default="", help="more options for every retrofit (e.g. '--seq-len 256')")
+    sp.add_argument("--table-args", default="", help="more options for every table process (e.g. '--context 256')")
+    sp.set_defaults(func=cmd_reproduce)
 
     sp = sub.add_parser("kaizen-train", help="train a KV-Kaizen selector and the backbone jointly (teacher: the dense model)")
     sp.add_argument("--model", required=True, help="checkpoint folder of the dense model (a supported family)")

@@ -1,0 +1,124 @@
+"""``kvlearn reproduce kvpop``: the KVpop paper's Table 1 on the testbed, rebuilt from the committed teacher.
+
+For each budget (default 1024, 512, 256: CR 75%, 88%, 94% at context 4096), one run of
+``benchmarks/device/kvpop_table.sh`` (the repository's Table 1 chain): four students retrofitted side by side from
+the teacher for ``minutes`` each with the measured recipes (KVpop with the MLP and with the mLSTM scorer, both on the
+peak target from ``--decay-init 0.99999``; StreamingLLM+; DMS), window 256 at budgets >= 512 and 64 below (so top-k
+stays positive), then the table at that budget: the teacher, the students under the pattern each was trained for,
+and every training-free baseline, both splits, ``n_per_task`` per family. The budgets run one after another (four
+retrofits share the GPU at a time); their tables are merged into ``out/kvpop_table.json`` with its plot.
+
+Device time on one H200: about ``minutes + 4`` per budget, 27 minutes for the defaults. The chain is a shell script
+of the repository checkout (the editable install the README sets up); ``retrofit_args`` / ``table_args`` pass more
+options to every retrofit / table process (a CPU smoke run uses them for tiny shapes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import check, check_int
+from ..results import merge_results, portable_path, read_results, repo_root, write_results
+
+TABLE1_STUDENTS = "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
+CHAIN = Path("benchmarks") / "device" / "kvpop_table.sh"
+EVAL_MINUTES = 4.0  # the table's share of a budget's run after the retrofits (n = 100, both splits, 6 parts)
+
+
+def window_for(budget: int) -> int:
+    """The protected window of the KVpop and DMS students at ``budget`` (the measured recipes: 256 at 512 and 1024,
+    64 at 256, where 256 would leave no long-range slot)."""
+    return 256 if budget >= 512 else 64
+
+
+@dataclass
+class ReproduceConfig:
+    """``out``: folder for the per-budget runs and the merged table; ``budgets``: tokens per KV head; ``minutes``:
+    each retrofit's training time; ``n_per_task``: examples per family and split; ``device``: ``cuda`` (``cpu`` for
+    a smoke run); ``model``: the teacher's folder (default the committed one)."""
+
+    out: str = "runs/reproduce-kvpop"
+    budgets: tuple[int, ...] = (1024, 512, 256)
+    minutes: float = 5.0
+    n_per_task: int = 100
+    device: str = "cuda"
+    model: str | None = None
+    retrofit_args: str = ""
+    table_args: str = ""
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        check(len(self.budgets) > 0, "budgets is empty: expected one or more budgets, e.g. 1024,512,256")
+        for b in self.budgets:
+            check_int("budget", b, 6)
+        check(self.minutes > 0, f"minutes={self.minutes!r} is invalid: expected > 0")
+        check_int("n_per_task", self.n_per_task, 1)
+        check(self.device in ("cuda", "cpu"), f"device={self.device!r} is invalid: expected cuda or cpu")
+        out = Path(self.out)
+        check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder")
+        check(self.overwrite or not out.exists() or not any(out.iterdir()),
+              f"out={self.out!r} already holds files: pass --overwrite to replace them, or choose a new folder")
+
+
+def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
+    """The environment of ``kvpop_table.sh`` for one budget's run (its options are environment variables)."""
+    return {
+        "OUT": str(Path(config.out).resolve() / f"budget{budget}"),
+        "TAG": f"_reproduce{budget}",
+        "MODEL": config.model or str(repo_root() / "checkpoints" / "testbed-teacher"),
+        "BUDGET": str(budget),
+        "STUDENTS": TABLE1_STUDENTS,
+        "RETROFIT_MINUTES": str(config.minutes),
+        "TOTAL_MINUTES": str(round(config.minutes + EVAL_MINUTES, 2)),
+        "N_PER_TASK": str(config.n_per_task),
+        "DEVICE": config.device,
+        "RETROFIT_ARGS": f"--window {window_for(budget)} {config.retrofit_args}".strip(),
+        "TABLE_ARGS": f"--budgets {budget} {config.table_args}".strip(),
+    }
+
+
+def command_of(config: ReproduceConfig) -> str:
+    """The ``kvlearn reproduce kvpop`` command line of ``config`` (recorded in the merged table)."""
+    parts = ["kvlearn reproduce kvpop", f"--out {portable_path(config.out)}",
+             f"--budgets {','.join(map(str, config.budgets))}", f"--minutes {config.minutes}",
+             f"--n-per-task {config.n_per_task}", f"--device {config.device}"]
+    if config.model:
+        parts.append(f"--model {portable_path(config.model)}")
+    for name, value in (("--retrofit-args", config.retrofit_args), ("--table-args", config.table_args)):
+        if value:
+            parts.append(f"{name} '{value}'")
+    return " ".join(parts)
+
+
+def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> Path:
+    """Run every budget's chain (``run`` is :func:`subprocess.run`'s signature, replaceable in tests), then merge
+    the tables that were written into ``out/kvpop_table.json`` (and its plot); returns that path. A budget whose
+    chain wrote no table is named in the merged file's ``not_run``; none at all is a one-line error."""
+    from ..eval.plots import plot_pareto
+
+    chain = repo_root() / CHAIN
+    check(chain.is_file(), f"{chain} is missing: `kvlearn reproduce` runs the repository's Table 1 chain, so it needs "
+                           "the repository checkout (the README's editable install)")
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tables, missing = [], []
+    for i, budget in enumerate(config.budgets):
+        print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: 4 retrofits of {config.minutes} min, then the table "
+              f"(log: {out / f'budget{budget}.log'})", flush=True)
+        with open(out / f"budget{budget}.log", "w") as log:
+            run(["bash", str(chain)], cwd=repo_root(), env={**os.environ, **budget_env(config, budget)},
+                stdout=log, stderr=subprocess.STDOUT, check=False)
+        table = out / f"budget{budget}" / "kvpop_table.json"
+        (tables if table.is_file() else missing).append(table if table.is_file() else f"B={budget}")
+    check(tables, f"no budget's chain wrote a table: see the logs in {out}")
+    merged = merge_results([read_results(t) for t in tables], command_of(config))
+    if missing:
+        merged["not_run"] = merged.get("not_run", []) + [f"every run at {m} (its chain failed: see its log)" for m in missing]
+        merged["complete"] = False
+    path = write_results(out / "kvpop_table.json", merged)
+    plot_pareto(merged["rows"], out / "kvpop_table.png", title="KVpop Table 1 on the testbed (kvlearn reproduce kvpop)")
+    return path

@@ -1,0 +1,74 @@
+"""``kvlearn reproduce kvpop``: the per-budget chain environments (hand-written expectations), the merge of the
+tables the chains wrote (a fake runner), a failed budget named in ``not_run``, bad input as one line, and one real
+tiny run of the chain on the CPU."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvlearn import KVLearnError
+from kvlearn.eval.reproduce import ReproduceConfig, budget_env, command_of, reproduce_kvpop, window_for
+from kvlearn.results import make_results, write_results
+
+
+def test_budget_env_follows_the_measured_recipes(tmp_path):
+    config = ReproduceConfig(out=str(tmp_path / "r"), minutes=5.0, n_per_task=100)
+    env = budget_env(config, 512)
+    assert env["BUDGET"] == "512" and env["RETROFIT_MINUTES"] == "5.0" and env["TOTAL_MINUTES"] == "9.0"
+    assert env["STUDENTS"] == "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
+    assert env["RETROFIT_ARGS"] == "--window 256" and env["TABLE_ARGS"] == "--budgets 512"
+    assert env["OUT"].endswith("r/budget512") and env["MODEL"].endswith("checkpoints/testbed-teacher")
+    assert budget_env(config, 256)["RETROFIT_ARGS"] == "--window 64" and window_for(1024) == 256
+    assert command_of(config).startswith("kvlearn reproduce kvpop --out ")
+
+
+def fake_chain(tmp_path, fail_budgets=()):
+    """A runner that writes what kvpop_table.sh writes (one row per budget) unless the budget is to fail."""
+    def run(cmd, cwd, env, stdout, stderr, check):
+        budget = int(env["BUDGET"])
+        if budget not in fail_budgets:
+            rows = [{"method": "kvpop_mlp", "protocol": "bounded", "split": "eval", "budget": budget, "task": "niah",
+                     "context": 4096, "compression": 1 - budget / 4096, "accuracy": budget / 1024, "n": 1}]
+            write_results(Path(env["OUT"]) / "kvpop_table.json",
+                          make_results("accuracy", rows, device="cuda", command="x", commit="c"))
+        return subprocess.CompletedProcess(cmd, 0)
+    return run
+
+
+def test_the_tables_of_every_budget_are_merged_and_a_failed_budget_is_named(tmp_path):
+    config = ReproduceConfig(out=str(tmp_path / "r"), budgets=(1024, 512, 256))
+    path = reproduce_kvpop(config, run=fake_chain(tmp_path, fail_budgets=(512,)))
+    merged = json.loads(Path(path).read_text())
+    assert [r["budget"] for r in merged["rows"]] == [1024, 256]
+    assert merged["complete"] is False and any("B=512" in x for x in merged["not_run"])
+    assert (tmp_path / "r" / "kvpop_table.png").is_file() and (tmp_path / "r" / "budget512.log").is_file()
+    with pytest.raises(KVLearnError, match="already holds files"):
+        ReproduceConfig(out=str(tmp_path / "r"))
+    with pytest.raises(KVLearnError, match="no budget's chain wrote a table"):
+        reproduce_kvpop(ReproduceConfig(out=str(tmp_path / "s"), budgets=(512,)), run=fake_chain(tmp_path, (512,)))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(budgets=()), "budgets is empty"), (dict(budgets=(3,)), "budget=3 is invalid"),
+    (dict(minutes=-1), "minutes=-1 is invalid"), (dict(n_per_task=0), "n_per_task=0 is invalid"),
+    (dict(device="tpu"), "device='tpu' is invalid: expected cuda or cpu")])
+def test_bad_input_is_one_line(bad, message, tmp_path):
+    with pytest.raises(KVLearnError, match=message):
+        ReproduceConfig(out=str(tmp_path / "x"), **bad)
+
+
+@pytest.mark.slow
+def test_a_tiny_real_run_on_the_cpu(tmp_path, monkeypatch):
+    """The real chain, tiny: the shipped teacher, budget 64 (window 16), retrofits of a few seconds, context 256,
+    one niah example on the eval split, no bf16 export of the students: every student and the teacher have rows in
+    the merged table."""
+    monkeypatch.setenv("EXPORT_STUDENTS", "0")
+    config = ReproduceConfig(out=str(tmp_path / "r"), budgets=(64,), minutes=0.05, n_per_task=1, device="cpu",
+                             retrofit_args="--seq-len 256 --batch-size 2 --window 16 --num-workers 0",
+                             table_args="--context 256 --tasks niah --baselines streaming --splits eval")
+    merged = json.loads(Path(reproduce_kvpop(config)).read_text())
+    methods = {r["method"] for r in merged["rows"]}
+    assert {"teacher", "kvpop_mlp", "kvpop", "streaming_plus", "dms", "streaming"} <= methods, methods
+    assert all(r["budget"] == 64 for r in merged["rows"] if r["method"] != "teacher")
