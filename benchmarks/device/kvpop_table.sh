@@ -15,7 +15,8 @@
 #   DEVICE=cpu MODEL=<tiny model> BUDGET=48 RETROFIT_MINUTES=0.1 TOTAL_MINUTES=1 N_PER_TASK=1 \
 #   RETROFIT_ARGS='--seq-len 256 --batch-size 2 --window 16' TABLE_ARGS='--context 256 --budgets 48 --tasks niah --splits eval' ...
 # STUDENTS also picks which students are trained (kvpop: the mLSTM scorer, since f23f460 with its skip
-# connection by default; kvpop_noskip=kvpop / kvpop_skip=kvpop: --mlstm-skip 0 / 1 explicitly); TAG (e.g. _b256) keeps two chains' /tmp folders apart.
+# connection by default; kvpop_noskip=kvpop / kvpop_skip=kvpop: --mlstm-skip 0 / 1 explicitly); TAG (e.g. _b256) keeps two chains' folders apart;
+# WORK_DIR (default /tmp) is where the retrofits write.
 # Students trained earlier: STUDENTS_FROM=<folder> (its <name>/ checkpoints, carried to the device) skips the
 # retrofits and evaluates them; STUDENTS (default 'kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms',
 # name=method pairs) picks which; SPLIT_PARTS=1 runs each student's eval and held-out splits as two processes;
@@ -32,12 +33,12 @@ start=$(date +%s)
 retrofit() {  # name, then retrofit options
     local name=$1; shift
     # shellcheck disable=SC2068
-    python3 -m kvlearn.cli retrofit --model "$MODEL" --out "/tmp/table${TAG:-}_$name" --overwrite --device "${DEVICE:-cuda}" \
+    python3 -m kvlearn.cli retrofit --model "$MODEL" --out "${WORK_DIR:-/tmp}/table${TAG:-}_$name" --overwrite --device "${DEVICE:-cuda}" \
         --budget "$B" --minutes "$M" --num-workers 3 $@ ${RETROFIT_ARGS:-} > "$OUT/retrofit_$name.log" 2>&1
     echo "retrofit $name rc=$? $(date -u +%H:%M:%S)"
 }
 STUDENTS=${STUDENTS:-kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms}
-student_dir() { if [ -n "${STUDENTS_FROM:-}" ]; then echo "$STUDENTS_FROM/$1"; else echo "/tmp/table${TAG:-}_$1/final"; fi; }
+student_dir() { if [ -n "${STUDENTS_FROM:-}" ]; then echo "$STUDENTS_FROM/$1"; else echo "${WORK_DIR:-/tmp}/table${TAG:-}_$1/final"; fi; }
 if [ -z "${STUDENTS_FROM:-}" ]; then  # train the students STUDENTS names, side by side
     for s in $STUDENTS; do
         case ${s%%=*} in
@@ -92,13 +93,13 @@ rm -f "$OUT"/part_*.json "$OUT"/part_*.png
 tail -n 8 "$OUT"/kvpop_table_*.log
 for s in $STUDENTS; do  # each trained student as a bf16 tar (EXPORT_STUDENTS=0: not)
     name=${s%%=*}
-    [ "${EXPORT_STUDENTS:-1}" = 1 ] && [ -z "${STUDENTS_FROM:-}" ] && [ -f "/tmp/table${TAG:-}_$name/final/config.json" ] || continue
+    [ "${EXPORT_STUDENTS:-1}" = 1 ] && [ -z "${STUDENTS_FROM:-}" ] && [ -f "${WORK_DIR:-/tmp}/table${TAG:-}_$name/final/config.json" ] || continue
     python3 -c "
 import shutil, sys, torch, kvlearn
 src, dst = sys.argv[1], sys.argv[2]
 kvlearn.load(src, dtype=torch.bfloat16).save_pretrained(dst)
 for f in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
     shutil.copy2(f'{src}/{f}', dst)
-" "/tmp/table${TAG:-}_$name/final" "/tmp/student${TAG:-}-$name" && tar -C /tmp -cf "$OUT/$name.tar" "student${TAG:-}-$name"
+" "${WORK_DIR:-/tmp}/table${TAG:-}_$name/final" "${WORK_DIR:-/tmp}/student${TAG:-}-$name" && tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/$name.tar" "student${TAG:-}-$name"
 done
 ls -la "$OUT"

@@ -20,6 +20,7 @@ def test_budget_env_follows_the_measured_recipes(tmp_path):
     assert env["STUDENTS"] == "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
     assert env["RETROFIT_ARGS"] == "--window 256" and env["TABLE_ARGS"] == "--budgets 512"
     assert env["OUT"].endswith("r/budget512") and env["MODEL"].endswith("checkpoints/testbed-teacher")
+    assert env["WORK_DIR"].endswith("r/students") and env["TAG"] == "_reproduce512"
     assert budget_env(config, 256)["RETROFIT_ARGS"] == "--window 64" and window_for(1024) == 256
     assert command_of(config).startswith("kvlearn reproduce kvpop --out ")
 
@@ -72,3 +73,6 @@ def test_a_tiny_real_run_on_the_cpu(tmp_path, monkeypatch):
     methods = {r["method"] for r in merged["rows"]}
     assert {"teacher", "kvpop_mlp", "kvpop", "streaming_plus", "dms", "streaming"} <= methods, methods
     assert all(r["budget"] == 64 for r in merged["rows"] if r["method"] != "teacher")
+    kept = sorted(p.name for p in (tmp_path / "r" / "students").iterdir())  # the students stay with the table
+    assert kept == ["table_reproduce64_dms", "table_reproduce64_kvpop", "table_reproduce64_kvpop_mlp",
+                    "table_reproduce64_streaming_plus"], kept

@@ -6,7 +6,8 @@ the teacher for ``minutes`` each with the measured recipes (KVpop with the MLP a
 peak target from ``--decay-init 0.99999``; StreamingLLM+; DMS), window 256 at budgets >= 512 and 64 below (so top-k
 stays positive), then the table at that budget: the teacher, the students under the pattern each was trained for,
 and every training-free baseline, both splits, ``n_per_task`` per family. The budgets run one after another (four
-retrofits share the GPU at a time); their tables are merged into ``out/kvpop_table.json`` with its plot.
+retrofits share the GPU at a time); their tables are merged into ``out/kvpop_table.json`` with its plot, and the
+students' checkpoints stay in ``out/students/`` (``table_reproduce<budget>_<student>/final``).
 
 Device time on one H200: about ``minutes + 4`` per budget, 27 minutes for the defaults. The chain is a shell script
 of the repository checkout (the editable install the README sets up); ``retrofit_args`` / ``table_args`` pass more
@@ -69,6 +70,7 @@ def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
     return {
         "OUT": str(Path(config.out).resolve() / f"budget{budget}"),
         "TAG": f"_reproduce{budget}",
+        "WORK_DIR": str(Path(config.out).resolve() / "students"),  # the retrofits' checkpoints, kept with the table
         "MODEL": config.model or str(repo_root() / "checkpoints" / "testbed-teacher"),
         "BUDGET": str(budget),
         "STUDENTS": TABLE1_STUDENTS,
@@ -104,7 +106,7 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     check(chain.is_file(), f"{chain} is missing: `kvlearn reproduce` runs the repository's Table 1 chain, so it needs "
                            "the repository checkout (the README's editable install)")
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "students").mkdir(parents=True, exist_ok=True)
     tables, missing = [], []
     for i, budget in enumerate(config.budgets):
         print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: 4 retrofits of {config.minutes} min, then the table "
