@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device session that tries a teacher recipe and, if the trial fails early, spends the rest on method tables of
 # the shipped teacher. Detached, so that no device time is lost between calls.
-#   1. `teacher.sh` trains a teacher with `kvlearn pretrain` defaults + TEACHER_EXTRA (default: the trace-first arm of
-#      docs/TESTBED.md, trace dominant and vt absent in the 256 and 512 stages, uniform from 1024 on).
+#   1. `teacher.sh` trains a teacher with `kvlearn pretrain` defaults + TEACHER_EXTRA (default: the next untried arm
+#      of docs/TESTBED.md, the first teacher's longer short stages, `--stage-fractions 0.12,0.13,0.2,0.2,0.35`; the
+#      trace-first arm, `--family-weights '3,1,0,1;3,1,0,1;1,1,1,1;1,1,1,1;1,1,1,1'`, failed this gate at fea99dc).
 #   2. Gate: at the stage check of curriculum stage GATE_STAGE (default 2, length 1024) the teacher-forced `trace`
 #      accuracy on the eval split must reach GATE_TRACE (default 0.2; the first teacher had 0.84 there, every
 #      teacher on the current testbed <= 0.05). Passed: the teacher trains to the end and is evaluated greedily,
@@ -25,7 +26,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 RUN_DIR=${RUN_DIR:-/tmp/session_out}; mkdir -p "$RUN_DIR/teacher"
 rm -f /tmp/session.done /tmp/teacher.pretrained /tmp/teacher.done
 GATE_STAGE=${GATE_STAGE:-2}; GATE_TRACE=${GATE_TRACE:-0.2}
-TEACHER_EXTRA=${TEACHER_EXTRA---family-weights 3,1,0,1;3,1,0,1;1,1,1,1;1,1,1,1;1,1,1,1}
+TEACHER_EXTRA=${TEACHER_EXTRA---stage-fractions 0.12,0.13,0.2,0.2,0.35}
 echo "== teacher trial $(date -u +%H:%M:%S): pretrain $TEACHER_EXTRA; gate: trace >= $GATE_TRACE after stage $GATE_STAGE"
 if [ "${DRY_RUN:-0}" = 1 ]; then
     setsid bash -c "for s in 0 1 2 3 4; do echo '{\"stage\": '\$s', \"accuracy\": {\"eval\": {\"trace\": ${DRY_TRACE:-0.0}}}}' >> '$RUN_DIR/teacher/pretrain.log'; sleep 1; done; touch /tmp/teacher.done" &
