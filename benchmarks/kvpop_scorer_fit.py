@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 
@@ -53,6 +52,7 @@ from kvlearn.kvpop.scorers import MLSTMScorer
 from kvlearn.ops.fenwick import running_topk_cutoff
 from kvlearn.ops.future_target import causal_lse, future_attention_target
 from kvlearn.ops.masks import retention_mask_dense
+from kvlearn.train.schedule import warmup_cosine
 from kvlearn.testbed import example_seed, generate, needed_positions, training_batch
 
 RECORD = "kvfit_record"
@@ -95,42 +95,21 @@ def parse_arm(spec: str) -> tuple[str, dict]:
     return name, opts
 
 
-class SumScorer(torch.nn.Module):
-    """``mlstm(k, v) + mlp(k, v)``: an mLSTM scorer with a direct per-token MLP path, built outside the library."""
-
-    def __init__(self, first, second):
-        super().__init__()
-        self.first, self.second = first, second
-
-    def forward(self, key, value):
-        return self.first(key, value) + self.second(key, value)
-
-
 def build_modules(name: str, opts: dict, cfg: KVpopConfig, layers: int, heads: int, head_dim: int) -> list:
-    if name == "mlstm+mlp":
-        mods = build_modules("mlstm", opts, cfg, layers, heads, head_dim)
-        for m in mods:
-            m.scorer = SumScorer(m.scorer, KVpopModules(KVpopConfig(**{**cfg.__dict__, "scorer": "mlp"}), heads,
-                                                        head_dim).scorer)
-        return mods
+    """Fresh KVpop modules of one arm, one per layer. ``mlstm`` is the paper's plain delayed readout unless the arm
+    says ``skip=1`` (not KVpopConfig's default, so that an arm means what it meant when its results were recorded)."""
+    delayed = opts.get("delayed", "1") == "1"
     mods = []
     for _ in range(layers):
-        m = KVpopModules(KVpopConfig(**{**cfg.__dict__, "scorer": name,
-                                        "delayed_readout": opts.get("delayed", "1") == "1"}), heads, head_dim)
-        if name == "mlstm" and any(k in opts for k in ("forget", "skip", "norm")):
+        m = KVpopModules(KVpopConfig(**{**cfg.__dict__, "scorer": name, "delayed_readout": delayed,
+                                        "mlstm_skip": opts.get("skip", "0") == "1"}), heads, head_dim)
+        if name == "mlstm" and any(k in opts for k in ("forget", "norm")):  # options KVpopConfig does not carry
             lo, hi = (float(x) for x in opts.get("forget", "3/6").split("/"))
-            kwargs = dict(window=cfg.window, delayed_readout=opts.get("delayed", "1") == "1",
-                          use_norm=opts.get("norm", "0") == "1", forget_bias_range=(lo, hi))
-            if "skip" in opts:
-                kwargs["skip"] = opts["skip"] == "1"
-            m.scorer = MLSTMScorer(heads, head_dim, **kwargs)
+            m.scorer = MLSTMScorer(heads, head_dim, window=cfg.window, delayed_readout=delayed,
+                                   use_norm=opts.get("norm", "0") == "1", forget_bias_range=(lo, hi),
+                                   skip=opts.get("skip", "0") == "1")
         mods.append(m)
     return mods
-
-
-def lr_at(peak: float, step: int, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
-    warm = min(1.0, (step + 1) / warmup) if warmup else 1.0
-    return peak * warm * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
 
 
 def layer_loss(mod, k, v, target, cfg, queries, teacher=None):
@@ -205,7 +184,7 @@ def train_arm(spec: str, train_data, eval_data, cfg, args) -> dict:
             print(f"[{spec}] {json.dumps(ev)}", flush=True)
         if step == args.steps:
             break
-        opt.param_groups[0]["lr"] = lr_at(lr_new, step, args.steps, args.warmup)
+        opt.param_groups[0]["lr"] = warmup_cosine(lr_new, step, step / args.steps, args.warmup, 0.1)
         batch = [train_data[(step * args.batch + i) % len(train_data)] for i in range(args.batch)]
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         queries = sample_query_positions(T, cfg.sinks, cfg.window, cfg.topk, args.queries, 0.5, generator=gen)
@@ -230,7 +209,7 @@ def train_arm(spec: str, train_data, eval_data, cfg, args) -> dict:
     return {"arm": spec, "history": history, "first_step_grad_norms_layer0": first_grads}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="checkpoints/testbed-teacher")
     ap.add_argument("--scorers", nargs="+", default=["mlp", "mlstm"])
@@ -260,7 +239,7 @@ def main(argv=None) -> None:
         return 2
 
 
-ARMS = ("mlp", "linear", "mlstm", "mlstm+mlp")
+ARMS = ("mlp", "linear", "mlstm")
 ARM_KEYS = ("lr", "forget", "delayed", "skip", "norm")
 
 

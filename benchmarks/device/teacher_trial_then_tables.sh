@@ -28,16 +28,25 @@ rm -f /tmp/session.done /tmp/teacher.pretrained /tmp/teacher.done
 GATE_STAGE=${GATE_STAGE:-2}; GATE_TRACE=${GATE_TRACE:-0.2}
 TEACHER_EXTRA=${TEACHER_EXTRA---stage-fractions 0.12,0.13,0.2,0.2,0.35}
 echo "== teacher trial $(date -u +%H:%M:%S): pretrain $TEACHER_EXTRA; gate: trace >= $GATE_TRACE after stage $GATE_STAGE"
-if [ "${DRY_RUN:-0}" = 1 ]; then
-    setsid bash -c "for s in 0 1 2 3 4; do echo '{\"stage\": '\$s', \"accuracy\": {\"eval\": {\"trace\": ${DRY_TRACE:-0.0}}}}' >> '$RUN_DIR/teacher/pretrain.log'; sleep 1; done; touch /tmp/teacher.done" &
+CKPT=${CKPT:-/tmp/testbed-teacher}  # teacher.sh's output folder: pretrain rewrites its pretrain_log.json per stage
+if [ "${DRY_RUN:-0}" = 1 ]; then  # a fake pretrain: one stage check a second, trace at DRY_TRACE
+    rm -rf "$CKPT"; mkdir -p "$CKPT"
+    setsid python3 -c "
+import json, sys, time
+stages = []
+for s in range(5):
+    stages.append({'stage': s, 'accuracy': {'eval': {'trace': float(sys.argv[2])}}})
+    open(sys.argv[1] + '/pretrain_log.json', 'w').write(json.dumps({'stages': stages}))
+    time.sleep(1)
+open('/tmp/teacher.done', 'w').close()" "$CKPT" "${DRY_TRACE:-0.0}" &
 else
-    RUN_DIR="$RUN_DIR/teacher" EXTRA=$TEACHER_EXTRA setsid bash benchmarks/device/teacher.sh > "$RUN_DIR/teacher.log" 2>&1 &
+    RUN_DIR="$RUN_DIR/teacher" CKPT=$CKPT EXTRA=$TEACHER_EXTRA setsid bash benchmarks/device/teacher.sh > "$RUN_DIR/teacher.log" 2>&1 &
 fi
 teacher=$!
 verdict=""
 while kill -0 "$teacher" 2>/dev/null && [ -z "$verdict" ]; do
-    verdict=$(python3 benchmarks/pretrain_early_gate.py "$RUN_DIR/teacher/pretrain.log" \
-        --stage "$GATE_STAGE" --family trace --threshold "$GATE_TRACE")
+    verdict=$(python3 benchmarks/pretrain_early_gate.py "$CKPT" --stage "$GATE_STAGE" --family trace \
+        --threshold "$GATE_TRACE")
     [ -z "$verdict" ] && sleep 5
 done
 echo "== gate $(date -u +%H:%M:%S): ${verdict:-teacher ended before stage $GATE_STAGE}"

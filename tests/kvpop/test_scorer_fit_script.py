@@ -28,3 +28,16 @@ def test_bad_arms_are_one_line(capsys):
     assert "scorer 'lstm' is unknown: expected one of mlp, linear, mlstm" in capsys.readouterr().err
     assert fit.main(["--scorers", "mlstm:skp=1"]) == 2
     assert "option 'skp=1' is invalid" in capsys.readouterr().err
+
+
+def test_arms_mean_what_their_recorded_results_meant():
+    """``mlstm`` is the paper's plain readout whatever KVpopConfig's default; ``mlstm:skip=1`` adds the skip path."""
+    from kvlearn import KVpopConfig
+
+    fit = load_benchmark("kvpop_scorer_fit")
+    cfg = KVpopConfig(sinks=4, window=16, topk=8)
+    plain = fit.build_modules("mlstm", {}, cfg, 2, 2, 8)
+    skip = fit.build_modules("mlstm", {"skip": "1"}, cfg, 2, 2, 8)
+    normed = fit.build_modules("mlstm", {"norm": "1", "skip": "1"}, cfg, 1, 2, 8)
+    assert len(plain) == 2 and not any(m.scorer.skip for m in plain) and all(m.scorer.skip for m in skip)
+    assert normed[0].scorer.skip and normed[0].scorer.use_norm

@@ -65,6 +65,14 @@ def test_tiny_cpu_run_saves_a_plain_loadable_checkpoint(tmp_path):
     with safe_open(str(tmp_path / "t" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # committed checkpoints are bf16
     assert json.loads((tmp_path / "t" / "pretrain_log.json").read_text())["steps"] == log["steps"]
+    # the early gate of the device chains reads this file: the stage check is there, with its trace accuracy
+    from benchmark_loader import load_benchmark
+
+    gate = load_benchmark("pretrain_early_gate")
+    trace = log["stages"][0]["accuracy"]["eval"]["trace"]
+    got = gate.verdict(gate.read_log(str(tmp_path / "t")), 0, "trace", 0.5)
+    assert got.startswith(("pass" if trace >= 0.5 else "fail") + f" {trace:.3f}")
+    assert gate.verdict(gate.read_log(str(tmp_path / "t")), 1, "trace", 0.5) is None
 
 
 def test_family_weights_per_stage_and_narrowed_haystack(tmp_path):
@@ -152,30 +160,30 @@ def test_teacher_stage_gate_script_falls_back_on_a_failed_or_missing_teacher(tmp
     assert "--threshold=1.5 is invalid" in capsys.readouterr().err
 
 
-def test_pretrain_early_gate_reads_the_stage_check_of_a_growing_log(tmp_path, capsys):
-    """The gate that stops a failing teacher trial: nothing until the stage's check is printed, then pass / fail by
-    the family's eval accuracy (a hand-written log: progress lines, a half-written line, two checks)."""
-    import json
-
+def test_pretrain_early_gate_reads_the_stage_checks_the_trainer_writes(tmp_path, capsys):
+    """The gate that stops a failing teacher trial reads the checkpoint's pretrain_log.json (rewritten by the
+    trainer after every stage check): nothing while it is absent, half written or lacks the stage, then pass / fail
+    by the family's accuracy on the chosen split."""
     from benchmark_loader import load_benchmark
 
     gate = load_benchmark("pretrain_early_gate")
     check = {"stage": 2, "length": 1024, "accuracy": {"eval": {"trace": 0.25, "niah": 0.5, "vt": 0.0, "recall": 0.0},
                                                      "heldout": {"trace": 0.1, "niah": 0.5, "vt": 0.0, "recall": 0.0}}}
-    log = tmp_path / "pretrain.log"
-    log.write_text("step 50 stage 0 len 256 loss 2.6\n" + json.dumps({**check, "stage": 1, "length": 512}) + "\n"
-                   + '{"stage": 2, "length": 10')  # the stage-2 line is still being written
-    args = [str(log), "--stage", "2", "--family", "trace"]
+    args = [str(tmp_path), "--stage", "2", "--family", "trace"]
+    assert gate.main([*args, "--threshold", "0.2"]) == 0 and capsys.readouterr().out == ""  # no log yet
+    (tmp_path / "pretrain_log.json").write_text('{"stages": [{"stage": 0')  # being rewritten
     assert gate.main([*args, "--threshold", "0.2"]) == 0 and capsys.readouterr().out == ""
-    log.write_text(log.read_text().rsplit("\n", 1)[0] + "\n" + json.dumps(check) + "\nWriting model shards\n")
+    log = {"stages": [{**check, "stage": 1}]}  # after stage 1's check (the trainer's format: the tiny-run test)
+    (tmp_path / "pretrain_log.json").write_text(json.dumps(log))
+    assert gate.main([*args, "--threshold", "0.2"]) == 0 and capsys.readouterr().out == ""
+    log["stages"].append(check)
+    (tmp_path / "pretrain_log.json").write_text(json.dumps(log))
     assert gate.main([*args, "--threshold", "0.2"]) == 0
     assert capsys.readouterr().out.startswith("pass 0.250")
     assert gate.main([*args, "--threshold", "0.3"]) == 0
     assert capsys.readouterr().out.startswith("fail 0.250")
     assert gate.main([*args, "--threshold", "0.2", "--split", "heldout"]) == 0
     assert capsys.readouterr().out.startswith("fail 0.100")
-    assert gate.main([str(tmp_path / "missing.log"), "--stage", "0", "--threshold", "0.2"]) == 0
-    assert capsys.readouterr().out == ""
     assert gate.main([*args, "--threshold", "1.5", "--family", "poem"]) == 2
     err = capsys.readouterr().err
     assert "--threshold=1.5 is invalid" in err and "--family='poem' is invalid" in err and "trace, niah" in err
@@ -191,7 +199,8 @@ def test_teacher_trial_chain_stops_a_failing_trial_and_keeps_a_passing_one(tmp_p
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "device" / "teacher_trial_then_tables.sh"
     for trace, tables in (("0.0", True), ("0.5", False)):
         run_dir = tmp_path / f"trace{trace}"
-        env = {**os.environ, "RUN_DIR": str(run_dir), "DRY_RUN": "1", "DRY_TRACE": trace}
+        env = {**os.environ, "RUN_DIR": str(run_dir), "CKPT": str(run_dir / "ckpt"), "DRY_RUN": "1",
+               "DRY_TRACE": trace}
         out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120,
                              cwd=script.parents[2]).stdout
         gate = (run_dir / "gate.txt").read_text()

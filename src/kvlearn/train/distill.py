@@ -51,7 +51,6 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import json
-import math
 import os
 import shutil
 import time
@@ -69,6 +68,7 @@ from ..kvpop.train_attention import TrainForward, use_train_attention
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
 from ..hf import copy_tokenizer_files
 from . import parallel
+from .schedule import warmup_cosine
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 
 METHODS = ("kvpop", "streaming_plus", "dms")
@@ -329,10 +329,8 @@ def retention_recall(ranks, cutoffs, t_ranks, t_cutoffs, queries: torch.Tensor, 
 
 def new_lr_at(config: RetrofitConfig, step: int, fraction: float) -> float:
     """Learning rate of the new weights: linear warm-up over ``warmup_steps``, then a cosine over the run (``fraction``
-    of it done) down to ``min_lr_ratio`` of ``lr_new``."""
-    warm = min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else 1.0
-    cos = config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction)))
-    return config.lr_new * warm * cos
+    of it done) down to ``min_lr_ratio`` of ``lr_new`` (:func:`kvlearn.train.schedule.warmup_cosine`)."""
+    return warmup_cosine(config.lr_new, step, fraction, config.warmup_steps, config.min_lr_ratio)
 
 
 def decay_lr_at(config: RetrofitConfig, step: int, fraction: float) -> float:

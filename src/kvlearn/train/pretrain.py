@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..testbed.data import TestbedStream, check_haystack_subset, dense_share
 from ..testbed.filler import TRAIN_STYLES
 from ..testbed.tokenizer import build_tokenizer, save_tokenizer
 from . import parallel
+from .schedule import warmup_cosine
 
 
 def default_out() -> str:
@@ -180,10 +180,9 @@ def stage_at(config: PretrainConfig, fraction: float) -> int:
 
 
 def lr_at(config: PretrainConfig, step: int, fraction: float) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine decay over the elapsed time fraction."""
-    warm = min(1.0, (step + 1) / config.warmup_steps)
-    cos = config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction)))
-    return config.lr * warm * cos
+    """Linear warm-up over ``warmup_steps``, then cosine decay over the elapsed time fraction
+    (:func:`kvlearn.train.schedule.warmup_cosine`)."""
+    return warmup_cosine(config.lr, step, fraction, config.warmup_steps, config.min_lr_ratio)
 
 
 def checked_answer_positions(example) -> list[int]:
