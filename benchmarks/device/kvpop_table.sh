@@ -15,7 +15,8 @@
 #   DEVICE=cpu MODEL=<tiny model> BUDGET=48 RETROFIT_MINUTES=0.1 TOTAL_MINUTES=1 N_PER_TASK=1 \
 #   RETROFIT_ARGS='--seq-len 256 --batch-size 2 --window 16' TABLE_ARGS='--context 256 --budgets 48 --tasks niah --splits eval' ...
 # STUDENTS also picks which students are trained (kvpop: the mLSTM scorer, since f23f460 with its skip
-# connection by default; kvpop_noskip=kvpop / kvpop_skip=kvpop: --mlstm-skip 0 / 1 explicitly); TAG (e.g. _b256) keeps two chains' folders apart;
+# connection by default; kvpop_noskip=kvpop / kvpop_skip=kvpop: --mlstm-skip 0 / 1 explicitly; kvpop_immediate=kvpop:
+# the immediate readout; every mLSTM student trains with --state-in-budget 1 since this was added); TAG (e.g. _b256) keeps two chains' folders apart;
 # WORK_DIR (default /tmp) is where the retrofits write.
 # Students trained earlier: STUDENTS_FROM=<folder> (its <name>/ checkpoints, carried to the device) skips the
 # retrofits and evaluates them; STUDENTS (default 'kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms',
@@ -43,12 +44,15 @@ if [ -z "${STUDENTS_FROM:-}" ]; then  # train the students STUDENTS names, side 
     for s in $STUDENTS; do
         case ${s%%=*} in
             kvpop_mlp) retrofit kvpop_mlp --method kvpop --scorer mlp $KVPOP_EXTRA & ;;
-            kvpop) retrofit kvpop --method kvpop --scorer mlstm $KVPOP_EXTRA & ;;  # the skip connection: the default
-            kvpop_noskip) retrofit kvpop_noskip --method kvpop --scorer mlstm --mlstm-skip 0 $KVPOP_EXTRA & ;;
-            kvpop_skip) retrofit kvpop_skip --method kvpop --scorer mlstm --mlstm-skip 1 $KVPOP_EXTRA & ;;
+            # the mLSTM students train with their state in the budget (Table 1's rule; kvpop_table.py evaluates so)
+            kvpop) retrofit kvpop --method kvpop --scorer mlstm --state-in-budget 1 $KVPOP_EXTRA & ;;  # skip: the default
+            kvpop_noskip) retrofit kvpop_noskip --method kvpop --scorer mlstm --state-in-budget 1 --mlstm-skip 0 $KVPOP_EXTRA & ;;
+            kvpop_skip) retrofit kvpop_skip --method kvpop --scorer mlstm --state-in-budget 1 --mlstm-skip 1 $KVPOP_EXTRA & ;;
+            kvpop_immediate) retrofit kvpop_immediate --method kvpop --scorer mlstm --state-in-budget 1 --readout immediate \
+                $KVPOP_EXTRA & ;;  # the readout ablation: scored at u, not u + window
             streaming_plus) retrofit streaming_plus --method streaming_plus & ;;
             dms) retrofit dms --method dms & ;;
-            *) echo "STUDENTS: unknown student ${s%%=*}: expected kvpop_mlp, kvpop, kvpop_noskip, kvpop_skip, streaming_plus or dms"; exit 2 ;;
+            *) echo "STUDENTS: unknown student ${s%%=*}: expected kvpop_mlp, kvpop, kvpop_noskip, kvpop_skip, kvpop_immediate, streaming_plus or dms"; exit 2 ;;
         esac
     done
     wait

@@ -322,11 +322,13 @@ def cmd_retrofit(args) -> int:
 
 
 def _target_options(args) -> dict:
-    """The KVpop target and mLSTM-skip options given on the retrofit command line (the rest keep KVpopConfig's
-    defaults)."""
+    """The KVpop target, mLSTM-skip, readout and state-in-budget options given on the retrofit command line (the
+    rest keep KVpopConfig's defaults)."""
     given = {"target_aggregation": args.target_aggregation, "target_reduction": args.target_reduction,
              "target_count_normalize": None if args.target_count_normalize is None else args.target_count_normalize == "1",
-             "mlstm_skip": None if args.mlstm_skip is None else args.mlstm_skip == "1"}
+             "mlstm_skip": None if args.mlstm_skip is None else args.mlstm_skip == "1",
+             "delayed_readout": None if args.readout is None else args.readout == "delayed",
+             "state_in_budget": None if args.state_in_budget is None else args.state_in_budget == "1"}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -563,6 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop, --scorer mlstm: 1 adds the skip connection from the scored token to the score (an MLP "
                          "of its key and value; the paper's appendix E.5 variant, docs/DESIGN.md section 5), 0 leaves the "
                          "paper's plain delayed readout (default: KVpopConfig's, 1)")
+    sp.add_argument("--readout", default=None, choices=("delayed", "immediate"),
+                    help="kvpop, --scorer mlstm: score token u from the state at u + window (delayed, the paper's) or at "
+                         "u itself (immediate; the paper's readout ablation) (default: KVpopConfig's, delayed)")
+    sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
+                    help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
+                         "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "
+                         "KVpopConfig's, 0)")
     sp.add_argument("--decay-init", type=float, default=None,
                     help="kvpop: every head's initial decay gamma, in (0.999, 0.999999) (default: the log-midpoint, 0.9995)")
     sp.add_argument("--lr-decay", type=float, default=1e-2,

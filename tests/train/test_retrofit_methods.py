@@ -208,3 +208,30 @@ def test_target_options_reach_the_saved_kvpop_config(teacher_path, tmp_path, cap
     with pytest.raises(SystemExit):
         cli_retrofit(teacher_path, tmp_path / "c", "kvpop", "--target-count-normalize", "2")
     assert "--target-count-normalize: invalid choice: '2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, trained_topk", [("1", 28 - 10), ("0", 28)])
+def test_readout_and_state_in_budget_options_reach_training_and_the_checkpoint(teacher_path, tmp_path, monkeypatch,
+                                                                              flag, trained_topk):
+    """``--readout immediate`` and ``--state-in-budget`` are saved with the checkpoint, and with the flag the
+    training pattern holds the top-k the bf16 cache will hold. Hand count: budget 48 = 4 sinks + 16 window + top-28;
+    the mLSTM state of the tiny model (head_dim 16, value width 8) is 4 * (16 * 8 + 16 + 1) = 580 bytes per KV head,
+    a bf16 token's key and value 2 * 16 * 2 = 64 bytes: ceil(580 / 64) = 10 slots, so the run trains top-18."""
+    import kvlearn.train.distill as distill
+
+    seen = []
+    original = distill.student_forward
+
+    def spy(student, input_ids, kvpop):
+        seen.append(kvpop.topk)
+        return original(student, input_ids, kvpop)
+
+    monkeypatch.setattr(distill, "student_forward", spy)
+    assert cli_retrofit(teacher_path, tmp_path / "a", "kvpop", "--scorer", "mlstm", "--readout", "immediate",
+                        "--state-in-budget", flag) == 0
+    assert seen == [trained_topk, trained_topk]
+    saved = json.loads((tmp_path / "a" / "final" / "config.json").read_text())["kvpop"]
+    assert (saved["delayed_readout"], saved["state_in_budget"], saved["topk"]) == (False, flag == "1", 28)
+    model = kvlearn.load(tmp_path / "a" / "final")
+    scorer = kvlearn.kvpop.apply.kvpop_modules(model)[0][0]
+    assert scorer.readout_delay == 0 and scorer.state_bytes_per_head() == 580

@@ -32,8 +32,8 @@ from ..hf import attach, check_supported, load_added_weights
 from .cache import KVpopCache
 from .modules import MODULE_NAME, KVpopModules, attention_modules, has_kvpop, kvpop_modules
 
-__all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kvpop_cache", "state_budget_config",
-           "load_kvpop", "recorded_config", "config_from_budget"]
+__all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kvpop_cache", "model_budget_config",
+           "state_budget_config", "load_kvpop", "recorded_config", "config_from_budget"]
 
 CONFIG_KEY = "kvpop"  # the entry of model.config
 # fields a trained checkpoint fixes for its evaluation (kvlearn.methods.trained_options); the budget's top-k is free
@@ -127,9 +127,18 @@ def make_kvpop_cache(model, config: KVpopConfig | None = None) -> KVpopCache:
     check(isinstance(config, KVpopConfig), f"config is {type(config).__name__}: expected a kvlearn.KVpopConfig")
     _check_modules_fit(model, config, "make_kvpop_cache")
     scorers, decays = kvpop_modules(model)
+    return KVpopCache(model_budget_config(model, config), scorers, decays)
+
+
+def model_budget_config(model, config: KVpopConfig, kv_dtype: torch.dtype | None = None) -> KVpopConfig:
+    """:func:`state_budget_config` for ``model``'s own scorer, its keys and values stored in ``kv_dtype`` (default:
+    the model's parameter dtype, what its cache stores). The retrofit trainer passes ``torch.bfloat16``, the dtype a
+    student is served in, so that a float32 training run holds the top-k its bf16 cache will hold."""
+    scorers, _ = kvpop_modules(model)
     _, head_dim = _kv_shape(attention_modules(model)[0])
-    token_bytes = 2 * head_dim * next(model.parameters()).dtype.itemsize  # one token's key + value per KV head
-    return KVpopCache(state_budget_config(config, scorers[0], token_bytes), scorers, decays)
+    dtype = kv_dtype if kv_dtype is not None else next(model.parameters()).dtype
+    token_bytes = 2 * head_dim * dtype.itemsize  # one token's key + value per KV head
+    return state_budget_config(config, scorers[0], token_bytes)
 
 
 def state_budget_config(config: KVpopConfig, scorer, token_bytes: int) -> KVpopConfig:

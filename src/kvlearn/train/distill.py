@@ -61,7 +61,7 @@ import torch
 
 from ..config import DMSConfig, KVpopConfig, StreamingConfig
 from ..errors import check, check_int, check_non_negative, check_positive
-from ..kvpop.apply import apply_kvpop
+from ..kvpop.apply import apply_kvpop, model_budget_config
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_policy
 from ..kvpop.train_attention import TrainForward, use_train_attention
@@ -483,7 +483,9 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
         if config.overwrite and not config.resume:  # remove only what an earlier run of this trainer wrote
             clear_run_outputs(out)
     teacher, student = build_models(config, device)
-    kv = config.kvpop
+    # the training pattern holds the top-k the student's bf16 cache will hold (state_in_budget: the mLSTM state's
+    # bytes take top-k slots; unchanged otherwise)
+    kv = model_budget_config(student, config.kvpop, torch.bfloat16) if config.method == "kvpop" else config.kvpop
     step, trainer_state = 0, None
     if config.resume:
         trainer_state = load_trainer_state(latest_checkpoint(out), student, config)
