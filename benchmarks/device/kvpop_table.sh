@@ -64,7 +64,7 @@ table() {  # part name, then kvpop_table.py options
     local name=$1; shift
     # shellcheck disable=SC2086
     python3 benchmarks/kvpop_table.py --model "$MODEL" --n-per-task "${N_PER_TASK:-100}" --minutes "$left" \
-        --device "${DEVICE:-cuda}" --out "$OUT/part_$name.json" --plot "$OUT/part_$name.png" "$@" ${TABLE_ARGS:-} \
+        --device "${DEVICE:-cuda}" --out "$OUT/part_$name.json" --plot "$OUT/part_$name.png" --budgets "$B" "$@" ${TABLE_ARGS:-} \
         > "$OUT/kvpop_table_$name.log" 2>&1
 }
 for s in $STUDENTS; do

@@ -2,7 +2,8 @@
 the testbed vocabulary, sequences of 128 tokens): a few steps run with finite loss terms; the KD loss trains only
 the backbone and the boundary loss only the scorers/decays; the training attention with a budget covering the
 sequence is dense attention; a stopped run resumes and matches an uninterrupted one; the final checkpoint
-round-trips through ``kvlearn.load``; bad input gives one-line errors (API and CLI)."""
+round-trips through ``kvlearn.load``; bad input gives one-line errors (API and CLI); ``train_step`` driven by hand
+takes the loop's steps; the plain distillation step of a copy of the teacher has the hand-computed KD loss."""
 
 import json
 import math
@@ -23,11 +24,16 @@ from kvlearn.train.distill import (
     LOG_FILE,
     RetrofitConfig,
     build_models,
+    dense_distill_step,
+    dense_student,
     distill_losses,
     kd_loss,
     latest_checkpoint,
+    make_optimizer,
     retrofit,
     student_forward,
+    train_step,
+    training_kvpop,
 )
 
 SEQ = 128
@@ -292,3 +298,46 @@ def test_training_attention_computes_the_configured_target(teacher_path, tmp_pat
     with pytest.raises(KVLearnError, match="target_reduction='sum' is unknown") as err:
         KVpopConfig(target_reduction="sum")
     one_line(err)
+
+
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_train_step_by_hand_takes_the_loops_steps(teacher_path, tmp_path, scorer):
+    """``train_step`` called by hand, on the trainer's student, optimizer and batches, logs what ``retrofit`` logged
+    for its first two steps (bit for bit: the loop is this call)."""
+    from kvlearn.testbed.data import TestbedStream
+
+    config = make_config(teacher_path, tmp_path / "loop", kvpop=KVpopConfig(**{**KV, "scorer": scorer}))
+    retrofit(config, stop_after=2, progress=False)
+    logged = [json.loads(ln) for ln in (tmp_path / "loop" / LOG_FILE).read_text().splitlines()]
+    torch.manual_seed(config.seed)  # as retrofit() seeds before build_models
+    teacher, student = build_models(config, torch.device("cpu"))
+    optimizer = make_optimizer(config, student, torch.device("cpu"))
+    kv = training_kvpop(config, student)
+    batches = iter(TestbedStream(length=SEQ, batch_size=2, seed=config.seed, dense=config.dense_fraction))
+    for step in range(2):
+        ids, labels = next(batches)
+        got = train_step(config, teacher, student, optimizer, ids, labels, step, step / config.steps, kv)
+        assert got == {k: v for k, v in logged[step].items() if k not in ("step", "seconds")}, step
+
+
+def test_dense_distill_step_of_a_teacher_copy(teacher_path, tmp_path):
+    """A student equal to the teacher: with ``kd_topk`` covering the vocabulary the first step's KD loss is KL(p || p)
+    = 0 (and so is the gradient); with a smaller top-k it is -log(teacher top-k mass), averaged over the supervised
+    tokens (the renormalised teacher against the full-vocabulary student). The teacher never gets a gradient."""
+    ids, labels = training_batch(2, SEQ, 7)
+    config = make_config(teacher_path, tmp_path / "dense", kd_topk=VOCAB_SIZE)
+    teacher, _ = build_models(config, torch.device("cpu"))
+    student = dense_student(teacher)
+    log = dense_distill_step(config, teacher, student, make_optimizer(config, student, torch.device("cpu")), ids,
+                             labels)
+    assert abs(log["kd"]) < 1e-6 and log["loss"] == log["kd"] and log["grad_norm"] < 1e-4
+    assert all(p.grad is None for p in student.parameters()) and all(p.grad is None for p in teacher.parameters())
+
+    config = make_config(teacher_path, tmp_path / "dense", kd_topk=16)
+    student = dense_student(teacher)
+    log = dense_distill_step(config, teacher, student, make_optimizer(config, student, torch.device("cpu")), ids,
+                             labels)
+    with torch.no_grad():
+        probs = torch.softmax(teacher(input_ids=ids).logits[:, :-1], -1)  # [B, T-1, V]
+    mass = probs.topk(16, dim=-1).values.sum(-1)[labels[:, 1:] != -100]  # [N]
+    assert abs(log["kd"] - float(-mass.log().mean())) < 1e-5

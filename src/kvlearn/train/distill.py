@@ -1,7 +1,8 @@
 """Retrofit KVpop (or the trained baselines StreamingLLM+ and DMS, below) onto a trained model by distillation
 (GitHub issue #10, item 2; single process).
 
-Read top to bottom: config, models, losses, schedule, checkpoints, loop.
+Read top to bottom: config, models, losses, schedule, checkpoints, one step (:func:`train_step`; and
+:func:`dense_distill_step`, the plain distillation step of the dense model it is timed against), loop.
 
 * **Teacher**: the frozen dense model (:func:`kvlearn.load`, SDPA attention, no gradient).
 * **Student**: a copy with :func:`~kvlearn.kvpop.apply.apply_kvpop`, run with the ``"kvpop_train"`` attention
@@ -74,7 +75,8 @@ from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 METHODS = ("kvpop", "streaming_plus", "dms")
 NEW_MODULES = {"kvpop": ".kvpop.", "streaming_plus": None, "dms": ".dms."}  # parameter-name marker of the new weights
 
-__all__ = ["RetrofitConfig", "retrofit", "kd_loss", "distill_losses", "student_forward", "latest_checkpoint"]
+__all__ = ["RetrofitConfig", "retrofit", "train_step", "dense_student", "dense_distill_step", "kd_loss",
+           "distill_losses", "student_forward", "latest_checkpoint"]
 
 STATE_FILE = "trainer_state.pt"
 LOG_FILE = "train_log.jsonl"
@@ -466,6 +468,96 @@ def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# one step
+
+
+def training_kvpop(config: RetrofitConfig, student) -> KVpopConfig:
+    """The KVpop config of the training pattern: the top-k the student's bf16 cache will hold (``state_in_budget``:
+    the mLSTM state's bytes take top-k slots; ``config.kvpop`` unchanged otherwise, and for the other methods)."""
+    return model_budget_config(student, config.kvpop, torch.bfloat16) if config.method == "kvpop" else config.kvpop
+
+
+def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor, labels: torch.Tensor,
+               step: int, fraction: float, kv: KVpopConfig | None = None,
+               d: parallel.DistInfo = parallel.DistInfo()) -> dict:
+    """One optimizer step of the retrofit: step ``step`` (0-based) with ``fraction`` of the run done.
+
+    ``input_ids``, ``labels``: int64 ``[B, T]`` on the models' device, this process's rows of the global batch
+    (``labels`` -100 where not supervised). Sets the three learning rates, runs the teacher (no gradient) and the
+    student under the method's training attention (bf16 autocast on CUDA), the loss (KD + the method's term),
+    backward, clipping, the AdamW step and ``zero_grad``. ``kv``: :func:`training_kvpop` (computed when None).
+    Returns the step's log values as floats, losses summed and metrics averaged over the processes: ``loss``,
+    ``kd``; kvpop: ``boundary``, ``boundary_accuracy``, ``keep_fraction``, ``recall``; dms: ``compression``,
+    ``closed_fraction``, ``target_fraction``; then ``grad_norm``, ``lr``, ``lr_new``, ``lr_decay``."""
+    device = input_ids.device
+    kv = training_kvpop(config, student) if kv is None else kv
+    reduce_sum = parallel.all_reduce_sum if d.world > 1 else None
+    lr_new = new_lr_at(config, step, fraction)
+    optimizer.param_groups[0]["lr"] = config.lr
+    optimizer.param_groups[1]["lr"] = lr_new
+    optimizer.param_groups[2]["lr"] = lr_decay = decay_lr_at(config, step, fraction)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+        if config.method == "kvpop":
+            logits, state = student_forward(student, input_ids, kv)
+        else:
+            logits, extra_loss, extra_log = method_forward(config, student, input_ids, step, fraction)
+    # float32; under data parallelism each loss is this process's share of the global-batch value
+    kd = kd_loss(logits, teacher_logits, labels, config.kd_topk, reduce_sum=reduce_sum)
+    if config.method == "kvpop":
+        gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+        queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk,
+                                         config.queries_per_step, config.late_fraction, generator=gen)  # [n]
+        parts = distill_losses(state, queries, reduce_sum=reduce_sum)
+        loss = kd + config.boundary_weight * parts["boundary"]
+        shares = {"boundary": parts["boundary"].detach()}
+        means = {k: parts[k] for k in ("boundary_accuracy", "keep_fraction", "recall")}
+    else:  # the compression term is a mean over rows: every process holds as many rows
+        loss = kd + config.compression_weight * extra_loss / d.world
+        shares, means = {}, dict(extra_log)
+    (loss * d.world).backward()  # FSDP averages the gradients over the processes: the shares' sum
+    grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    totals = _global_sums([loss.detach(), kd.detach(), *shares.values()], d)
+    averaged = (_global_sums([torch.tensor(list(means.values()), dtype=torch.float32, device=device)], d)[0]
+                / d.world) if means else []
+    return {**{k: float(v) for k, v in zip(["loss", "kd", *shares], totals)},
+            **{k: float(v) for k, v in zip(means, averaged)},
+            "grad_norm": parallel.scalar(grad_norm), "lr": config.lr, "lr_new": lr_new, "lr_decay": lr_decay}
+
+
+def dense_student(teacher):
+    """A plain float32 copy of ``teacher`` to distil into (default attention, gradients on, train mode): the
+    reference a retrofit step's cost is measured against (``benchmarks/retrofit_step_speed.py``)."""
+    student = copy.deepcopy(teacher)
+    student.requires_grad_(True)
+    return student.train()
+
+
+def dense_distill_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor,
+                       labels: torch.Tensor) -> dict:
+    """One plain distillation step of a dense ``student`` (:func:`dense_student`): teacher forward (no gradient),
+    student forward with its default attention, :func:`kd_loss` (``kd_topk``), backward, clipping at ``grad_clip``,
+    optimizer step and ``zero_grad``, under :func:`train_step`'s bf16 autocast on CUDA; one process, no learning-rate
+    schedule. ``input_ids``, ``labels``: int64 ``[B, T]``. Returns ``{"loss", "kd", "grad_norm"}`` floats (loss =
+    kd: 0 on the first step when ``student`` equals the teacher)."""
+    device = input_ids.device
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+        logits = student(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+    kd = kd_loss(logits, teacher_logits, labels, config.kd_topk)
+    kd.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    value = float(kd.detach())
+    return {"loss": value, "kd": value, "grad_norm": float(grad_norm)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # the loop
 
 
@@ -475,7 +567,6 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
     d = parallel.init_distributed(config.device)
     device = torch.device(f"cuda:{d.local_rank}" if d.world > 1 and config.device.startswith("cuda") else config.device)
     rows = shard_rows(config.batch_size, d.rank, d.world)  # one-line error unless batch_size % world == 0
-    reduce_sum = parallel.all_reduce_sum if d.world > 1 else None
     torch.manual_seed(config.seed)
     out = Path(config.out)
     if d.main:
@@ -483,9 +574,7 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
         if config.overwrite and not config.resume:  # remove only what an earlier run of this trainer wrote
             clear_run_outputs(out)
     teacher, student = build_models(config, device)
-    # the training pattern holds the top-k the student's bf16 cache will hold (state_in_budget: the mLSTM state's
-    # bytes take top-k slots; unchanged otherwise)
-    kv = model_budget_config(student, config.kvpop, torch.bfloat16) if config.method == "kvpop" else config.kvpop
+    kv = training_kvpop(config, student)  # before sharding
     step, trainer_state = 0, None
     if config.resume:
         trainer_state = load_trainer_state(latest_checkpoint(out), student, config)
@@ -521,42 +610,9 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
                 break
             input_ids, labels = next(batches)
             input_ids, labels = input_ids.to(device), labels.to(device)
-            lr_new = new_lr_at(config, step, fraction)
-            optimizer.param_groups[0]["lr"] = config.lr
-            optimizer.param_groups[1]["lr"] = lr_new
-            optimizer.param_groups[2]["lr"] = lr_decay = decay_lr_at(config, step, fraction)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                with torch.no_grad():
-                    teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
-                if config.method == "kvpop":
-                    logits, state = student_forward(student, input_ids, kv)
-                else:
-                    logits, extra_loss, extra_log = method_forward(config, student, input_ids, step, fraction)
-            # float32; under data parallelism each loss is this process's share of the global-batch value
-            kd = kd_loss(logits, teacher_logits, labels, config.kd_topk, reduce_sum=reduce_sum)
-            if config.method == "kvpop":
-                gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-                queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk,
-                                                 config.queries_per_step, config.late_fraction, generator=gen)
-                parts = distill_losses(state, queries, reduce_sum=reduce_sum)
-                loss = kd + config.boundary_weight * parts["boundary"]
-                shares = {"boundary": parts["boundary"].detach()}
-                means = {k: parts[k] for k in ("boundary_accuracy", "keep_fraction", "recall")}
-            else:  # the compression term is a mean over rows: every process holds as many rows
-                loss = kd + config.compression_weight * extra_loss / d.world
-                shares, means = {}, dict(extra_log)
-            (loss * d.world).backward()  # FSDP averages the gradients over the processes: the shares' sum
-            grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            values = train_step(config, teacher, student, optimizer, input_ids, labels, step, fraction, kv, d)
             step += 1
-            totals = _global_sums([loss.detach(), kd.detach(), *shares.values()], d)
-            averaged = (_global_sums([torch.tensor(list(means.values()), dtype=torch.float32, device=device)], d)[0]
-                        / d.world) if means else []
-            last = {"step": step, **{k: float(v) for k, v in zip(["loss", "kd", *shares], totals)},
-                    **{k: float(v) for k, v in zip(means, averaged)},
-                    "grad_norm": parallel.scalar(grad_norm), "lr": config.lr, "lr_new": lr_new, "lr_decay": lr_decay,
-                    "seconds": round(seconds_done + time.time() - t0, 3)}
+            last = {"step": step, **values, "seconds": round(seconds_done + time.time() - t0, 3)}
             log_file.write(json.dumps(last) + "\n")
             log_file.flush()
             bar.update(1)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue #10 item 8, "one retrofit step <= 1.5x a plain distillation step of the dense model on the same batch"
+# (benchmarks/retrofit_step_speed.py): ms per optimizer step of a plain distillation step of the dense model and of
+# the retrofit's own step (KVpop with the MLP and with the mLSTM scorer; budget 1024, window 256), timed in one
+# process on one batch, interleaved in rounds; summary.acceptance judged on the mLSTM (the paper's KVpop). Two runs:
+#   1. the committed testbed teacher, seq 4096, batch 8 (the real retrofit) -> $OUT/retrofit_step_speed_h200.json
+#   2. a random Qwen3-0.6B-shaped model (testbed vocabulary), seq 8192, batch 1 -> $OUT/retrofit_step_speed_0p6b_h200.json
+# stdout in $OUT/retrofit_step_speed.log and $OUT/retrofit_step_speed_0p6b.log; each run under `timeout 200` (the
+# file is rewritten after every timed round, so a time-out keeps what it measured, marked "partial").
+# METHODS adds rows, e.g. METHODS=retrofit_kvpop_mlp,retrofit_kvpop_mlstm,retrofit_dms,retrofit_streaming_plus.
+# Expected device time: about 3 minutes on one H200 (compiles included: flex attention and the mLSTM scorer).
+# Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/retrofit_step_speed.sh
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)') triton $(python3 -c 'import triton; print(triton.__version__)' 2>/dev/null || echo none)"
+timeout 200 python3 benchmarks/retrofit_step_speed.py ${METHODS:+--methods "$METHODS"} \
+    --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
+echo "teacher rc=$?"
+grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 12
+timeout 200 python3 benchmarks/retrofit_step_speed.py --shape qwen3-0.6b ${METHODS:+--methods "$METHODS"} \
+    --out "$OUT/retrofit_step_speed_0p6b_h200.json" > "$OUT/retrofit_step_speed_0p6b.log" 2>&1
+echo "qwen3-0.6b shape rc=$?"
+grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed_0p6b.log" | tail -n 12

@@ -1,0 +1,329 @@
+"""One retrofit step against one plain distillation step of the dense model, same batch, one process (issue #10
+item 8: "one retrofit step <= 1.5x a plain distillation step of the dense model on the same batch").
+
+    PYTHONPATH=src python benchmarks/retrofit_step_speed.py --out results/retrofit_step_speed_h200.json
+    PYTHONPATH=src python benchmarks/retrofit_step_speed.py --shape qwen3-0.6b --out results/retrofit_step_speed_0p6b_h200.json
+
+Milliseconds per optimizer step (teacher forward, student forward + backward, clipping, AdamW step, the logged
+values read back) of:
+
+- ``distill_dense``: :func:`kvlearn.train.distill.dense_distill_step`, the student a float32 copy of the teacher
+  with its default (SDPA) attention, KD loss only: the reference;
+- ``retrofit_kvpop_mlp`` / ``retrofit_kvpop_mlstm``: :func:`kvlearn.train.distill.train_step`, the retrofit's own
+  step, KVpop with the MLP / the mLSTM scorer (KVpopConfig defaults: skip connection, delayed readout);
+- with ``--methods``: ``retrofit_dms``, ``retrofit_streaming_plus``.
+
+Every retrofit student is :func:`~kvlearn.train.distill.build_models`'s (exactly the trainer's) with
+:func:`~kvlearn.train.distill.make_optimizer`; all run on one fixed batch of the testbed stream (the retrofit's
+first batch). Each method first runs ``--warmup`` steps (compiles), then the ``--steps`` timed steps are
+interleaved in rounds (each method ``--steps-per-round`` steps per round, the order rotated per round), so that
+every ratio is measured under the same machine conditions; CUDA events after a synchronize, median per method.
+``peak_memory_gib``: the process's peak during the method's steps (every student of the run is resident);
+``step_peak_memory_gib``: that peak above what was allocated before the step.
+
+Model sources: ``--model PATH`` (default the committed 8-layer testbed teacher; seq 4096, batch 8: the real
+retrofit) or ``--shape qwen3-0.6b``: a randomly initialised Qwen3 of Qwen3-0.6B's shape (28 layers, hidden 1024,
+16 query / 8 KV heads of 128, intermediate 3072) with the testbed vocabulary (seq 8192, batch 1). ``--smoke``: a
+tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing meaningful).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from kvlearn.config import DMSConfig, KVpopConfig, StreamingConfig  # noqa: E402
+from kvlearn.errors import KVLearnError, check, check_int  # noqa: E402
+from kvlearn.results import command_line, make_results, portable_path, write_results  # noqa: E402
+from kvlearn.testbed.data import TestbedStream  # noqa: E402
+from kvlearn.testbed.tasks import MAX_LENGTH, MIN_LENGTH  # noqa: E402
+from kvlearn.testbed.tokenizer import VOCAB_SIZE  # noqa: E402
+from kvlearn.train.distill import (  # noqa: E402
+    NEW_MODULES, RetrofitConfig, build_models, dense_distill_step, dense_student, make_optimizer, train_step,
+    training_kvpop)
+
+REFERENCE = "distill_dense"
+METHODS = (REFERENCE, "retrofit_kvpop_mlp", "retrofit_kvpop_mlstm", "retrofit_dms", "retrofit_streaming_plus")
+DEFAULT_METHODS = METHODS[:3]
+ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
+SHAPES = {  # Qwen3Config fields; vocabulary: the testbed tokenizer's
+    "qwen3-0.6b": dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, max_position_embeddings=40960),
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=96, max_position_embeddings=512),  # --smoke
+}
+# (seq_len, batch_size, budget, window, warmup, steps) by model source: --model, --shape qwen3-0.6b, --smoke
+DEFAULTS = {None: (4096, 8, 1024, 256, 3, 10), "qwen3-0.6b": (8192, 1, 1024, 256, 3, 10),
+            "tiny": (256, 2, 64, 16, 1, 2)}
+DEFAULT_MODEL = "checkpoints/testbed-teacher"
+GIB = 2**30
+
+
+def random_model_folder(shape: str, folder: Path, tokenizer_from: str, device: torch.device) -> str:
+    """A randomly initialised ``Qwen3ForCausalLM`` of ``SHAPES[shape]`` with the testbed vocabulary, saved to
+    ``folder`` with ``tokenizer_from``'s tokenizer files: a checkpoint folder that ``build_models`` loads as it loads
+    a trained teacher."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kvlearn.hf import copy_tokenizer_files
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB_SIZE, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True, **SHAPES[shape])
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    model.save_pretrained(folder)
+    copy_tokenizer_files(tokenizer_from, folder)
+    return str(folder)
+
+
+def method_config(name: str, args, model: str, out: str, device: str) -> RetrofitConfig:
+    """The retrofit config of method ``name`` (``distill_dense`` reads only its KD, clipping and ``lr`` fields)."""
+    s, w, b = args.sinks, args.window, args.budget
+    if name == "retrofit_dms":
+        kw = dict(method="dms", dms=DMSConfig(sinks=s, window=w, budget=b, target_cr=args.seq_len / b))
+    elif name == "retrofit_streaming_plus":
+        kw = dict(method="streaming_plus", streaming=StreamingConfig(budget=b, sinks=s))
+    else:
+        kw = dict(kvpop=KVpopConfig(sinks=s, window=w, topk=b - s - w,
+                                    scorer="mlstm" if name == "retrofit_kvpop_mlstm" else "mlp"))
+    return RetrofitConfig(model=model, out=out, batch_size=args.batch_size, seq_len=args.seq_len, device=device,
+                          seed=args.seed, **kw)
+
+
+class Arm:
+    """One timed method: its config, student, optimizer, step counter, step times (ms) and peak memory."""
+
+    def __init__(self, name: str, config: RetrofitConfig, teacher, device: torch.device):
+        self.name, self.config, self.teacher = name, config, teacher
+        if name == REFERENCE:
+            self.student, self.kv = dense_student(teacher), None
+        else:
+            torch.manual_seed(config.seed)  # as retrofit() seeds before build_models (the new modules' init)
+            _, self.student = build_models(config, device)
+            self.kv = training_kvpop(config, self.student)
+        self.optimizer = make_optimizer(config, self.student, device)
+        marker = NEW_MODULES[config.method] if name != REFERENCE else None
+        self.parameters = sum(p.numel() for p in self.student.parameters())
+        self.new_parameters = sum(p.numel() for n, p in self.student.named_parameters() if marker and marker in n)
+        self.step, self.ms, self.log, self.error = 0, [], {}, None
+        self.first_step_s = self.peak = self.step_peak = 0.0
+
+    def run_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """One optimizer step (the retrofit's step ``self.step`` of a ``config.steps``-step run)."""
+        c = self.config
+        if self.name == REFERENCE:
+            self.log = dense_distill_step(c, self.teacher, self.student, self.optimizer, input_ids, labels)
+        else:
+            self.log = train_step(c, self.teacher, self.student, self.optimizer, input_ids, labels, self.step,
+                                  self.step / c.steps, self.kv)
+        self.step += 1
+
+    def timed_step(self, input_ids, labels, device: torch.device) -> float:
+        """Milliseconds of one step (CUDA events after a synchronize; the host clock on the CPU); tracks memory."""
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            self.run_step(input_ids, labels)
+            return (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.run_step(input_ids, labels)
+        end.record()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        self.peak, self.step_peak = max(self.peak, peak / GIB), max(self.step_peak, (peak - base) / GIB)
+        return start.elapsed_time(end)
+
+    def row(self) -> dict:
+        c = self.config
+        row = {"name": self.name, "method": "dense" if self.name == REFERENCE else c.method,
+               "parameters": self.parameters, "new_parameters": self.new_parameters,
+               "first_step_s": round(self.first_step_s, 3), "steps_timed": len(self.ms)}
+        if self.ms:
+            row.update(ms=statistics.median(self.ms), ms_min=min(self.ms), ms_steps=[round(t, 3) for t in self.ms])
+        if self.name == REFERENCE:
+            pass
+        elif c.method == "kvpop":  # the exact config, and the top-k the training pattern holds (state_in_budget)
+            row.update(scorer=c.kvpop.scorer, kvpop=asdict(c.kvpop), kvpop_training_topk=self.kv.topk)
+        elif c.method == "dms":
+            row["dms"] = asdict(c.dms)
+        else:
+            row["streaming"] = asdict(c.streaming)
+        if self.peak:
+            row.update(peak_memory_gib=round(self.peak, 3), step_peak_memory_gib=round(self.step_peak, 3))
+        row["last_step"] = self.log
+        if self.error:
+            row["error"] = self.error
+        return row
+
+    def fail(self, exc: BaseException) -> None:
+        """Record ``exc`` and free the arm's student and optimizer (the other methods go on)."""
+        import traceback
+
+        traceback.print_exc()
+        self.error = f"{type(exc).__name__}: {exc}"[:400]
+        self.student = self.optimizer = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def parse(argv) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help=f"teacher checkpoint folder (default {DEFAULT_MODEL})")
+    ap.add_argument("--shape", default=None, help="qwen3-0.6b: a random Qwen3-0.6B-shaped teacher instead of --model")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma list of {', '.join(METHODS)} ({REFERENCE} is always run: the reference)")
+    ap.add_argument("--seq-len", type=int, default=None, help="default 4096 (--model), 8192 (--shape), 256 (--smoke)")
+    ap.add_argument("--batch-size", type=int, default=None, help="default 8 (--model), 1 (--shape), 2 (--smoke)")
+    ap.add_argument("--budget", type=int, default=None, help="sinks + window + top-k (default 1024; --smoke 64)")
+    ap.add_argument("--window", type=int, default=None, help="default 256 (--smoke 16)")
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per method first (default 3; --smoke 1)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per method (default 10; --smoke 2)")
+    ap.add_argument("--steps-per-round", type=int, default=2, help="steps of each method per interleaved round")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None, help="default cuda (--smoke: cpu)")
+    ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU (checks the script)")
+    ap.add_argument("--out", default=None, help="default results/retrofit_step_speed_h200.json "
+                    "(--shape qwen3-0.6b: ..._0p6b_h200.json; --smoke: runs/smoke/retrofit_step_speed.json)")
+    args = ap.parse_args(argv)
+    check(args.shape in (None, "qwen3-0.6b"), f"--shape={args.shape!r} is unknown: expected qwen3-0.6b")
+    source = "tiny" if args.smoke else args.shape
+    check(not (source and args.model), f"--model and {'--smoke' if args.smoke else '--shape'} exclude each other: "
+          "the latter times a random model")
+    for name, value in zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), DEFAULTS[source]):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.source, args.model = source, args.model or str(REPO / DEFAULT_MODEL)
+    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in args.methods:
+        check(m in METHODS, f"--methods: {m!r} is unknown: expected some of {', '.join(METHODS)}")
+    args.methods = [REFERENCE] + [m for m in dict.fromkeys(args.methods) if m != REFERENCE]
+    check_int("--seq-len", args.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
+    check_int("--batch-size", args.batch_size, 1)
+    check(args.budget > args.sinks + args.window,
+          f"--budget={args.budget} is invalid: expected > sinks + window = {args.sinks + args.window} (a top-k >= 1)")
+    check(args.seq_len > args.budget, f"--seq-len={args.seq_len} is invalid for --budget={args.budget}: expected a "
+          "sequence longer than the budget (else nothing is evicted)")
+    for name, low in (("warmup", 0), ("steps", 1), ("steps_per_round", 1)):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), low)
+    check(args.device == "cpu" or torch.cuda.is_available(),
+          f"--device={args.device} requested but CUDA is not available: run on the GPU (or --smoke on the CPU)")
+    if args.out is None:
+        args.out = {None: "results/retrofit_step_speed_h200.json", "tiny": "runs/smoke/retrofit_step_speed.json",
+                    "qwen3-0.6b": "results/retrofit_step_speed_0p6b_h200.json"}[source]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    command = command_line() if argv is None else " ".join(
+        ["python", "benchmarks/retrofit_step_speed.py"] + [portable_path(a) for a in argv])
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+        with tempfile.TemporaryDirectory(prefix="retrofit_step_speed-") as tmp:
+            return run(args, Path(tmp), command)
+    except KVLearnError as e:
+        print(f"retrofit_step_speed: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args, tmp: Path, command: str) -> int:
+    """Build the teacher and every method's student, warm up, time the interleaved rounds; write ``args.out``."""
+    start, device = time.perf_counter(), torch.device(args.device)
+    teacher_folder = args.model
+    if args.source is not None:  # a random model of that shape, with the testbed teacher's tokenizer files
+        teacher_folder = random_model_folder(args.source, tmp / args.source, args.model, device)
+    configs = {m: method_config(m, args, teacher_folder, str(tmp / "unused"), args.device) for m in args.methods}
+    from kvlearn.checkpoint import load
+
+    teacher = load(teacher_folder, dtype=torch.float32, device=device)  # as build_models loads it
+    teacher.requires_grad_(False)
+    stream = TestbedStream(length=args.seq_len, batch_size=args.batch_size, seed=args.seed,
+                           dense=configs[REFERENCE].dense_fraction)
+    input_ids, labels = (t.to(device) for t in next(iter(stream)))  # the retrofit's first batch, [B, T] each
+    arms = [Arm(m, configs[m], teacher, device) for m in args.methods]
+    import transformers
+
+    shape_keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "intermediate_size", "vocab_size")
+    fields = dict(
+        model=(f"random {args.source} shape (testbed vocabulary)" if args.source else portable_path(teacher_folder)),
+        model_shape={k: getattr(teacher.config, k) for k in shape_keys},
+        seq_len=args.seq_len, batch_size=args.batch_size, budget=args.budget, sinks=args.sinks, window=args.window,
+        warmup=args.warmup, steps=args.steps, steps_per_round=args.steps_per_round, smoke=args.smoke,
+        precision="float32 weights and AdamW, bf16 autocast on CUDA (the retrofit's)", torch=torch.__version__,
+        transformers=transformers.__version__)
+
+    def save(partial: bool) -> dict:
+        rows = [a.row() for a in arms]
+        results = make_results("speed", rows, device=str(device), command=command, **fields,
+                               wall_seconds=round(time.perf_counter() - start, 1), summary=summarize(rows),
+                               partial=partial)
+        write_results(args.out, results)
+        return results
+
+    for arm in arms:  # warm-up (compiles), each method on its own
+        t0 = time.perf_counter()
+        try:
+            for i in range(args.warmup):
+                arm.run_step(input_ids, labels)
+                if i == 0:
+                    arm.first_step_s = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - one failing method must not cost the others' rows
+            arm.fail(exc)
+        print(f"warm-up {arm.name}: {time.perf_counter() - t0:.1f} s{' FAILED' if arm.error else ''}", flush=True)
+    for r in range(math.ceil(args.steps / args.steps_per_round)):  # interleaved rounds, the order rotated
+        live = [a for a in arms if a.error is None]
+        if not live:
+            break
+        for arm in live[r % len(live):] + live[:r % len(live)]:
+            try:
+                for _ in range(min(args.steps_per_round, args.steps - len(arm.ms))):
+                    arm.ms.append(arm.timed_step(input_ids, labels, device))
+            except Exception as exc:  # noqa: BLE001
+                arm.fail(exc)
+        print(f"round {r}: " + ", ".join(f"{a.name} {a.ms[-1]:.1f} ms" for a in arms if a.ms and a.error is None),
+              flush=True)
+        save(partial=True)
+    results = save(partial=False)
+    for row in results["rows"]:
+        ms, ratio = row.get("ms", math.nan), row.get("ratio_to_distill_dense") or math.nan
+        print(f"{row['name']:<26} {ms:>10.2f} ms  x{ratio:.3f}  peak {row.get('peak_memory_gib', 0):.2f} GiB"
+              + (f"  ERROR {row['error']}" if "error" in row else ""))
+    print(json.dumps(results["summary"]))
+    return 0
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Adds ``ratio_to_distill_dense`` to every timed row (in place); the ratios and the acceptance (judged on
+    ``retrofit_kvpop_mlstm``: None when it or the reference has no time)."""
+    ms = {r["name"]: r["ms"] for r in rows if "ms" in r}
+    ref = ms.get(REFERENCE)
+    for r in rows:
+        if "ms" in r and ref:
+            r["ratio_to_distill_dense"] = r["ms"] / ref
+    ratios = {f"{n}_over_{REFERENCE}": (ms[n] / ref if n in ms and ref else None) for n in METHODS[1:]
+              if n in {r["name"] for r in rows} or n in DEFAULT_METHODS}
+    judged = ratios[f"{ACCEPTANCE_METHOD}_over_{REFERENCE}"]
+    return {f"{REFERENCE}_ms": ref, **ratios, "acceptance_method": ACCEPTANCE_METHOD,
+            "acceptance": {"retrofit_step_le_1p5x_distill_step": None if judged is None else judged <= 1.5}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""benchmarks/retrofit_step_speed.py on the CPU: ``--smoke`` (a tiny random GQA Qwen3) times every method on one
+batch and writes the results file (provenance, one row per method with its parameters, steps and exact config, the
+ratios and the acceptance); bad input is a one-line error, never a traceback."""
+
+import json
+
+import pytest
+import torch
+from benchmark_loader import load_benchmark
+
+ALL = "retrofit_kvpop_mlp,retrofit_kvpop_mlstm,retrofit_dms,retrofit_streaming_plus"
+
+
+def test_smoke_writes_every_row_and_the_summary(tmp_path, capsys):
+    script = load_benchmark("retrofit_step_speed")
+    out = tmp_path / "speed.json"
+    assert script.main(["--smoke", "--methods", ALL, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for key in ("schema", "kind", "command", "commit", "date", "device", "torch", "rows", "summary"):
+        assert key in data, key
+    assert data["command"].startswith("python benchmarks/retrofit_step_speed.py --smoke")
+    assert data["partial"] is False and data["smoke"] is True
+    assert (data["seq_len"], data["batch_size"], data["budget"], data["window"]) == (256, 2, 64, 16)
+    assert data["model_shape"]["num_attention_heads"] == 2 * data["model_shape"]["num_key_value_heads"] >= 4
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["distill_dense", *ALL.split(",")]
+    for name, r in rows.items():
+        assert "error" not in r and r["steps_timed"] == 2 and r["ms"] > 0 and r["parameters"] > 0, name
+        assert r["ratio_to_distill_dense"] == pytest.approx(r["ms"] / rows["distill_dense"]["ms"])
+    assert rows["distill_dense"]["new_parameters"] == 0 and rows["distill_dense"]["last_step"]["kd"] >= 0
+    assert rows["retrofit_kvpop_mlp"]["new_parameters"] > 0 and rows["retrofit_streaming_plus"]["new_parameters"] == 0
+    mlstm = rows["retrofit_kvpop_mlstm"]["kvpop"]
+    assert mlstm["scorer"] == "mlstm" and mlstm["mlstm_skip"] and mlstm["delayed_readout"]  # KVpopConfig defaults
+    assert mlstm["sinks"] + mlstm["window"] + mlstm["topk"] == 64 and mlstm["window"] == 16
+    assert rows["retrofit_kvpop_mlp"]["kvpop"]["scorer"] == "mlp" and rows["retrofit_dms"]["dms"]["budget"] == 64
+    assert "boundary" in rows["retrofit_kvpop_mlstm"]["last_step"]
+    summary = data["summary"]
+    ratio = summary["retrofit_kvpop_mlstm_over_distill_dense"]
+    assert ratio == pytest.approx(rows["retrofit_kvpop_mlstm"]["ratio_to_distill_dense"])
+    assert summary["retrofit_kvpop_mlp_over_distill_dense"] > 0
+    assert summary["acceptance"] == {"retrofit_step_le_1p5x_distill_step": ratio <= 1.5}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--smoke", "--methods", "retrofit_kvpop,retrofit_dms"], "--methods: 'retrofit_kvpop' is unknown"),
+    (["--smoke", "--budget", "256"], "--seq-len=256 is invalid for --budget=256"),
+    (["--smoke", "--budget", "20"], "--budget=20 is invalid: expected > sinks + window = 20"),
+    (["--shape", "qwen3-1.7b"], "--shape='qwen3-1.7b' is unknown: expected qwen3-0.6b"),
+    (["--shape", "qwen3-0.6b", "--model", "checkpoints/testbed-teacher"], "--model and --shape exclude each other"),
+    (["--smoke", "--steps", "0"], "--steps=0 is invalid"),
+    (["--smoke", "--seq-len", "64", "--budget", "32"], "--seq-len=64 is invalid"),
+    (["--model", "no/such/folder", "--device", "cpu"], "does not exist"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
+    script = load_benchmark("retrofit_step_speed")
+    assert script.main([*argv, "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and err.startswith("retrofit_step_speed: error: "), err
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_no_cuda_is_one_line(capsys):
+    assert load_benchmark("retrofit_step_speed").main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CUDA is not available" in err
