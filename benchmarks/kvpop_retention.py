@@ -62,10 +62,10 @@ def measure(model, config, example, queries: torch.Tensor) -> dict:
     for layer in sorted(state.records):
         r = state.records[layer]
         policy = teacher_policy(r.target, r.log_gamma, config.sinks, config.window, config.topk)
-        recall.append(torch.tensor([retention_recall(r.ranks[:, h:h + 1], r.cutoffs[:, h:h + 1],
-                                                     policy.ranks[:, h:h + 1], policy.cutoffs[:, h:h + 1],
-                                                     queries, config.sinks, config.window)
-                                    for h in range(r.ranks.shape[1])]))
+        recall.append(torch.stack([retention_recall(r.ranks[:, h:h + 1], r.cutoffs[:, h:h + 1],
+                                                    policy.ranks[:, h:h + 1], policy.cutoffs[:, h:h + 1],
+                                                    queries, config.sinks, config.window)
+                                   for h in range(r.ranks.shape[1])]))
         row = kept_row(r.ranks, r.cutoffs, config, prompt_len - 1)
         learned.append(row[:, needed].float().mean(-1))
         teacher.append(kept_row(policy.ranks, policy.cutoffs, config, prompt_len - 1)[:, needed].float().mean(-1))

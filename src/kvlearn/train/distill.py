@@ -284,10 +284,12 @@ def distill_losses(state: TrainForward, query_positions: torch.Tensor, reduce_su
     """Boundary loss and retention metrics of one student forward, averaged over its layers.
 
     ``query_positions``: int64 ``[n]`` (:func:`sample_query_positions`). Returns ``boundary`` (scalar, gradient into
-    the scorer/decay parameters only), and detached floats ``boundary_accuracy``, ``keep_fraction`` (share of
-    valid teacher decisions that keep the new token) and ``recall`` (share of the teacher's retained eligible
-    tokens the student also retains, at the sampled queries). ``reduce_sum``: global-batch statistics under data
-    parallelism (:func:`~kvlearn.kvpop.loss.boundary_loss`); the metrics stay this process's."""
+    the scorer/decay parameters only), and detached float32 scalars on the records' device ``boundary_accuracy``,
+    ``keep_fraction`` (share of valid teacher decisions that keep the new token) and ``recall`` (share of the
+    teacher's retained eligible tokens the student also retains, at the sampled queries): tensors, not floats, so
+    that a step reads nothing back from the GPU per layer (the caller reads them once). ``reduce_sum``: global-batch
+    statistics under data parallelism (:func:`~kvlearn.kvpop.loss.boundary_loss`); the metrics stay this
+    process's."""
     cfg = state.config
     s, w, k = cfg.sinks, cfg.window, cfg.topk
     losses, acc, keep, recall = [], [], [], []
@@ -300,19 +302,21 @@ def distill_losses(state: TrainForward, query_positions: torch.Tensor, reduce_su
                                margin_temperature=cfg.margin_temperature, balance=cfg.balance,
                                balance_clip=tuple(cfg.balance_clip), reduce_sum=reduce_sum)
         losses.append(result.loss)
-        acc.append(float(result.accuracy))
+        acc.append(result.accuracy.detach().float())
         n_valid = decisions.valid.sum().clamp(min=1)
-        keep.append(float(((decisions.y > 0) & decisions.valid).sum() / n_valid))
+        keep.append((((decisions.y > 0) & decisions.valid).sum() / n_valid).float())
         recall.append(retention_recall(rec.ranks, rec.cutoffs, teacher.ranks, teacher.cutoffs,
                                        query_positions.to(rec.target.device), s, w))
-    return {"boundary": torch.stack(losses).mean(), "boundary_accuracy": sum(acc) / len(acc),
-            "keep_fraction": sum(keep) / len(keep), "recall": sum(recall) / len(recall)}
+    return {"boundary": torch.stack(losses).mean(), "boundary_accuracy": torch.stack(acc).mean(),
+            "keep_fraction": torch.stack(keep).mean(), "recall": torch.stack(recall).mean()}
 
 
 @torch.no_grad()
-def retention_recall(ranks, cutoffs, t_ranks, t_cutoffs, queries: torch.Tensor, sinks: int, window: int) -> float:
+def retention_recall(ranks, cutoffs, t_ranks, t_cutoffs, queries: torch.Tensor, sinks: int, window: int
+                     ) -> torch.Tensor:
     """Share of the teacher's retained eligible tokens that the student retains too, at ``queries [n]`` (ranks and
-    cutoffs int32 ``[B, H, T]``; eligible ``t``: ``sinks <= t <= q - window``, retained iff rank <= cutoff[q])."""
+    cutoffs int32 ``[B, H, T]``; eligible ``t``: ``sinks <= t <= q - window``, retained iff rank <= cutoff[q]): a
+    float32 scalar tensor on their device (no read-back)."""
     T = ranks.shape[-1]
     t = torch.arange(T, device=ranks.device)
     q = queries.long()
@@ -322,7 +326,7 @@ def retention_recall(ranks, cutoffs, t_ranks, t_cutoffs, queries: torch.Tensor, 
         return (r[:, :, None, :] <= c[:, :, q][..., None]) & eligible
 
     teacher, student = kept(t_ranks, t_cutoffs), kept(ranks, cutoffs)
-    return float((teacher & student).sum() / teacher.sum().clamp(min=1))
+    return ((teacher & student).sum() / teacher.sum().clamp(min=1)).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -521,8 +525,8 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     totals = _global_sums([loss.detach(), kd.detach(), *shares.values()], d)
-    averaged = (_global_sums([torch.tensor(list(means.values()), dtype=torch.float32, device=device)], d)[0]
-                / d.world) if means else []
+    averaged = (_global_sums([torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device)
+                                            for v in means.values()])], d)[0] / d.world) if means else []
     return {**{k: float(v) for k, v in zip(["loss", "kd", *shares], totals)},
             **{k: float(v) for k, v in zip(means, averaged)},
             "grad_norm": parallel.scalar(grad_norm), "lr": config.lr, "lr_new": lr_new, "lr_decay": lr_decay}
