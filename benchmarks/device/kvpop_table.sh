@@ -3,7 +3,7 @@
 # teacher side by side on the one GPU, with the same data, minutes and budget (the teacher is small and its training
 # launch-bound: at 894106b a retrofit sharing the H200 with two other jobs still ran ~4.6 steps/s):
 #   kvpop_mlp (MLP scorer), kvpop (mLSTM scorer), streaming_plus, dms;
-# RETROFIT_MINUTES each (default 5), BUDGET (default 512, CR 88%), KVPOP_EXTRA more options of the two KVpop runs
+# RETROFIT_MINUTES each (default 5; or RETROFIT_STEPS steps each, below), BUDGET (default 512, CR 88%), KVPOP_EXTRA more options of the two KVpop runs
 # (default '--decay-init 0.99999 --target-reduction peak': the target under which the teacher policy itself answers
 # best, docs/notes/kvpop_retrofit_smoke.md section 7; method_tables.sh compares it with the total mass first). Then `benchmarks/kvpop_table.py` on them in
 # parallel processes (one per student with --baselines none, two for the training-free baselines; only the first
@@ -31,11 +31,14 @@ M=${RETROFIT_MINUTES:-5}; B=${BUDGET:-512}; TOTAL=${TOTAL_MINUTES:-9.5}
 KVPOP_EXTRA=${KVPOP_EXTRA---decay-init 0.99999 --target-reduction peak}
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 start=$(date +%s)
+# RETROFIT_STEPS: every student trains that many steps (the same steps for every method, whatever the GPU's sharing
+# does to their speed) instead of RETROFIT_MINUTES of wall clock; the table then gets TABLE_MINUTES (default 4)
+if [ -n "${RETROFIT_STEPS:-}" ]; then LENGTH="--steps $RETROFIT_STEPS"; else LENGTH="--minutes $M"; fi
 retrofit() {  # name, then retrofit options
     local name=$1; shift
     # shellcheck disable=SC2068
     python3 -m kvlearn.cli retrofit --model "$MODEL" --out "${WORK_DIR:-/tmp}/table${TAG:-}_$name" --overwrite --device "${DEVICE:-cuda}" \
-        --budget "$B" --minutes "$M" --num-workers 3 $@ ${RETROFIT_ARGS:-} > "$OUT/retrofit_$name.log" 2>&1
+        --budget "$B" $LENGTH --num-workers 3 $@ ${RETROFIT_ARGS:-} > "$OUT/retrofit_$name.log" 2>&1
     echo "retrofit $name rc=$? $(date -u +%H:%M:%S)"
 }
 STUDENTS=${STUDENTS:-kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms}
@@ -57,7 +60,8 @@ if [ -z "${STUDENTS_FROM:-}" ]; then  # train the students STUDENTS names, side 
     done
     wait
 fi
-left=$(python3 -c "print(max(1.0, round($TOTAL - ($(date +%s) - $start) / 60 - 0.7, 2)))")
+if [ -n "${RETROFIT_STEPS:-}" ]; then left=${TABLE_MINUTES:-4}; else
+    left=$(python3 -c "print(max(1.0, round($TOTAL - ($(date +%s) - $start) / 60 - 0.7, 2)))"); fi
 echo "table: $left minutes"
 parts=()
 table() {  # part name, then kvpop_table.py options

@@ -339,7 +339,8 @@ def cmd_reproduce(args) -> int:
     for part in args.budgets.split(","):
         check(part.strip().isdigit(), f"--budgets {args.budgets!r} is invalid: expected a comma list of integers")
         budgets.append(int(part))
-    config = ReproduceConfig(out=args.out, budgets=tuple(budgets), minutes=args.minutes, n_per_task=args.n_per_task,
+    config = ReproduceConfig(out=args.out, budgets=tuple(budgets), minutes=args.minutes, steps=args.steps,
+                             n_per_task=args.n_per_task,
                              device=args.device, model=args.model, retrofit_args=args.retrofit_args,
                              table_args=args.table_args, overwrite=args.overwrite)
     print(f"wrote {reproduce_kvpop(config)}")
@@ -602,6 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
     sp.add_argument("--budgets", default="1024,512,256", help="comma list of budgets (tokens per KV head)")
     sp.add_argument("--minutes", type=float, default=5.0, help="training minutes of each retrofit")
+    sp.add_argument("--steps", type=int, default=None,
+                    help="instead of --minutes: training steps of each retrofit, the same for every method (the run's "
+                         "time then follows the GPU's speed)")
     sp.add_argument("--n-per-task", type=int, default=100, help="examples per family and split")
     sp.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (cpu: a smoke run)")
     sp.add_argument("--model", default=None, help="the teacher's folder (default: checkpoints/testbed-teacher)")

@@ -23,6 +23,14 @@ def test_budget_env_follows_the_measured_recipes(tmp_path):
     assert env["WORK_DIR"].endswith("r/students") and env["TAG"] == "_reproduce512"
     assert budget_env(config, 256)["RETROFIT_ARGS"] == "--window 64" and window_for(1024) == 256
     assert command_of(config).startswith("kvlearn reproduce kvpop --out ")
+    assert "RETROFIT_STEPS" not in env and "--minutes 5.0" in command_of(config)
+
+
+def test_steps_give_every_method_the_same_steps_and_the_table_its_minutes(tmp_path):
+    config = ReproduceConfig(out=str(tmp_path / "r"), steps=800)
+    env = budget_env(config, 1024)
+    assert env["RETROFIT_STEPS"] == "800" and env["TABLE_MINUTES"] == "4.0"
+    assert "--steps 800" in command_of(config) and "--minutes" not in command_of(config)
 
 
 def fake_chain(tmp_path, fail_budgets=()):
@@ -54,6 +62,7 @@ def test_the_tables_of_every_budget_are_merged_and_a_failed_budget_is_named(tmp_
 @pytest.mark.parametrize("bad, message", [
     (dict(budgets=()), "budgets is empty"), (dict(budgets=(3,)), "budget=3 is invalid"),
     (dict(minutes=-1), "minutes=-1 is invalid"), (dict(n_per_task=0), "n_per_task=0 is invalid"),
+    (dict(steps=0), "steps=0 is invalid"),
     (dict(device="tpu"), "device='tpu' is invalid: expected cuda or cpu")])
 def test_bad_input_is_one_line(bad, message, tmp_path):
     with pytest.raises(KVLearnError, match=message):
@@ -64,9 +73,9 @@ def test_bad_input_is_one_line(bad, message, tmp_path):
 def test_a_tiny_real_run_on_the_cpu(tmp_path, monkeypatch):
     """The real chain, tiny: the shipped teacher, budget 64 (window 16), retrofits of a few seconds, context 256,
     one niah example on the eval split, no bf16 export of the students: every student and the teacher have rows in
-    the merged table."""
+    the merged table, and every student trained exactly the 2 steps asked for (``--steps``)."""
     monkeypatch.setenv("EXPORT_STUDENTS", "0")
-    config = ReproduceConfig(out=str(tmp_path / "r"), budgets=(64,), minutes=0.05, n_per_task=1, device="cpu",
+    config = ReproduceConfig(out=str(tmp_path / "r"), budgets=(64,), steps=2, n_per_task=1, device="cpu",
                              retrofit_args="--seq-len 256 --batch-size 2 --window 16 --num-workers 0",
                              table_args="--context 256 --tasks niah --baselines streaming --splits eval")
     merged = json.loads(Path(reproduce_kvpop(config)).read_text())
@@ -76,3 +85,6 @@ def test_a_tiny_real_run_on_the_cpu(tmp_path, monkeypatch):
     kept = sorted(p.name for p in (tmp_path / "r" / "students").iterdir())  # the students stay with the table
     assert kept == ["table_reproduce64_dms", "table_reproduce64_kvpop", "table_reproduce64_kvpop_mlp",
                     "table_reproduce64_streaming_plus"], kept
+    for name in kept:  # the same steps for every method
+        log = (tmp_path / "r" / "students" / name / "train_log.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in log] == [1, 2], name

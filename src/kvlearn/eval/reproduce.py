@@ -39,12 +39,14 @@ def window_for(budget: int) -> int:
 @dataclass
 class ReproduceConfig:
     """``out``: folder for the per-budget runs and the merged table; ``budgets``: tokens per KV head; ``minutes``:
-    each retrofit's training time; ``n_per_task``: examples per family and split; ``device``: ``cuda`` (``cpu`` for
+    each retrofit's training time; ``steps``: instead, each retrofit's steps (the same for every method, however
+    the shared GPU slows each; the table then gets ``EVAL_MINUTES``, and the run's time is not bounded); ``n_per_task``: examples per family and split; ``device``: ``cuda`` (``cpu`` for
     a smoke run); ``model``: the teacher's folder (default the committed one)."""
 
     out: str = "runs/reproduce-kvpop"
     budgets: tuple[int, ...] = (1024, 512, 256)
     minutes: float = 5.0
+    steps: int | None = None
     n_per_task: int = 100
     device: str = "cuda"
     model: str | None = None
@@ -57,6 +59,8 @@ class ReproduceConfig:
         for b in self.budgets:
             check_int("budget", b, 6)
         check(self.minutes > 0, f"minutes={self.minutes!r} is invalid: expected > 0")
+        if self.steps is not None:
+            check_int("steps", self.steps, 1)
         check_int("n_per_task", self.n_per_task, 1)
         check(self.device in ("cuda", "cpu"), f"device={self.device!r} is invalid: expected cuda or cpu")
         out = Path(self.out)
@@ -75,6 +79,7 @@ def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
         "BUDGET": str(budget),
         "STUDENTS": TABLE1_STUDENTS,
         "RETROFIT_MINUTES": str(config.minutes),
+        **({"RETROFIT_STEPS": str(config.steps), "TABLE_MINUTES": str(EVAL_MINUTES)} if config.steps is not None else {}),
         "TOTAL_MINUTES": str(round(config.minutes + EVAL_MINUTES, 2)),
         "N_PER_TASK": str(config.n_per_task),
         "DEVICE": config.device,
@@ -86,7 +91,8 @@ def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
 def command_of(config: ReproduceConfig) -> str:
     """The ``kvlearn reproduce kvpop`` command line of ``config`` (recorded in the merged table)."""
     parts = ["kvlearn reproduce kvpop", f"--out {portable_path(config.out)}",
-             f"--budgets {','.join(map(str, config.budgets))}", f"--minutes {config.minutes}",
+             f"--budgets {','.join(map(str, config.budgets))}",
+             f"--steps {config.steps}" if config.steps is not None else f"--minutes {config.minutes}",
              f"--n-per-task {config.n_per_task}", f"--device {config.device}"]
     if config.model:
         parts.append(f"--model {portable_path(config.model)}")
@@ -109,7 +115,8 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     (out / "students").mkdir(parents=True, exist_ok=True)
     tables, missing = [], []
     for i, budget in enumerate(config.budgets):
-        print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: 4 retrofits of {config.minutes} min, then the table "
+        length = f"{config.steps} steps" if config.steps is not None else f"{config.minutes} min"
+        print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: 4 retrofits of {length}, then the table "
               f"(log: {out / f'budget{budget}.log'})", flush=True)
         with open(out / f"budget{budget}.log", "w") as log:
             run(["bash", str(chain)], cwd=repo_root(), env={**os.environ, **budget_env(config, budget)},
