@@ -11,6 +11,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session")
+def teacher_path(tmp_path_factory):
+    """A tiny random GQA Qwen3 saved once per session (float32, 2 layers, hidden 64, 4 query heads over 2 KV heads of
+    dim 16, the testbed vocabulary, tied embeddings): the dense model the trainer tests distil from. Read only."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kvlearn.testbed.tokenizer import VOCAB_SIZE
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      pad_token_id=0, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("teacher") / "qwen3"
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

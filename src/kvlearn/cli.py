@@ -366,8 +366,9 @@ def cmd_kaizen_train(args) -> int:
                                num_workers=args.num_workers, **length)
     _threads(args.threads)
     result = kaizen_train(config)
-    print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model {result['final']} "
-          f"--method kaizen --target {targets[0]}")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
+        print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model "
+              f"{result['final']} --method kaizen --target {targets[0]}")
     return 0
 
 
@@ -613,7 +614,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--table-args", default="", help="more options for every table process (e.g. '--context 256')")
     sp.set_defaults(func=cmd_reproduce)
 
-    sp = sub.add_parser("kaizen-train", help="train a KV-Kaizen selector and the backbone jointly (teacher: the dense model)")
+    sp = sub.add_parser("kaizen-train", help="train a KV-Kaizen selector and the backbone jointly (teacher: the dense "
+                                             "model); one process, or FSDP2 under torchrun --nproc_per_node N -m "
+                                             "kvlearn.cli kaizen-train (--batch-size is then the global batch, a "
+                                             "multiple of N)")
     sp.add_argument("--model", required=True, help="checkpoint folder of the dense model (a supported family)")
     sp.add_argument("--out", required=True, help="output folder: step-<N>/ checkpoints, final/, train_log.jsonl")
     sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")

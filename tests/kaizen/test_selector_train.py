@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import kvlearn
 from kvlearn import KVLearnError
@@ -182,17 +181,6 @@ def test_penalty_and_kd_gradients_reach_the_selector():
 
 # ----------------------------------------------------------------------------------------------------------------
 # training, checkpoints, evaluation
-
-
-@pytest.fixture(scope="module")
-def teacher_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      pad_token_id=0, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("teacher") / "qwen3"
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 def train_config(teacher_path, out, **kw):

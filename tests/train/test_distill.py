@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import kvlearn
 from kvlearn import KVLearnError, KVpopConfig
@@ -38,17 +38,6 @@ from kvlearn.train.distill import (
 
 SEQ = 128
 KV = dict(sinks=4, window=16, topk=32, scorer="mlp")
-
-
-@pytest.fixture(scope="module")
-def teacher_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      pad_token_id=0, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("teacher") / "qwen3"
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 def make_config(teacher_path, out, **kw):

@@ -14,11 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kvlearn import KVLearnError
 from kvlearn.testbed.data import shard_rows
-from kvlearn.testbed.tokenizer import VOCAB_SIZE
 from kvlearn.train.distill import LOG_FILE, RetrofitConfig, retrofit
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -35,17 +33,6 @@ from kvlearn.train.distill import RetrofitConfig, retrofit
 settings = json.loads(sys.argv[3])
 retrofit(RetrofitConfig(model=sys.argv[1], out=sys.argv[2], **settings), progress=False)
 """
-
-
-@pytest.fixture(scope="module")
-def teacher_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      pad_token_id=0, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("teacher") / "qwen3"
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 def _free_port() -> int:

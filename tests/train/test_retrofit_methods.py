@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import kvlearn
 from kvlearn import KVLearnError, StreamingConfig
@@ -20,17 +19,6 @@ from kvlearn.testbed.tokenizer import VOCAB_SIZE
 from kvlearn.train.distill import LOG_FILE, RetrofitConfig, retrofit
 
 SEQ = 128
-
-
-@pytest.fixture(scope="module")
-def teacher_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      pad_token_id=0, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("teacher") / "qwen3"
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
 
 
 def cli_retrofit(teacher_path, out, method, *extra):

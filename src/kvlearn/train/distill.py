@@ -608,7 +608,7 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
     with open(log_path if d.main else os.devnull, "a") as log_file:
         while True:
             seconds = seconds_done + time.time() - t0
-            fraction = step / config.steps if config.steps else _agreed(seconds / (60 * config.minutes), d, device)
+            fraction = step / config.steps if config.steps else parallel.agreed_fraction(seconds / (60 * config.minutes), d, device)
             finished = fraction >= 1
             if finished or (stop_after is not None and step >= stop_after):
                 break
@@ -637,14 +637,3 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
 def _global_sums(values: list[torch.Tensor], d) -> list[torch.Tensor]:
     """Each tensor summed over the processes (itself with one process), on the CPU."""
     return [(parallel.all_reduce_sum(v) if d.world > 1 else v).detach().float().cpu() for v in values]
-
-
-def _agreed(fraction: float, d, device: torch.device) -> float:
-    """Rank 0's elapsed fraction on every process, so that a wall-clock run ends at the same step everywhere."""
-    if d.world == 1:
-        return fraction
-    import torch.distributed as dist
-
-    t = torch.tensor([fraction], dtype=torch.float64, device=device)
-    dist.broadcast(t, 0)
-    return float(t)

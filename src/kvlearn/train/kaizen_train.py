@@ -1,4 +1,5 @@
-"""Train a KV-Kaizen selector and the backbone jointly by distillation (GitHub issue #11; single process).
+"""Train a KV-Kaizen selector and the backbone jointly by distillation (GitHub issue #11; one process, or FSDP2 under
+``torchrun``).
 
 Read top to bottom: config, models, one step's losses, checkpoints, loop. ``docs/DESIGN.md`` section 8, "Training".
 
@@ -24,14 +25,41 @@ Read top to bottom: config, models, one step's losses, checkpoints, loop. ``docs
   ``kvlearn eval --method kaizen``), ``train_log.jsonl`` (``kd``, ``penalty``, ``beta``, ``tau``, ``bits``: the
   realised bits per token, ``factor``: the realised compression ``C_ref / C``, ``target``, ``sampled_factor``).
   ``resume=True`` continues from the newest ``step-<N>``.
-
-Single process only: the FSDP2 path of :mod:`kvlearn.train.parallel` is not wired here yet.
+* **Processes**: one, or several under ``torchrun --nproc_per_node N -m kvlearn.cli kaizen-train ...``
+  (:mod:`kvlearn.train.parallel`, as :func:`kvlearn.train.distill.retrofit`). ``batch_size`` is the global batch:
+  process ``r`` trains on rows :func:`~kvlearn.testbed.data.shard_rows` ``(batch_size, r, N)`` of the same stream
+  batches (one-line error unless ``N`` divides it). The per-sequence targets and Gumbel noise are drawn for the
+  whole batch from the step's generator on every process and sliced to its rows, so each row is sampled as one
+  process would sample it. **Sharding**: the teacher as in the retrofit (each decoder layer, then the root); the
+  student with its selector as one unit tree: each decoder layer of the student is an FSDP2 unit and the root unit
+  is :class:`KaizenStep`, a module holding the student whose forward is the whole training forward (selector,
+  Gumbel straight-through, student, losses). The selector is a submodule of the student (``kaizen_selector``,
+  where checkpoints and :func:`kvlearn.load` expect it) but is called outside the student's own forward, so the
+  student cannot be the root (its parameters would still be sharded when the selector runs); with
+  :class:`KaizenStep` as the root, the selector's parameters belong to the root unit (with the embeddings, final
+  norm and head), are gathered for its forward and get FSDP's averaged gradients like every other weight: no
+  replicated copy to keep in sync, one optimizer, one gradient clip over one kind of parameter (DTensors).
+  **Losses** are this process's share of the global-batch value: KD divided by the global count of supervised
+  tokens (``kd_loss(reduce_sum=all_reduce_sum)``), the penalty's mean over this process's rows divided by ``N``
+  (every process holds as many rows); the backward runs on ``N x share``, which FSDP's gradient averaging turns
+  into the global-batch gradient. **Multiplier**: the realised (argmax) bits, sampled bits and target bits of
+  every row are gathered (:func:`~kvlearn.train.parallel.all_gather_rows`, rank order = row order), and every
+  process updates ``β`` from the same global rows with the same arithmetic as one process; after each update the
+  processes check (one all-reduce) that they hold the same ``β``. A ``minutes`` run uses rank 0's elapsed fraction
+  (broadcast), so ``τ``, the learning rates and the last step agree. Rank 0 logs (global values: summed loss
+  shares, means over the global batch) and writes the checkpoints; every process takes part in gathering the
+  state dicts (:func:`~kvlearn.train.distill.save_checkpoint`), which are in the single-process format, so a
+  checkpoint resumes with any process count. Tested with gloo on the CPU
+  (``tests/train/test_kaizen_train_fsdp.py``): 2 processes log the loss terms of one process on the same global
+  batch, hold the same ``β`` sequence, and save a final checkpoint with the same selector choices; 2 processes
+  resumed from a single-process ``step-<N>`` end where the single process ends.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,12 +72,13 @@ from ..kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
 from ..kaizen.budget import BudgetMultiplier
 from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight_through
 from ..kaizen.sharing import KaizenTrainForward
-from ..testbed.data import IGNORE_INDEX, TestbedStream
+from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
+from . import parallel
 from .distill import (FINAL, LOG_FILE, check_trainer_fields, clear_run_outputs, kd_loss, latest_checkpoint,
                       load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state, save_checkpoint)
 
-__all__ = ["KaizenTrainConfig", "kaizen_train", "build_models", "step_losses", "temperature"]
+__all__ = ["KaizenTrainConfig", "kaizen_train", "build_models", "step_losses", "temperature", "KaizenStep"]
 
 
 def default_out() -> str:
@@ -161,25 +190,63 @@ def sample_targets(config: KaizenTrainConfig, batch: int, generator: torch.Gener
     return choices[torch.randint(len(choices), (batch,), generator=generator)]
 
 
+def gumbel_uniforms(batch: int, layers: int, actions: int, generator: torch.Generator) -> torch.Tensor:
+    """The uniform draws ``[batch, layers, actions]`` (float32, CPU) behind a step's Gumbel noise, for the whole
+    global batch: what :func:`~kvlearn.kaizen.selector.gumbel_straight_through` draws from ``generator`` for logits
+    of that shape. A data-parallel process passes its rows of them to :func:`step_losses` (``uniforms``)."""
+    return torch.rand((batch, layers, actions), generator=generator, dtype=torch.float32)
+
+
 def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tensor, tau: float,
-                multiplier: BudgetMultiplier, kd_topk: int, generator: torch.Generator | None = None) -> dict:
+                multiplier: BudgetMultiplier, kd_topk: int, generator: torch.Generator | None = None, *,
+                uniforms: torch.Tensor | None = None, reduce_sum=None, world: int = 1) -> dict:
     """One training forward: ``{"loss", "kd", "penalty"}`` (differentiable) and detached ``bits`` (realised, argmax,
-    ``[batch]``), ``sampled_bits [batch]``, ``target_bits [batch]``, ``logits`` (the selector's)."""
+    ``[batch]``), ``sampled_bits [batch]``, ``target_bits [batch]``, ``logits`` (the selector's).
+
+    Gumbel noise: from ``generator`` for these rows, or from ``uniforms [batch, layers, actions]`` (this process's
+    rows of :func:`gumbel_uniforms`; the same arithmetic as the generator path). Under data parallelism
+    (``world`` processes, ``reduce_sum`` = :func:`kvlearn.train.parallel.all_reduce_sum`) ``loss``, ``kd`` and
+    ``penalty`` are this process's shares of the global-batch values (module docstring, "Processes")."""
     sel = selector_of(student)
     # the selector reads what it reads at evaluation, the prompt: supervised tokens (answers) are masked out
     logits = sel(input_ids, labels == IGNORE_INDEX, targets)  # [B, L, A]
-    weights = gumbel_straight_through(logits, tau, generator=generator)
+    if uniforms is None:
+        weights = gumbel_straight_through(logits, tau, generator=generator)
+    else:  # gumbel_straight_through's noise, from the given draws
+        u = uniforms.to(logits.device, logits.dtype)
+        g = -torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-7)))
+        weights = gumbel_straight_through(logits + g, tau, noise=False)
     state = KaizenTrainForward(sel.space, weights)
     out = student(input_ids=input_ids, kaizen_train=state, use_cache=False).logits
-    kd = kd_loss(out, teacher_logits, labels, kd_topk)
+    kd = kd_loss(out, teacher_logits, labels, kd_topk, reduce_sum=reduce_sum)
     cost = sel.cost(weights.float())  # [B] bits per token (no metadata), hard forward
     target_bits = sel.target_bits(targets).to(cost.device)
-    penalty = multiplier.penalty(cost, target_bits)
+    penalty = multiplier.penalty(cost, target_bits) / world  # a mean over rows: every process holds as many
     with torch.no_grad():
         hard = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         bits = sel.cost(hard)
     return {"loss": kd + penalty, "kd": kd, "penalty": penalty, "bits": bits, "sampled_bits": cost.detach(),
             "target_bits": target_bits, "logits": logits.detach()}
+
+
+class KaizenStep(torch.nn.Module):
+    """The student (with its selector) as one module whose forward is one training forward
+    (:func:`step_losses`): under data parallelism the FSDP2 root unit (module docstring, "Processes"), so the
+    selector, called outside the student's own forward, runs on gathered parameters. With one process a plain
+    wrapper. Arguments are tensors and numbers only (FSDP's hooks rebuild dicts and dataclasses found in module
+    arguments): the multiplier is an attribute, read at call time."""
+
+    def __init__(self, student, multiplier: BudgetMultiplier, kd_topk: int, world: int = 1):
+        super().__init__()
+        self.student = student
+        self.multiplier = multiplier
+        self.kd_topk = kd_topk
+        self.world = world
+
+    def forward(self, teacher_logits, input_ids, labels, targets, tau: float, uniforms) -> dict:
+        return step_losses(self.student, teacher_logits, input_ids, labels, targets, tau, self.multiplier,
+                           self.kd_topk, uniforms=uniforms, world=self.world,
+                           reduce_sum=parallel.all_reduce_sum if self.world > 1 else None)
 
 
 def make_optimizer(config: KaizenTrainConfig, student) -> torch.optim.AdamW:
@@ -204,44 +271,52 @@ def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
 
 
 def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progress: bool = True) -> dict:
-    """Run the training; returns ``{"step", "final", "log"}`` (``final`` None when ``stop_after`` ended it early)."""
-    device = torch.device(config.device)
+    """Run the training (one process, or one of ``torchrun``'s: module docstring, "Processes"); returns ``{"step",
+    "final", "log", "betas"}`` (``final`` None when ``stop_after`` ended it early; ``log`` the last step's log line,
+    global values; ``betas`` the multiplier this process held after each step of this call)."""
+    d = parallel.init_distributed(config.device)
+    device = torch.device(f"cuda:{d.local_rank}" if d.world > 1 and config.device.startswith("cuda") else config.device)
+    rows = shard_rows(config.batch_size, d.rank, d.world)  # one-line error unless batch_size % world == 0
     torch.manual_seed(config.seed)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if config.overwrite and not config.resume:
-        clear_run_outputs(out)
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        if config.overwrite and not config.resume:
+            clear_run_outputs(out)
     teacher, student = build_models(config, device)
     multiplier = BudgetMultiplier(eta=config.eta, delta=config.delta, cap=config.budget_cap, beta=config.beta)
     step, trainer_state = 0, None
-    if config.resume:
+    if config.resume:  # into the unsharded student, on every process
         trainer_state = load_trainer_state(latest_checkpoint(out), student, config)
         step = int(trainer_state["step"])
         multiplier.load_state_dict(trainer_state["multiplier"])
+    sel = selector_of(student)
+    reference, shape = sel.backbone.reference_bits, (sel.backbone.num_layers, sel.num_actions)
+    joint = KaizenStep(student, multiplier, config.kd_topk, d.world)
+    if d.world > 1:
+        parallel.shard_model(teacher)
+        parallel.shard_model(student, root=joint)
     optimizer = make_optimizer(config, student)
     if trainer_state is not None:
-        from . import parallel
-
         parallel.load_optimizer_state_dict(student, optimizer, trainer_state["optimizer"])
     log_path = out / LOG_FILE
-    if log_path.exists():
+    if d.main and log_path.exists():  # drop the lines of steps that the resumed run will redo
         lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
         log_path.write_text("".join(ln + "\n" for ln in lines))
     stream = TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,
-                           dense=config.dense_fraction, start_batch=step)
+                           dense=config.dense_fraction, start_batch=step, rows=rows)
     batches = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                pin_memory=device.type == "cuda"))
     from tqdm import tqdm
 
-    bar = tqdm(total=config.steps, initial=step, disable=not progress, desc="kaizen-train", unit="step")
+    bar = tqdm(total=config.steps, initial=step, disable=not progress or not d.main, desc="kaizen-train", unit="step")
     t0 = time.time()
     seconds_done = float(trainer_state.get("seconds", 0.0)) if trainer_state is not None else 0.0
-    reference = selector_of(student).backbone.reference_bits
-    last, finished = {}, False
-    with open(log_path, "a") as log_file:
+    last, finished, betas = {}, False, []
+    with open(log_path if d.main else os.devnull, "a") as log_file:
         while True:
             seconds = seconds_done + time.time() - t0
-            fraction = step / config.steps if config.steps else seconds / (60 * config.minutes)
+            fraction = step / config.steps if config.steps else parallel.agreed_fraction(seconds / (60 * config.minutes), d, device)
             finished = fraction >= 1
             if finished or (stop_after is not None and step >= stop_after):
                 break
@@ -250,39 +325,64 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
             lr_new = new_lr_at(config, step, fraction)
             optimizer.param_groups[0]["lr"] = config.lr
             optimizer.param_groups[1]["lr"] = lr_new
+            # targets and Gumbel draws of the whole global batch (one process's sequence of draws), then our rows
             gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-            targets = sample_targets(config, input_ids.shape[0], gen)
+            targets = sample_targets(config, config.batch_size, gen)
+            uniforms = gumbel_uniforms(config.batch_size, *shape, gen)
             tau = temperature(config, fraction)
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 with torch.no_grad():
                     teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
-                parts = step_losses(student, teacher_logits, input_ids, labels, targets, tau, multiplier,
-                                    config.kd_topk, generator=gen)
-            parts["loss"].backward()
+                parts = joint(teacher_logits, input_ids, labels, targets[rows.start:rows.stop], tau,
+                              uniforms[rows.start:rows.stop])
+            (parts["loss"] * d.world).backward()  # FSDP averages the gradients over the processes: the shares' sum
             grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # the global batch's rows [B, 3] (realised, sampled and target bits) and loss totals, on every process
+            per_row = parallel.all_gather_rows(
+                torch.stack([parts["bits"], parts["sampled_bits"], parts["target_bits"]], dim=1).float()).cpu()
+            totals = parallel.all_reduce_sum(torch.stack([parts[k].detach().float() for k in ("loss", "kd", "penalty")]))
+            bits, sampled_bits, target_bits = per_row.unbind(1)
             beta_used = multiplier.beta
-            multiplier.update(parts["bits"].cpu(), parts["target_bits"].cpu())
+            multiplier.update(bits, target_bits)
+            _check_same_beta(multiplier.beta, d, device)
+            betas.append(multiplier.beta)
             step += 1
-            bits = float(parts["bits"].mean())
-            last = {"step": step, "loss": float(parts["loss"].detach()), "kd": float(parts["kd"].detach()),
-                    "penalty": float(parts["penalty"].detach()), "beta": beta_used, "beta_next": multiplier.beta, "tau": tau,
-                    "bits": bits, "factor": float((reference / parts["bits"].clamp(min=1)).mean()),
-                    "sampled_factor": float((reference / parts["sampled_bits"].clamp(min=1)).mean()),
-                    "target": float(targets.mean()), "grad_norm": float(grad_norm), "lr": config.lr,
+            loss, kd, penalty = (float(v) for v in totals.cpu())
+            last = {"step": step, "loss": loss, "kd": kd, "penalty": penalty, "beta": beta_used,
+                    "beta_next": multiplier.beta, "tau": tau, "bits": float(bits.mean()),
+                    "factor": float((reference / bits.clamp(min=1)).mean()),
+                    "sampled_factor": float((reference / sampled_bits.clamp(min=1)).mean()),
+                    "target": float(targets.mean()), "grad_norm": parallel.scalar(grad_norm), "lr": config.lr,
                     "lr_new": lr_new, "seconds": round(seconds_done + time.time() - t0, 3)}
             log_file.write(json.dumps(last) + "\n")
             log_file.flush()
             bar.update(1)
             bar.set_postfix(kd=f"{last['kd']:.3f}", factor=f"{last['factor']:.2f}", beta=f"{multiplier.beta:.3g}")
-            if step % config.save_interval == 0:
+            if step % config.save_interval == 0:  # every process gathers, the main one writes
                 save_checkpoint(config, student, optimizer, step, f"step-{step}",
-                                {"seconds": last["seconds"], "multiplier": multiplier.state_dict()})
-                prune_checkpoints(out)
+                                {"seconds": last["seconds"], "multiplier": multiplier.state_dict()}, d.main)
+                if d.main:
+                    prune_checkpoints(out)
     bar.close()
     final = None
     if finished:
         final = save_checkpoint(config, student, optimizer, step, FINAL,
-                                {"seconds": last.get("seconds", 0.0), "multiplier": multiplier.state_dict()})
-    return {"step": step, "final": None if final is None else str(final), "log": last}
+                                {"seconds": last.get("seconds", 0.0), "multiplier": multiplier.state_dict()}, d.main)
+    parallel.close_distributed(d)
+    return {"step": step, "final": None if final is None else str(final), "log": last, "betas": betas}
+
+
+def _check_same_beta(beta: float, d, device: torch.device) -> None:
+    """Every process holds the same multiplier (one all-reduce of ``(β, -β)`` by max); a no-op for one process.
+    It holds by construction (the same global rows, the same arithmetic): this guards that invariant."""
+    if d.world == 1:
+        return
+    import torch.distributed as dist
+
+    t = torch.tensor([beta, -beta], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if float(t[0]) != -float(t[1]):
+        raise RuntimeError(f"the budget multiplier differs between processes (from {-float(t[1])} to {float(t[0])}): "
+                           "they must update it from the same global rows")

@@ -4,11 +4,16 @@ Both trainers run unchanged in one process; under ``torchrun`` (``WORLD_SIZE > 1
 
 * :func:`init_distributed` once: NCCL for a CUDA device (each rank on ``cuda:LOCAL_RANK``), gloo for the CPU.
 * :func:`shard_model` (FSDP2 ``fully_shard``): every decoder layer is one unit, then the root (embeddings, final
-  norm, head). Modules a method adds inside a layer (KVpop's scorers, DMS's gates) shard with their layer.
+  norm, head). Modules a method adds inside a layer (KVpop's scorers, DMS's gates) shard with their layer. A module
+  the trainer calls outside the model's forward (KV-Kaizen's selector) shards with the root unit, which is then a
+  wrapper whose forward runs both (``root=``; :class:`kvlearn.train.kaizen_train.KaizenStep`).
 * :func:`all_reduce_sum` for every statistic a loss normalises by (supervised token counts, valid boundary
   decisions, class balance): the losses are then those of the global batch, and with FSDP's gradient averaging
   over ranks a ``world``-process run takes the same optimiser step as one process on the whole batch (tested with
   gloo in ``tests/train/test_distill_fsdp.py``).
+* :func:`all_gather_rows` for per-row values every process needs whole (KV-Kaizen's budget multiplier is updated
+  from the realised cost of every row of the global batch, the same on every process: tested in
+  ``tests/train/test_kaizen_train_fsdp.py``).
 * :func:`full_state_dict` / :func:`load_full_state_dict` for checkpoints: rank 0 writes the same files as a
   single-process run, so a checkpoint is loadable and resumable with any number of processes.
 
@@ -23,8 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "close_distributed", "all_reduce_sum", "shard_model", "decoder_layers",
-           "full_state_dict", "full_optimizer_state_dict", "load_optimizer_state_dict", "world_size", "scalar"]
+__all__ = ["DistInfo", "init_distributed", "close_distributed", "all_reduce_sum", "all_gather_rows", "agreed_fraction",
+           "shard_model", "decoder_layers", "full_state_dict", "full_optimizer_state_dict", "load_optimizer_state_dict",
+           "world_size", "scalar"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,28 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """The ranks' ``t [rows, ...]`` concatenated along dim 0 in rank order (gradient-free; every rank must pass the
+    same shape): per-row values of the global batch when each rank holds its :func:`~kvlearn.testbed.data.shard_rows`
+    share. ``t`` itself with one process."""
+    if world_size() == 1:
+        return t
+    t = t.detach().contiguous()
+    parts = [torch.empty_like(t) for _ in range(world_size())]
+    dist.all_gather(parts, t)
+    return torch.cat(parts)
+
+
+def agreed_fraction(fraction: float, d: DistInfo, device: torch.device) -> float:
+    """Rank 0's elapsed share of a wall-clock run on every process (a broadcast), so that the run ends at the same
+    step everywhere; ``fraction`` itself with one process."""
+    if d.world == 1:
+        return fraction
+    t = torch.tensor([fraction], dtype=torch.float64, device=device)
+    dist.broadcast(t, 0)
+    return float(t)
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The decoder layers of a Hugging Face causal LM (``model.model.layers``); one-line error otherwise."""
     from ..errors import check
@@ -86,13 +114,16 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def shard_model(model) -> torch.nn.Module:
-    """FSDP2-shard ``model`` in place over the current process group: each decoder layer, then the root."""
+def shard_model(model, root: torch.nn.Module | None = None) -> torch.nn.Module:
+    """FSDP2-shard ``model`` in place over the current process group: each decoder layer, then the root. ``root``: a
+    module that holds ``model`` and whose forward runs it (KV-Kaizen's training step, which calls the selector
+    before the model): it becomes the root unit instead of ``model``, so parameters that its forward uses outside
+    ``model.forward`` are gathered for it too."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in decoder_layers(model):
         fully_shard(layer)
-    fully_shard(model)
+    fully_shard(model if root is None else root)
     return model
 
 
