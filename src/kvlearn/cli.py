@@ -290,6 +290,11 @@ def cmd_retrofit(args) -> int:
     check(args.method in RETROFIT_METHODS,
           f"--method {args.method!r} is unknown: expected one of {', '.join(RETROFIT_METHODS)}")
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
+    mlstm_only = [f"{flag} {value}" for flag, value in (("--mlstm-skip", args.mlstm_skip), ("--readout", args.readout),
+                                                      ("--state-in-budget", args.state_in_budget)) if value is not None]
+    check(not mlstm_only or (args.method == "kvpop" and args.scorer == "mlstm"),
+          f"{', '.join(mlstm_only)}: options of the mLSTM scorer, given with --method {args.method} --scorer "
+          f"{args.scorer}: expected --method kvpop --scorer mlstm")
     method_kw = {}
     if args.method == "streaming_plus":  # the window is budget - sinks
         check_int("--budget", args.budget, args.sinks + 1,

@@ -223,3 +223,15 @@ def test_readout_and_state_in_budget_options_reach_training_and_the_checkpoint(t
     model = kvlearn.load(tmp_path / "a" / "final")
     scorer = kvlearn.kvpop.apply.kvpop_modules(model)[0][0]
     assert scorer.readout_delay == 0 and scorer.state_bytes_per_head() == 580
+
+
+def test_mlstm_options_with_another_scorer_are_one_line(teacher_path, tmp_path, capsys):
+    """--readout / --state-in-budget / --mlstm-skip change only the mLSTM scorer: with another scorer or method they
+    would be ignored silently, so they are a one-line error naming them."""
+    assert cli_retrofit(teacher_path, tmp_path / "a", "kvpop", "--scorer", "mlp", "--readout", "immediate") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--readout immediate: options of the mLSTM scorer, given with --method kvpop " \
+        "--scorer mlp: expected --method kvpop --scorer mlstm" in err, err
+    assert cli_retrofit(teacher_path, tmp_path / "b", "dms", "--state-in-budget", "1") == 2
+    assert "--state-in-budget 1: options of the mLSTM scorer, given with --method dms" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
