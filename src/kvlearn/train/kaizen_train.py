@@ -1,7 +1,8 @@
 """Train a KV-Kaizen selector and the backbone jointly by distillation (GitHub issue #11; one process, or FSDP2 under
 ``torchrun``).
 
-Read top to bottom: config, models, one step's losses, checkpoints, loop. ``docs/DESIGN.md`` section 8, "Training".
+Read top to bottom: config, models, one step's losses, one optimizer step (:func:`kaizen_train_step`), checkpoints,
+loop. ``docs/DESIGN.md`` section 8, "Training".
 
 * **Teacher**: the frozen dense model (:func:`kvlearn.load`, no gradient).
 * **Student**: a float32 copy with :func:`~kvlearn.kaizen.apply.apply_kaizen` (the selector as ``kaizen_selector``,
@@ -78,7 +79,8 @@ from . import parallel
 from .distill import (FINAL, LOG_FILE, check_trainer_fields, clear_run_outputs, kd_loss, latest_checkpoint,
                       load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state, save_checkpoint)
 
-__all__ = ["KaizenTrainConfig", "kaizen_train", "build_models", "step_losses", "temperature", "KaizenStep"]
+__all__ = ["KaizenTrainConfig", "kaizen_train", "kaizen_train_step", "build_models", "step_losses", "temperature",
+           "KaizenStep", "make_optimizer", "make_multiplier"]
 
 
 def default_out() -> str:
@@ -258,6 +260,68 @@ def make_optimizer(config: KaizenTrainConfig, student) -> torch.optim.AdamW:
                              weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
 
+def make_multiplier(config: KaizenTrainConfig) -> BudgetMultiplier:
+    """The budget multiplier at the start of a run (``beta``, ``eta``, ``delta``, ``budget_cap``)."""
+    return BudgetMultiplier(eta=config.eta, delta=config.delta, cap=config.budget_cap, beta=config.beta)
+
+
+def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, optimizer, input_ids: torch.Tensor,
+                      labels: torch.Tensor, step: int, fraction: float,
+                      d: parallel.DistInfo = parallel.DistInfo()) -> dict:
+    """One optimizer step of the KV-Kaizen training: step ``step`` (0-based) with ``fraction`` of the run done.
+
+    ``joint``: the :class:`KaizenStep` holding the student (``joint.student``, with its selector) and the budget
+    multiplier (``joint.multiplier``, updated in place); ``optimizer``: :func:`make_optimizer`'s. ``input_ids``,
+    ``labels``: int64 ``[B, T]`` on the models' device, this process's rows (:func:`~kvlearn.testbed.data.shard_rows`
+    of ``config.batch_size``) of the global batch, ``labels`` -100 where not supervised. Sets the two learning rates,
+    draws the targets ``ρ* [batch_size]`` and Gumbel uniforms ``[batch_size, L, A]`` of the whole global batch from
+    the step's generator (then slices this process's rows), runs the teacher (no gradient) and ``joint`` (selector
+    logits ``[B, L, A]``, straight-through weights, the student's mixture forward, KD + penalty) under bf16 autocast
+    on CUDA, backward, clipping, the AdamW step and ``zero_grad``, then gathers every row's realised / sampled /
+    target bits (``[batch_size, 3]``) and updates the multiplier from them (module docstring, "Multiplier").
+
+    Returns the step's log values (global values: losses summed over the processes, the rest over the global batch),
+    what :func:`kaizen_train` writes to ``train_log.jsonl`` but ``step`` and ``seconds``: ``loss``, ``kd``,
+    ``penalty``, ``beta`` (used by this step), ``beta_next`` (after the update), ``tau``, ``bits``, ``factor``,
+    ``sampled_factor``, ``target``, ``grad_norm``, ``lr``, ``lr_new`` (floats)."""
+    device = input_ids.device
+    student, multiplier = joint.student, joint.multiplier
+    sel = selector_of(student)
+    reference, shape = sel.backbone.reference_bits, (sel.backbone.num_layers, sel.num_actions)
+    rows = shard_rows(config.batch_size, d.rank, d.world)
+    lr_new = new_lr_at(config, step, fraction)
+    optimizer.param_groups[0]["lr"] = config.lr
+    optimizer.param_groups[1]["lr"] = lr_new
+    # targets and Gumbel draws of the whole global batch (one process's sequence of draws), then our rows
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+    targets = sample_targets(config, config.batch_size, gen)  # [batch_size]
+    uniforms = gumbel_uniforms(config.batch_size, *shape, gen)  # [batch_size, L, A]
+    tau = temperature(config, fraction)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+        parts = joint(teacher_logits, input_ids, labels, targets[rows.start:rows.stop], tau,
+                      uniforms[rows.start:rows.stop])
+    (parts["loss"] * d.world).backward()  # FSDP averages the gradients over the processes: the shares' sum
+    grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    # the global batch's rows [B, 3] (realised, sampled and target bits) and loss totals, on every process
+    per_row = parallel.all_gather_rows(
+        torch.stack([parts["bits"], parts["sampled_bits"], parts["target_bits"]], dim=1).float()).cpu()
+    totals = parallel.all_reduce_sum(torch.stack([parts[k].detach().float() for k in ("loss", "kd", "penalty")]))
+    bits, sampled_bits, target_bits = per_row.unbind(1)
+    beta_used = multiplier.beta
+    multiplier.update(bits, target_bits)
+    _check_same_beta(multiplier.beta, d, device)
+    loss, kd, penalty = (float(v) for v in totals.cpu())
+    return {"loss": loss, "kd": kd, "penalty": penalty, "beta": beta_used, "beta_next": multiplier.beta, "tau": tau,
+            "bits": float(bits.mean()), "factor": float((reference / bits.clamp(min=1)).mean()),
+            "sampled_factor": float((reference / sampled_bits.clamp(min=1)).mean()),
+            "target": float(targets.mean()), "grad_norm": parallel.scalar(grad_norm), "lr": config.lr,
+            "lr_new": lr_new}
+
+
 RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed")
 
 
@@ -284,14 +348,12 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
         if config.overwrite and not config.resume:
             clear_run_outputs(out)
     teacher, student = build_models(config, device)
-    multiplier = BudgetMultiplier(eta=config.eta, delta=config.delta, cap=config.budget_cap, beta=config.beta)
+    multiplier = make_multiplier(config)
     step, trainer_state = 0, None
     if config.resume:  # into the unsharded student, on every process
         trainer_state = load_trainer_state(latest_checkpoint(out), student, config)
         step = int(trainer_state["step"])
         multiplier.load_state_dict(trainer_state["multiplier"])
-    sel = selector_of(student)
-    reference, shape = sel.backbone.reference_bits, (sel.backbone.num_layers, sel.num_actions)
     joint = KaizenStep(student, multiplier, config.kd_topk, d.world)
     if d.world > 1:
         parallel.shard_model(teacher)
@@ -322,40 +384,10 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
                 break
             input_ids, labels = next(batches)
             input_ids, labels = input_ids.to(device), labels.to(device)
-            lr_new = new_lr_at(config, step, fraction)
-            optimizer.param_groups[0]["lr"] = config.lr
-            optimizer.param_groups[1]["lr"] = lr_new
-            # targets and Gumbel draws of the whole global batch (one process's sequence of draws), then our rows
-            gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-            targets = sample_targets(config, config.batch_size, gen)
-            uniforms = gumbel_uniforms(config.batch_size, *shape, gen)
-            tau = temperature(config, fraction)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                with torch.no_grad():
-                    teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits
-                parts = joint(teacher_logits, input_ids, labels, targets[rows.start:rows.stop], tau,
-                              uniforms[rows.start:rows.stop])
-            (parts["loss"] * d.world).backward()  # FSDP averages the gradients over the processes: the shares' sum
-            grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            # the global batch's rows [B, 3] (realised, sampled and target bits) and loss totals, on every process
-            per_row = parallel.all_gather_rows(
-                torch.stack([parts["bits"], parts["sampled_bits"], parts["target_bits"]], dim=1).float()).cpu()
-            totals = parallel.all_reduce_sum(torch.stack([parts[k].detach().float() for k in ("loss", "kd", "penalty")]))
-            bits, sampled_bits, target_bits = per_row.unbind(1)
-            beta_used = multiplier.beta
-            multiplier.update(bits, target_bits)
-            _check_same_beta(multiplier.beta, d, device)
-            betas.append(multiplier.beta)
+            values = kaizen_train_step(config, teacher, joint, optimizer, input_ids, labels, step, fraction, d)
+            betas.append(values["beta_next"])
             step += 1
-            loss, kd, penalty = (float(v) for v in totals.cpu())
-            last = {"step": step, "loss": loss, "kd": kd, "penalty": penalty, "beta": beta_used,
-                    "beta_next": multiplier.beta, "tau": tau, "bits": float(bits.mean()),
-                    "factor": float((reference / bits.clamp(min=1)).mean()),
-                    "sampled_factor": float((reference / sampled_bits.clamp(min=1)).mean()),
-                    "target": float(targets.mean()), "grad_norm": parallel.scalar(grad_norm), "lr": config.lr,
-                    "lr_new": lr_new, "seconds": round(seconds_done + time.time() - t0, 3)}
+            last = {"step": step, **values, "seconds": round(seconds_done + time.time() - t0, 3)}
             log_file.write(json.dumps(last) + "\n")
             log_file.flush()
             bar.update(1)
