@@ -41,7 +41,7 @@ so a time-out keeps what was measured.
 
 Model sources: ``--model PATH`` (default the committed 8-layer testbed teacher; training seq 4096, batch 8: the
 kaizen-train defaults) or ``--shape qwen3-0.6b``: a randomly initialised Qwen3 of Qwen3-0.6B's shape with the testbed
-vocabulary (``benchmarks/retrofit_step_speed.py``'s ``random_model_folder``; training seq 4096, batch 4, not the
+vocabulary (``benchmarks/step_timing.py``'s ``random_model_folder``; training seq 4096, batch 4, not the
 kaizen-train batch 8: the plain step's activations at that shape were 18.6 GiB per 8192 tokens on the H200
 (``results/retrofit_step_speed_0p6b_h200.json``), the mixture forward keeps fake-quantized K/V copies per action
 and layer on top (about 10% more saved bytes than the plain step, float32 on the CPU), so 8 x 4096 is estimated at
@@ -55,7 +55,6 @@ import argparse
 import copy
 import json
 import math
-import statistics
 import sys
 import tempfile
 import time
@@ -77,7 +76,7 @@ from kvlearn.testbed.tasks import MAX_LENGTH, MIN_LENGTH  # noqa: E402
 from kvlearn.train.distill import dense_distill_step, dense_student  # noqa: E402
 from kvlearn.train.kaizen_train import (  # noqa: E402
     KaizenStep, KaizenTrainConfig, build_models, kaizen_train_step, make_multiplier, make_optimizer)
-from retrofit_step_speed import random_model_folder  # noqa: E402
+from step_timing import Timed, measure, model_shape, random_model_folder  # noqa: E402
 
 SELECTOR, PREFILL, DISTILL, KAIZEN = "selector", "prefill_dense", "distill_dense_step", "kaizen_train_step"
 SHAPES = ("qwen3-0.6b",)
@@ -85,89 +84,6 @@ SHAPES = ("qwen3-0.6b",)
 DEFAULTS = {None: (4096, 1, 4096, 8, 3, 10), "qwen3-0.6b": (4096, 1, 4096, 4, 3, 10), "tiny": (256, 1, 128, 2, 1, 2)}
 DEFAULT_MODEL = "checkpoints/testbed-teacher"
 PAPER = {"selector_ms": 3, "training_cost": [1.0, 1.4]}
-GIB = 2**30
-
-
-class Timed:
-    """One timed callable ``fn()`` (it returns the call's log values or None): its times (ms), memory and row."""
-
-    def __init__(self, name: str, fn, fields: dict, memory: bool = False):
-        self.name, self.fn, self.fields, self.memory = name, fn, fields, memory
-        self.ms, self.log, self.error = [], None, None
-        self.first_call_s = self.peak = self.step_peak = 0.0
-
-    def call(self) -> None:
-        self.log = self.fn()
-
-    def timed(self, device: torch.device) -> float:
-        """Milliseconds of one call (CUDA events after a synchronize; the host clock on the CPU)."""
-        if device.type != "cuda":
-            t0 = time.perf_counter()
-            self.call()
-            return (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
-        if self.memory:
-            torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.call()
-        end.record()
-        torch.cuda.synchronize()
-        if self.memory:
-            peak = torch.cuda.max_memory_allocated()
-            self.peak, self.step_peak = max(self.peak, peak / GIB), max(self.step_peak, (peak - base) / GIB)
-        return start.elapsed_time(end)
-
-    def row(self) -> dict:
-        row = {"name": self.name, **self.fields, "first_call_s": round(self.first_call_s, 3),
-               "steps_timed": len(self.ms)}
-        if self.ms:
-            row.update(ms=statistics.median(self.ms), ms_min=min(self.ms), ms_steps=[round(t, 3) for t in self.ms])
-        if self.peak:
-            row.update(peak_memory_gib=round(self.peak, 3), step_peak_memory_gib=round(self.step_peak, 3))
-        if self.log is not None:
-            row["last_step"] = self.log
-        if self.error:
-            row["error"] = self.error
-        return row
-
-    def fail(self, exc: BaseException) -> None:
-        """Record ``exc`` and drop the callable (the other rows go on)."""
-        import traceback
-
-        traceback.print_exc()
-        self.error, self.fn = f"{type(exc).__name__}: {exc}"[:400], None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-def measure(pair: list[Timed], args, device: torch.device, save) -> None:
-    """Warm each of ``pair`` up on its own, then time the interleaved rounds (the order rotated per round), calling
-    ``save(partial=True)`` after each round."""
-    for t in pair:
-        t0 = time.perf_counter()
-        try:
-            for i in range(args.warmup):
-                t.call()
-                if i == 0:
-                    t.first_call_s = time.perf_counter() - t0
-        except Exception as exc:  # noqa: BLE001 - one failing side must not cost the other's row
-            t.fail(exc)
-        print(f"warm-up {t.name}: {time.perf_counter() - t0:.1f} s{' FAILED' if t.error else ''}", flush=True)
-    for r in range(math.ceil(args.steps / args.steps_per_round)):
-        live = [t for t in pair if t.error is None]
-        if not live:
-            break
-        for t in live[r % len(live):] + live[:r % len(live)]:
-            try:
-                for _ in range(min(args.steps_per_round, args.steps - len(t.ms))):
-                    t.ms.append(t.timed(device))
-            except Exception as exc:  # noqa: BLE001
-                t.fail(exc)
-        print(f"round {r}: " + ", ".join(f"{t.name} {t.ms[-1]:.2f} ms" for t in pair if t.ms and t.error is None),
-              flush=True)
-        save(partial=True)
 
 
 def parse(argv) -> argparse.Namespace:
@@ -251,11 +167,9 @@ def run(args, tmp: Path, command: str) -> int:
     import transformers
     from transformers import DynamicCache
 
-    shape_keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "intermediate_size", "vocab_size")
     fields = dict(
         model=(f"random {args.source} shape (testbed vocabulary)" if args.source else portable_path(teacher_folder)),
-        model_shape={k: getattr(teacher.config, k) for k in shape_keys},
+        model_shape=model_shape(teacher.config),
         context=args.context, latency_batch=args.latency_batch, seq_len=args.seq_len, batch_size=args.batch_size,
         axes=list(sel.axes), actions_per_layer=sel.num_actions, targets=list(config.targets),
         selector={"width": config.width, "heads": config.heads, "blocks": config.blocks},
@@ -294,7 +208,7 @@ def run(args, tmp: Path, command: str) -> int:
               Timed(PREFILL, prefill_call, {**latency, "what": "dense model forward of the whole prompt into a "
                                             "DynamicCache, logits_to_keep=1", "dtype": str(dense.dtype).split(".")[-1],
                                             "parameters": sum(p.numel() for p in dense.parameters())})]
-    measure(timed[:2], args, device, save)
+    measure(timed[:2], args.warmup, args.steps, args.steps_per_round, device, save)
     student.train()
     dense = None  # frees the bf16 copy before the training part (the closure reads the same cell)
     if device.type == "cuda":
@@ -329,7 +243,7 @@ def run(args, tmp: Path, command: str) -> int:
                                           "parameters": sum(p.numel() for p in student.parameters()),
                                           "selector_parameters": sum(p.numel() for p in sel.parameters())},
                     memory=True)]
-    measure(timed[2:], args, device, save)
+    measure(timed[2:], args.warmup, args.steps, args.steps_per_round, device, save)
     results = save(partial=False)
     for row in results["rows"]:
         ms = row.get("ms", math.nan)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import tempfile
 import time
@@ -43,50 +42,26 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from kvlearn.config import DMSConfig, KVpopConfig, StreamingConfig  # noqa: E402
 from kvlearn.errors import KVLearnError, check, check_int  # noqa: E402
 from kvlearn.results import command_line, make_results, portable_path, write_results  # noqa: E402
 from kvlearn.testbed.data import TestbedStream  # noqa: E402
 from kvlearn.testbed.tasks import MAX_LENGTH, MIN_LENGTH  # noqa: E402
-from kvlearn.testbed.tokenizer import VOCAB_SIZE  # noqa: E402
 from kvlearn.train.distill import (  # noqa: E402
     NEW_MODULES, RetrofitConfig, build_models, dense_distill_step, dense_student, make_optimizer, train_step,
     training_kvpop)
+from step_timing import Timed, measure, model_shape, random_model_folder  # noqa: E402
 
 REFERENCE = "distill_dense"
 METHODS = (REFERENCE, "retrofit_kvpop_mlp", "retrofit_kvpop_mlstm", "retrofit_dms", "retrofit_streaming_plus")
 DEFAULT_METHODS = METHODS[:3]
 ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
-SHAPES = {  # Qwen3Config fields; vocabulary: the testbed tokenizer's
-    "qwen3-0.6b": dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=3072, max_position_embeddings=40960),
-    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 intermediate_size=96, max_position_embeddings=512),  # --smoke
-}
 # (seq_len, batch_size, budget, window, warmup, steps) by model source: --model, --shape qwen3-0.6b, --smoke
 DEFAULTS = {None: (4096, 8, 1024, 256, 3, 10), "qwen3-0.6b": (8192, 1, 1024, 256, 3, 10),
             "tiny": (256, 2, 64, 16, 1, 2)}
 DEFAULT_MODEL = "checkpoints/testbed-teacher"
-GIB = 2**30
-
-
-def random_model_folder(shape: str, folder: Path, tokenizer_from: str, device: torch.device) -> str:
-    """A randomly initialised ``Qwen3ForCausalLM`` of ``SHAPES[shape]`` with the testbed vocabulary, saved to
-    ``folder`` with ``tokenizer_from``'s tokenizer files: a checkpoint folder that ``build_models`` loads as it loads
-    a trained teacher."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from kvlearn.hf import copy_tokenizer_files
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB_SIZE, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                         tie_word_embeddings=True, **SHAPES[shape])
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config)
-    model.save_pretrained(folder)
-    copy_tokenizer_files(tokenizer_from, folder)
-    return str(folder)
 
 
 def method_config(name: str, args, model: str, out: str, device: str) -> RetrofitConfig:
@@ -103,83 +78,39 @@ def method_config(name: str, args, model: str, out: str, device: str) -> Retrofi
                           seed=args.seed, **kw)
 
 
-class Arm:
-    """One timed method: its config, student, optimizer, step counter, step times (ms) and peak memory."""
+def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Tensor, labels: torch.Tensor,
+                 device: torch.device) -> Timed:
+    """Method ``name`` as a :class:`~step_timing.Timed` step on the batch ``input_ids``, ``labels`` (``[B, T]``
+    each): its student (``dense_student`` for the reference, else exactly the trainer's, ``build_models``) and
+    optimizer, each call one optimizer step (step ``n`` of a ``config.steps``-step run); the row records the
+    parameters and the method's exact config."""
+    if name == REFERENCE:
+        student, kv = dense_student(teacher), None
+    else:
+        torch.manual_seed(config.seed)  # as retrofit() seeds before build_models (the new modules' init)
+        _, student = build_models(config, device)
+        kv = training_kvpop(config, student)
+    optimizer = make_optimizer(config, student, device)
+    marker = NEW_MODULES[config.method] if name != REFERENCE else None
+    fields = {"method": "dense" if name == REFERENCE else config.method,
+              "parameters": sum(p.numel() for p in student.parameters()),
+              "new_parameters": sum(p.numel() for n, p in student.named_parameters() if marker and marker in n)}
+    if name != REFERENCE and config.method == "kvpop":  # the exact config, and the top-k training holds
+        fields.update(scorer=config.kvpop.scorer, kvpop=asdict(config.kvpop), kvpop_training_topk=kv.topk)
+    elif name != REFERENCE and config.method == "dms":
+        fields["dms"] = asdict(config.dms)
+    elif name != REFERENCE:
+        fields["streaming"] = asdict(config.streaming)
+    step = [0]
 
-    def __init__(self, name: str, config: RetrofitConfig, teacher, device: torch.device):
-        self.name, self.config, self.teacher = name, config, teacher
+    def call() -> dict:
+        n = step[0]
+        step[0] += 1
         if name == REFERENCE:
-            self.student, self.kv = dense_student(teacher), None
-        else:
-            torch.manual_seed(config.seed)  # as retrofit() seeds before build_models (the new modules' init)
-            _, self.student = build_models(config, device)
-            self.kv = training_kvpop(config, self.student)
-        self.optimizer = make_optimizer(config, self.student, device)
-        marker = NEW_MODULES[config.method] if name != REFERENCE else None
-        self.parameters = sum(p.numel() for p in self.student.parameters())
-        self.new_parameters = sum(p.numel() for n, p in self.student.named_parameters() if marker and marker in n)
-        self.step, self.ms, self.log, self.error = 0, [], {}, None
-        self.first_step_s = self.peak = self.step_peak = 0.0
+            return dense_distill_step(config, teacher, student, optimizer, input_ids, labels)
+        return train_step(config, teacher, student, optimizer, input_ids, labels, n, n / config.steps, kv)
 
-    def run_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
-        """One optimizer step (the retrofit's step ``self.step`` of a ``config.steps``-step run)."""
-        c = self.config
-        if self.name == REFERENCE:
-            self.log = dense_distill_step(c, self.teacher, self.student, self.optimizer, input_ids, labels)
-        else:
-            self.log = train_step(c, self.teacher, self.student, self.optimizer, input_ids, labels, self.step,
-                                  self.step / c.steps, self.kv)
-        self.step += 1
-
-    def timed_step(self, input_ids, labels, device: torch.device) -> float:
-        """Milliseconds of one step (CUDA events after a synchronize; the host clock on the CPU); tracks memory."""
-        if device.type != "cuda":
-            t0 = time.perf_counter()
-            self.run_step(input_ids, labels)
-            return (time.perf_counter() - t0) * 1e3
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.run_step(input_ids, labels)
-        end.record()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        self.peak, self.step_peak = max(self.peak, peak / GIB), max(self.step_peak, (peak - base) / GIB)
-        return start.elapsed_time(end)
-
-    def row(self) -> dict:
-        c = self.config
-        row = {"name": self.name, "method": "dense" if self.name == REFERENCE else c.method,
-               "parameters": self.parameters, "new_parameters": self.new_parameters,
-               "first_step_s": round(self.first_step_s, 3), "steps_timed": len(self.ms)}
-        if self.ms:
-            row.update(ms=statistics.median(self.ms), ms_min=min(self.ms), ms_steps=[round(t, 3) for t in self.ms])
-        if self.name == REFERENCE:
-            pass
-        elif c.method == "kvpop":  # the exact config, and the top-k the training pattern holds (state_in_budget)
-            row.update(scorer=c.kvpop.scorer, kvpop=asdict(c.kvpop), kvpop_training_topk=self.kv.topk)
-        elif c.method == "dms":
-            row["dms"] = asdict(c.dms)
-        else:
-            row["streaming"] = asdict(c.streaming)
-        if self.peak:
-            row.update(peak_memory_gib=round(self.peak, 3), step_peak_memory_gib=round(self.step_peak, 3))
-        row["last_step"] = self.log
-        if self.error:
-            row["error"] = self.error
-        return row
-
-    def fail(self, exc: BaseException) -> None:
-        """Record ``exc`` and free the arm's student and optimizer (the other methods go on)."""
-        import traceback
-
-        traceback.print_exc()
-        self.error = f"{type(exc).__name__}: {exc}"[:400]
-        self.student = self.optimizer = None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    return Timed(name, call, fields, memory=True, first_key="first_step_s")
 
 
 def parse(argv) -> argparse.Namespace:
@@ -257,50 +188,26 @@ def run(args, tmp: Path, command: str) -> int:
     stream = TestbedStream(length=args.seq_len, batch_size=args.batch_size, seed=args.seed,
                            dense=configs[REFERENCE].dense_fraction)
     input_ids, labels = (t.to(device) for t in next(iter(stream)))  # the retrofit's first batch, [B, T] each
-    arms = [Arm(m, configs[m], teacher, device) for m in args.methods]
+    timed = [timed_method(m, configs[m], teacher, input_ids, labels, device) for m in args.methods]
     import transformers
 
-    shape_keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "intermediate_size", "vocab_size")
     fields = dict(
         model=(f"random {args.source} shape (testbed vocabulary)" if args.source else portable_path(teacher_folder)),
-        model_shape={k: getattr(teacher.config, k) for k in shape_keys},
+        model_shape=model_shape(teacher.config),
         seq_len=args.seq_len, batch_size=args.batch_size, budget=args.budget, sinks=args.sinks, window=args.window,
         warmup=args.warmup, steps=args.steps, steps_per_round=args.steps_per_round, smoke=args.smoke,
         precision="float32 weights and AdamW, bf16 autocast on CUDA (the retrofit's)", torch=torch.__version__,
         transformers=transformers.__version__)
 
     def save(partial: bool) -> dict:
-        rows = [a.row() for a in arms]
+        rows = [t.row() for t in timed]
         results = make_results("speed", rows, device=str(device), command=command, **fields,
                                wall_seconds=round(time.perf_counter() - start, 1), summary=summarize(rows),
                                partial=partial)
         write_results(args.out, results)
         return results
 
-    for arm in arms:  # warm-up (compiles), each method on its own
-        t0 = time.perf_counter()
-        try:
-            for i in range(args.warmup):
-                arm.run_step(input_ids, labels)
-                if i == 0:
-                    arm.first_step_s = time.perf_counter() - t0
-        except Exception as exc:  # noqa: BLE001 - one failing method must not cost the others' rows
-            arm.fail(exc)
-        print(f"warm-up {arm.name}: {time.perf_counter() - t0:.1f} s{' FAILED' if arm.error else ''}", flush=True)
-    for r in range(math.ceil(args.steps / args.steps_per_round)):  # interleaved rounds, the order rotated
-        live = [a for a in arms if a.error is None]
-        if not live:
-            break
-        for arm in live[r % len(live):] + live[:r % len(live)]:
-            try:
-                for _ in range(min(args.steps_per_round, args.steps - len(arm.ms))):
-                    arm.ms.append(arm.timed_step(input_ids, labels, device))
-            except Exception as exc:  # noqa: BLE001
-                arm.fail(exc)
-        print(f"round {r}: " + ", ".join(f"{a.name} {a.ms[-1]:.1f} ms" for a in arms if a.ms and a.error is None),
-              flush=True)
-        save(partial=True)
+    measure(timed, args.warmup, args.steps, args.steps_per_round, device, save)
     results = save(partial=False)
     for row in results["rows"]:
         ms, ratio = row.get("ms", math.nan), row.get("ratio_to_distill_dense") or math.nan

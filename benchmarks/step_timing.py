@@ -1,0 +1,141 @@
+"""The timing harness the step benchmarks share (``retrofit_step_speed.py``, ``kaizen_overheads.py``): a timed
+callable with its row (:class:`Timed`), warm-up then interleaved rounds (:func:`measure`), and random models of a
+named shape with the testbed vocabulary (:func:`random_model_folder`).
+
+Every ratio these benchmarks report is measured in one process under the same machine conditions: each callable is
+warmed up on its own (compiles), then the timed calls are interleaved in rounds, the order rotated per round; CUDA
+events after a synchronize (the host clock on the CPU), the median per row. A callable that raises is recorded in
+its row and dropped, and the others go on.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+GIB = 2**30
+SHAPES = {  # Qwen3Config fields; vocabulary: the testbed tokenizer's
+    "qwen3-0.6b": dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, max_position_embeddings=40960),
+    "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=96, max_position_embeddings=512),  # --smoke
+}
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "intermediate_size", "vocab_size")
+
+
+def random_model_folder(shape: str, folder: Path, tokenizer_from: str, device: torch.device) -> str:
+    """A randomly initialised ``Qwen3ForCausalLM`` of ``SHAPES[shape]`` with the testbed vocabulary, saved to
+    ``folder`` with ``tokenizer_from``'s tokenizer files: a checkpoint folder the trainers load as they load a
+    trained teacher."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kvlearn.hf import copy_tokenizer_files
+    from kvlearn.testbed.tokenizer import VOCAB_SIZE
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB_SIZE, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True, **SHAPES[shape])
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    model.save_pretrained(folder)
+    copy_tokenizer_files(tokenizer_from, folder)
+    return str(folder)
+
+
+def model_shape(config) -> dict:
+    """The shape fields of a Hugging Face model config, for a results file."""
+    return {k: getattr(config, k) for k in SHAPE_KEYS}
+
+
+class Timed:
+    """One timed callable ``fn()`` (returning the call's log values, or None): its times (ms), memory and row.
+
+    ``fields``: the row's fixed entries; ``memory``: track the peak memory on CUDA (``peak_memory_gib``: the
+    process's peak during the calls, every model of the run resident; ``step_peak_memory_gib``: that peak above
+    what was allocated before the call); ``first_key``: the row's name for the first call's seconds."""
+
+    def __init__(self, name: str, fn: Callable[[], dict | None], fields: dict, memory: bool = False,
+                 first_key: str = "first_call_s"):
+        self.name, self.fn, self.fields, self.memory, self.first_key = name, fn, fields, memory, first_key
+        self.ms, self.log, self.error = [], None, None
+        self.first_call_s = self.peak = self.step_peak = 0.0
+
+    def call(self) -> None:
+        self.log = self.fn()
+
+    def timed(self, device: torch.device) -> float:
+        """Milliseconds of one call (CUDA events after a synchronize; the host clock on the CPU)."""
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            self.call()
+            return (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+        if self.memory:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.call()
+        end.record()
+        torch.cuda.synchronize()
+        if self.memory:
+            peak = torch.cuda.max_memory_allocated()
+            self.peak, self.step_peak = max(self.peak, peak / GIB), max(self.step_peak, (peak - base) / GIB)
+        return start.elapsed_time(end)
+
+    def row(self) -> dict:
+        row = {"name": self.name, **self.fields, self.first_key: round(self.first_call_s, 3),
+               "steps_timed": len(self.ms)}
+        if self.ms:
+            row.update(ms=statistics.median(self.ms), ms_min=min(self.ms), ms_steps=[round(t, 3) for t in self.ms])
+        if self.peak:
+            row.update(peak_memory_gib=round(self.peak, 3), step_peak_memory_gib=round(self.step_peak, 3))
+        if self.log is not None:
+            row["last_step"] = self.log
+        if self.error:
+            row["error"] = self.error
+        return row
+
+    def fail(self, exc: BaseException) -> None:
+        """Record ``exc`` and drop the callable (and what it holds; the other rows go on)."""
+        import traceback
+
+        traceback.print_exc()
+        self.error, self.fn = f"{type(exc).__name__}: {exc}"[:400], None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def measure(timed: list[Timed], warmup: int, steps: int, steps_per_round: int, device: torch.device,
+            save: Callable[..., object]) -> None:
+    """Warm each of ``timed`` up on its own (``warmup`` calls), then time ``steps`` calls of each in interleaved
+    rounds of ``steps_per_round`` (the order rotated per round), calling ``save(partial=True)`` after each round."""
+    for t in timed:
+        t0 = time.perf_counter()
+        try:
+            for i in range(warmup):
+                t.call()
+                if i == 0:
+                    t.first_call_s = time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - one failing callable must not cost the others' rows
+            t.fail(exc)
+        print(f"warm-up {t.name}: {time.perf_counter() - t0:.1f} s{' FAILED' if t.error else ''}", flush=True)
+    for r in range(math.ceil(steps / steps_per_round)):
+        live = [t for t in timed if t.error is None]
+        if not live:
+            break
+        for t in live[r % len(live):] + live[:r % len(live)]:
+            try:
+                for _ in range(min(steps_per_round, steps - len(t.ms))):
+                    t.ms.append(t.timed(device))
+            except Exception as exc:  # noqa: BLE001
+                t.fail(exc)
+        print(f"round {r}: " + ", ".join(f"{t.name} {t.ms[-1]:.2f} ms" for t in timed if t.ms and t.error is None),
+              flush=True)
+        save(partial=True)
