@@ -56,7 +56,6 @@ import copy
 import json
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -66,30 +65,31 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from kvlearn.errors import KVLearnError, check, check_int  # noqa: E402
+from kvlearn.errors import check, check_int  # noqa: E402
 from kvlearn.hf import read_model_config  # noqa: E402
 from kvlearn.kaizen.actions import AXES  # noqa: E402
 from kvlearn.kaizen.apply import prompt_choices, selector_of  # noqa: E402
-from kvlearn.results import command_line, make_results, portable_path, write_results  # noqa: E402
+from kvlearn.results import portable_path  # noqa: E402
 from kvlearn.testbed.data import TestbedStream  # noqa: E402
 from kvlearn.testbed.tasks import MAX_LENGTH, MIN_LENGTH  # noqa: E402
 from kvlearn.train.distill import dense_distill_step, dense_student  # noqa: E402
 from kvlearn.train.kaizen_train import (  # noqa: E402
     KaizenStep, KaizenTrainConfig, build_models, kaizen_train_step, make_multiplier, make_optimizer)
-from step_timing import Timed, measure, model_shape, random_model_folder  # noqa: E402
+from step_timing import (  # noqa: E402
+    Timed, add_source_options, measure, model_shape, random_model_folder, resolve_source, results_saver,
+    run_main)
 
 SELECTOR, PREFILL, DISTILL, KAIZEN = "selector", "prefill_dense", "distill_dense_step", "kaizen_train_step"
-SHAPES = ("qwen3-0.6b",)
 # (context, latency_batch, seq_len, batch_size, warmup, steps) by model source: --model, --shape qwen3-0.6b, --smoke
-DEFAULTS = {None: (4096, 1, 4096, 8, 3, 10), "qwen3-0.6b": (4096, 1, 4096, 4, 3, 10), "tiny": (256, 1, 128, 2, 1, 2)}
-DEFAULT_MODEL = "checkpoints/testbed-teacher"
+DEFAULTS = {source: dict(zip(("context", "latency_batch", "seq_len", "batch_size", "warmup", "steps"), values))
+            for source, values in ((None, (4096, 1, 4096, 8, 3, 10)), ("qwen3-0.6b", (4096, 1, 4096, 4, 3, 10)),
+                                   ("tiny", (256, 1, 128, 2, 1, 2)))}
 PAPER = {"selector_ms": 3, "training_cost": [1.0, 1.4]}
 
 
 def parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help=f"teacher checkpoint folder (default {DEFAULT_MODEL})")
-    ap.add_argument("--shape", default=None, help="qwen3-0.6b: a random Qwen3-0.6B-shaped teacher instead of --model")
+    add_source_options(ap, "kaizen_overheads")
     ap.add_argument("--axes", default=None, help="comma list of precision,rank,depth (default: the backbone's "
                     "default axes, as kaizen-train: precision,depth on GQA)")
     ap.add_argument("--context", type=int, default=None, help="prompt tokens of the latency part (default 4096; "
@@ -98,24 +98,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=None, help="training sequence (default 4096; --smoke 128)")
     ap.add_argument("--batch-size", type=int, default=None, help="training batch (default 8 (--model), 4 (--shape), "
                     "2 (--smoke))")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per row first (default 3; --smoke 1)")
-    ap.add_argument("--steps", type=int, default=None, help="timed calls per row (default 10; --smoke 2)")
-    ap.add_argument("--steps-per-round", type=int, default=2, help="calls of each row per interleaved round")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None, help="default cuda (--smoke: cpu)")
-    ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU (checks the script)")
-    ap.add_argument("--out", default=None, help="default results/kaizen_overheads_h200.json (--shape qwen3-0.6b: "
-                    "..._0p6b_h200.json; --smoke: runs/smoke/kaizen_overheads.json)")
     args = ap.parse_args(argv)
-    check(args.shape in (None, *SHAPES), f"--shape={args.shape!r} is unknown: expected {', '.join(SHAPES)}")
-    source = "tiny" if args.smoke else args.shape
-    check(not (source and args.model), f"--model and {'--smoke' if args.smoke else '--shape'} exclude each other: "
-          "the latter times a random model")
-    for name, value in zip(("context", "latency_batch", "seq_len", "batch_size", "warmup", "steps"), DEFAULTS[source]):
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    args.source, args.model = source, args.model or str(REPO / DEFAULT_MODEL)
-    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    resolve_source(args, DEFAULTS, "kaizen_overheads", REPO)
     if args.axes is not None:
         args.axes = tuple(a.strip() for a in args.axes.split(",") if a.strip())
         bad = [a for a in args.axes if a not in AXES]
@@ -125,33 +109,18 @@ def parse(argv) -> argparse.Namespace:
     check_int("--latency-batch", args.latency_batch, 1)
     check_int("--seq-len", args.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
     check_int("--batch-size", args.batch_size, 1)
-    for name, low in (("warmup", 0), ("steps", 1), ("steps_per_round", 1)):
-        check_int(f"--{name.replace('_', '-')}", getattr(args, name), low)
-    check(args.device == "cpu" or torch.cuda.is_available(),
-          f"--device={args.device} requested but CUDA is not available: run on the GPU (or --smoke on the CPU)")
-    if args.out is None:
-        args.out = {None: "results/kaizen_overheads_h200.json", "tiny": "runs/smoke/kaizen_overheads.json",
-                    "qwen3-0.6b": "results/kaizen_overheads_0p6b_h200.json"}[source]
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    command = command_line() if argv is None else " ".join(
-        ["python", "benchmarks/kaizen_overheads.py"] + [portable_path(a) for a in argv])
-    try:
-        args = parse(sys.argv[1:] if argv is None else argv)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # the models' save / load bars: stderr holds this script's lines only
-        with tempfile.TemporaryDirectory(prefix="kaizen_overheads-") as tmp:
-            return run(args, Path(tmp), command)
-    except KVLearnError as e:
-        print(f"kaizen_overheads: error: {e}", file=sys.stderr)
-        return 2
+    return run_main("kaizen_overheads", argv, parse, run)
 
 
 def run(args, tmp: Path, command: str) -> int:
     """Build the models, time the latency part then the training part; write ``args.out``."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the models' save / load bars: stderr holds this script's lines only
     start, device = time.perf_counter(), torch.device(args.device)
     teacher_folder = args.model
     if args.source is not None:  # a random model of that shape, with the testbed teacher's tokenizer files
@@ -179,13 +148,7 @@ def run(args, tmp: Path, command: str) -> int:
         torch=torch.__version__, transformers=transformers.__version__)
     timed: list[Timed] = []
 
-    def save(partial: bool) -> dict:
-        rows = [t.row() for t in timed]
-        results = make_results("speed", rows, device=str(device), command=command, **fields,
-                               wall_seconds=round(time.perf_counter() - start, 1), summary=summarize(rows),
-                               partial=partial)
-        write_results(args.out, results)
-        return results
+    save = results_saver(args.out, timed, summarize, device, command, fields, start)
 
     # 1. the selector's latency against the dense prefill of the same prompt
     gen = torch.Generator().manual_seed(args.seed)

@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -45,23 +44,25 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from kvlearn.config import DMSConfig, KVpopConfig, StreamingConfig  # noqa: E402
-from kvlearn.errors import KVLearnError, check, check_int  # noqa: E402
-from kvlearn.results import command_line, make_results, portable_path, write_results  # noqa: E402
+from kvlearn.errors import check, check_int  # noqa: E402
+from kvlearn.results import portable_path  # noqa: E402
 from kvlearn.testbed.data import TestbedStream  # noqa: E402
 from kvlearn.testbed.tasks import MAX_LENGTH, MIN_LENGTH  # noqa: E402
 from kvlearn.train.distill import (  # noqa: E402
     NEW_MODULES, RetrofitConfig, build_models, dense_distill_step, dense_student, make_optimizer, train_step,
     training_kvpop)
-from step_timing import Timed, measure, model_shape, random_model_folder  # noqa: E402
+from step_timing import (  # noqa: E402
+    Timed, add_source_options, measure, model_shape, random_model_folder, resolve_source, results_saver,
+    run_main)
 
 REFERENCE = "distill_dense"
 METHODS = (REFERENCE, "retrofit_kvpop_mlp", "retrofit_kvpop_mlstm", "retrofit_dms", "retrofit_streaming_plus")
 DEFAULT_METHODS = METHODS[:3]
 ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
-# (seq_len, batch_size, budget, window, warmup, steps) by model source: --model, --shape qwen3-0.6b, --smoke
-DEFAULTS = {None: (4096, 8, 1024, 256, 3, 10), "qwen3-0.6b": (8192, 1, 1024, 256, 3, 10),
-            "tiny": (256, 2, 64, 16, 1, 2)}
-DEFAULT_MODEL = "checkpoints/testbed-teacher"
+# the defaults by model source: --model (None), --shape qwen3-0.6b, --smoke (tiny)
+DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), values))
+            for source, values in ((None, (4096, 8, 1024, 256, 3, 10)), ("qwen3-0.6b", (8192, 1, 1024, 256, 3, 10)),
+                                   ("tiny", (256, 2, 64, 16, 1, 2)))}
 
 
 def method_config(name: str, args, model: str, out: str, device: str) -> RetrofitConfig:
@@ -115,8 +116,7 @@ def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Te
 
 def parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help=f"teacher checkpoint folder (default {DEFAULT_MODEL})")
-    ap.add_argument("--shape", default=None, help="qwen3-0.6b: a random Qwen3-0.6B-shaped teacher instead of --model")
+    add_source_options(ap, "retrofit_step_speed")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                     help=f"comma list of {', '.join(METHODS)} ({REFERENCE} is always run: the reference)")
     ap.add_argument("--seq-len", type=int, default=None, help="default 4096 (--model), 8192 (--shape), 256 (--smoke)")
@@ -124,24 +124,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--budget", type=int, default=None, help="sinks + window + top-k (default 1024; --smoke 64)")
     ap.add_argument("--window", type=int, default=None, help="default 256 (--smoke 16)")
     ap.add_argument("--sinks", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per method first (default 3; --smoke 1)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per method (default 10; --smoke 2)")
-    ap.add_argument("--steps-per-round", type=int, default=2, help="steps of each method per interleaved round")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None, help="default cuda (--smoke: cpu)")
-    ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU (checks the script)")
-    ap.add_argument("--out", default=None, help="default results/retrofit_step_speed_h200.json "
-                    "(--shape qwen3-0.6b: ..._0p6b_h200.json; --smoke: runs/smoke/retrofit_step_speed.json)")
     args = ap.parse_args(argv)
-    check(args.shape in (None, "qwen3-0.6b"), f"--shape={args.shape!r} is unknown: expected qwen3-0.6b")
-    source = "tiny" if args.smoke else args.shape
-    check(not (source and args.model), f"--model and {'--smoke' if args.smoke else '--shape'} exclude each other: "
-          "the latter times a random model")
-    for name, value in zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), DEFAULTS[source]):
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    args.source, args.model = source, args.model or str(REPO / DEFAULT_MODEL)
-    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    resolve_source(args, DEFAULTS, "retrofit_step_speed", REPO)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in args.methods:
         check(m in METHODS, f"--methods: {m!r} is unknown: expected some of {', '.join(METHODS)}")
@@ -152,26 +136,11 @@ def parse(argv) -> argparse.Namespace:
           f"--budget={args.budget} is invalid: expected > sinks + window = {args.sinks + args.window} (a top-k >= 1)")
     check(args.seq_len > args.budget, f"--seq-len={args.seq_len} is invalid for --budget={args.budget}: expected a "
           "sequence longer than the budget (else nothing is evicted)")
-    for name, low in (("warmup", 0), ("steps", 1), ("steps_per_round", 1)):
-        check_int(f"--{name.replace('_', '-')}", getattr(args, name), low)
-    check(args.device == "cpu" or torch.cuda.is_available(),
-          f"--device={args.device} requested but CUDA is not available: run on the GPU (or --smoke on the CPU)")
-    if args.out is None:
-        args.out = {None: "results/retrofit_step_speed_h200.json", "tiny": "runs/smoke/retrofit_step_speed.json",
-                    "qwen3-0.6b": "results/retrofit_step_speed_0p6b_h200.json"}[source]
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    command = command_line() if argv is None else " ".join(
-        ["python", "benchmarks/retrofit_step_speed.py"] + [portable_path(a) for a in argv])
-    try:
-        args = parse(sys.argv[1:] if argv is None else argv)
-        with tempfile.TemporaryDirectory(prefix="retrofit_step_speed-") as tmp:
-            return run(args, Path(tmp), command)
-    except KVLearnError as e:
-        print(f"retrofit_step_speed: error: {e}", file=sys.stderr)
-        return 2
+    return run_main("retrofit_step_speed", argv, parse, run)
 
 
 def run(args, tmp: Path, command: str) -> int:
@@ -199,13 +168,7 @@ def run(args, tmp: Path, command: str) -> int:
         precision="float32 weights and AdamW, bf16 autocast on CUDA (the retrofit's)", torch=torch.__version__,
         transformers=transformers.__version__)
 
-    def save(partial: bool) -> dict:
-        rows = [t.row() for t in timed]
-        results = make_results("speed", rows, device=str(device), command=command, **fields,
-                               wall_seconds=round(time.perf_counter() - start, 1), summary=summarize(rows),
-                               partial=partial)
-        write_results(args.out, results)
-        return results
+    save = results_saver(args.out, timed, summarize, device, command, fields, start)
 
     measure(timed, args.warmup, args.steps, args.steps_per_round, device, save)
     results = save(partial=False)

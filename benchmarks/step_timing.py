@@ -139,3 +139,86 @@ def measure(timed: list[Timed], warmup: int, steps: int, steps_per_round: int, d
         print(f"round {r}: " + ", ".join(f"{t.name} {t.ms[-1]:.2f} ms" for t in timed if t.ms and t.error is None),
               flush=True)
         save(partial=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command line both benchmarks share: the model source, the timing counts, the device and the output
+
+DEFAULT_MODEL = "checkpoints/testbed-teacher"
+
+
+def add_source_options(ap, out_name: str) -> None:
+    """``--model`` / ``--shape`` / ``--smoke`` (the model source), ``--warmup``, ``--steps``, ``--steps-per-round``,
+    ``--seed``, ``--device`` and ``--out`` (default named after ``out_name``)."""
+    ap.add_argument("--model", default=None, help=f"teacher checkpoint folder (default {DEFAULT_MODEL})")
+    ap.add_argument("--shape", default=None, help="qwen3-0.6b: a random Qwen3-0.6B-shaped teacher instead of --model")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls per row first (default 3; --smoke 1)")
+    ap.add_argument("--steps", type=int, default=None, help="timed calls per row (default 10; --smoke 2)")
+    ap.add_argument("--steps-per-round", type=int, default=2, help="calls of each row per interleaved round")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None, help="default cuda (--smoke: cpu)")
+    ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU (checks the script)")
+    ap.add_argument("--out", default=None, help=f"default results/{out_name}_h200.json (--shape qwen3-0.6b: "
+                    f"results/{out_name}_0p6b_h200.json; --smoke: runs/smoke/{out_name}.json)")
+
+
+def resolve_source(args, defaults: dict, out_name: str, repo: Path) -> None:
+    """Check the options of :func:`add_source_options` and fill what was left out (in place): ``args.source``
+    (``None`` = ``--model``, ``"qwen3-0.6b"``, ``"tiny"`` = ``--smoke``), every option named in
+    ``defaults[source]`` (``{name: value}``) that is still None, ``args.model``, ``args.device``, ``args.out``."""
+    from kvlearn.errors import check, check_int
+
+    shapes = [s for s in SHAPES if s != "tiny"]
+    check(args.shape in (None, *shapes), f"--shape={args.shape!r} is unknown: expected {', '.join(shapes)}")
+    source = "tiny" if args.smoke else args.shape
+    check(not (source and args.model), f"--model and {'--smoke' if args.smoke else '--shape'} exclude each other: "
+          "the latter times a random model")
+    for name, value in defaults[source].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.source, args.model = source, args.model or str(repo / DEFAULT_MODEL)
+    args.device = args.device or ("cpu" if args.smoke else "cuda")
+    for name, low in (("warmup", 0), ("steps", 1), ("steps_per_round", 1)):
+        check_int(f"--{name.replace('_', '-')}", getattr(args, name), low)
+    check(args.device == "cpu" or torch.cuda.is_available(),
+          f"--device={args.device} requested but CUDA is not available: run on the GPU (or --smoke on the CPU)")
+    if args.out is None:
+        args.out = {None: f"results/{out_name}_h200.json", "tiny": f"runs/smoke/{out_name}.json",
+                    "qwen3-0.6b": f"results/{out_name}_0p6b_h200.json"}[source]
+
+
+def run_main(out_name: str, argv: list[str] | None, parse: Callable, run: Callable) -> int:
+    """A benchmark's ``main``: the recorded command (repository-relative), ``parse`` then ``run(args, tmp,
+    command)`` in a temporary folder; a :class:`kvlearn.KVLearnError` is one line on stderr and exit code 2."""
+    import sys
+    import tempfile
+
+    from kvlearn.errors import KVLearnError
+    from kvlearn.results import command_line, portable_path
+
+    command = command_line() if argv is None else " ".join(
+        ["python", f"benchmarks/{out_name}.py"] + [portable_path(a) for a in argv])
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+        with tempfile.TemporaryDirectory(prefix=f"{out_name}-") as tmp:
+            return run(args, Path(tmp), command)
+    except KVLearnError as e:
+        print(f"{out_name}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def results_saver(out: str, timed: list[Timed], summarize: Callable[[list[dict]], dict], device: torch.device,
+                  command: str, fields: dict, start: float) -> Callable[..., dict]:
+    """``save(partial)``: the rows of ``timed`` (as they are at the call) with ``summarize(rows)`` written to
+    ``out`` as a ``speed`` results file (``partial`` until the last call; ``start``: the run's ``perf_counter``)."""
+    from kvlearn.results import make_results, write_results
+
+    def save(partial: bool) -> dict:
+        rows = [t.row() for t in timed]
+        results = make_results("speed", rows, device=str(device), command=command, **fields,
+                               wall_seconds=round(time.perf_counter() - start, 1), summary=summarize(rows),
+                               partial=partial)
+        write_results(out, results)
+        return results
+
+    return save
