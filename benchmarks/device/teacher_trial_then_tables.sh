@@ -16,6 +16,8 @@
 #      - `kvpop_table.sh` at budget 256 (CR 94%, window WINDOW_256, default 64) for kvpop_mlp, streaming_plus and
 #        dms trained for MINUTES_256 (default 6) each, with the training-free baselines at 256;
 #      then, alone on the GPU, `benchmarks/packed_decode_speed.py --graph`.
+#      FALLBACK='<command line>' runs that instead (alone on the GPU; RUN_DIR is exported), e.g.
+#      FALLBACK='OUT=$RUN_DIR/kaizen bash benchmarks/device/kaizen_overheads.sh; ...'.
 # Everything goes to RUN_DIR (default /tmp/session_out); /tmp/session.log is the chain's log, /tmp/session.done its
 # end. Device time on one H200: ~1 start + either ~21 (teacher passed) or ~5 + ~14 (failed) minutes:
 #   call 1:  KVLEARN_COMMIT=<sha> setsid bash benchmarks/device/teacher_trial_then_tables.sh > /tmp/session.log 2>&1 < /dev/null & sleep 565; cat /tmp/session.log
@@ -27,6 +29,7 @@ RUN_DIR=${RUN_DIR:-/tmp/session_out}; mkdir -p "$RUN_DIR/teacher"
 rm -f /tmp/session.done /tmp/teacher.pretrained /tmp/teacher.done
 GATE_STAGE=${GATE_STAGE:-2}; GATE_TRACE=${GATE_TRACE:-0.2}
 TEACHER_EXTRA=${TEACHER_EXTRA---stage-fractions 0.12,0.13,0.2,0.2,0.35}
+export RUN_DIR
 echo "== teacher trial $(date -u +%H:%M:%S): pretrain $TEACHER_EXTRA; gate: trace >= $GATE_TRACE after stage $GATE_STAGE"
 CKPT=${CKPT:-/tmp/testbed-teacher}  # teacher.sh's output folder: pretrain rewrites its pretrain_log.json per stage
 if [ "${DRY_RUN:-0}" = 1 ]; then  # a fake pretrain: one stage check a second, trace at DRY_TRACE
@@ -56,12 +59,18 @@ if [ "${verdict%% *}" = pass ]; then
     touch /tmp/session.done; exit 0
 fi
 kill -- -"$teacher" 2>/dev/null; pkill -f "kvlearn.cli pretrain" 2>/dev/null; wait "$teacher" 2>/dev/null
+# the stopped trial's last stage checkpoint, for a diagnosis on the CPU (collect_session.sh brings it back)
+[ -e "$CKPT/config.json" ] && tar -C "$(dirname "$CKPT")" -cf "$RUN_DIR/teacher/trial_checkpoint.tar" "$(basename "$CKPT")"
 echo "== teacher trial stopped; method tables on the shipped teacher $(date -u +%H:%M:%S)"
 job() {  # name, then the command: its output to RUN_DIR/name.log
     local name=$1; shift
     if [ "${DRY_RUN:-0}" = 1 ]; then sleep 1; echo "dry run: $*" > "$RUN_DIR/$name.log"; else "$@" > "$RUN_DIR/$name.log" 2>&1; fi
     echo "== $name done rc=$? $(date -u +%H:%M:%S)"
 }
+if [ -n "${FALLBACK:-}" ]; then  # instead of the tables below: this command line, alone on the GPU
+    job fallback bash -c "$FALLBACK"
+    echo "== done $(date -u +%H:%M:%S)"; touch /tmp/session.done; exit 0
+fi
 job baselines env OUT="$RUN_DIR/baselines" METHODS=${METHODS:-streaming,snapkv,random} BUDGETS=${BUDGETS:-1024,512} \
     MINUTES=8 bash benchmarks/device/eviction_baselines.sh &
 job table512 env OUT="$RUN_DIR/table512" TAG=_b512 BUDGET=512 STUDENTS=kvpop=kvpop RETROFIT_MINUTES=${MLSTM_MINUTES:-9} \

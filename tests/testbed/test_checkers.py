@@ -96,6 +96,15 @@ def test_trace_by_hand():
         solve("trace", prompt.replace("e = d - z", "e = d - q"))
     with pytest.raises(KVLearnError, match="program"):
         solve("trace", prompt.replace("think :", "answer :"))
+    # an in-context lookup of a dense prompt (cut before the program): the definition's value
+    lookup = "<bos> let a = 7 . the river moves . let b = 3 . question : what is a ? think : a = 7 . answer : 7 <eos> " \
+        "the old river moves . question : what is b ? think :"
+    assert solve("trace", lookup) == "3"
+    assert solve("trace", lookup.replace("what is b ?", "what is a ?")) == "7"
+    with pytest.raises(KVLearnError, match="'q', which is never defined"):
+        solve("trace", lookup.replace("what is b ?", "what is q ?"))
+    with pytest.raises(KVLearnError, match="program"):
+        solve("trace", lookup.replace("think :", "answer :"))
 
 
 def test_bad_input():

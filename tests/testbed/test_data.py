@@ -34,8 +34,7 @@ def test_training_batch_rows_and_labels():
         sup = labels[row] != IGNORE_INDEX
         assert (labels[row][sup] == ids[row][sup]).all()
         assert labels[row, 0] == IGNORE_INDEX  # <bos> never supervised
-        if e.family != "trace":
-            assert sup[:p].sum() > 0  # dense in-context answers
+        assert sup[:p].sum() > 0  # dense in-context answers
 
 
 def test_dense_share_mixes_training_and_evaluation_format_rows():

@@ -116,12 +116,14 @@ def test_in_context_answers_are_correct_and_only_answers(family, variant):
     for i in range(6):
         e = generate(family, example_seed(family, "train", i), 2048, variant, dense=True)
         runs = _runs(e.loss_mask_prompt)
-        if family == "trace":
-            assert runs == []  # the generated trace is the dense part
-            continue
         assert len(runs) >= 3
         for a, b in runs:
             before = ids_to_text(e.prompt_ids[:a])
+            if family == "trace":  # a definition lookup: "question : what is p ? think :" -> "p = 4 . answer : 4"
+                assert before.endswith("? think :")
+                name, value = before.split()[-4], solve(family, before)
+                assert ids_to_text(e.prompt_ids[a:b]) == f"{name} = {value} . answer : {value} <eos>"
+                continue
             assert before.endswith("? answer :")
             # the supervised span is exactly the checker's answer to that in-context question, then <eos>
             assert ids_to_text(e.prompt_ids[a:b]) == solve(family, before) + " <eos>"
@@ -246,6 +248,26 @@ def test_generation_is_fast():
             n += 1
     per_example = (time.perf_counter() - start) / n
     assert per_example < 0.010, f"{per_example * 1e3:.1f} ms per 4096-token example"
+
+
+def test_trace_in_context_lookups_follow_their_definition_and_leave_eval_prompts_unchanged():
+    from kvlearn.testbed.tasks import trace_lookup_count
+
+    assert [trace_lookup_count(n) for n in (128, 255, 256, 1024, 2048, 8192)] == [0, 0, 2, 8, 16, 16]
+    for i in range(40):
+        seed = example_seed("trace", "train", i)
+        e = generate("trace", seed, 1024, dense=True)
+        text = ids_to_text(e.prompt_ids)
+        asked = re.findall(r"question : what is (\S) \? think : ", text)
+        assert len(asked) == 8
+        for name in asked:  # every asked name is defined before its question, and only once
+            assert text.count(f"let {name} = ") == 1
+            assert text.index(f"let {name} = ") < text.index(f"question : what is {name} ? think : ")
+        # the dense draws come after every draw of the evaluation format: same program, answer and definitions
+        plain = generate("trace", seed, 1024, dense=False)
+        assert e.answer_ids == plain.answer_ids
+        assert re.findall(r"let \S = \d", text) == re.findall(r"let \S = \d", ids_to_text(plain.prompt_ids))
+        assert text.split("program :")[1] == ids_to_text(plain.prompt_ids).split("program :")[1]
 
 
 def test_recall_in_context_questions_never_ask_a_single_key():

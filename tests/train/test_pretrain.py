@@ -207,3 +207,12 @@ def test_teacher_trial_chain_stops_a_failing_trial_and_keeps_a_passing_one(tmp_p
         assert gate.startswith("fail" if tables else "pass"), (gate, out)
         assert (run_dir / "table512.log").exists() == tables and (run_dir / "baselines.log").exists() == tables, out
         assert ("== done" in out) == tables
+    # FALLBACK replaces the tables of a failed trial
+    run_dir = tmp_path / "fallback"
+    env = {**os.environ, "RUN_DIR": str(run_dir), "CKPT": str(run_dir / "ckpt"), "DRY_RUN": "1", "DRY_TRACE": "0.0",
+           "FALLBACK": "bash benchmarks/device/kaizen_overheads.sh"}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=script.parents[2]).stdout
+    assert "== fallback done" in out and "== done" in out, out
+    assert "kaizen_overheads.sh" in (run_dir / "fallback.log").read_text()
+    assert not (run_dir / "table512.log").exists() and not (run_dir / "baselines.log").exists()

@@ -118,7 +118,18 @@ def trace_steps(prompt_text: str) -> list[str]:
     return _run_trace(prompt_text.strip())[0]
 
 
+_Q_LOOKUP = re.compile(r"what is (\S+) \? think :$")
+
+
 def _trace(text: str) -> str:
+    if "program : " not in text:  # an in-context lookup of a dense prompt: "question : what is p ? think :"
+        m = _Q_LOOKUP.match(_final_question(text))
+        if not m:
+            raise _fail("trace", "no 'program : ... question : what is X ? think :' at the end")
+        env = {d.group(1): int(d.group(2)) for d in _DEF.finditer(text)}
+        if m.group(1) not in env:
+            raise _fail("trace", f"the question asks for {m.group(1)!r}, which is never defined")
+        return str(env[m.group(1)])
     _, env, x = _run_trace(text)
     if x not in env:
         raise _fail("trace", f"the question asks for {x!r}, which is never defined")
@@ -131,7 +142,8 @@ _SOLVERS = {"trace": _trace, "niah": _niah, "vt": _vt, "recall": _recall}
 def solve(family: str, prompt_text: str) -> str:
     """The expected answer, recomputed from the prompt text (special tokens such as ``<bos>`` may be present).
 
-    niah / vt / recall: the whole answer text without ``<eos>``; trace: the final value (one digit).
+    niah / vt / recall: the whole answer text without ``<eos>``; trace: the final value (one digit), or for an
+    in-context lookup of a dense prompt (a prompt cut before its program) the asked definition's value.
     """
     check(family in _SOLVERS, f"family={family!r} is invalid: expected one of {_FAMILIES}")
     check(isinstance(prompt_text, str), f"prompt_text of type {type(prompt_text).__name__} is invalid: expected str")

@@ -391,7 +391,30 @@ def _trace(rng: random.Random, hay: _Haystack, length: int, variant: str, dense:
             answer += rng.choice(_THINK)
     tail += _Q_TRACE + [lhs[-1]] + _THINK_TAIL
     answer += _FINAL + [_DIGITS[value[lhs[-1]]], EOS_ID]
+    if dense:  # in-context lookups of definitions seen earlier, in the restated form the trace itself uses
+        items += _trace_lookups(rng, defs, items, value, length)
     return _assemble(rng, hay, "trace", variant, seed, length, dense, items, tail, answer)
+
+
+def trace_lookup_count(length: int) -> int:
+    """In-context definition lookups of a dense trace prompt: one per 128 tokens, at most 16 (2 at 256, 8 at 1024,
+    16 from 2048 on); none below 256, where the program and its trace leave as few as 13 filler tokens."""
+    return min(16, length // 128) if length >= 256 else 0
+
+
+def _trace_lookups(rng: random.Random, defs: list[int], def_items: list[_Item], value: dict[int, int], length: int):
+    """``question : what is p ? think : p = 4 . answer : 4 <eos>`` after the definition of ``p`` (supervised from
+    ``p`` on): the name -> value copy that every restated operand of the trace needs, asked on its own. Names are
+    drawn with replacement from the definitions; each question goes at a depth after its definition's."""
+    out = []
+    for _ in range(trace_lookup_count(length)):
+        j = rng.randrange(len(defs))
+        name, after = defs[j], def_items[j].frac
+        head = _Q_TRACE + [name] + _THINK_TAIL
+        digit = _DIGITS[value[name]]
+        qa = head + [name, _EQ, digit, _DOT] + _FINAL + [digit, EOS_ID]
+        out.append(_Item(qa, after + (1.0 - after) * rng.random(), mask=_answer_mask(len(head), len(qa)), informative=False))
+    return out
 
 
 _GENERATORS = {"trace": _trace, "niah": _niah, "vt": _vt, "recall": _recall}
