@@ -207,6 +207,13 @@ def test_teacher_trial_chain_stops_a_failing_trial_and_keeps_a_passing_one(tmp_p
         assert gate.startswith("fail" if tables else "pass"), (gate, out)
         assert (run_dir / "table512.log").exists() == tables and (run_dir / "baselines.log").exists() == tables, out
         assert ("== done" in out) == tables
+    # another family and stage: the gate reads that family's check (the fake log has every family at DRY_TRACE)
+    run_dir = tmp_path / "recall"
+    env = {**os.environ, "RUN_DIR": str(run_dir), "CKPT": str(run_dir / "ckpt"), "DRY_RUN": "1", "DRY_TRACE": "0.6",
+           "GATE_STAGE": "3", "GATE_FAMILY": "recall", "GATE_THRESHOLD": "0.5"}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=script.parents[2]).stdout
+    assert (run_dir / "gate.txt").read_text().startswith("pass 0.600: recall (eval) after stage 3"), out
     # FALLBACK replaces the tables of a failed trial
     run_dir = tmp_path / "fallback"
     env = {**os.environ, "RUN_DIR": str(run_dir), "CKPT": str(run_dir / "ckpt"), "DRY_RUN": "1", "DRY_TRACE": "0.0",
