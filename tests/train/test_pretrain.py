@@ -53,6 +53,9 @@ def test_tiny_cpu_run_saves_a_plain_loadable_checkpoint(tmp_path):
     assert log["stages"][0]["accuracy"]["heldout"].keys() == set(tasks.FAMILIES)
     card = (tmp_path / "t" / "README.md").read_text()
     assert "| 256 |" in card and "heldout" in card and f"{log['parameters']:,} parameters" in card
+    from kvlearn.results import git_commit
+
+    assert log["commit"] == git_commit() and f"code of commit {log['commit']}" in card
     with pytest.raises(KVLearnError, match="already holds files: pass --overwrite"):
         PretrainConfig(out=str(tmp_path / "t"))
     PretrainConfig(out=str(tmp_path / "t"), overwrite=True)

@@ -277,7 +277,8 @@ def model_card(log: dict) -> str:
         + ", ".join(f"{L}: {f:g}" for L, f in zip(c["stages"], c["stage_fractions"]))
         + f" (example length: share of the time); AdamW {tuple(c['betas'])}, peak LR {c['lr']:g}, cosine to "
         f"{c['min_lr_ratio']:g} of it, {c['tokens_per_step']:,} tokens per step, dense-format share "
-        f"{c['dense_fraction']:g}, seed {c['seed']}. Command: `{log.get('command', 'kvlearn pretrain')}`.",
+        f"{c['dense_fraction']:g}, seed {c['seed']}. Command: `{log.get('command', 'kvlearn pretrain')}`, code of "
+        f"commit {log.get('commit', '?')} (its testbed generator made the training data).",
         "- Haystacks: training styles and depth regimes only (`kvlearn.testbed.filler.TRAIN_STYLES`,"
         + (f" narrowed to {', '.join(c['train_styles'])}" if c.get("train_styles") else "")
         + (f"; regimes narrowed to {', '.join(c['train_regimes'])}" if c.get("train_regimes") else "") + ",",
@@ -331,10 +332,10 @@ def pretrain(config: PretrainConfig) -> dict:
                                                 pin_memory=device.type == "cuda", persistent_workers=False,
                                                 prefetch_factor=4 if config.num_workers else None))
 
-    from ..results import command_line, device_name
+    from ..results import command_line, device_name, git_commit
 
     log = {"config": asdict(config), "parameters": n_params, "stages": [], "world_size": d.world,
-           "device": device_name(str(device)), "command": command_line()}
+           "device": device_name(str(device)), "command": command_line(), "commit": git_commit()}
     budget_s = config.minutes * 60
     t0 = time.time()
     step, tokens, stage, batches = 0, 0, -1, None
