@@ -419,9 +419,18 @@ def cmd_testbed(args) -> int:
     from .testbed.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
-    ex = tasks.generate(args.family, tasks.example_seed(args.family, args.split, args.index), args.length, variant=args.variant)
-    print(f"# {ex.family}/{ex.variant}  prompt {len(ex.prompt_ids)} tokens, answer {len(ex.answer_ids)} tokens")
-    print(tok.decode(ex.prompt_ids))
+    ex = tasks.generate(args.family, tasks.example_seed(args.family, args.split, args.index), args.length,
+                        variant=args.variant, dense=args.dense)
+    print(f"# {ex.family}/{ex.variant}  prompt {len(ex.prompt_ids)} tokens, answer {len(ex.answer_ids)} tokens, "
+          f"style {ex.style}, regime {ex.regime}" + (", training format: [[supervised]]" if args.dense else ""))
+    if args.dense:  # the in-context answers training supervises, between [[ and ]]
+        words, prev = [], False
+        for t, sup in zip(ex.prompt_ids, ex.loss_mask_prompt):
+            words += (["[["] if sup and not prev else ["]]"] if prev and not sup else []) + [tok.decode([t])]
+            prev = sup
+        print(" ".join(words + (["]]"] if prev else [])))
+    else:
+        print(tok.decode(ex.prompt_ids))
     print("# answer:")
     print(tok.decode(ex.answer_ids))
     return 0
@@ -658,6 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--length", type=int, default=512, help=f"prompt + answer tokens, in [{tasks.MIN_LENGTH}, {tasks.MAX_LENGTH}]")
     sp.add_argument("--split", default="eval", choices=tasks.SPLITS, help="split the example's seed is drawn from")
     sp.add_argument("--index", type=int, default=0, help="example index within the split")
+    sp.add_argument("--dense", action="store_true",
+                    help="the training format: in-context questions whose answers are supervised, shown as [[...]]")
     sp.set_defaults(func=cmd_testbed)
     return p
 

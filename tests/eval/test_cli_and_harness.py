@@ -1,6 +1,7 @@
 """The evaluation harness, the CLI's one-line errors and the shipped teacher."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -177,3 +178,27 @@ def test_results_commit_comes_from_the_environment_when_given(monkeypatch):
     monkeypatch.delenv("KVLEARN_COMMIT")
     head = git_commit()
     assert head == "unknown" or len(head.split("+")[0]) == 40
+
+
+def test_testbed_prints_the_training_format_with_its_supervised_spans(capsys):
+    """`kvlearn testbed --dense`: the in-context answers between [[ ]], exactly the generator's supervised spans."""
+    from kvlearn.cli import main
+
+    assert main(["testbed", "--family", "trace", "--length", "1024", "--split", "train", "--index", "3", "--dense"]) == 0
+    out = capsys.readouterr().out
+    prompt = out.splitlines()[1]
+    spans = re.findall(r"\[\[ (.*?) \]\]", prompt)
+    assert len(spans) == tasks.trace_lookup_count(1024) == prompt.count("[[") == prompt.count("]]")
+    ex = tasks.generate("trace", tasks.example_seed("trace", "train", 3), 1024, dense=True)
+    tok = build_tokenizer()
+    want, run = [], []
+    for t, sup in zip(ex.prompt_ids + [0], ex.loss_mask_prompt + [False]):
+        if sup:
+            run.append(t)
+        elif run:
+            want.append(tok.decode(run))
+            run = []
+    assert spans == want and all(re.fullmatch(r"(\S) = (\d) \. answer : \2 <eos>", s) for s in spans)
+    assert prompt.replace("[[ ", "").replace(" ]]", "") == tok.decode(ex.prompt_ids)
+    assert main(["testbed", "--family", "trace", "--length", "1024"]) == 0
+    assert "[[" not in capsys.readouterr().out
