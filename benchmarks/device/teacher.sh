@@ -33,4 +33,8 @@ touch /tmp/teacher.pretrained  # the checkpoint is complete: a chain may start u
 python3 benchmarks/teacher_eval.py --model "$CKPT" --n-per-task "$N" --batch-size 50 --out "$RUN_DIR/testbed_teacher.json" \
     > "$RUN_DIR/eval.log" 2>&1 || echo "eval failed"
 tail -n 40 "$RUN_DIR/eval.log"
+# which digits of a trace answer it gets wrong (definition lookups, arithmetic, ...), teacher-forced at 4096: seconds
+python3 benchmarks/trace_token_accuracy.py --model "$CKPT" --length 4096 --n 50 --device cuda \
+    --out "$RUN_DIR/trace_token_accuracy.json" > "$RUN_DIR/trace_token_accuracy.log" 2>&1 || echo "trace token accuracy failed"
+grep -v "Loading" "$RUN_DIR/trace_token_accuracy.log" | tail -n 8
 touch /tmp/teacher.done

@@ -12,6 +12,7 @@ from kvlearn.kvpop.policy import (
     log_decay,
     sample_query_positions,
     static_priorities,
+    teacher_policies,
     teacher_policy,
 )
 
@@ -221,3 +222,27 @@ def test_sampler_validation():
     with pytest.raises(KVLearnError, match="window=0"):
         sample_query_positions(100, 4, 0, 20, 10)
     assert sample_query_positions(41, 4, 16, 20, 5).eq(40).all()
+
+
+def test_teacher_policies_of_several_layers_in_one_pass_equal_each_layer_alone():
+    """The batched pass (layers stacked along the batch) gives each layer exactly its own policy, whose cutoffs are
+    the brute-force k-th smallest eligible rank; targets with ties (integers) exercise the stable order."""
+    torch.manual_seed(0)
+    sinks, window, topk, T = 2, 3, 4, 23
+    targets = [torch.randint(0, 4, (2, 3, T)).float() for _ in range(3)]
+    log_gammas = [torch.tensor([-0.01, -0.2, 0.0]) * (i + 1) for i in range(3)]
+    together = teacher_policies(targets, log_gammas, sinks, window, topk)
+    for target, log_gamma, pol in zip(targets, log_gammas, together):
+        alone = teacher_policy(target, log_gamma, sinks, window, topk)
+        for name in ("priorities", "ranks", "cutoffs", "cutoffs_next", "order"):
+            assert torch.equal(getattr(pol, name), getattr(alone, name)), name
+        for b in range(2):
+            for h in range(3):
+                for q in range(T):
+                    eligible = sorted(int(pol.ranks[b, h, t]) for t in range(sinks, q - window + 1))
+                    want = eligible[topk - 1] if len(eligible) >= topk else T
+                    assert int(pol.cutoffs[b, h, q]) == want
+    with pytest.raises(KVLearnError, match=r"targets\[1\] shape=\(2, 3, 22\).*expected \(2, 3, 23\)"):
+        teacher_policies([targets[0], targets[1][..., :-1]], log_gammas[:2], sinks, window, topk)
+    with pytest.raises(KVLearnError, match="got 2 targets and 1 log_gammas"):
+        teacher_policies(targets[:2], log_gammas[:1], sinks, window, topk)

@@ -8,6 +8,7 @@ effective score ``r_t + (q - t) log γ`` ranks tokens exactly like the static pr
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -163,16 +164,39 @@ def teacher_policy(target: Tensor, log_gamma: Tensor, sinks: int, window: int, t
         log_gamma: ``[kv_heads]`` the shared per-head log-decay (detached here: the teacher has no gradient).
         sinks, window, topk: the budget ``s, w, k`` (``s >= 0, w >= 1, k >= 0``).
     """
-    _check_bht("target", target)
+    return teacher_policies([target], [log_gamma], sinks, window, topk)[0]
+
+
+def teacher_policies(targets: Sequence[Tensor], log_gammas: Sequence[Tensor], sinks: int, window: int,
+                     topk: int) -> list[TeacherPolicy]:
+    """:func:`teacher_policy` of several layers in one pass: the layers' priorities are stacked along the batch
+    dimension (``[layers * batch, kv_heads, seq]``), so the sort and the two running cutoffs launch once for all of
+    them rather than once per layer (the retrofit computes every layer's policy each step). Every step works per
+    (row, head), so each policy equals :func:`teacher_policy` of its layer alone, bit for bit; its tensors are
+    views into the stacked ones.
+
+    Args:
+        targets: per layer, ``[batch, kv_heads, seq]`` (one shape and device for all).
+        log_gammas: per layer, ``[kv_heads]``.
+    """
+    check(len(targets) >= 1 and len(targets) == len(log_gammas),
+          f"got {len(targets)} targets and {len(log_gammas)} log_gammas: expected the same number, at least one")
+    for i, target in enumerate(targets):
+        _check_bht(f"targets[{i}]", target)
+        check(target.shape == targets[0].shape and target.device == targets[0].device,
+              f"targets[{i}] shape={tuple(target.shape)} on {target.device} is invalid: expected "
+              f"{tuple(targets[0].shape)} on {targets[0].device}, like targets[0]")
     _check_budget(sinks, window, topk)
     with torch.no_grad():
-        prio = static_priorities(target.detach(), log_gamma.detach())
+        prio = torch.cat([static_priorities(t.detach(), g.detach()) for t, g in zip(targets, log_gammas)])
         ranks = static_ranks(prio)
         cut_k = running_cutoff(ranks, sinks, window, topk)
         cut_k1 = running_cutoff(ranks, sinks, window, topk + 1)
         idx = torch.arange(prio.shape[-1], device=prio.device, dtype=torch.int64).expand_as(prio)
         order = torch.empty_like(idx).scatter_(-1, ranks.long(), idx)
-    return TeacherPolicy(prio, ranks, cut_k, cut_k1, order, sinks, window, topk)
+    b = targets[0].shape[0]
+    return [TeacherPolicy(*(x[i * b : (i + 1) * b] for x in (prio, ranks, cut_k, cut_k1, order)), sinks, window, topk)
+            for i in range(len(targets))]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ Read top to bottom: config, models, losses, schedule, checkpoints, one step (:fu
 * **Target**: the future-attention target is computed from the *student's* queries and keys with the *sparse* LSE
   its retention attention returned (the paper's approximate target, appendix D.3 / Eq. 9, 34: the normaliser of
   the sparse pass is reused instead of a second dense causal pass). It is detached.
-* **Teacher policy and decisions**: :func:`~kvlearn.kvpop.policy.teacher_policy` on that target with the layer's
-  (detached) decay, :func:`~kvlearn.kvpop.policy.boundary_decisions` at ``queries_per_step`` positions drawn by
+* **Teacher policy and decisions**: :func:`~kvlearn.kvpop.policy.teacher_policies` (every layer in one pass) on the
+  targets with the layers' (detached) decay, :func:`~kvlearn.kvpop.policy.boundary_decisions` at ``queries_per_step`` positions drawn by
   :func:`~kvlearn.kvpop.policy.sample_query_positions` (one draw per step, shared by the layers).
 * **Loss** = KL(teacher || student) over the teacher's top-``kd_topk`` tokens (teacher probabilities renormalised
   over its top-k at temperature 1, student log-probabilities of the full vocabulary), averaged over supervised
@@ -64,7 +64,7 @@ from ..config import DMSConfig, KVpopConfig, StreamingConfig
 from ..errors import check, check_int, check_non_negative, check_positive
 from ..kvpop.apply import apply_kvpop, model_budget_config
 from ..kvpop.loss import boundary_loss
-from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_policy
+from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_policies
 from ..kvpop.train_attention import TrainForward, use_train_attention
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
 from ..hf import copy_tokenizer_files
@@ -293,9 +293,9 @@ def distill_losses(state: TrainForward, query_positions: torch.Tensor, reduce_su
     cfg = state.config
     s, w, k = cfg.sinks, cfg.window, cfg.topk
     losses, acc, keep, recall = [], [], [], []
-    for layer in sorted(state.records):
-        rec = state.records[layer]
-        teacher = teacher_policy(rec.target, rec.log_gamma, s, w, k)
+    records = [state.records[layer] for layer in sorted(state.records)]
+    policies = teacher_policies([r.target for r in records], [r.log_gamma for r in records], s, w, k)  # one pass
+    for rec, teacher in zip(records, policies):
         decisions = boundary_decisions(teacher, query_positions.to(rec.target.device), s, w, k)
         result = boundary_loss(rec.priorities, teacher.priorities, decisions, temperature=cfg.loss_temperature,
                                margin_weighting=cfg.margin_weighting, margin_min_weight=cfg.margin_min_weight,
