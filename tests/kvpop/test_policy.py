@@ -246,3 +246,18 @@ def test_teacher_policies_of_several_layers_in_one_pass_equal_each_layer_alone()
         teacher_policies([targets[0], targets[1][..., :-1]], log_gammas[:2], sinks, window, topk)
     with pytest.raises(KVLearnError, match="got 2 targets and 1 log_gammas"):
         teacher_policies(targets[:2], log_gammas[:1], sinks, window, topk)
+
+
+@pytest.mark.gpu
+def test_teacher_policies_on_cuda_equal_the_cpu_reference():
+    """On CUDA the stacked pass runs the Triton cutoff over layers x batch x heads rows at once: every layer's
+    policy equals the CPU policy of that layer alone (testbed teacher shape: 8 layers, batch 8, 2 KV heads, 4096)."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    targets = [torch.rand(8, 2, 4096) for _ in range(8)]
+    log_gammas = [torch.full((2,), -1e-5 * (i + 1)) for i in range(8)]
+    on_gpu = teacher_policies([t.cuda() for t in targets], [g.cuda() for g in log_gammas], 4, 256, 764)
+    for target, log_gamma, pol in zip(targets, log_gammas, on_gpu):
+        ref = teacher_policy(target, log_gamma, 4, 256, 764)
+        for name in ("priorities", "ranks", "cutoffs", "cutoffs_next", "order"):
+            assert torch.equal(getattr(pol, name).cpu(), getattr(ref, name)), name
