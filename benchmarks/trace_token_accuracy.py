@@ -23,6 +23,7 @@ import torch
 
 from kvlearn.testbed import tasks
 from kvlearn.testbed.tokenizer import VOCAB
+from kvlearn.train.pretrain import answer_predictions
 
 KINDS = ("lookup_def", "lookup_computed", "arith_operand1", "arith_operand2", "arith_result", "result_bind",
          "step_no", "final")
@@ -53,23 +54,17 @@ def digit_kind(words: list[str], j: int, defined: set[str]) -> str:
 
 @torch.no_grad()
 def token_accuracy(model, length: int, n: int, split: str = "eval", batch_size: int = 4) -> dict[str, list[int]]:
-    """``{kind: [correct, total]}`` over the answer digits of ``n`` trace examples of ``split`` at ``length``."""
+    """``{kind: [correct, total]}`` over the answer digits of ``n`` trace examples of ``split`` at ``length``
+    (predictions: :func:`kvlearn.train.pretrain.answer_predictions`, what the stage checks use)."""
     counts = {k: [0, 0] for k in KINDS}
-    device = next(model.parameters()).device
     examples = [tasks.generate("trace", tasks.example_seed("trace", split, i), length) for i in range(n)]
-    for s in range(0, n, batch_size):
-        batch = examples[s : s + batch_size]
-        ids = torch.tensor([e.prompt_ids + e.answer_ids for e in batch], device=device)
-        pred = model(input_ids=ids).logits.argmax(-1)
-        for row, e in enumerate(batch):
-            p, words = len(e.prompt_ids), [VOCAB[t] for t in e.answer_ids]
-            text = e.prompt_text.split()
-            defined = {text[i + 1] for i in range(len(text) - 3) if text[i] == "let" and text[i + 2] == "="}
-            for j, w in enumerate(words):
-                if not w.isdigit():
-                    continue
+    for e, pred in answer_predictions(model, examples, next(model.parameters()).device, batch_size):
+        words, text = [VOCAB[t] for t in e.answer_ids], e.prompt_text.split()
+        defined = {text[i + 1] for i in range(len(text) - 3) if text[i] == "let" and text[i + 2] == "="}
+        for j, w in enumerate(words):
+            if w.isdigit():
                 kind = digit_kind(words, j, defined)
-                counts[kind][0] += int(pred[row, p + j - 1]) == e.answer_ids[j]
+                counts[kind][0] += pred[j] == e.answer_ids[j]
                 counts[kind][1] += 1
     return counts
 

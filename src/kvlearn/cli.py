@@ -424,11 +424,14 @@ def cmd_testbed(args) -> int:
     print(f"# {ex.family}/{ex.variant}  prompt {len(ex.prompt_ids)} tokens, answer {len(ex.answer_ids)} tokens, "
           f"style {ex.style}, regime {ex.regime}" + (", training format: [[supervised]]" if args.dense else ""))
     if args.dense:  # the in-context answers training supervises, between [[ and ]]
-        words, prev = [], False
-        for t, sup in zip(ex.prompt_ids, ex.loss_mask_prompt):
-            words += (["[["] if sup and not prev else ["]]"] if prev and not sup else []) + [tok.decode([t])]
-            prev = sup
-        print(" ".join(words + (["]]"] if prev else [])))
+        words, inside = [], False
+        for t, supervised in zip(ex.prompt_ids + [None], ex.loss_mask_prompt + [False]):
+            if supervised != inside:  # a supervised span opens or closes here
+                words.append("[[" if supervised else "]]")
+                inside = supervised
+            if t is not None:
+                words.append(tok.decode([t]))
+        print(" ".join(words))
     else:
         print(tok.decode(ex.prompt_ids))
     print("# answer:")

@@ -91,9 +91,14 @@ def _recall(text: str) -> str:
     return " , ".join(f"{k} : {pairs[k]}" for k in keys)
 
 
+def _definitions(text: str) -> dict[str, int]:
+    """The values of a trace prompt's ``let X = D .`` definitions."""
+    return {m.group(1): int(m.group(2)) for m in _DEF.finditer(text)}
+
+
 def _run_trace(text: str) -> tuple[list[str], dict[str, int], str]:
     """Interpret a trace prompt: (executed step lines, final environment, the questioned variable)."""
-    env = {m.group(1): int(m.group(2)) for m in _DEF.finditer(text)}
+    env = _definitions(text)
     m = _PROGRAM.search(text)
     if not m:
         raise _fail("trace", "no 'program : ... question : what is X ? think :' at the end")
@@ -126,7 +131,7 @@ def _trace(text: str) -> str:
         m = _Q_LOOKUP.match(_final_question(text))
         if not m:
             raise _fail("trace", "no 'program : ... question : what is X ? think :' at the end")
-        env = {d.group(1): int(d.group(2)) for d in _DEF.finditer(text)}
+        env = _definitions(text)
         if m.group(1) not in env:
             raise _fail("trace", f"the question asks for {m.group(1)!r}, which is never defined")
         return str(env[m.group(1)])

@@ -205,6 +205,20 @@ def checked_answer_positions(example) -> list[int]:
 
 
 @torch.no_grad()
+def answer_predictions(model, examples, device, batch_size: int = 16):
+    """Teacher-forced argmax at every answer position of ``examples`` (all of one length), bf16 autocast on CUDA:
+    yields ``(example, predicted)``, ``predicted[j]`` the model's argmax for ``example.answer_ids[j]`` given every
+    token before it (a list of ints)."""
+    for s in range(0, len(examples), batch_size):
+        batch = examples[s : s + batch_size]
+        ids = torch.tensor([ex.prompt_ids + ex.answer_ids for ex in batch], dtype=torch.long, device=device)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            pred = model(input_ids=ids).logits.argmax(-1)
+        for i, ex in enumerate(batch):
+            p = len(ex.prompt_ids)
+            yield ex, pred[i, p - 1 : p - 1 + len(ex.answer_ids)].tolist()
+
+
 def answer_accuracy(model, length: int, n: int, device, families=testbed_tasks.FAMILIES, batch_size: int = 16,
                     split: str = "eval") -> dict:
     """Teacher-forced accuracy of each family at ``length`` on ``split`` (examples 10000.. of it, never those of the
@@ -213,20 +227,11 @@ def answer_accuracy(model, length: int, n: int, device, families=testbed_tasks.F
     model.eval()
     acc = {}
     for family in families:
-        correct = 0
         examples = [testbed_tasks.generate(family, testbed_tasks.example_seed(family, split, 10_000 + i), length) for i in range(n)]
-        for s in range(0, n, batch_size):
-            batch = examples[s : s + batch_size]
-            seqs = [ex.prompt_ids + ex.answer_ids for ex in batch]
-            ids = torch.tensor(seqs, dtype=torch.long, device=device)  # every example has exactly `length` tokens
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                pred = model(input_ids=ids).logits.argmax(-1)
-            for i, ex in enumerate(batch):
-                p = len(ex.prompt_ids)
-                checked = checked_answer_positions(ex)
-                got = [int(pred[i, p + j - 1]) for j in checked]
-                want = [ex.answer_ids[j] for j in checked]
-                correct += got == want
+        correct = 0
+        for ex, pred in answer_predictions(model, examples, device, batch_size):
+            checked = checked_answer_positions(ex)
+            correct += [pred[j] for j in checked] == [ex.answer_ids[j] for j in checked]
         acc[family] = correct / n
     model.train()
     return acc
