@@ -24,7 +24,8 @@ measured, and the rows record the shape (``model``). For each context length (``
   evenly_shared`` on the MLA backbone; the paper's 4-bit MLX quantizer gives 152x, ours has a bf16 scale per vector).
 
 Per row: the context (random tokens) is prefilled in chunks of ``--chunk`` tokens (:func:`kvlearn.cache.prefill`,
-so the prefill peak is the cache plus one chunk's temporaries), then ``--warmup`` + ``--decode`` tokens are decoded
+so the prefill peak is the cache plus one chunk's temporaries; called once per ``--progress-tokens`` tokens, each
+call into the cache the earlier ones filled, printing the elapsed time: ``prefill_progress`` in the row), then ``--warmup`` + ``--decode`` tokens are decoded
 one at a time (fixed random tokens, no sampling). Recorded: ``peak_bytes`` (``torch.cuda.max_memory_allocated``
 over the row, reset at its start; weights included, ``weights_bytes`` is what was allocated before the row),
 ``decode_peak_bytes`` (reset before decoding), ``cache_bytes`` (the cache's ``allocated_bytes()``: every buffer of
@@ -227,8 +228,15 @@ def measure(name: str, context: int, model, args, device) -> dict:
     new_ids = torch.randint(0, vocab, (steps, 1, 1), generator=gen).to(device)
     cache, cost_bytes, formula = make_row_cache(name, model, capacity, args)
     t0 = time.perf_counter()
-    prefill(model, cache, ids, chunk_size=args.chunk)
-    sync(device)
+    segment = max(args.chunk, args.progress_tokens // args.chunk * args.chunk)
+    prefill_progress = []  # [tokens prefilled, seconds since the row's start] after each segment
+    for a in range(0, context, segment):  # prefill into the non-empty cache, segment by segment, the same chunks
+        prefill(model, cache, ids[:, a : a + segment], chunk_size=args.chunk)
+        sync(device)
+        prefill_progress.append([min(context, a + segment), round(time.perf_counter() - t0, 2)])
+        if context > segment:  # a slow row says where its time goes (the 131k bf16 row ran past 590 s at d2a03be)
+            print(f"  {name}@{context}: prefilled {prefill_progress[-1][0]} tokens in {prefill_progress[-1][1]} s",
+                  flush=True)
     prefill_s = time.perf_counter() - t0
     cache_bytes, store_bytes = cache.allocated_bytes(), cache.store_bytes()
     prefill_peak = memory(device)[1]
@@ -272,7 +280,7 @@ def measure(name: str, context: int, model, args, device) -> dict:
         "decode_ms_per_token": statistics.median(times[args.warmup:]),
         "decode_wall_ms_per_token": wall_ms,
         "decode_steps": args.decode, "warmup_steps": args.warmup,
-        "prefill_s": round(prefill_s, 3), "prefill_chunk": args.chunk,
+        "prefill_s": round(prefill_s, 3), "prefill_chunk": args.chunk, "prefill_progress": prefill_progress,
     }
 
 
@@ -377,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=16, help="timed decode steps per row")
     ap.add_argument("--warmup", type=int, default=3, help="untimed decode steps before them")
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per forward)")
+    ap.add_argument("--progress-tokens", type=int, default=16384,
+                    help="the prefill prints its elapsed time every this many tokens (rounded to whole chunks)")
     ap.add_argument("--intermediate", type=int, default=2048, help="MLP width (Qwen2.5-14B: 13824; cut)")
     ap.add_argument("--vocab", type=int, default=4096, help="vocabulary (Qwen2.5-14B: 152064; cut)")
     ap.add_argument("--mla-rank", type=int, default=128, help="MLA latent width r")
@@ -395,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.summarise is not None:
         return resummarise(args.summarise)
     smoke_defaults = {"contexts": "256,512", "chunk": 128, "decode": 2, "warmup": 1, "intermediate": 128,
-                      "vocab": 256, "kivi_group": 16, "kivi_residual": 32}
+                      "vocab": 256, "kivi_group": 16, "kivi_residual": 32, "progress_tokens": 256}
     if args.smoke:  # smoke sizes unless given on the command line
         given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
         for k, v in smoke_defaults.items():
@@ -404,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         contexts = parse_ints(args.contexts, "--contexts")
         configs = parse_configs(args.configs)
-        for opt in ("decode", "chunk", "intermediate", "vocab", "kivi_group", "kivi_residual"):
+        for opt in ("decode", "chunk", "intermediate", "vocab", "kivi_group", "kivi_residual", "progress_tokens"):
             check(getattr(args, opt) >= 1, f"--{opt.replace('_', '-')}={getattr(args, opt)} is invalid: expected >= 1")
         check(args.warmup >= 0, f"--warmup={args.warmup} is invalid: expected >= 0")
         check(args.kivi_residual % args.kivi_group == 0,

@@ -25,6 +25,10 @@ Model sources: ``--model PATH`` (default the committed 8-layer testbed teacher; 
 retrofit) or ``--shape qwen3-0.6b``: a randomly initialised Qwen3 of Qwen3-0.6B's shape (28 layers, hidden 1024,
 16 query / 8 KV heads of 128, intermediate 3072) with the testbed vocabulary (seq 8192, batch 1). ``--smoke``: a
 tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing meaningful).
+
+``--profile DIR``: after the timing, one more step of every method under ``torch.profiler`` (CUDA kernels on the GPU,
+CPU ops on the CPU), written as ``DIR/<method>.txt``: the operators sorted by their own device time (CPU time on the
+CPU), the 40 largest, and the step's total. It says where a retrofit step's time over the distillation step goes.
 """
 
 from __future__ import annotations
@@ -124,6 +128,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--budget", type=int, default=None, help="sinks + window + top-k (default 1024; --smoke 64)")
     ap.add_argument("--window", type=int, default=None, help="default 256 (--smoke 16)")
     ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timing, profile one step of every method into DIR/<method>.txt")
     args = ap.parse_args(argv)
     resolve_source(args, DEFAULTS, "retrofit_step_speed", REPO)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -172,12 +178,38 @@ def run(args, tmp: Path, command: str) -> int:
 
     measure(timed, args.warmup, args.steps, args.steps_per_round, device, save)
     results = save(partial=False)
+    if args.profile:
+        profile_steps(timed, Path(args.profile), device)
     for row in results["rows"]:
         ms, ratio = row.get("ms", math.nan), row.get("ratio_to_distill_dense") or math.nan
         print(f"{row['name']:<26} {ms:>10.2f} ms  x{ratio:.3f}  peak {row.get('peak_memory_gib', 0):.2f} GiB"
               + (f"  ERROR {row['error']}" if "error" in row else ""))
     print(json.dumps(results["summary"]))
     return 0
+
+
+def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 40) -> None:
+    """One step of each method under ``torch.profiler`` into ``folder/<name>.txt``: the step's wall time, then the
+    ``rows`` operators with the most self device time (self CPU time on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    for t in timed:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            t.call()
+            if cuda:
+                torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90)
+        (folder / f"{t.name}.txt").write_text(f"# {t.name}: one step under the profiler, {wall_ms:.1f} ms wall "
+                                              f"(profiler overhead included); sorted by {key}\n{table}\n")
+        print(f"profile of {t.name}: {folder / (t.name + '.txt')}")
 
 
 def summarize(rows: list[dict]) -> dict:

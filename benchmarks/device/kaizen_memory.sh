@@ -12,7 +12,9 @@
 # more than one 10-minute device call. Run the grid in parts, each with its own PART (bf16 always runs too: the
 # ratios' reference is measured in the same run), and give each call at least the time below plus ~1 minute:
 #   PART=a CONTEXTS=16384,32768,65536                      (measured: 305 s)
-#   PART=b CONTEXTS=131072 CONFIGS=int4,kivi2              (about 7 minutes, extrapolated)
+#   PART=b CONTEXTS=131072 CONFIGS=int4,kivi2              (extrapolated 7 minutes; at d2a03be its first row,
+#                                                           bf16@131072, had not finished after 590 s: run it alone
+#                                                           first, CONFIGS=bf16, whose per-16k prefill lines say why)
 #   PART=c CONTEXTS=131072 CONFIGS=share4,mla_r128         (about 6 minutes, extrapolated)
 #   PART=d CONTEXTS=131072 CONFIGS=composed                (about 4 minutes, extrapolated)
 # then `python -m kvlearn.results merge results/kaizen_memory_h200.json kaizen_memory_h200_{a,b,c,d}.json` (rows

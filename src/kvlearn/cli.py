@@ -255,11 +255,15 @@ def cmd_methods(args) -> int:
 
 
 def _family_weights(text: str):
-    """``--family-weights``: ``'a,b,c,d'`` -> one tuple; ``'a,b,c,d;...'`` -> one tuple per stage."""
+    """``--family-weights``: ``adaptive`` / ``uniform``; ``'a,b,c,d'`` -> one tuple; ``'a,b,c,d;...'`` -> one tuple per
+    stage."""
+    if text in ("adaptive", "uniform"):
+        return text
     try:
         groups = [tuple(float(w) for w in g.split(",")) for g in text.split(";")]
     except ValueError:
-        raise KVLearnError(f"--family-weights {text!r}: expected comma lists of numbers, separated by ';' per stage") from None
+        raise KVLearnError(f"--family-weights {text!r}: expected 'adaptive', 'uniform', or comma lists of numbers, "
+                           "separated by ';' per stage") from None
     return tuple(groups) if ";" in text else groups[0]
 
 
@@ -553,8 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stages", default=None, help="comma list of example lengths, e.g. 256,512,1024,2048,4096")
     sp.add_argument("--stage-fractions", default=None, help="comma list of time fractions, summing to 1")
     sp.add_argument("--family-weights", default=None,
-                    help="comma list of sampling weights for trace,niah,vt,recall; or one such list per stage, "
-                         "separated by ';' (e.g. '3,1,1,1;3,1,1,1;1,1,1,1;1,1,1,1;1,1,1,1')")
+                    help="'adaptive' (default: after each stage check, family f gets weight 1.25 - its eval accuracy), "
+                         "'uniform', a comma list of sampling weights for trace,niah,vt,recall, or one such list per "
+                         "stage, separated by ';' (e.g. '3,1,1,1;3,1,1,1;1,1,1,1;1,1,1,1;1,1,1,1')")
     sp.add_argument("--train-styles", default=None,
                     help=f"narrow the training haystack to these styles (comma list of {','.join(TRAIN_STYLES)}; default all)")
     sp.add_argument("--train-regimes", default=None,

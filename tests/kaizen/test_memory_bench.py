@@ -36,6 +36,10 @@ def test_smoke_rows_for_every_configuration_and_context(smoke):
         assert r["method"] == r["config"] and r["budget"] == r["context"]
         assert r["capacity"] == r["context"] + r["decode_steps"] + r["warmup_steps"]
         assert r["decode_ms_per_token"] > 0 and r["cache_bytes"] >= r["store_bytes"] > 0
+        # the prefill runs in --progress-tokens segments (smoke: 256) into the cache the earlier ones filled
+        progress = r["prefill_progress"]
+        assert [t for t, _ in progress] == list(range(256, r["context"] + 1, 256))
+        assert all(a <= b for (_, a), (_, b) in zip(progress, progress[1:])) and progress[-1][1] <= r["prefill_s"] + 0.01
     assert data["model"]["kv_heads"] == 4 and data["model"]["head_dim"] == 128
 
 

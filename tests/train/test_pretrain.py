@@ -46,13 +46,17 @@ def test_trace_checks_step_lines_and_answer_but_not_thinking():
 def test_tiny_cpu_run_saves_a_plain_loadable_checkpoint(tmp_path):
     cfg = PretrainConfig(out=str(tmp_path / "t"), minutes=0.04, device="cpu", hidden_size=32, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, context=256,
-                         stages=(256,), stage_fractions=(1.0,), tokens_per_step=1024, num_workers=0, eval_n=2,
+                         stages=(256, 256), stage_fractions=(0.5, 0.5), tokens_per_step=1024, num_workers=0, eval_n=2,
                          log_every=1000, warmup_steps=2)
     log = pretrain(cfg)
     assert log["steps"] >= 1 and log["stages"][0]["accuracy"].keys() == {"eval", "heldout"}
+    # adaptive family weights (the default): uniform first, then 1.25 - the first check's eval accuracy per family
+    first = log["stages"][0]["accuracy"]["eval"]
+    assert log["family_weights"] == [None, [1.25 - first[f] for f in tasks.FAMILIES]]
     assert log["stages"][0]["accuracy"]["heldout"].keys() == set(tasks.FAMILIES)
     card = (tmp_path / "t" / "README.md").read_text()
     assert "| 256 |" in card and "heldout" in card and f"{log['parameters']:,} parameters" in card
+    assert "(adaptive: " in card and "256: uniform; 256: " + ", ".join(f"{1.25 - first[f]:g}" for f in tasks.FAMILIES) in card
     from kvlearn.results import git_commit
 
     assert log["commit"] == git_commit() and f"code of commit {log['commit']}" in card
@@ -75,7 +79,7 @@ def test_tiny_cpu_run_saves_a_plain_loadable_checkpoint(tmp_path):
     trace = log["stages"][0]["accuracy"]["eval"]["trace"]
     got = gate.verdict(gate.read_log(str(tmp_path / "t")), 0, "trace", 0.5)
     assert got.startswith(("pass" if trace >= 0.5 else "fail") + f" {trace:.3f}")
-    assert gate.verdict(gate.read_log(str(tmp_path / "t")), 1, "trace", 0.5) is None
+    assert gate.verdict(gate.read_log(str(tmp_path / "t")), 2, "trace", 0.5) is None
 
 
 def test_family_weights_per_stage_and_narrowed_haystack(tmp_path):
@@ -94,6 +98,8 @@ def test_family_weights_per_stage_and_narrowed_haystack(tmp_path):
             PretrainConfig(family_weights=bad, **stages)
     with pytest.raises(KVLearnError, match="--family-weights"):
         _family_weights("1,x,1,1")
+    with pytest.raises(KVLearnError, match="family_weights='adaptiv' is invalid: expected numbers or one of adaptive, uniform"):
+        PretrainConfig(family_weights="adaptiv", **stages)
     # a weight of 0 never draws the family; narrowed haystacks draw only the named style and regime
     rows = batch_examples(16, 256, 7, weights=stage_family_weights(flat, 0), styles=("salad",), regimes=("tail",))
     assert {(e.family, e.style, e.regime) for e in rows} == {("trace", "salad", "tail")}
@@ -226,3 +232,22 @@ def test_teacher_trial_chain_stops_a_failing_trial_and_keeps_a_passing_one(tmp_p
     assert "== fallback done" in out and "== done" in out, out
     assert "kaizen_overheads.sh" in (run_dir / "fallback.log").read_text()
     assert not (run_dir / "table512.log").exists() and not (run_dir / "baselines.log").exists()
+
+
+def test_adaptive_family_weights_follow_the_last_stage_check(tmp_path):
+    """Adaptive mode (the default): the first stage is uniform; later stages weight family f by 0.25 + 1 - its eval
+    accuracy at the previous check, clipped to [0, 1] (hand-computed: a formed family 0.27, an unformed one 1.25);
+    ``uniform`` and the CLI spellings map to the same configs."""
+    from kvlearn.cli import _family_weights
+    from kvlearn.train.pretrain import adaptive_family_weights, stage_family_weights
+
+    stages = dict(stages=(256, 512), stage_fractions=(0.5, 0.5), out=str(tmp_path / "a"))
+    config = PretrainConfig(**stages)
+    assert config.family_weights == "adaptive" == PretrainConfig(family_weights=_family_weights("adaptive"), **stages).family_weights
+    acc = {"trace": 0.98, "niah": 0.25, "vt": 0.84, "recall": 0.0}
+    assert stage_family_weights(config, 0, acc) is None  # stage 0: no earlier check, uniform
+    assert stage_family_weights(config, 1, acc) == pytest.approx((0.27, 1.0, 0.41, 1.25))
+    assert stage_family_weights(config, 1, None) is None
+    assert adaptive_family_weights({"trace": 1.5, "niah": -1}) == (0.25, 1.25, 1.25, 1.25)  # clipped; missing = 0
+    uniform = PretrainConfig(family_weights=_family_weights("uniform"), **stages)
+    assert uniform.family_weights is None and stage_family_weights(uniform, 1, acc) is None

@@ -14,7 +14,10 @@ ALL = "retrofit_kvpop_mlp,retrofit_kvpop_mlstm,retrofit_dms,retrofit_streaming_p
 def test_smoke_writes_every_row_and_the_summary(tmp_path, capsys):
     script = load_benchmark("retrofit_step_speed")
     out = tmp_path / "speed.json"
-    assert script.main(["--smoke", "--methods", ALL, "--out", str(out)]) == 0
+    assert script.main(["--smoke", "--methods", ALL, "--out", str(out), "--profile", str(tmp_path / "prof")]) == 0
+    for name in ["distill_dense", *ALL.split(",")]:  # one profiled step per method, its operators by self time
+        text = (tmp_path / "prof" / f"{name}.txt").read_text()
+        assert text.startswith(f"# {name}: one step under the profiler") and "aten::" in text and "Self CPU" in text
     data = json.loads(out.read_text())
     for key in ("schema", "kind", "command", "commit", "date", "device", "torch", "rows", "summary"):
         assert key in data, key

@@ -61,8 +61,11 @@ class PretrainConfig:
     # the teacher also answers prompts with no earlier answer to copy the format from (docs/TESTBED.md)
     dense_fraction: float = 0.75
     # sampling weight of each family (testbed FAMILIES order: trace, niah, vt, recall); None = uniform. One tuple
-    # for every stage, or one tuple per stage (e.g. trace-heavy short stages, so that its lookup forms early)
-    family_weights: tuple[float, ...] | tuple[tuple[float, ...], ...] | None = None
+    # for every stage, or one tuple per stage (e.g. trace-heavy short stages, so that its lookup forms early), or
+    # "adaptive": uniform in the first stage, then each stage weights family f by ADAPTIVE_FLOOR + 1 - acc_f, its
+    # teacher-forced eval-split accuracy at the previous stage check (a family whose retrieval has not formed gets up
+    # to five times the rows of one that has; docs/TESTBED.md, "Adaptive family weights")
+    family_weights: tuple[float, ...] | tuple[tuple[float, ...], ...] | str | None = "adaptive"
     # narrow the training haystack to these styles / depth regimes (None: every training one, drawn by the seed)
     train_styles: tuple[str, ...] | None = None
     train_regimes: tuple[str, ...] | None = None
@@ -96,7 +99,12 @@ class PretrainConfig:
         self.dense_fraction = dense_share(self.dense_fraction, "dense_fraction")
         check(self.tokens_per_step % max(self.stages) == 0, f"tokens_per_step={self.tokens_per_step} must be a multiple of the longest stage {max(self.stages)}")
         check_int("eval_n", self.eval_n, 1)
-        if self.family_weights is not None:
+        if isinstance(self.family_weights, str):
+            check(self.family_weights in FAMILY_WEIGHT_MODES,
+                  f"family_weights={self.family_weights!r} is invalid: expected numbers or one of {', '.join(FAMILY_WEIGHT_MODES)}")
+            if self.family_weights == "uniform":
+                self.family_weights = None
+        elif self.family_weights is not None:
             self.family_weights = _check_family_weights(self.family_weights, len(self.stages))
         check_int("num_workers", self.num_workers, 0)
         self.train_styles = check_haystack_subset(self.train_styles, TRAIN_STYLES, "train_styles")
@@ -129,9 +137,26 @@ def _check_family_weights(weights, n_stages: int):
     return tuple(groups) if per_stage else groups[0]
 
 
-def stage_family_weights(config: PretrainConfig, stage: int) -> tuple[float, ...] | None:
-    """The family sampling weights of curriculum stage ``stage`` (None: uniform)."""
+FAMILY_WEIGHT_MODES = ("adaptive", "uniform")
+ADAPTIVE_FLOOR = 0.25  # a family at accuracy 1 keeps this much weight; one at 0 gets 1 + ADAPTIVE_FLOOR
+
+
+def adaptive_family_weights(accuracy: dict[str, float] | None) -> tuple[float, ...] | None:
+    """Family weights from the previous stage check's eval-split accuracy: ``ADAPTIVE_FLOOR + 1 - acc_f`` per family
+    in FAMILIES order (None: no check yet, uniform). A family missing from ``accuracy`` counts as accuracy 0."""
+    if not accuracy:
+        return None
+    return tuple(round(ADAPTIVE_FLOOR + 1.0 - min(1.0, max(0.0, float(accuracy.get(f, 0.0)))), 4)
+                 for f in testbed_tasks.FAMILIES)
+
+
+def stage_family_weights(config: PretrainConfig, stage: int, last_accuracy: dict[str, float] | None = None
+                         ) -> tuple[float, ...] | None:
+    """The family sampling weights of curriculum stage ``stage`` (None: uniform); ``last_accuracy`` is the eval-split
+    accuracy of the previous stage check, which the "adaptive" mode reads."""
     w = config.family_weights
+    if w == "adaptive":
+        return adaptive_family_weights(last_accuracy if stage > 0 else None)
     if w is None or not isinstance(w[0], tuple):
         return w
     return w[stage]
@@ -289,7 +314,11 @@ def model_card(log: dict) -> str:
         + (f"; regimes narrowed to {', '.join(c['train_regimes'])}" if c.get("train_regimes") else "") + ",",
         "  `kvlearn.testbed.tasks.TRAIN_REGIMES`); the `heldout` split's style and regime were never seen."
         + (f" The first {min(c.get('plain_stages', 0), len(c['stages']))} stage(s) train on the plain haystack only "
-           f"({PLAIN_STYLE}, {PLAIN_REGIME} depths)." if c.get("plain_stages") else ""), "",
+           f"({PLAIN_STYLE}, {PLAIN_REGIME} depths)." if c.get("plain_stages") else ""),
+        "- Family sampling weights (" + ", ".join(testbed_tasks.FAMILIES) + ") per stage"
+        + (" (adaptive: ADAPTIVE_FLOOR + 1 - the previous stage check's eval accuracy)" if c.get("family_weights") == "adaptive" else "")
+        + ": " + "; ".join(f"{L}: " + (", ".join(f"{x:g}" for x in w) if w else "uniform")
+                            for L, w in zip(c["stages"], log.get("family_weights", []))) + ".", "",
         "Teacher-forced answer accuracy at the end of each stage (64 examples per family unless the log says",
         "otherwise; greedy accuracy through the caches is in the repository's `results/testbed_teacher.json`):", "",
         "| stage length | minutes | split | " + " | ".join(testbed_tasks.FAMILIES) + " |",
@@ -326,13 +355,12 @@ def pretrain(config: PretrainConfig) -> dict:
     if d.world > 1:
         ddp_model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[d.local_rank] if device.type == "cuda" else None)
 
-    def loader(stage: int):
+    def loader(stage: int, weights):
         length = config.stages[stage]
         rows = config.tokens_per_step // length // d.world
         styles, regimes = stage_haystack(config, stage)
         stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world,
-                              dense=config.dense_fraction, weights=stage_family_weights(config, stage),
-                              styles=styles, regimes=regimes)
+                              dense=config.dense_fraction, weights=weights, styles=styles, regimes=regimes)
         return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                 pin_memory=device.type == "cuda", persistent_workers=False,
                                                 prefetch_factor=4 if config.num_workers else None))
@@ -365,7 +393,17 @@ def pretrain(config: PretrainConfig) -> dict:
             if new_stage is None:
                 break
             stage = new_stage
-            batches = loader(stage)
+            last = log["stages"][-1]["accuracy"].get("eval") if log["stages"] else None
+            weights = stage_family_weights(config, stage, last)
+            if d.world > 1 and config.family_weights == "adaptive" and stage > 0:  # only rank 0 ran the check
+                w = torch.tensor(weights or [0.0] * len(testbed_tasks.FAMILIES), device=device, dtype=torch.float64)
+                dist.broadcast(w, 0)
+                weights = tuple(w.tolist())
+            log.setdefault("family_weights", []).append(list(weights) if weights is not None else None)
+            if d.main:
+                print(f"stage {stage} (length {config.stages[stage]}): family weights "
+                      f"{dict(zip(testbed_tasks.FAMILIES, weights)) if weights else 'uniform'}", flush=True)
+            batches = loader(stage, weights)
         input_ids, labels = next(batches)
         input_ids = input_ids.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
