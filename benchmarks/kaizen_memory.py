@@ -38,9 +38,10 @@ peak bytes and decode ms over the ``bf16`` row of the same context, measured in 
 runs first at each context). Rows carry ``method`` (= ``config``) and ``budget`` (= ``context``: every token is
 kept) so that ``python -m kvlearn.results merge`` can join runs split over device calls.
 
-Known speed issue measured as is: the packed and KIVI stores' ``read`` dequantize every slot into a full-size bf16
-temporary at every decode step (there is no attention kernel reading packed codes yet), and
-:func:`kvlearn.hf.masked_attention` expands the K/V of every path (bf16 included) to the query heads before SDPA.
+Decode paths on CUDA: the packed store (``int4``, and the 4-bit anchors of ``composed``) and the KIVI store
+(``kivi2``) attend their codes inside a kernel (:mod:`kvlearn.ops.packed_decode`, :mod:`kvlearn.ops.kivi_decode`: no
+dequantized temporary); the MLA latent is still read back into a full-size bf16 temporary per layer and step, and
+:func:`kvlearn.hf.masked_attention` expands the K/V of the read-back paths (bf16 included) to the query heads.
 
 ``--smoke``: a tiny shape on the CPU in seconds (8 layers, 4 query heads, 4 KV heads of 128, hidden 128, contexts
 256 and 512, prefill chunk 128, KIVI group 16 / window 32); the test runs it. ``--minutes``: no row starts after the time guard.
@@ -314,10 +315,10 @@ def summarise(rows: list[dict], contexts: tuple[int, ...]) -> dict:
                                             else int4["decode_ms_per_token"] / bf16["decode_ms_per_token"]),
         f"int4_decode_not_slower_than_bf16_at_{top}": (None if int4 is None or bf16 is None
                                                        else int4["decode_ms_per_token"] <= bf16["decode_ms_per_token"]),
-        "decode_reads_full_size_temporary": ("PackedStore decodes through the fused kernel on CUDA "
-                                             "(kvlearn.ops.packed_decode: no temporary); KIVIStore.read and the MLA "
-                                             "latent dequantize every slot into a full-size bf16 temporary per layer "
-                                             "and decode step; masked_attention expands their K/V to the query heads"),
+        "decode_reads_full_size_temporary": ("PackedStore and KIVIStore decode through their kernels on CUDA "
+                                             "(kvlearn.ops.packed_decode, kvlearn.ops.kivi_decode: no temporary); the "
+                                             "MLA latent is read back into a full-size bf16 temporary per layer and "
+                                             "decode step; masked_attention expands its K/V to the query heads"),
     }
 
 

@@ -11,6 +11,9 @@ every slot visible) three ways, timed with CUDA events (median of ``--iters`` af
 - ``fused``: :func:`kvlearn.ops.packed_decode.packed_decode_attention` (codes unpacked in registers, no temporary),
   at its default tile of 64 slots, and ``fused_block_c_128`` at 128 (the choice of the default).
 
+``--store kivi`` measures the KIVI store the same way (``KIVIStore`` with key groups of 32 tokens and a 128-token
+bf16 window; ``fused`` is :func:`kvlearn.ops.kivi_decode.kivi_decode_attention`, tiles rebuilt in registers).
+
 Rows: ``ms`` per variant and the ratios ``fused / bf16`` and ``read_then_attend / bf16`` measured in the same run,
 ``--graph`` adds ``ms_graph``: each variant replayed from a CUDA graph, so the kernels are timed without the host's
 Python and launch overhead (what a compiled / graph-captured decode loop pays), and ``fused_over_bf16_graph``;
@@ -31,8 +34,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvlearn.cache import PackedStore
+from kvlearn.cache import KIVIStore, PackedStore
+from kvlearn.ops.kivi_decode import kivi_decode_attention
 from kvlearn.ops.packed_decode import packed_decode_attention
+
+KIVI_GROUP, KIVI_RESIDUAL = 32, 128  # --store kivi: KIVI's key group and full-precision window (kaizen_memory's)
 from kvlearn.results import make_results, write_results
 
 
@@ -73,13 +79,14 @@ def timed(fn, iters: int, device) -> float:
 
 @torch.no_grad()
 def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, backend: str,
-        graph: bool = False, sweep: bool = False) -> dict:
+        graph: bool = False, sweep: bool = False, store_kind: str = "packed") -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(1, hkv, context, d, device=device, dtype=dtype, generator=g)
     v = torch.randn(1, hkv, context, d, device=device, dtype=dtype, generator=g)
     q = torch.randn(1, hq, 1, d, device=device, dtype=dtype, generator=g)
-    store = PackedStore(bits)
+    store = (PackedStore(bits) if store_kind == "packed"
+             else KIVIStore(bits, KIVI_GROUP, KIVI_RESIDUAL, value_group_size=min(KIVI_GROUP, d)))
     store.allocate(1, hkv, context, d, d, dtype, device)
     store.write(torch.arange(context, device=device).expand(1, hkv, context), k, v)
     visible = torch.ones(1, 1, context, dtype=torch.bool, device=device)
@@ -96,6 +103,9 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
             F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1))
 
     def fused(block_c=64, split=None):
+        if store_kind == "kivi":
+            return kivi_decode_attention(q[:, :, 0], *store._buffers(), visible, bits, KIVI_GROUP, backend=backend,
+                                         block_c=block_c, split=split)
         return packed_decode_attention(q[:, :, 0], store.key_codes, store.key_scales, store.value_codes,
                                        store.value_scales, visible, bits, backend=backend, block_c=block_c,
                                        split=split)
@@ -118,7 +128,7 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
         if sweep and isinstance(ms_graph["bf16"], float):
             extra.update(launch_sweep(lambda bc, sp: graphed(lambda: fused(bc, sp)), context, iters, device,
                                       ms_graph["bf16"]))
-    return {"context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "backend": backend,
+    return {"store": store_kind, "context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "backend": backend,
             "ms": {k2: round(v2, 4) for k2, v2 in ms.items()},
             "fused_over_bf16": round(ms["fused"] / ms["bf16"], 3),
             "fused_block_c_128_over_bf16": round(ms["fused_block_c_128"] / ms["bf16"], 3),
@@ -150,6 +160,9 @@ def main(argv=None) -> int:
                    help="also time each variant replayed from a CUDA graph (the kernels without host overhead)")
     p.add_argument("--sweep", action="store_true",
                    help="with --graph: also time the fused kernel over its launch grid (block_c x split)")
+    p.add_argument("--store", default="packed", choices=("packed", "kivi"),
+                   help="packed: PackedStore and kvlearn.ops.packed_decode; kivi: KIVIStore (G = 32, R = 128) and "
+                        "kvlearn.ops.kivi_decode")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, torch backend")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -165,7 +178,7 @@ def main(argv=None) -> int:
     for c in contexts:
         for b in (int(x) for x in args.bits.split(",")):
             rows.append(row(c, b, *shape, iters=args.iters, device=device, backend=backend,
-                            graph=args.graph and device.type == "cuda", sweep=args.sweep))
+                            graph=args.graph and device.type == "cuda", sweep=args.sweep, store_kind=args.store))
             print(rows[-1], flush=True)
     if args.out:
         write_results(args.out, make_results("speed", rows, device=str(device)))

@@ -26,10 +26,10 @@ RUN_DIR=${RUN_DIR:-/tmp/session_out}; mkdir -p "$RUN_DIR"
 rm -f /tmp/session.done
 MODEL=${MODEL:-checkpoints/testbed-teacher}
 echo "== start $(date -u +%H:%M:%S) on $MODEL"
-# the new kernels first (about a minute): if the packed decode kernel fails on this GPU, the Kaizen table runs on
+# the new kernels first (about a minute): if the packed or KIVI decode kernel fails on this GPU, the Kaizen table runs on
 # the read-back path (KVLEARN_PACKED_DECODE=0) rather than losing its rows; the log says which
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_packed_decode.py tests/ops/test_future_target_triton.py \
-    tests/cache/test_packed_decode_cache.py > "$RUN_DIR/gpu_tests_new_kernels.log" 2>&1 \
+    tests/cache/test_packed_decode_cache.py tests/ops/test_kivi_decode.py > "$RUN_DIR/gpu_tests_new_kernels.log" 2>&1 \
     || { echo "new-kernel GPU tests failed: KVLEARN_PACKED_DECODE=0"; export KVLEARN_PACKED_DECODE=0; }
 tail -n 3 "$RUN_DIR/gpu_tests_new_kernels.log"
 (OUT="$RUN_DIR/baselines" MODEL=$MODEL MINUTES=${BASELINE_MINUTES:-8} \

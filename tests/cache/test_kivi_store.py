@@ -164,3 +164,43 @@ def test_decode_write_is_sync_free_and_traces():
     slot = torch.full((2, 2, 1), 7, dtype=torch.long)
     keys, _ = compiled(slot, torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16))  # completes block 0
     assert store.filled.tolist() == [8, 8] and bool((store.key_scale[:, :, :2] > 0).all())
+
+
+def test_decode_through_the_kivi_kernel_equals_the_read_back(run_in_triton_interpreter):
+    """Where the KIVI kernel applies (Triton's CPU interpreter here, CUDA on the GPU) a decode step attends the codes
+    (``store_attends``: the layer hands back no keys) and the logits equal the read-back path's
+    (``KVLEARN_PACKED_DECODE=0``), float32, at 2 and 4 bits, through prefill, block completions and the window."""
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        from test_kivi_store import kivi_cache
+        from test_policies import tiny_model
+        from kvlearn.hf import attach
+
+        model = attach(tiny_model(3, head_dim=64))
+        ids = torch.randint(1, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
+
+        def decode(bits):
+            cache = kivi_cache(model, 32, bits=bits, group_size=4, residual=8)
+            attends = []
+            with torch.no_grad():
+                out = [model(input_ids=ids[:, :13], past_key_values=cache, use_cache=True).logits[:, -1:]]
+                for t in range(13, 30):
+                    out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+                    attends.append(all(layer.store_attends for layer in cache.layers))
+            return torch.cat(out, dim=1), attends
+
+        for bits in (2, 4):
+            got, attends = decode(bits)
+            os.environ["KVLEARN_PACKED_DECODE"] = "0"
+            want, attends_off = decode(bits)
+            del os.environ["KVLEARN_PACKED_DECODE"]
+            assert all(attends) and not any(attends_off), (attends, attends_off)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            print("kivi OK", bits, float((got - want).abs().max()))
+    """)
+    out = run_in_triton_interpreter(script)
+    assert out.count("kivi OK") == 2, out

@@ -21,6 +21,10 @@ def test_smoke_rows_and_agreement(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["context"], r["bits"]) for r in rows] == [(64, 4), (64, 2), (128, 4), (128, 2)]
     assert all(r["max_abs_diff_fused_vs_read"] < 1e-5 and r["fused_over_bf16"] > 0 for r in rows)
+    assert script.main(["--smoke", "--iters", "1", "--bits", "2", "--store", "kivi", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]  # KIVI: window R = 128, so the 128-slot row has one quantized block
+    assert [(r["store"], r["context"]) for r in rows] == [("kivi", 64), ("kivi", 128)]
+    assert all(r["max_abs_diff_fused_vs_read"] < 1e-5 for r in rows)
     if not torch.cuda.is_available():
         capsys.readouterr()
         assert script.main([]) == 2

@@ -22,7 +22,9 @@ kv_heads, capacity, v_dim·b/8]``, ``value_scale``, ``value_min [batch, kv_heads
 never overwritten (:attr:`requires_append_only`): it serves :class:`~kvlearn.cache.KeepAllPolicy` (a full cache), and
 a layer refuses to join it to an evicting policy. Eviction with KIVI would need per-group bookkeeping (a group whose
 token is evicted keeps its scale; a later token cannot join it), which is not built. ``read`` dequantizes every slot
-into a temporary in the compute dtype (CPU reference path, as :class:`~kvlearn.cache.PackedStore`).
+into a temporary in the compute dtype (the CPU path, and prefill); on CUDA a decode step attends the codes through
+:func:`kvlearn.ops.kivi_decode.kivi_decode_attention` instead (:meth:`KIVIStore.attends_decode`), tiles rebuilt in
+registers, as :class:`~kvlearn.cache.PackedStore` does with its kernel.
 
 Decoding (one token) is fixed-shape: write the token's value codes and its window slot, quantize the window as a
 block and write it under ``torch.where`` for the rows whose block just completed; no host sync. A multi-token write
@@ -31,11 +33,14 @@ block and write it under ``torch.where`` for the rows whose block just completed
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..errors import check, check_int
-from ..ops.quant import (QUANT_BITS, check_bits, kivi_dequantize_keys, kivi_dequantize_values, kivi_quantize_keys,
-                         kivi_quantize_values, pack, unpack)
+from ..ops.kivi_decode import kivi_decode_attention, kivi_read
+from ..ops.packed_decode import fused_decode_applies
+from ..ops.quant import QUANT_BITS, check_bits, kivi_quantize_keys, kivi_quantize_values, pack
 from .store import Store, scatter_slots
 
 
@@ -119,9 +124,6 @@ class KIVIStore(Store):
         """Unsigned KIVI codes ``[0, 2^b)`` -> packed bytes (``pack`` takes codes biased by ``-2^(b-1)``)."""
         return pack(codes.to(torch.int16) - 2 ** (self.bits - 1), self.bits)
 
-    def _unpack(self, packed: torch.Tensor, n: int) -> torch.Tensor:
-        return (unpack(packed, self.bits, n).to(torch.int16) + 2 ** (self.bits - 1)).to(torch.uint8)
-
     # ----- write -----
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """``slots [batch, kv_heads, q]`` (the same in every head; ``-1`` = skip), in position order after the slots
@@ -182,21 +184,19 @@ class KIVIStore(Store):
     # ----- read -----
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot in the compute dtype ``[batch, kv_heads, capacity, dim]``: dequantized, except the window's
-        tokens (full precision); empty slots read as zeros."""
-        dk, dv = self.dims
-        b, h = self.value_codes.shape[:2]
-        r, cap, qs = self.residual, self.capacity, self.quantized_slots
-        arange = torch.arange(cap, device=self.filled.device)[None, :]
-        n = self.filled[:, None]
-        keys = kivi_dequantize_keys(self._unpack(self.key_codes, dk), self.key_scale, self.key_min, self.dtype)
-        if qs < cap:
-            keys = torch.cat([keys, keys.new_zeros(b, h, cap - qs, dk)], dim=2)
-        values = kivi_dequantize_values(self._unpack(self.value_codes, dv), self.value_scale, self.value_min,
-                                        self.dtype)
-        out = []
-        for x, window, first in ((keys, self.key_window, n // r * r), (values, self.value_window, n - r)):
-            ring = (arange[0] % r)[None, None, :, None].expand(b, h, cap, x.shape[-1])
-            recent = ((arange >= first) & (arange < n))[:, None, :, None]
-            x = torch.where(recent, torch.gather(window, 2, ring), x)
-            out.append(torch.where((arange < n)[:, None, :, None], x, torch.zeros_like(x)))
-        return out[0], out[1]
+        tokens (full precision); empty slots read as zeros (:func:`kvlearn.ops.kivi_decode.kivi_read`)."""
+        return kivi_read(*self._buffers(), self.bits, self.dtype)
+
+    def attends_decode(self) -> bool:
+        """True where the KIVI decode kernel runs (CUDA with triton, or Triton's CPU interpreter) and the head dim
+        suits it (:func:`~kvlearn.ops.packed_decode.fused_decode_applies`, equal key and value dims): a decode step
+        then attends the codes, rebuilding each tile in registers, with no dequantized copy of the store.
+        ``KVLEARN_PACKED_DECODE=0`` in the environment turns it off (the read-back path), as for the packed store."""
+        return (self.dims is not None and self.dims[0] == self.dims[1]
+                and fused_decode_applies(self.key_codes.device, self.dims[0], self.bits)
+                and os.environ.get("KVLEARN_PACKED_DECODE", "1") != "0")
+
+    def decode_attention(self, query: torch.Tensor, visible: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """:func:`~kvlearn.ops.kivi_decode.kivi_decode_attention` on this store's buffers (Triton kernel)."""
+        return kivi_decode_attention(query, *self._buffers(), visible, self.bits, self.group_size, scale,
+                                     backend="triton")

@@ -111,6 +111,41 @@ if HAS_TRITON:
         return (((byte >> (J * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))).to(tl.float32)
 
     @triton.jit
+    def query_planes(q_rows, offs_t, g_live, PER_BYTE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """The query rows ``q_rows [G_PAD, 1]`` (pointers) split like packed codes: plane ``J`` ``[G_PAD, DB]`` holds the
+        elements ``t * PER_BYTE + J`` (planes past ``PER_BYTE`` are zeros, never used); padded rows are zeros."""
+        q0 = tl.load(q_rows + (offs_t * PER_BYTE)[None, :], mask=g_live[:, None], other=0.0)
+        q1 = tl.load(q_rows + (offs_t * PER_BYTE + 1)[None, :],
+                     mask=g_live[:, None] & ((offs_t * PER_BYTE + 1) < HEAD_DIM)[None, :], other=0.0)
+        q2 = tl.load(q_rows + (offs_t * PER_BYTE + 2)[None, :],
+                     mask=g_live[:, None] & ((offs_t * PER_BYTE + 2) < HEAD_DIM)[None, :], other=0.0)
+        q3 = tl.load(q_rows + (offs_t * PER_BYTE + 3)[None, :],
+                     mask=g_live[:, None] & ((offs_t * PER_BYTE + 3) < HEAD_DIM)[None, :], other=0.0)
+        return q0, q1, q2, q3
+
+    @triton.jit
+    def empty_split_state(G_PAD: tl.constexpr, DB: tl.constexpr):
+        """A split's state before its first tile: running max -1e30, sum 0, and one zero value accumulator
+        ``[G_PAD, DB]`` per code plane."""
+        zero = tl.zeros([G_PAD, DB], dtype=tl.float32)
+        return tl.full([G_PAD], -1.0e30, dtype=tl.float32), tl.zeros([G_PAD], dtype=tl.float32), zero, zero, zero, zero
+
+    @triton.jit
+    def store_split_partials(m_ptr, l_ptr, acc_ptr, part, offs_g, offs_t, m_i, l_i, acc0, acc1, acc2, acc3,
+                             G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PER_BYTE: tl.constexpr):
+        """One split's running max, sum and value accumulator (kept per code plane) into the partials that
+        :func:`_merge_splits_kernel` merges; the planes are interleaved back into ``HEAD_DIM`` columns."""
+        tl.store(m_ptr + part * G_PAD + offs_g, m_i)
+        tl.store(l_ptr + part * G_PAD + offs_g, l_i)
+        acc_rows = acc_ptr + (part * G_PAD + offs_g)[:, None] * HEAD_DIM
+        tl.store(acc_rows + (offs_t * PER_BYTE)[None, :], acc0)
+        if PER_BYTE > 1:
+            tl.store(acc_rows + (offs_t * PER_BYTE + 1)[None, :], acc1)
+        if PER_BYTE > 2:
+            tl.store(acc_rows + (offs_t * PER_BYTE + 2)[None, :], acc2)
+            tl.store(acc_rows + (offs_t * PER_BYTE + 3)[None, :], acc3)
+
+    @triton.jit
     def _packed_decode_kernel(
         q_ptr,  # [B, Hq, D]
         kc_ptr, ks_ptr, vc_ptr, vs_ptr,  # codes [B, Hkv, C, D / PER_BYTE] uint8, scales [B, Hkv, C]
@@ -140,24 +175,13 @@ if HAS_TRITON:
         offs_c = tl.arange(0, BLOCK_C)
         g_live = offs_g < G
         q_rows = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh
-        q0 = tl.load(q_rows + (offs_t * PER_BYTE)[None, :], mask=g_live[:, None], other=0.0)
-        q1 = tl.load(q_rows + (offs_t * PER_BYTE + 1)[None, :],
-                     mask=g_live[:, None] & ((offs_t * PER_BYTE + 1) < HEAD_DIM)[None, :], other=0.0)
-        q2 = tl.load(q_rows + (offs_t * PER_BYTE + 2)[None, :],
-                     mask=g_live[:, None] & ((offs_t * PER_BYTE + 2) < HEAD_DIM)[None, :], other=0.0)
-        q3 = tl.load(q_rows + (offs_t * PER_BYTE + 3)[None, :],
-                     mask=g_live[:, None] & ((offs_t * PER_BYTE + 3) < HEAD_DIM)[None, :], other=0.0)
+        q0, q1, q2, q3 = query_planes(q_rows, offs_t, g_live, PER_BYTE, HEAD_DIM)
         kc_base = kc_ptr + b * stride_cb + h * stride_ch
         vc_base = vc_ptr + b * stride_cb + h * stride_ch
         ks_base = ks_ptr + b * stride_sb + h * stride_sh
         vs_base = vs_ptr + b * stride_sb + h * stride_sh
         vis_base = vis_ptr + b * stride_vb + h * stride_vh
-        m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([G_PAD], dtype=tl.float32)
-        acc0 = tl.zeros([G_PAD, DB], dtype=tl.float32)
-        acc1 = tl.zeros([G_PAD, DB], dtype=tl.float32)
-        acc2 = tl.zeros([G_PAD, DB], dtype=tl.float32)
-        acc3 = tl.zeros([G_PAD, DB], dtype=tl.float32)
+        m_i, l_i, acc0, acc1, acc2, acc3 = empty_split_state(G_PAD, DB)
         lo = sp * SPLIT
         hi = tl.minimum(lo + SPLIT, C)
         for c0 in range(lo, hi, BLOCK_C):
@@ -190,16 +214,8 @@ if HAS_TRITON:
                                 DOT_UPCAST)
                 acc3 = dot_fp32(pv, _code_plane(vb, 3, BITS).to(q0.dtype), acc3 * alpha[:, None], DOT_PRECISION,
                                 DOT_UPCAST)
-        part = bh * SPLITS + sp
-        tl.store(m_ptr + part * G_PAD + offs_g, m_i)
-        tl.store(l_ptr + part * G_PAD + offs_g, l_i)
-        acc_rows = acc_ptr + (part * G_PAD + offs_g)[:, None] * HEAD_DIM
-        tl.store(acc_rows + (offs_t * PER_BYTE)[None, :], acc0)
-        if PER_BYTE > 1:
-            tl.store(acc_rows + (offs_t * PER_BYTE + 1)[None, :], acc1)
-        if PER_BYTE > 2:
-            tl.store(acc_rows + (offs_t * PER_BYTE + 2)[None, :], acc2)
-            tl.store(acc_rows + (offs_t * PER_BYTE + 3)[None, :], acc3)
+        store_split_partials(m_ptr, l_ptr, acc_ptr, bh * SPLITS + sp, offs_g, offs_t, m_i, l_i, acc0, acc1, acc2, acc3,
+                             G_PAD, HEAD_DIM, PER_BYTE)
 
     @triton.jit
     def _merge_splits_kernel(
@@ -286,9 +302,18 @@ def _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visi
         HKV=hkv, G=g, G_PAD=g_pad, HEAD_DIM=d, PER_BYTE=8 // bits, DB=d * bits // 8, BITS=bits, BLOCK_C=block_c,
         SPLIT=split, SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=interpreting(),
         num_warps=4, num_stages=2)
-    out = torch.empty(b, hq, d, dtype=torch.float32, device=dev)
-    _merge_splits_kernel[(b * hkv, g)](m, l_, acc, out, HKV=hkv, G=g, G_PAD=g_pad, HEAD_DIM=d, SPLITS=splits,
-                                       SPLITS_PAD=triton.next_power_of_2(splits), CHUNK=16, num_warps=4)
+    return merge_splits(m, l_, acc, b, hq, hkv)
+
+
+def merge_splits(m: Tensor, l_: Tensor, acc: Tensor, batch: int, q_heads: int, kv_heads: int) -> Tensor:
+    """``[batch, q_heads, head_dim]`` float32 from split-K partials ``m, l_ [batch * kv_heads, splits, G_PAD]`` and
+    ``acc [..., G_PAD, head_dim]`` (:func:`_merge_splits_kernel`)."""
+    splits, g_pad, d = acc.shape[1:]
+    g = q_heads // kv_heads
+    out = torch.empty(batch, q_heads, d, dtype=torch.float32, device=acc.device)
+    _merge_splits_kernel[(batch * kv_heads, g)](m, l_, acc, out, HKV=kv_heads, G=g, G_PAD=g_pad, HEAD_DIM=d,
+                                                SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), CHUNK=16,
+                                                num_warps=4)
     return out
 
 

@@ -1,0 +1,133 @@
+"""One-token attention over a KIVI store (``kvlearn.ops.kivi_decode``) against attention written out here in float64
+over the store's read-back (itself checked against a brute-force KIVI in ``tests/cache/test_kivi_store.py``); the
+Triton kernel in Triton's CPU interpreter (one subprocess) against the same reference, with rows at different fill
+levels (no quantized key block yet, a block just completed, a full store); bad inputs are one line."""
+
+import math
+
+import pytest
+import torch
+
+from kvlearn.cache.kivi import KIVIStore
+from kvlearn.errors import KVLearnError
+from kvlearn.ops.kivi_decode import kivi_decode_attention
+
+from test_packed_decode import reference  # float64 attention written out per head (the packed store's reference)
+
+
+def kivi_inputs(seed, B, Hq, Hkv, C, D, bits, group, residual, value_group, fills, shared_visibility=False,
+                dtype=torch.float32):
+    """A :class:`KIVIStore` filled to ``fills[b]`` tokens per row (a prefill of most, then single-token decode writes,
+    the store's own write paths), a query, a random visibility over the filled slots (the last one always visible),
+    and the store's read-back."""
+    g = torch.Generator().manual_seed(seed)
+    store = KIVIStore(bits, group_size=group, residual=residual, value_group_size=value_group)
+    store.allocate(B, Hkv, C, D, D, dtype, "cpu")
+    k = (torch.randn(B, Hkv, C, D, generator=g) * 2 + torch.randn(1, 1, 1, D, generator=g)).to(dtype)  # channel offsets
+    v = torch.randn(B, Hkv, C, D, generator=g).to(dtype)
+    first = [max(1, f - 5) for f in fills]  # prefill, then up to 5 decode writes per row
+    slots = torch.full((B, max(first)), -1)
+    for b, n in enumerate(first):
+        slots[b, :n] = torch.arange(n)
+    store.write(slots[:, None].expand(B, Hkv, -1), k[:, :, : max(first)], v[:, :, : max(first)])
+    n = list(first)
+    while n != list(fills):
+        s = torch.tensor([[n[b] if n[b] < fills[b] else -1] for b in range(B)])
+        idx = torch.tensor([min(x, C - 1) for x in n])
+        store.write(s[:, None].expand(B, Hkv, 1), k[torch.arange(B), :, idx][:, :, None],
+                    v[torch.arange(B), :, idx][:, :, None])
+        n = [x + int(x < f) for x, f in zip(n, fills)]
+    q = torch.randn(B, Hq, D, generator=g).to(dtype)
+    visible = torch.rand(B, 1 if shared_visibility else Hkv, C, generator=g) < 0.7
+    filled = torch.tensor(fills)
+    visible &= (torch.arange(C)[None, None, :] < filled[:, None, None])
+    visible[torch.arange(B), :, filled - 1] = True
+    keys, values = store.read()
+    return q, store, visible, keys, values
+
+
+def call(q, store, visible, **kw):
+    return kivi_decode_attention(q, *store._buffers(), visible, store.bits, store.group_size, **kw)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_torch_backend_matches_reference(bits):
+    q, store, visible, keys, values = kivi_inputs(0, 2, 4, 2, 45, 16, bits, 4, 8, 8, fills=[45, 19])
+    got = call(q, store, visible, backend="torch")
+    torch.testing.assert_close(got.double(), reference(q, keys, values, visible, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_raise_one_line_errors():
+    q, store, visible, _, _ = kivi_inputs(0, 1, 4, 2, 20, 16, 4, 4, 8, 8, fills=[20])
+    bufs = list(store._buffers())
+    cases = [
+        (dict(q=q[:, :3]), "q_heads=3 is invalid"),
+        (dict(visible=visible[:, :, :5]), "visible shape"),
+        (dict(bits=3), "bits=3 is invalid"),
+        (dict(group=3), "group_size=3 is invalid: expected an int >= 1 dividing the window R=8"),
+        (dict(scale=0.0), "scale=0.0 is invalid"),
+        (dict(backend="cuda"), "backend='cuda' is unknown"),
+        (dict(backend="triton"), "backend='triton'"),
+        (dict(buf=(0, bufs[0][:, :, :8])), "key_codes shape"),
+        (dict(buf=(8, bufs[8].float())), "filled shape"),
+        (dict(buf=(4, bufs[4][..., :1].expand(1, 2, 20, 3))), "value_scale shape"),
+    ]
+    for override, needle in cases:
+        args = dict(q=q, visible=visible, bits=4, group=4, scale=None, backend="auto")
+        args.update(override)
+        buffers = list(bufs)
+        if "buf" in args:
+            i, t = args.pop("buf")
+            buffers[i] = t
+        with pytest.raises(KVLearnError, match=needle.replace("(", r"\(")) as err:
+            kivi_decode_attention(args["q"], *buffers, args["visible"], args["bits"], args["group"], args["scale"],
+                                  backend=args["backend"])
+        assert "\n" not in str(err.value)
+
+
+# name: (seed, B, Hq, Hkv, C, D, bits, group, residual, value group, fills, shared, dtype, block_c, split)
+INTERP_CASES = {
+    # three rows: no quantized key block yet (n < R), a block just completed (n = 2R), mid-block; ragged splits
+    "g2_2bit_fill_levels": (0, 3, 4, 2, 150, 64, 2, 8, 32, 16, [20, 64, 150], False, "float32", 16, 64),
+    "g5_4bit_shared_vis": (1, 2, 10, 2, 90, 32, 4, 16, 32, 32, [90, 41], True, "float32", 16, 32),
+    "g1_8bit": (2, 1, 2, 2, 40, 16, 8, 4, 8, 8, [37], False, "float32", 16, 16),
+    "default_split": (3, 1, 4, 2, 300, 32, 4, 32, 128, 32, [300], False, "float32", 32, None),
+    "bf16_2bit": (4, 1, 4, 2, 120, 64, 2, 32, 64, 32, [117], False, "bfloat16", 32, 64),  # the GPU's dtype
+    "capacity_below_window": (5, 1, 4, 2, 24, 32, 4, 8, 32, 16, [24], False, "float32", 16, 1024),  # Q = 0
+}
+
+
+def run_case(name):
+    seed, B, Hq, Hkv, C, D, bits, group, res, vg, fills, shared, dtype, block_c, split = INTERP_CASES[name]
+    q, store, visible, keys, values = kivi_inputs(seed, B, Hq, Hkv, C, D, bits, group, res, vg, fills, shared,
+                                                  dtype=getattr(torch, dtype))
+    got = call(q, store, visible, backend="triton", block_c=block_c, split=split).double()
+    want = reference(q, keys, values, visible, 1 / math.sqrt(D))
+    err = (got - want).abs().max().item()
+    tol = 1e-2 if dtype == "bfloat16" else 2e-5  # bf16: the probabilities meet the values in bf16 (flash attention)
+    return {"ok": bool(torch.allclose(got, want, atol=tol, rtol=tol)), "err": err}
+
+
+@pytest.mark.parametrize("name", list(INTERP_CASES))
+def test_interpreter_matches_reference(interpreter_results, name):
+    assert interpreter_results[name]["ok"], interpreter_results[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
+def test_cuda_kernel_matches_torch_at_a_real_shape(bits):
+    """bf16 KIVI store, 40 query heads over 8 KV heads of 128, 5000 slots (several splits), G = 32, R = 128, on
+    CUDA: the kernel equals the torch backend up to the bf16 rounding of the probabilities in the value product."""
+    torch.manual_seed(0)
+    store = KIVIStore(bits, group_size=32, residual=128)
+    store.allocate(1, 8, 5000, 128, 128, torch.bfloat16, "cuda")
+    k = torch.randn(1, 8, 4990, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 8, 4990, 128, device="cuda", dtype=torch.bfloat16)
+    store.write(torch.arange(4990, device="cuda").expand(1, 8, 4990), k, v)
+    q = torch.randn(1, 40, 128, device="cuda", dtype=torch.bfloat16)
+    visible = torch.zeros(1, 1, 5000, dtype=torch.bool, device="cuda")
+    visible[..., :4990] = True
+    got = call(q, store, visible, backend="triton")
+    want = call(q, store, visible, backend="torch")
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert (got - want).abs().mean() < 1e-3
