@@ -251,3 +251,41 @@ def test_adaptive_family_weights_follow_the_last_stage_check(tmp_path):
     assert adaptive_family_weights({"trace": 1.5, "niah": -1}) == (0.25, 1.25, 1.25, 1.25)  # clipped; missing = 0
     uniform = PretrainConfig(family_weights=_family_weights("uniform"), **stages)
     assert uniform.family_weights is None and stage_family_weights(uniform, 1, acc) is None
+
+
+PRETRAIN_DRIVER = """
+import json, sys
+from kvlearn.train.pretrain import PretrainConfig, pretrain
+log = pretrain(PretrainConfig(out=sys.argv[1], minutes=0.08, device="cpu", hidden_size=32, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=8, intermediate_size=64, context=256, stages=(256, 256),
+                              stage_fractions=(0.5, 0.5), tokens_per_step=1024, num_workers=0, eval_n=2,
+                              log_every=1000, warmup_steps=2))
+print("WEIGHTS " + json.dumps(log["family_weights"]), flush=True)
+"""
+
+
+def test_adaptive_weights_reach_every_rank_under_torchrun(tmp_path):
+    """2 gloo processes (DDP): only rank 0 runs the stage check, and both ranks draw the second stage with the
+    weights computed from it (1.25 - rank 0's eval accuracy), not a rank's own uniform mixture."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    driver = tmp_path / "driver.py"
+    driver.write_text(PRETRAIN_DRIVER)
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(driver), str(tmp_path / "t")]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    per_rank = [json.loads(line[len("WEIGHTS "):]) for line in run.stdout.splitlines() if line.startswith("WEIGHTS ")]
+    saved = json.loads((tmp_path / "t" / "pretrain_log.json").read_text())
+    first = saved["stages"][0]["accuracy"]["eval"]
+    want = [None, [pytest.approx(1.25 - first[f]) for f in tasks.FAMILIES]]
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1] == want and saved["world_size"] == 2
