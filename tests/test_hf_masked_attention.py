@@ -55,8 +55,11 @@ def test_chunked_queries_match_unchunked_and_the_brute_force_reference(mask_head
     whole = masked_attention(query, key, value, mask, scaling)
     sdpa, seen = F.scaled_dot_product_attention, []
 
+    keys_seen = []
+
     def spy(q, k, v, attn_mask=None, **kw):
         seen.append((q.shape[2], attn_mask.shape[2]))
+        keys_seen.append(k)  # kept alive, so a new tensor per chunk cannot reuse the last one's memory
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
@@ -66,6 +69,7 @@ def test_chunked_queries_match_unchunked_and_the_brute_force_reference(mask_head
     folded = G if mask_heads == HKV else 1  # the per-KV-head path folds the group into the query axis
     sizes = [min(rows, Q - s) for s in range(0, Q, rows)]
     assert [n for n, _ in seen] == [folded * n for n in sizes]
+    assert len({k.data_ptr() for k in keys_seen}) == 1  # every chunk got the same K/V: expanded once, not per chunk
     assert chunked.shape == whole.shape == (B, Q, HKV * G, DV) and chunked.is_contiguous()
     torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked, expected, atol=1e-5, rtol=1e-5)

@@ -133,16 +133,29 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     SDPA turns the boolean mask into a float bias over every query head (``batch * q_heads * q * kv`` floats; a
     4096-token prefill at batch 8 asked the GPU for 18.5 GiB), so when ``4 * batch * q_heads * q * kv`` bytes would
     exceed ``max_mask_bytes`` (default :data:`MAX_MASK_BYTES`) the query axis goes through in chunks, each with its
-    rows of the mask; query rows are independent, so the result is the same."""
+    rows of the mask; query rows are independent, so the result is the same. With one mask for every head, the K/V
+    are expanded to the query heads once, before the chunks (a 131k-token context at 40 query heads asks for ~25 rows
+    a chunk: expanding per chunk copied 2.7 GB of K/V ~160 times per layer and prefill chunk)."""
     b, hq, q, _ = query.shape
     limit = MAX_MASK_BYTES if max_mask_bytes is None else check_int("max_mask_bytes", max_mask_bytes, 1)
     rows = max(1, limit // max(1, b * hq * key.shape[2] * 4))  # query rows per chunk
     if q <= rows:
         return _grouped_sdpa(query, key, value, mask, scaling)
+    if mask.shape[1] == 1:
+        key, value = _to_query_heads(key, hq), _to_query_heads(value, hq)
     per_row = mask.shape[2] == q  # a mask with one row broadcasts over the queries
     chunks = [_grouped_sdpa(query[:, :, s:s + rows], key, value, mask[:, :, s:s + rows] if per_row else mask, scaling)
               for s in range(0, q, rows)]
     return torch.cat(chunks, dim=1)  # [batch, q, q_heads, head_dim]
+
+
+def _to_query_heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """``x [batch, kv_heads, n, dim]`` repeated to ``[batch, q_heads, n, dim]`` (query head ``i`` reads KV head
+    ``i // (q_heads / kv_heads)``); ``x`` itself when it already has ``q_heads`` heads."""
+    b, hkv = x.shape[:2]
+    if hkv == q_heads:
+        return x
+    return x[:, :, None].expand(b, hkv, q_heads // hkv, *x.shape[2:]).reshape(b, q_heads, *x.shape[2:])
 
 
 def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
@@ -153,11 +166,8 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     hkv = key.shape[1]
     g = hq // hkv
     if mask.shape[1] == 1:  # one mask for every head: expand K/V to the query heads (keeps the fused masked kernel)
-        k, v = key, value
-        if g > 1:
-            k = key[:, :, None].expand(b, hkv, g, *key.shape[2:]).reshape(b, hq, *key.shape[2:])
-            v = value[:, :, None].expand(b, hkv, g, *value.shape[2:]).reshape(b, hq, *value.shape[2:])
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
+        out = F.scaled_dot_product_attention(query, _to_query_heads(key, hq), _to_query_heads(value, hq),
+                                             attn_mask=mask, scale=scaling)
     else:  # per-KV-head masks: fold each group's query heads into the query axis (group outermost)
         qf = query.reshape(b, hkv, g * q, d)
         mf = mask[:, :, None].expand(b, hkv, g, q, mask.shape[-1]).reshape(b, hkv, g * q, mask.shape[-1])
