@@ -165,15 +165,21 @@ class RetrofitConfig:
         check(0 <= self.late_fraction <= 1, f"late_fraction={self.late_fraction!r} is invalid: expected a number in [0, 1]")
         check_int("queries_per_step", self.queries_per_step, 1)
         check_trainer_fields(self)
-        out = Path(self.out)
-        check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoints")
-        if self.resume:
-            check(latest_checkpoint(out) is not None,
-                  f"resume: out={self.out!r} holds no step-<N> checkpoint: expected the folder of an earlier run")
-        else:
-            check(self.overwrite or not out.exists() or not any(out.iterdir()),
-                  f"out={self.out!r} already holds files: pass overwrite (--overwrite) to replace them, resume "
-                  "(--resume) to continue, or choose a new folder")
+        check_out_folder(self)
+
+
+def check_out_folder(config) -> None:
+    """A trainer's ``out`` folder (retrofit, kaizen-train): a folder, not a file; with ``resume`` it must hold a
+    ``step-<N>`` checkpoint; otherwise it must be new or empty unless ``overwrite``. One-line errors."""
+    out = Path(config.out)
+    check(not out.exists() or out.is_dir(), f"out={config.out!r} is a file: expected a folder for the checkpoints")
+    if config.resume:
+        check(latest_checkpoint(out) is not None,
+              f"resume: out={config.out!r} holds no step-<N> checkpoint: expected the folder of an earlier run")
+    else:
+        check(config.overwrite or not out.exists() or not any(out.iterdir()),
+              f"out={config.out!r} already holds files: pass overwrite (--overwrite) to replace them, resume "
+              "(--resume) to continue, or choose a new folder")
 
 
 def check_trainer_fields(config) -> None:

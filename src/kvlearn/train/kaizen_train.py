@@ -76,8 +76,9 @@ from ..kaizen.sharing import KaizenTrainForward
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 from . import parallel
-from .distill import (FINAL, LOG_FILE, check_trainer_fields, clear_run_outputs, kd_loss, latest_checkpoint,
-                      load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state, save_checkpoint)
+from .distill import (FINAL, LOG_FILE, check_out_folder, check_trainer_fields, clear_run_outputs, kd_loss,
+                      latest_checkpoint, load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state,
+                      save_checkpoint)
 
 __all__ = ["KaizenTrainConfig", "kaizen_train", "kaizen_train_step", "build_models", "step_losses", "temperature",
            "KaizenStep", "make_optimizer", "make_multiplier"]
@@ -151,15 +152,7 @@ class KaizenTrainConfig:
         from ..hf import read_model_config
 
         self.method_config().check_targets(Backbone.from_config(read_model_config(self.model)))
-        out = Path(self.out)
-        check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoints")
-        if self.resume:
-            check(latest_checkpoint(out) is not None,
-                  f"resume: out={self.out!r} holds no step-<N> checkpoint: expected the folder of an earlier run")
-        else:
-            check(self.overwrite or not out.exists() or not any(out.iterdir()),
-                  f"out={self.out!r} already holds files: pass overwrite (--overwrite) to replace them, resume "
-                  "(--resume) to continue, or choose a new folder")
+        check_out_folder(self)
 
     def method_config(self) -> KaizenMethodConfig:
         return KaizenMethodConfig(target=None, axes=self.axes, width=self.width, heads=self.heads, blocks=self.blocks,
