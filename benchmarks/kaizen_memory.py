@@ -25,8 +25,8 @@ measured, and the rows record the shape (``model``). For each context length (``
 
 Per row: the context (random tokens) is prefilled in chunks of ``--chunk`` tokens (:func:`kvlearn.cache.prefill`,
 so the prefill peak is the cache plus one chunk's temporaries; called once per ``--progress-tokens`` tokens, each
-call into the cache the earlier ones filled, printing the elapsed time: ``prefill_progress`` in the row), then ``--warmup`` + ``--decode`` tokens are decoded
-one at a time (fixed random tokens, no sampling). Recorded: ``peak_bytes`` (``torch.cuda.max_memory_allocated``
+call into the cache the earlier ones filled, printing the elapsed time: ``prefill_progress`` in the row), then
+``--warmup`` + ``--decode`` tokens are decoded one at a time (fixed random tokens, no sampling). Recorded: ``peak_bytes`` (``torch.cuda.max_memory_allocated``
 over the row, reset at its start; weights included, ``weights_bytes`` is what was allocated before the row),
 ``decode_peak_bytes`` (reset before decoding), ``cache_bytes`` (the cache's ``allocated_bytes()``: every buffer of
 every layer, slot positions included), ``store_bytes`` (the K/V buffers alone), ``cost_model_bytes`` (the cost

@@ -112,8 +112,8 @@ if HAS_TRITON:
 
     @triton.jit
     def query_planes(q_rows, offs_t, g_live, PER_BYTE: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """The query rows ``q_rows [G_PAD, 1]`` (pointers) split like packed codes: plane ``J`` ``[G_PAD, DB]`` holds the
-        elements ``t * PER_BYTE + J`` (planes past ``PER_BYTE`` are zeros, never used); padded rows are zeros."""
+        """The query rows ``q_rows [G_PAD, 1]`` (pointers) split like packed codes: plane ``J`` ``[G_PAD, DB]``
+        holds the elements ``t * PER_BYTE + J`` (planes past ``PER_BYTE`` are never used); padded rows are zeros."""
         q0 = tl.load(q_rows + (offs_t * PER_BYTE)[None, :], mask=g_live[:, None], other=0.0)
         q1 = tl.load(q_rows + (offs_t * PER_BYTE + 1)[None, :],
                      mask=g_live[:, None] & ((offs_t * PER_BYTE + 1) < HEAD_DIM)[None, :], other=0.0)

@@ -101,7 +101,8 @@ class PretrainConfig:
         check_int("eval_n", self.eval_n, 1)
         if isinstance(self.family_weights, str):
             check(self.family_weights in FAMILY_WEIGHT_MODES,
-                  f"family_weights={self.family_weights!r} is invalid: expected numbers or one of {', '.join(FAMILY_WEIGHT_MODES)}")
+                  f"family_weights={self.family_weights!r} is invalid: expected numbers or one of "
+                  f"{', '.join(FAMILY_WEIGHT_MODES)}")
             if self.family_weights == "uniform":
                 self.family_weights = None
         elif self.family_weights is not None:
@@ -316,7 +317,8 @@ def model_card(log: dict) -> str:
         + (f" The first {min(c.get('plain_stages', 0), len(c['stages']))} stage(s) train on the plain haystack only "
            f"({PLAIN_STYLE}, {PLAIN_REGIME} depths)." if c.get("plain_stages") else ""),
         "- Family sampling weights (" + ", ".join(testbed_tasks.FAMILIES) + ") per stage"
-        + (" (adaptive: ADAPTIVE_FLOOR + 1 - the previous stage check's eval accuracy)" if c.get("family_weights") == "adaptive" else "")
+        + (" (adaptive: ADAPTIVE_FLOOR + 1 - the previous stage check's eval accuracy)"
+           if c.get("family_weights") == "adaptive" else "")
         + ": " + "; ".join(f"{L}: " + (", ".join(f"{x:g}" for x in w) if w else "uniform")
                             for L, w in zip(c["stages"], log.get("family_weights", []))) + ".", "",
         "Teacher-forced answer accuracy at the end of each stage (64 examples per family unless the log says",
