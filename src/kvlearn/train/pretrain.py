@@ -432,6 +432,9 @@ def pretrain(config: PretrainConfig) -> dict:
     log["minutes"] = round((time.time() - t0) / 60, 2)
     if d.main:
         save_checkpoint(model, tokenizer, config.out, log)
-    if d.world > 1:
-        dist.destroy_process_group()
+    # DDP's reducer holds the process group: dropped after the group was destroyed, its gloo worker thread waited for
+    # the GIL while the main thread, holding it, joined that thread (a hang seen under load). Drop the wrapper first,
+    # then a barrier flushes every pending collective before the group goes.
+    del ddp_model
+    parallel.close_distributed(d)
     return log
