@@ -4,7 +4,8 @@
 #   1. `teacher.sh` trains a teacher with `kvlearn pretrain` defaults + TEACHER_EXTRA (default: the first teacher's
 #      longer short stages, `--stage-fractions 0.12,0.13,0.2,0.2,0.35`; the trace-first arm,
 #      `--family-weights '3,1,0,1;3,1,0,1;1,1,1,1;1,1,1,1;1,1,1,1'`, failed this gate at fea99dc, and the defaults
-#      with trace's in-context lookups, TEACHER_EXTRA='', at 0872de9: docs/TESTBED.md).
+#      with trace's in-context lookups, TEACHER_EXTRA='', at 0872de9 (trace at 1024) and d2a03be (recall at 2048);
+#      since 3edd072 the defaults weight the families adaptively: docs/TESTBED.md).
 #   2. Gate: at the stage check of curriculum stage GATE_STAGE (default 2, length 1024) the teacher-forced accuracy
 #      of GATE_FAMILY (default trace) on the eval split must reach GATE_THRESHOLD (default 0.2, or GATE_TRACE as
 #      before; e.g. GATE_STAGE=3 GATE_FAMILY=recall GATE_THRESHOLD=0.5: has retrieval formed by 2048? For trace at
