@@ -22,6 +22,7 @@ import sys
 import torch
 
 from kvlearn.testbed import tasks
+from kvlearn.testbed.checkers import _definitions as definitions  # the checker's own parse of ``let X = D .``
 from kvlearn.testbed.tokenizer import VOCAB
 from kvlearn.train.pretrain import answer_predictions
 
@@ -59,8 +60,8 @@ def token_accuracy(model, length: int, n: int, split: str = "eval", batch_size: 
     counts = {k: [0, 0] for k in KINDS}
     examples = [tasks.generate("trace", tasks.example_seed("trace", split, i), length) for i in range(n)]
     for e, pred in answer_predictions(model, examples, next(model.parameters()).device, batch_size):
-        words, text = [VOCAB[t] for t in e.answer_ids], e.prompt_text.split()
-        defined = {text[i + 1] for i in range(len(text) - 3) if text[i] == "let" and text[i + 2] == "="}
+        words = [VOCAB[t] for t in e.answer_ids]
+        defined = set(definitions(e.prompt_text))
         for j, w in enumerate(words):
             if w.isdigit():
                 kind = digit_kind(words, j, defined)

@@ -257,7 +257,9 @@ def cmd_methods(args) -> int:
 def _family_weights(text: str):
     """``--family-weights``: ``adaptive`` / ``uniform``; ``'a,b,c,d'`` -> one tuple; ``'a,b,c,d;...'`` -> one tuple per
     stage."""
-    if text in ("adaptive", "uniform"):
+    from .train.pretrain import FAMILY_WEIGHT_MODES
+
+    if text in FAMILY_WEIGHT_MODES:
         return text
     try:
         groups = [tuple(float(w) for w in g.split(",")) for g in text.split(";")]

@@ -134,8 +134,8 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     4096-token prefill at batch 8 asked the GPU for 18.5 GiB), so when ``4 * batch * q_heads * q * kv`` bytes would
     exceed ``max_mask_bytes`` (default :data:`MAX_MASK_BYTES`) the query axis goes through in chunks, each with its
     rows of the mask; query rows are independent, so the result is the same. With one mask for every head, the K/V
-    are expanded to the query heads once, before the chunks (a 131k-token context at 40 query heads asks for ~25 rows
-    a chunk: expanding per chunk copied 2.7 GB of K/V ~160 times per layer and prefill chunk)."""
+    are expanded to the query heads once, before the chunks (a 4096-token prefill chunk over 131k cached tokens at 40
+    query heads goes in pieces of 24 rows: expanding per piece copied 2.8 GB of K/V 171 times per layer)."""
     b, hq, q, _ = query.shape
     limit = MAX_MASK_BYTES if max_mask_bytes is None else check_int("max_mask_bytes", max_mask_bytes, 1)
     rows = max(1, limit // max(1, b * hq * key.shape[2] * 4))  # query rows per chunk
