@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from .errors import KVLearnError, check, check_int
+from .lineage import teacher_mismatch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "testbed-teacher"
@@ -185,6 +186,7 @@ DEMO_METHODS = (("dense", None), ("streaming", "budget"))
 DEMO_TITLE = "Testbed teacher, context {context}: full cache vs sinks+window (StreamingLLM)"
 DEMO_KVPOP_TITLE = ("Testbed teacher, context {context}: full cache vs sinks+window (StreamingLLM);\n"
                     "its KVpop student: sinks+window+learned top-k (KVpop)")
+DEMO_OTHER_TEACHER = "\n(the KVpop student was distilled from another teacher: not like for like)"
 
 
 def _demo_student(args) -> str | None:
@@ -233,15 +235,21 @@ def cmd_demo(args) -> int:
     for path in dict.fromkeys(path for path, _ in runs):
         check_model_context(path, args.context)
     _threads(args.threads)
+    student = _demo_student(args)
+    mismatch = None if student is None else teacher_mismatch(student, args.model)
+    if mismatch:
+        print(f"warning: {mismatch}", file=sys.stderr, flush=True)
     rows = _evaluate_runs(runs, device)
     wall = time.perf_counter() - start
     print(format_table(rows))
-    student = _demo_student(args)
     results = make_results("accuracy", rows, device=device, model=display_path(args.model),
-                           kvpop_model=display_path(student) if student else None, context=args.context,
+                           kvpop_model=display_path(student) if student else None,
+                           kvpop_teacher_matches=None if student is None else mismatch is None, context=args.context,
                            split=args.split, protocol=args.protocol, wall_seconds=round(wall, 1))
     print(f"wrote {write_results(args.out, results)}")
     title = (DEMO_KVPOP_TITLE if student else DEMO_TITLE).format(context=args.context)
+    if mismatch:
+        title += DEMO_OTHER_TEACHER
     print(f"wrote {plot_accuracy(rows, args.plot, title=title)}")
     print(f"wall time {wall:.0f} s")
     return 0

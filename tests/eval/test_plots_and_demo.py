@@ -10,6 +10,7 @@ from kvlearn import KVpopConfig, apply_kvpop
 from kvlearn.cli import DEFAULT_KVPOP_MODEL, main
 from kvlearn.eval.plots import mean_accuracy, plot_accuracy, plot_pareto
 from kvlearn.kvpop.apply import kvpop_modules
+from kvlearn.lineage import write_teacher_record
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
 
 
@@ -83,6 +84,21 @@ def test_demo_end_to_end_on_a_tiny_teacher_and_kvpop_student(tmp_path, capsys):
     assert plot.stat().st_size > 5000
     printed = capsys.readouterr().out
     assert "wall time" in printed and "kvpop      student" in printed and "dense      tiny" in printed
+
+
+def test_demo_says_when_the_student_descends_from_another_teacher(tmp_path, capsys):
+    tiny_teacher(tmp_path / "tiny")
+    tiny_student(tmp_path / "student")
+    tiny_model(seed=3).save_pretrained(tmp_path / "other")
+    write_teacher_record(tmp_path / "student", tmp_path / "other")
+    code, out, _ = demo(tmp_path, "--tasks", "niah", "--kvpop-model", str(tmp_path / "student"))
+    assert code == 0 and json.loads(out.read_text())["kvpop_teacher_matches"] is False
+    err = capsys.readouterr().err
+    assert "warning: the student" in err and "was distilled from another teacher" in err
+    write_teacher_record(tmp_path / "student", tmp_path / "tiny")
+    code, out, _ = demo(tmp_path, "--tasks", "niah", "--kvpop-model", str(tmp_path / "student"))
+    assert code == 0 and json.loads(out.read_text())["kvpop_teacher_matches"] is True
+    assert "another teacher" not in capsys.readouterr().err
 
 
 def test_demo_without_the_kvpop_student(tmp_path, capsys):

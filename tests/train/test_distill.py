@@ -5,8 +5,10 @@ sequence is dense attention; a stopped run resumes and matches an uninterrupted 
 round-trips through ``kvlearn.load``; bad input gives one-line errors (API and CLI); ``train_step`` driven by hand
 takes the loop's steps; the plain distillation step of a copy of the teacher has the hand-computed KD loss."""
 
+import hashlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,6 +170,9 @@ def test_final_checkpoint_round_trip(teacher_path, tmp_path):
     for key, value in saved.items():
         assert torch.equal(state[key], value), key
     assert any(".kvpop." in k for k in saved)
+    # it names its teacher by the digest of the teacher's weights (kvlearn.lineage)
+    record = json.loads((Path(result["final"]) / "teacher.json").read_text())
+    assert record["weights_sha256"] == hashlib.sha256((Path(teacher_path) / "model.safetensors").read_bytes()).hexdigest()
     assert any(not torch.equal(p, teacher.state_dict()[n]) for n, p in model.state_dict().items() if ".kvpop." not in n)
     # it decodes through its KVpop cache
     ids, _ = training_batch(1, SEQ, 5)

@@ -68,6 +68,7 @@ from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_p
 from ..kvpop.train_attention import TrainForward, use_train_attention
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
 from ..hf import copy_tokenizer_files
+from ..lineage import write_teacher_record
 from . import parallel
 from .schedule import warmup_cosine
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
@@ -386,7 +387,7 @@ def latest_checkpoint(out: str | os.PathLike) -> Path | None:
 def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name: str, extra: dict | None = None,
                     main: bool = True) -> Path:
     """Write ``out/<name>/`` atomically: a loadable model folder (float32 safetensors, ``config.json`` with the
-    KVpop config) and ``trainer_state.pt`` (optimizer state keyed by parameter name, step). Written to a temporary
+    KVpop config, ``teacher.json`` naming the teacher and its weights' digest: :mod:`kvlearn.lineage`) and ``trainer_state.pt`` (optimizer state keyed by parameter name, step). Written to a temporary
     folder, then renamed. Under data parallelism every process calls it (the state is gathered collectively) and
     only ``main`` writes."""
     weights = parallel.full_state_dict(student)
@@ -401,6 +402,7 @@ def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name:
     tmp.mkdir()
     student.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
     copy_tokenizer_files(config.model, tmp)
+    write_teacher_record(tmp, config.model)
     torch.save({"step": step, "optimizer": optimizer_state, "config": asdict(config), **(extra or {})},
                tmp / STATE_FILE)
     dest = out / name

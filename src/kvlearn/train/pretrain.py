@@ -71,7 +71,8 @@ class PretrainConfig:
     train_regimes: tuple[str, ...] | None = None
     # the first ``plain_stages`` curriculum stages (all of them if there are fewer) train on the plain haystack only
     # (style ``svo``, depths ``uniform``), the later ones on ``train_styles`` / ``train_regimes``. Default 0: the
-    # recipe of the shipped teacher (68c180d); 3 formed no lookup in 2 of 2 runs (docs/TESTBED.md, "The shipped teacher")
+    # recipe of the shipped teachers (68c180d, 1880c5c); 3 formed no lookup in 2 of 2 runs (docs/TESTBED.md, "The previous
+    # teacher (68c180d) and the search for trace")
     plain_stages: int = 0
     # optimisation
     lr: float = 2e-3
@@ -310,7 +311,7 @@ def model_card(log: dict) -> str:
         f"{c['min_lr_ratio']:g} of it, {c['tokens_per_step']:,} tokens per step, dense-format share "
         f"{c['dense_fraction']:g}, seed {c['seed']}. Command: `{log.get('command', 'kvlearn pretrain')}`, code of "
         f"commit {log.get('commit', '?')} (its testbed generator made the training data).",
-        "- Haystacks: training styles and depth regimes only (`kvlearn.testbed.filler.TRAIN_STYLES`,"
+        "- Haystacks: training styles and depth regimes only (`kvlearn.testbed.filler.TRAIN_STYLES`"
         + (f" narrowed to {', '.join(c['train_styles'])}" if c.get("train_styles") else "")
         + (f"; regimes narrowed to {', '.join(c['train_regimes'])}" if c.get("train_regimes") else "") + ",",
         "  `kvlearn.testbed.tasks.TRAIN_REGIMES`); the `heldout` split's style and regime were never seen."
