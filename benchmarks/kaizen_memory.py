@@ -40,8 +40,9 @@ kept) so that ``python -m kvlearn.results merge`` can join runs split over devic
 
 Decode paths on CUDA: the packed store (``int4``, and the 4-bit anchors of ``composed``) and the KIVI store
 (``kivi2``) attend their codes inside a kernel (:mod:`kvlearn.ops.packed_decode`, :mod:`kvlearn.ops.kivi_decode`: no
-dequantized temporary); the MLA latent is still read back into a full-size bf16 temporary per layer and step, and
-:func:`kvlearn.hf.masked_attention` expands the K/V of the read-back paths (bf16 included) to the query heads.
+dequantized temporary); the MLA latent is still read back into a full-size bf16 temporary per layer and step;
+:func:`kvlearn.hf.masked_attention` attends the read-back paths (bf16 included) without expanding their K/V to the
+query heads.
 
 ``--smoke``: a tiny shape on the CPU in seconds (8 layers, 4 query heads, 4 KV heads of 128, hidden 128, contexts
 256 and 512, prefill chunk 128, KIVI group 16 / window 32); the test runs it. ``--minutes``: no row starts after the time guard.
@@ -318,7 +319,7 @@ def summarise(rows: list[dict], contexts: tuple[int, ...]) -> dict:
         "decode_reads_full_size_temporary": ("PackedStore and KIVIStore decode through their kernels on CUDA "
                                              "(kvlearn.ops.packed_decode, kvlearn.ops.kivi_decode: no temporary); the "
                                              "MLA latent is read back into a full-size bf16 temporary per layer and "
-                                             "decode step; masked_attention expands its K/V to the query heads"),
+                                             "decode step; masked_attention no longer expands K/V to the query heads"),
     }
 
 

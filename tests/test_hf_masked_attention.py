@@ -66,10 +66,10 @@ def test_chunked_queries_match_unchunked_and_the_brute_force_reference(mask_head
     chunked = masked_attention(query, key, value, mask, scaling, max_mask_bytes=limit)
 
     rows = 1 if limit == 1 else 3
-    folded = G if mask_heads == HKV else 1  # the per-KV-head path folds the group into the query axis
     sizes = [min(rows, Q - s) for s in range(0, Q, rows)]
-    assert [n for n, _ in seen] == [folded * n for n in sizes]
-    assert len({k.data_ptr() for k in keys_seen}) == 1  # every chunk got the same K/V: expanded once, not per chunk
+    assert [n for n, _ in seen] == [G * n for n in sizes]  # each KV head's query heads folded into the query axis
+    # every chunk attends the caller's K/V themselves: never expanded to the query heads, never copied
+    assert {k.data_ptr() for k in keys_seen} == {key.data_ptr()} and all(k.shape[1] == HKV for k in keys_seen)
     assert chunked.shape == whole.shape == (B, Q, HKV * G, DV) and chunked.is_contiguous()
     torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked, expected, atol=1e-5, rtol=1e-5)

@@ -7,7 +7,8 @@
 #     (docs/notes/kvpop_retrofit_smoke.md section 7): PEAK_EXTRA (default '--decay-init 0.99999 --target-reduction
 #     peak') and TOTAL_EXTRA (default '--decay-init 0.99999 --target-count-normalize 0', the total mass);
 #   - the KV-Kaizen table (`kaizen_table.sh`, KAIZEN_MINUTES default 9.5 in all);
-# RETROFITS=0 leaves the two retrofits out (their question, peak or total mass, is answered: docs/DESIGN.md 4.1);
+# RETROFITS=0 leaves the two retrofits out (their question, peak or total mass, is answered: docs/DESIGN.md 4.1),
+# RETROFITS=peak runs the peak one only (the shipped student's recipe: its tar replaces checkpoints/testbed-kvpop);
 # METHODS / BUDGETS reach eviction_baselines.sh (e.g. only the rows results/baselines_table.json's not_run lists);
 # then, alone on the GPU, `benchmarks/packed_decode_speed.py --graph` (the packed-store decode kernel against the
 # bf16 cache at 16k-131k, eager and replayed from CUDA graphs, about a minute).
@@ -34,10 +35,12 @@ python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_packed_decode.py 
 tail -n 3 "$RUN_DIR/gpu_tests_new_kernels.log"
 (OUT="$RUN_DIR/baselines" MODEL=$MODEL MINUTES=${BASELINE_MINUTES:-8} \
     bash benchmarks/device/eviction_baselines.sh > "$RUN_DIR/baselines.log" 2>&1; echo "== baselines done $(date -u +%H:%M:%S)") &
-if [ "${RETROFITS:-1}" = 1 ]; then
+if [ "${RETROFITS:-1}" != 0 ]; then
     (OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} TAG=peak \
         EXTRA=${PEAK_EXTRA---decay-init 0.99999 --target-reduction peak} \
         bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit_peak.log" 2>&1; echo "== retrofit peak done $(date -u +%H:%M:%S)") &
+fi
+if [ "${RETROFITS:-1}" = 1 ]; then
     (OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} TAG=total \
         EXTRA=${TOTAL_EXTRA---decay-init 0.99999 --target-count-normalize 0} \
         bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit_total.log" 2>&1; echo "== retrofit total done $(date -u +%H:%M:%S)") &

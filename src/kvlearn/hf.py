@@ -133,45 +133,39 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     SDPA turns the boolean mask into a float bias over every query head (``batch * q_heads * q * kv`` floats; a
     4096-token prefill at batch 8 asked the GPU for 18.5 GiB), so when ``4 * batch * q_heads * q * kv`` bytes would
     exceed ``max_mask_bytes`` (default :data:`MAX_MASK_BYTES`) the query axis goes through in chunks, each with its
-    rows of the mask; query rows are independent, so the result is the same. With one mask for every head, the K/V
-    are expanded to the query heads once, before the chunks (a 4096-token prefill chunk over 131k cached tokens at 40
-    query heads goes in pieces of 24 rows: expanding per piece copied 2.8 GB of K/V 171 times per layer)."""
+    rows of the mask; query rows are independent, so the result is the same. The K/V are never expanded to the query
+    heads: each KV head's group of query heads is folded into the query axis (:func:`_grouped_sdpa`). Expanding them
+    had copied ``g`` times the whole cache per layer and call: at 131k tokens, 40 query heads over 8 KV heads of 128,
+    2.7 GB of K/V per layer for every decode step of the read-back paths, the bf16 cache's included."""
     b, hq, q, _ = query.shape
     limit = MAX_MASK_BYTES if max_mask_bytes is None else check_int("max_mask_bytes", max_mask_bytes, 1)
     rows = max(1, limit // max(1, b * hq * key.shape[2] * 4))  # query rows per chunk
     if q <= rows:
         return _grouped_sdpa(query, key, value, mask, scaling)
-    if mask.shape[1] == 1:
-        key, value = _to_query_heads(key, hq), _to_query_heads(value, hq)
     per_row = mask.shape[2] == q  # a mask with one row broadcasts over the queries
     chunks = [_grouped_sdpa(query[:, :, s:s + rows], key, value, mask[:, :, s:s + rows] if per_row else mask, scaling)
               for s in range(0, q, rows)]
     return torch.cat(chunks, dim=1)  # [batch, q, q_heads, head_dim]
 
 
-def _to_query_heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
-    """``x [batch, kv_heads, n, dim]`` repeated to ``[batch, q_heads, n, dim]`` (query head ``i`` reads KV head
-    ``i // (q_heads / kv_heads)``); ``x`` itself when it already has ``q_heads`` heads."""
-    b, hkv = x.shape[:2]
-    if hkv == q_heads:
-        return x
-    return x[:, :, None].expand(b, hkv, q_heads // hkv, *x.shape[2:]).reshape(b, q_heads, *x.shape[2:])
-
-
 def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                   scaling: float | None) -> torch.Tensor:
     """:func:`masked_attention` in one SDPA call: ``query [batch, q_heads, q, head_dim]``, ``key, value [batch,
-    kv_heads, kv, head_dim]``, ``mask [batch, P, q or 1, kv]`` -> ``[batch, q, q_heads, head_dim]``."""
+    kv_heads, kv, head_dim]``, ``mask [batch, P, q or 1, kv]`` -> ``[batch, q, q_heads, head_dim]``.
+
+    Query head ``i`` reads KV head ``i // g`` (``g = q_heads / kv_heads``), so the ``g`` query heads of a KV head
+    become ``g * q`` rows of one query (group outermost) over that KV head's unexpanded keys. The mask follows: a
+    mask with one row (a decode step) broadcasts over all of them as it is; a mask with ``q`` rows is repeated over
+    the group (``g * q * kv`` booleans, against ``2 g kv head_dim`` K/V elements that expanding the K/V copied)."""
     b, hq, q, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
-    if mask.shape[1] == 1:  # one mask for every head: expand K/V to the query heads (keeps the fused masked kernel)
-        out = F.scaled_dot_product_attention(query, _to_query_heads(key, hq), _to_query_heads(value, hq),
-                                             attn_mask=mask, scale=scaling)
-    else:  # per-KV-head masks: fold each group's query heads into the query axis (group outermost)
-        qf = query.reshape(b, hkv, g * q, d)
-        mf = mask[:, :, None].expand(b, hkv, g, q, mask.shape[-1]).reshape(b, hkv, g * q, mask.shape[-1])
-        out = F.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scaling).reshape(b, hq, q, -1)
+    qf = query.reshape(b, hkv, g * q, d)
+    mf = mask
+    if mask.shape[2] > 1 and g > 1:
+        p, kv = mask.shape[1], mask.shape[-1]
+        mf = mask[:, :, None].expand(b, p, g, q, kv).reshape(b, p, g * q, kv)
+    out = F.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scaling).reshape(b, hq, q, -1)
     return out.transpose(1, 2).contiguous()
 
 
