@@ -387,3 +387,47 @@ def test_unknown_style_regime_split_are_one_line_errors():
         generate("niah", 1, 1024, regime="middle")
     with pytest.raises(KVLearnError, match=r"split='test' is unknown: expected one of train, eval, heldout"):
         example_seed("niah", "test", 0)
+
+
+def test_niah_in_context_probes_include_multivalue_keys_answered_in_document_order():
+    """From 512 on, about a quarter of a dense niah row's probes give their key 2-4 needles; the in-context answer
+    lists them in document order (what the checker, written apart, computes from the text)."""
+    counts = {1: 0, 2: 0, 3: 0, 4: 0}
+    for i in range(40):
+        seed = example_seed("niah", "train", i)
+        for length in (256, 2048):
+            e = generate("niah", seed, length, "single", dense=True)
+            text = ids_to_text(e.prompt_ids)
+            for m in re.finditer(r"what is the special number for (\S+) \? answer : ([^<]*)<eos>", text):
+                key, answer = m.group(1), m.group(2).strip()
+                values = re.findall(rf"the special number for {key} is ((?:\d ){{4}})", text[:m.start()])
+                assert answer == " , ".join(f"{key} is {v.strip()}" for v in values)  # every needle, in order
+                n = len(values)
+                assert n == 1 or length >= 512
+                counts[n] += 1
+    several = counts[2] + counts[3] + counts[4]
+    assert min(counts[2], counts[3], counts[4]) > 0
+    assert 0.15 < several / sum(counts.values()) < 0.35, counts
+
+
+# SHA-256 (first 16 hex digits) of the first 100 evaluation examples of each split and family at 4096, as the harness
+# draws them (prompt and answer ids): the set every committed accuracy table was measured on (since 68c180d). A change
+# of the generator that moves them must say so and rerun the tables; training-only changes (dense rows) must not.
+EVAL_SET_DIGESTS = {
+    "eval/trace": "b520f87ab962721d", "eval/niah": "e9237feaa9a94bce", "eval/vt": "04803e756de40cde",
+    "eval/recall": "997dd146b5f9df41", "heldout/trace": "8a30421493df632c", "heldout/niah": "ffbc7f45609bc553",
+    "heldout/vt": "5d38dc52d30465db", "heldout/recall": "59fb1804c53fc10a",
+}
+
+
+def test_the_evaluation_set_is_the_one_the_tables_were_measured_on():
+    import hashlib
+    import json
+
+    for name, digest in EVAL_SET_DIGESTS.items():
+        split, family = name.split("/")
+        h = hashlib.sha256()
+        for i in range(100):
+            e = generate(family, example_seed(family, split, i), 4096)
+            h.update(json.dumps([e.prompt_ids, e.answer_ids]).encode())
+        assert h.hexdigest()[:16] == digest, name

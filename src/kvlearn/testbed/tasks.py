@@ -230,6 +230,11 @@ def _answer_mask(prefix_len: int, total_len: int) -> list[bool]:
 # answer : KEY is D D D D <eos>" (every answer restates its key, so the value follows by plain induction)
 
 
+# dense niah rows: the share of in-context probes whose key gets several needles (2..MULTIVALUE_PROBE_MAX), from 512 on
+MULTIVALUE_PROBE_SHARE = 0.25
+MULTIVALUE_PROBE_MAX = 4
+
+
 def _needle(key: int, value: list[int]) -> list[int]:
     return _NEEDLE_PREFIX + [key, _IS] + value + [_DOT]
 
@@ -268,12 +273,16 @@ def _niah(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: 
             tail = _Q_SINGLE + [task_keys[target]] + _ANSWER
             answer = _niah_answer([(task_keys[target], values[target])])
     answer.append(EOS_ID)
-    for k in probe_keys:  # dense: a fresh needle, then later a single-key question with its answer
-        v = _digits(rng, 4)
-        f = rng.random() * 0.95
-        items.append(_Item(_needle(k, v), f))
+    for k in probe_keys:  # dense: fresh needles of one key, then later a question about that key with its answer
+        # from 512 on, a quarter of the probes give their key 2-4 needles, answered in document order like the
+        # multivalue variant (the evaluation format's only other source of it: a sixteenth of the niah rows)
+        n_values = rng.randint(2, MULTIVALUE_PROBE_MAX) if length >= 512 and rng.random() < MULTIVALUE_PROBE_SHARE else 1
+        values = [_digits(rng, 4) for _ in range(n_values)]
+        fracs = sorted(rng.random() * 0.95 for _ in range(n_values))
+        items += [_Item(_needle(k, v), f) for v, f in zip(values, fracs)]
         head = _Q_SINGLE + [k] + _ANSWER
-        qa = head + _niah_answer([(k, v)]) + [EOS_ID]
+        qa = head + _niah_answer([(k, v) for v in values]) + [EOS_ID]
+        f = fracs[-1]
         items.append(_Item(qa, f + (1.0 - f) * rng.random(), mask=_answer_mask(len(head), len(qa)), informative=False))
     return _assemble(rng, hay, "niah", variant, seed, length, dense, items, tail, answer)
 
