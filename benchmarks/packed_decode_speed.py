@@ -12,7 +12,10 @@ every slot visible) three ways, timed with CUDA events (median of ``--iters`` af
   at its default tile of 64 slots, and ``fused_block_c_128`` at 128 (the choice of the default).
 
 ``--store kivi`` measures the KIVI store the same way (``KIVIStore`` with key groups of 32 tokens and a 128-token
-bf16 window; ``fused`` is :func:`kvlearn.ops.kivi_decode.kivi_decode_attention`, tiles rebuilt in registers).
+bf16 window; ``fused`` is :func:`kvlearn.ops.kivi_decode.kivi_decode_attention` at its default launch, the split
+kernel, and ``fused_rebuild`` its first kernel, ``key_path="rebuild"`` at a tile of 64 slots, what ``fused`` was
+before: both in the same run, with their ratios to ``bf16``; ``--graph --sweep`` then times the variants of
+:data:`KIVI_SWEEP` (:func:`kivi_launch_sweep`), old and new side by side).
 
 Rows: ``ms`` per variant and the ratios ``fused / bf16`` and ``read_then_attend / bf16`` measured in the same run,
 ``--graph`` adds ``ms_graph``: each variant replayed from a CUDA graph, so the kernels are timed without the host's
@@ -36,10 +39,20 @@ import torch.nn.functional as F
 
 from kvlearn.cache import KIVIStore, PackedStore
 from kvlearn.ops.kivi_decode import kivi_decode_attention
-from kvlearn.ops.packed_decode import packed_decode_attention
+from kvlearn.ops.packed_decode import default_split, packed_decode_attention
+from kvlearn.results import make_results, write_results
 
 KIVI_GROUP, KIVI_RESIDUAL = 32, 128  # --store kivi: KIVI's key group and full-precision window (kaizen_memory's)
-from kvlearn.results import make_results, write_results
+
+# --store kivi --graph --sweep: (key_path, block_c, num_warps, num_stages, split as a multiple of the default split);
+# the first two are the first kernel (at the API's tile and at the one the benchmark timed), the third the default
+KIVI_SWEEP = (
+    ("rebuild", 32, 4, 2, 1), ("rebuild", 64, 4, 2, 1),
+    ("broadcast", 32, 4, 2, 1), ("broadcast", 32, 4, 2, 0.5), ("broadcast", 32, 4, 2, 2),
+    ("broadcast", 32, 4, 3, 1), ("broadcast", 32, 8, 2, 1), ("broadcast", 16, 4, 2, 1),
+    ("broadcast", 64, 4, 2, 1), ("broadcast", 64, 8, 2, 1), ("broadcast", 128, 4, 2, 1), ("broadcast", 128, 8, 2, 1),
+    ("gather", 32, 4, 2, 1), ("gather", 64, 8, 2, 1),
+)
 
 
 def graphed(fn):
@@ -102,33 +115,47 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True) if device.type == "cuda" else \
             F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1))
 
-    def fused(block_c=64, split=None):
+    def fused(block_c=None, split=None, **launch):  # block_c None: the kernel's default (packed 64, KIVI 32)
         if store_kind == "kivi":
             return kivi_decode_attention(q[:, :, 0], *store._buffers(), visible, bits, KIVI_GROUP, backend=backend,
-                                         block_c=block_c, split=split)
+                                         block_c=block_c or 32, split=split, **launch)
         return packed_decode_attention(q[:, :, 0], store.key_codes, store.key_scales, store.value_codes,
-                                       store.value_scales, visible, bits, backend=backend, block_c=block_c,
+                                       store.value_scales, visible, bits, backend=backend, block_c=block_c or 64,
                                        split=split)
 
-    ms = {name: timed(fn, iters, device) for name, fn in
-          (("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused),
-           ("fused_block_c_128", lambda: fused(128)))}
+    variants = [("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused),
+                ("fused_block_c_128", lambda: fused(128))]
+    if store_kind == "kivi":  # the first kernel at the tile the benchmark timed it with, in the same run
+        variants.append(("fused_rebuild", lambda: fused(64, key_path="rebuild")))
+    ms = {name: timed(fn, iters, device) for name, fn in variants}
     diff = (fused().float() - read_then_attend()[:, :, 0].float()).abs().max().item()
     extra = {}
-    if graph:  # the same three, each replayed from a CUDA graph: the kernels' own time
+    if store_kind == "kivi":
+        extra["fused_rebuild_over_bf16"] = round(ms["fused_rebuild"] / ms["bf16"], 3)
+        old = fused(64, key_path="rebuild")
+        extra["max_abs_diff_fused_vs_rebuild"] = (fused().float() - old.float()).abs().max().item()
+    if graph:  # the same, each replayed from a CUDA graph: the kernels' own time
         ms_graph = {}
-        for name, fn in (("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused)):
+        for name, fn in variants:
+            if name == "fused_block_c_128":
+                continue
             try:
                 ms_graph[name] = round(timed(graphed(fn), iters, device), 4)
             except RuntimeError as e:  # a variant that cannot be captured is reported, not fatal
                 ms_graph[name] = f"not capturable: {str(e).splitlines()[0][:200]}"
-        extra = {"ms_graph": ms_graph}
-        if all(isinstance(ms_graph[k], float) for k in ("bf16", "fused")):
-            extra["fused_over_bf16_graph"] = round(ms_graph["fused"] / ms_graph["bf16"], 3)
+        extra["ms_graph"] = ms_graph
+        for name in ("fused", "fused_rebuild"):
+            if name in ms_graph and all(isinstance(ms_graph[k], float) for k in ("bf16", name)):
+                extra[f"{name}_over_bf16_graph"] = round(ms_graph[name] / ms_graph["bf16"], 3)
         if sweep and isinstance(ms_graph["bf16"], float):
-            extra.update(launch_sweep(lambda bc, sp: graphed(lambda: fused(bc, sp)), context, iters, device,
-                                      ms_graph["bf16"]))
-    return {"store": store_kind, "context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "backend": backend,
+            if store_kind == "kivi":
+                extra.update(kivi_launch_sweep(lambda **kw: graphed(lambda: fused(**kw)), context, hkv, iters,
+                                               device, ms_graph["bf16"]))
+            else:
+                extra.update(launch_sweep(lambda bc, sp: graphed(lambda: fused(bc, sp)), context, iters, device,
+                                          ms_graph["bf16"]))
+    return {"store": store_kind, "context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
+            "backend": backend,
             "ms": {k2: round(v2, 4) for k2, v2 in ms.items()},
             "fused_over_bf16": round(ms["fused"] / ms["bf16"], 3),
             "fused_block_c_128_over_bf16": round(ms["fused_block_c_128"] / ms["bf16"], 3),
@@ -151,6 +178,31 @@ def launch_sweep(make, context: int, iters: int, device, bf16_ms: float) -> dict
     return {"sweep": times, "sweep_best": best, "sweep_best_over_bf16_graph": round(times[best] / bf16_ms, 3)}
 
 
+def kivi_launch_sweep(make, context: int, kv_heads: int, iters: int, device, bf16_ms: float,
+                      variants=KIVI_SWEEP) -> dict:
+    """The KIVI kernels' graph-replayed time over ``variants`` (:data:`KIVI_SWEEP`): ``make(key_path=, block_c=,
+    split=, num_warps=, num_stages=)`` returns the callable to time; ``split`` is the default split
+    (:func:`~kvlearn.ops.packed_decode.default_split`) times the variant's factor, at least ``block_c``. ``sweep``
+    maps ``"key_path/block_c/split/num_warps/num_stages"`` to ms (or the first line of the error of a launch that
+    failed), ``sweep_over_bf16_graph`` each ratio to the graph-replayed bf16 cache, ``sweep_best`` the fastest and
+    ``sweep_best_over_bf16_graph`` its ratio."""
+    times = {}
+    for key_path, block_c, warps, stages, factor in variants:
+        split = max(block_c, int(default_split(context, kv_heads, block_c, device) * factor))
+        name = f"{key_path}/{block_c}/{split}/{warps}/{stages}"
+        try:
+            times[name] = round(timed(make(key_path=key_path, block_c=block_c, split=split, num_warps=warps,
+                                           num_stages=stages), iters, device), 4)
+        except Exception as e:  # one launch that fails to compile or run is reported, not fatal
+            times[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    ok = {k: v for k, v in times.items() if isinstance(v, float)}
+    out = {"sweep": times, "sweep_over_bf16_graph": {k: round(v / bf16_ms, 3) for k, v in ok.items()}}
+    if ok:
+        best = min(ok, key=ok.get)
+        out.update(sweep_best=best, sweep_best_over_bf16_graph=round(ok[best] / bf16_ms, 3))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="16384,32768,65536,131072")
@@ -159,7 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--graph", action="store_true",
                    help="also time each variant replayed from a CUDA graph (the kernels without host overhead)")
     p.add_argument("--sweep", action="store_true",
-                   help="with --graph: also time the fused kernel over its launch grid (block_c x split)")
+                   help="with --graph: also time the fused kernel over its launch grid (block_c x split; --store "
+                        "kivi: the variants of KIVI_SWEEP, the first kernel among them)")
     p.add_argument("--store", default="packed", choices=("packed", "kivi"),
                    help="packed: PackedStore and kvlearn.ops.packed_decode; kivi: KIVIStore (G = 32, R = 128) and "
                         "kvlearn.ops.kivi_decode")

@@ -26,6 +26,15 @@ retrofit) or ``--shape qwen3-0.6b``: a randomly initialised Qwen3 of Qwen3-0.6B'
 16 query / 8 KV heads of 128, intermediate 3072) with the testbed vocabulary (seq 8192, batch 1). ``--smoke``: a
 tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing meaningful).
 
+``--variants``: extra rows in the same run, each a method with one setting changed, named ``<method>+<variant>``
+(the default rows unchanged; every row's ``ratio_to_distill_dense`` is to the default reference):
+
+- ``foreach_adamw``: every method with torch's default AdamW (``foreach`` on CUDA) instead of the fused kernel that
+  :func:`~kvlearn.train.distill.make_optimizer` takes on CUDA (the rows then also get
+  ``ratio_to_reference_variant``: the ratio to ``distill_dense+foreach_adamw``, the setting of the runs before);
+- ``bf16_mlstm_matmuls``: ``retrofit_kvpop_mlstm`` with ``KVpopConfig.mlstm_matmul_dtype="bfloat16"`` (bf16
+  operands of the mLSTM chunk matmuls).
+
 ``--profile DIR``: after the timing, one more step of every method under ``torch.profiler`` (CUDA kernels on the GPU,
 CPU ops on the CPU), written as ``DIR/<method>.txt``: the operators sorted by their own device time (CPU time on the
 CPU), the 40 largest, and the step's total. It says where a retrofit step's time over the distillation step goes.
@@ -38,7 +47,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -63,43 +72,55 @@ REFERENCE = "distill_dense"
 METHODS = (REFERENCE, "retrofit_kvpop_mlp", "retrofit_kvpop_mlstm", "retrofit_dms", "retrofit_streaming_plus")
 DEFAULT_METHODS = METHODS[:3]
 ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
+# --variants: name -> the methods it makes extra rows of
+VARIANTS = {"foreach_adamw": METHODS, "bf16_mlstm_matmuls": ("retrofit_kvpop_mlstm",)}
 # the defaults by model source: --model (None), --shape qwen3-0.6b, --smoke (tiny)
 DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), values))
             for source, values in ((None, (4096, 8, 1024, 256, 3, 10)), ("qwen3-0.6b", (8192, 1, 1024, 256, 3, 10)),
                                    ("tiny", (256, 2, 64, 16, 1, 2)))}
 
 
-def method_config(name: str, args, model: str, out: str, device: str) -> RetrofitConfig:
-    """The retrofit config of method ``name`` (``distill_dense`` reads only its KD, clipping and ``lr`` fields)."""
+def method_config(name: str, args, model: str, out: str, device: str, variant: str | None = None) -> RetrofitConfig:
+    """The retrofit config of method ``name`` (``distill_dense`` reads only its KD, clipping and ``lr`` fields)
+    under ``variant`` (``bf16_mlstm_matmuls`` changes the config; ``foreach_adamw`` the optimizer only)."""
     s, w, b = args.sinks, args.window, args.budget
     if name == "retrofit_dms":
         kw = dict(method="dms", dms=DMSConfig(sinks=s, window=w, budget=b, target_cr=args.seq_len / b))
     elif name == "retrofit_streaming_plus":
         kw = dict(method="streaming_plus", streaming=StreamingConfig(budget=b, sinks=s))
     else:
-        kw = dict(kvpop=KVpopConfig(sinks=s, window=w, topk=b - s - w,
-                                    scorer="mlstm" if name == "retrofit_kvpop_mlstm" else "mlp"))
+        kv = KVpopConfig(sinks=s, window=w, topk=b - s - w, scorer="mlstm" if name == "retrofit_kvpop_mlstm" else "mlp")
+        if variant == "bf16_mlstm_matmuls":
+            kv = replace(kv, mlstm_matmul_dtype="bfloat16")
+        kw = dict(kvpop=kv)
     return RetrofitConfig(model=model, out=out, batch_size=args.batch_size, seq_len=args.seq_len, device=device,
                           seed=args.seed, **kw)
 
 
+def row_name(name: str, variant: str | None) -> str:
+    return name if variant is None else f"{name}+{variant}"
+
+
 def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Tensor, labels: torch.Tensor,
-                 device: torch.device) -> Timed:
-    """Method ``name`` as a :class:`~step_timing.Timed` step on the batch ``input_ids``, ``labels`` (``[B, T]``
-    each): its student (``dense_student`` for the reference, else exactly the trainer's, ``build_models``) and
-    optimizer, each call one optimizer step (step ``n`` of a ``config.steps``-step run); the row records the
-    parameters and the method's exact config."""
+                 device: torch.device, variant: str | None = None) -> Timed:
+    """Method ``name`` (under ``variant``, see ``--variants``) as a :class:`~step_timing.Timed` step on the batch
+    ``input_ids``, ``labels`` (``[B, T]`` each): its student (``dense_student`` for the reference, else exactly the
+    trainer's, ``build_models``) and optimizer, each call one optimizer step (step ``n`` of a ``config.steps``-step
+    run); the row records the parameters, the method's exact config and whether AdamW is fused."""
     if name == REFERENCE:
         student, kv = dense_student(teacher), None
     else:
         torch.manual_seed(config.seed)  # as retrofit() seeds before build_models (the new modules' init)
         _, student = build_models(config, device)
         kv = training_kvpop(config, student)
-    optimizer = make_optimizer(config, student, device)
+    optimizer = make_optimizer(config, student, device, fused=False if variant == "foreach_adamw" else None)
     marker = NEW_MODULES[config.method] if name != REFERENCE else None
     fields = {"method": "dense" if name == REFERENCE else config.method,
               "parameters": sum(p.numel() for p in student.parameters()),
-              "new_parameters": sum(p.numel() for n, p in student.named_parameters() if marker and marker in n)}
+              "new_parameters": sum(p.numel() for n, p in student.named_parameters() if marker and marker in n),
+              "adamw_fused": bool(optimizer.defaults.get("fused"))}
+    if variant is not None:
+        fields.update(base=name, variant=variant)
     if name != REFERENCE and config.method == "kvpop":  # the exact config, and the top-k training holds
         fields.update(scorer=config.kvpop.scorer, kvpop=asdict(config.kvpop), kvpop_training_topk=kv.topk)
     elif name != REFERENCE and config.method == "dms":
@@ -115,7 +136,7 @@ def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Te
             return dense_distill_step(config, teacher, student, optimizer, input_ids, labels)
         return train_step(config, teacher, student, optimizer, input_ids, labels, n, n / config.steps, kv)
 
-    return Timed(name, call, fields, memory=True, first_key="first_step_s")
+    return Timed(row_name(name, variant), call, fields, memory=True, first_key="first_step_s")
 
 
 def parse(argv) -> argparse.Namespace:
@@ -128,6 +149,8 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--budget", type=int, default=None, help="sinks + window + top-k (default 1024; --smoke 64)")
     ap.add_argument("--window", type=int, default=None, help="default 256 (--smoke 16)")
     ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--variants", default="",
+                    help=f"comma list of extra rows: {', '.join(VARIANTS)} (default none; see the module docstring)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timing, profile one step of every method into DIR/<method>.txt")
     args = ap.parse_args(argv)
@@ -136,6 +159,12 @@ def parse(argv) -> argparse.Namespace:
     for m in args.methods:
         check(m in METHODS, f"--methods: {m!r} is unknown: expected some of {', '.join(METHODS)}")
     args.methods = [REFERENCE] + [m for m in dict.fromkeys(args.methods) if m != REFERENCE]
+    args.variants = list(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
+    for v in args.variants:
+        check(v in VARIANTS, f"--variants: {v!r} is unknown: expected some of {', '.join(VARIANTS)}")
+    # the rows: every method, then every variant of the methods it applies to
+    args.rows = [(m, None) for m in args.methods] + [(m, v) for v in args.variants for m in args.methods
+                                                     if m in VARIANTS[v]]
     check_int("--seq-len", args.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
     check_int("--batch-size", args.batch_size, 1)
     check(args.budget > args.sinks + args.window,
@@ -155,23 +184,26 @@ def run(args, tmp: Path, command: str) -> int:
     teacher_folder = args.model
     if args.source is not None:  # a random model of that shape, with the testbed teacher's tokenizer files
         teacher_folder = random_model_folder(args.source, tmp / args.source, args.model, device)
-    configs = {m: method_config(m, args, teacher_folder, str(tmp / "unused"), args.device) for m in args.methods}
+    configs = {(m, v): method_config(m, args, teacher_folder, str(tmp / "unused"), args.device, v)
+               for m, v in args.rows}
     from kvlearn.checkpoint import load
 
     teacher = load(teacher_folder, dtype=torch.float32, device=device)  # as build_models loads it
     teacher.requires_grad_(False)
     stream = TestbedStream(length=args.seq_len, batch_size=args.batch_size, seed=args.seed,
-                           dense=configs[REFERENCE].dense_fraction)
+                           dense=configs[REFERENCE, None].dense_fraction)
     input_ids, labels = (t.to(device) for t in next(iter(stream)))  # the retrofit's first batch, [B, T] each
-    timed = [timed_method(m, configs[m], teacher, input_ids, labels, device) for m in args.methods]
+    timed = [timed_method(m, configs[m, v], teacher, input_ids, labels, device, v) for m, v in args.rows]
     import transformers
 
     fields = dict(
         model=(f"random {args.source} shape (testbed vocabulary)" if args.source else portable_path(teacher_folder)),
         model_shape=model_shape(teacher.config),
         seq_len=args.seq_len, batch_size=args.batch_size, budget=args.budget, sinks=args.sinks, window=args.window,
+        variants=args.variants,
         warmup=args.warmup, steps=args.steps, steps_per_round=args.steps_per_round, smoke=args.smoke,
-        precision="float32 weights and AdamW, bf16 autocast on CUDA (the retrofit's)", torch=torch.__version__,
+        precision="float32 weights and AdamW (fused where a row says adamw_fused), bf16 autocast on CUDA (the "
+                  "retrofit's)", torch=torch.__version__,
         transformers=transformers.__version__)
 
     save = results_saver(args.out, timed, summarize, device, command, fields, start)
@@ -182,7 +214,7 @@ def run(args, tmp: Path, command: str) -> int:
         profile_steps(timed, Path(args.profile), device)
     for row in results["rows"]:
         ms, ratio = row.get("ms", math.nan), row.get("ratio_to_distill_dense") or math.nan
-        print(f"{row['name']:<26} {ms:>10.2f} ms  x{ratio:.3f}  peak {row.get('peak_memory_gib', 0):.2f} GiB"
+        print(f"{row['name']:<42} {ms:>10.2f} ms  x{ratio:.3f}  peak {row.get('peak_memory_gib', 0):.2f} GiB"
               + (f"  ERROR {row['error']}" if "error" in row else ""))
     print(json.dumps(results["summary"]))
     return 0
@@ -213,17 +245,26 @@ def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 4
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Adds ``ratio_to_distill_dense`` to every timed row (in place); the ratios and the acceptance (judged on
-    ``retrofit_kvpop_mlstm``: None when it or the reference has no time)."""
+    """Adds ``ratio_to_distill_dense`` to every timed row (in place; a variant row of a variant the reference has
+    too also ``ratio_to_reference_variant``); the ratios (``variants``: each variant row's) and the acceptance
+    (judged on ``retrofit_kvpop_mlstm``: None when it or the reference has no time)."""
     ms = {r["name"]: r["ms"] for r in rows if "ms" in r}
     ref = ms.get(REFERENCE)
+    variants = {}
     for r in rows:
         if "ms" in r and ref:
             r["ratio_to_distill_dense"] = r["ms"] / ref
+        ref_variant = ms.get(row_name(REFERENCE, r["variant"])) if "variant" in r else None
+        if "ms" in r and ref_variant and r["name"] != row_name(REFERENCE, r["variant"]):
+            r["ratio_to_reference_variant"] = r["ms"] / ref_variant
+        if "variant" in r:
+            variants[r["name"]] = {"ratio_to_distill_dense": r.get("ratio_to_distill_dense"),
+                                   **{k: r[k] for k in ("ratio_to_reference_variant",) if k in r}}
     ratios = {f"{n}_over_{REFERENCE}": (ms[n] / ref if n in ms and ref else None) for n in METHODS[1:]
               if n in {r["name"] for r in rows} or n in DEFAULT_METHODS}
     judged = ratios[f"{ACCEPTANCE_METHOD}_over_{REFERENCE}"]
-    return {f"{REFERENCE}_ms": ref, **ratios, "acceptance_method": ACCEPTANCE_METHOD,
+    return {f"{REFERENCE}_ms": ref, **ratios, **({"variants": variants} if variants else {}),
+            "acceptance_method": ACCEPTANCE_METHOD,
             "acceptance": {"retrofit_step_le_1p5x_distill_step": None if judged is None else judged <= 1.5}}
 
 

@@ -10,13 +10,17 @@
 # RETROFITS=0 leaves the two retrofits out (their question, peak or total mass, is answered: docs/DESIGN.md 4.1),
 # RETROFITS=peak runs the peak one only (the shipped student's recipe: its tar replaces checkpoints/testbed-kvpop);
 # METHODS / BUDGETS reach eviction_baselines.sh (e.g. only the rows results/baselines_table.json's not_run lists);
-# then, alone on the GPU, `benchmarks/packed_decode_speed.py --graph` (the packed-store decode kernel against the
+# then, alone on the GPU, with SPEED=1 (the default) the GPU tests of the retrofit step's and the KIVI kernel's
+# changes since 389900b, `benchmarks/retrofit_step_speed.py --variants foreach_adamw,bf16_mlstm_matmuls --profile`
+# (~1 min) and `benchmarks/packed_decode_speed.py --store kivi --graph --sweep` (the new KIVI kernel against the old
+# one and the bf16 cache, 14 launch variants; ~5 min); with SPEED=0 instead
+# `benchmarks/packed_decode_speed.py --graph` (the packed-store decode kernel against the
 # bf16 cache at 16k-131k, eager and replayed from CUDA graphs, about a minute).
 # Everything goes to RUN_DIR (default /tmp/session_out); /tmp/session.done marks the end; /tmp/session.log is the
 # chain's own log. Device time: ~1 start + max(BASELINE_MINUTES + 1, RETROFIT_MINUTES + 5, KAIZEN_MINUTES) + 1, about
-# 12 minutes, so the calls are:
+# 12 minutes, plus ~7 with SPEED=1 (the profile's *.txt come back in the small tar), so the calls are:
 #   call 1:  KVLEARN_COMMIT=<sha> setsid bash benchmarks/device/method_tables.sh > /tmp/session.log 2>&1 < /dev/null & sleep 570; cat /tmp/session.log
-#   call 2 (within the 30 s the machine stays warm):  WAIT_S=300 bash benchmarks/device/collect_session.sh
+#   call 2 (within the 30 s the machine stays warm):  WAIT_S=540 bash benchmarks/device/collect_session.sh
 # With THEN_KVPOP_TABLE=1 the chain goes on, on the GPU alone, with `kvpop_table.sh` (the KVpop Table 1: OUT
 # TABLE_DIR, default /tmp/table_out; its log /tmp/table.log; /tmp/table.done marks its end), so that one machine
 # start serves both; collect it with a third call:
@@ -29,7 +33,7 @@ MODEL=${MODEL:-checkpoints/testbed-teacher}
 echo "== start $(date -u +%H:%M:%S) on $MODEL"
 # the new kernels first (about a minute): if the packed or KIVI decode kernel fails on this GPU, the Kaizen table runs on
 # the read-back path (KVLEARN_PACKED_DECODE=0) rather than losing its rows; the log says which
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_packed_decode.py tests/ops/test_future_target_triton.py \
+timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_packed_decode.py tests/ops/test_future_target_triton.py \
     tests/cache/test_packed_decode_cache.py tests/ops/test_kivi_decode.py > "$RUN_DIR/gpu_tests_new_kernels.log" 2>&1 \
     || { echo "new-kernel GPU tests failed: KVLEARN_PACKED_DECODE=0"; export KVLEARN_PACKED_DECODE=0; }
 tail -n 3 "$RUN_DIR/gpu_tests_new_kernels.log"
@@ -49,8 +53,20 @@ fi
     bash benchmarks/device/kaizen_table.sh > "$RUN_DIR/kaizen.log" 2>&1; echo "== kaizen done $(date -u +%H:%M:%S)") &
 wait
 # alone on the GPU, so that its timings are not shared: the packed-store decode kernel against the bf16 cache
-python3 benchmarks/packed_decode_speed.py --graph --out "$RUN_DIR/packed_decode_h200.json" > "$RUN_DIR/packed_decode.log" 2>&1
-tail -n 8 "$RUN_DIR/packed_decode.log"
+if [ "${SPEED:-1}" = 1 ]; then  # the step's and the KIVI kernel's changes since 389900b, measured against what they replace
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_distill.py tests/kvpop/test_scorers.py \
+        tests/kvpop/test_attention.py tests/eval/test_packed_decode_speed_script.py > "$RUN_DIR/gpu_tests_speed.log" 2>&1
+    tail -n 3 "$RUN_DIR/gpu_tests_speed.log"
+    timeout 200 python3 benchmarks/retrofit_step_speed.py --variants foreach_adamw,bf16_mlstm_matmuls --profile "$RUN_DIR/prof" \
+        --out "$RUN_DIR/retrofit_step_speed_h200.json" > "$RUN_DIR/retrofit_step_speed.log" 2>&1
+    grep -vE "Warn|Loading weights|Writing model" "$RUN_DIR/retrofit_step_speed.log" | tail -n 6
+    timeout 330 python3 benchmarks/packed_decode_speed.py --store kivi --graph --sweep --out "$RUN_DIR/kivi_decode_h200.json" \
+        > "$RUN_DIR/kivi_decode.log" 2>&1
+    grep -v Warn "$RUN_DIR/kivi_decode.log" | cut -c1-400 | tail -n 4
+else
+    python3 benchmarks/packed_decode_speed.py --graph --out "$RUN_DIR/packed_decode_h200.json" > "$RUN_DIR/packed_decode.log" 2>&1
+    tail -n 8 "$RUN_DIR/packed_decode.log"
+fi
 echo "== done $(date -u +%H:%M:%S)"
 touch /tmp/session.done
 if [ "${THEN_KVPOP_TABLE:-0}" = 1 ]; then

@@ -25,6 +25,10 @@ def test_smoke_rows_and_agreement(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]  # KIVI: window R = 128, so the 128-slot row has one quantized block
     assert [(r["store"], r["context"]) for r in rows] == [("kivi", 64), ("kivi", 128)]
     assert all(r["max_abs_diff_fused_vs_read"] < 1e-5 for r in rows)
+    # the first kernel is timed beside the default in the same run (here both the torch backend)
+    assert all(r["fused_rebuild_over_bf16"] > 0 and r["max_abs_diff_fused_vs_rebuild"] < 1e-6 for r in rows)
+    names = {"bf16", "read_then_attend", "fused", "fused_block_c_128", "fused_rebuild"}
+    assert all(set(r["ms"]) == names for r in rows)
     if not torch.cuda.is_available():
         capsys.readouterr()
         assert script.main([]) == 2
@@ -61,6 +65,36 @@ def test_launch_sweep_covers_the_grid_and_names_the_fastest():
                 if 262144 // sp <= 2048]
     assert made == expected and set(r["sweep"]) == {f"{bc}/{sp}" for bc, sp in expected}
     assert r["sweep_best"] == "64/1024" and r["sweep_best_over_bf16_graph"] == round(r["sweep"]["64/1024"], 3)
+
+
+def test_kivi_launch_sweep_times_every_variant_and_reports_failures():
+    """The KIVI sweep times each variant of KIVI_SWEEP (the first kernel and the split kernel's key paths and
+    launches) at the default split times its factor, names it ``key_path/block_c/split/warps/stages``, gives each
+    ratio to the bf16 time, and reports a launch that raises instead of stopping."""
+    import time
+
+    import torch
+
+    script = load_script()
+    made = []
+
+    def make(**launch):
+        made.append(launch)
+        if launch["block_c"] == 128 and launch["num_warps"] == 8:
+            raise RuntimeError("out of resources: shared memory\nmore")
+        return lambda: time.sleep(0.0 if launch["key_path"] == "gather" and launch["block_c"] == 64 else 0.002)
+
+    variants = script.KIVI_SWEEP
+    r = script.kivi_launch_sweep(make, 131072, 8, iters=1, device=torch.device("cpu"), bf16_ms=1.0)
+    assert [(m["key_path"], m["block_c"], m["num_warps"], m["num_stages"]) for m in made] == \
+        [v[:4] for v in variants]
+    assert {v[0] for v in variants} == {"rebuild", "broadcast", "gather"}
+    default = script.default_split(131072, 8, 32, torch.device("cpu"))
+    assert [m["split"] for m in made[2:5]] == [default, default // 2, default * 2]
+    assert len(r["sweep"]) == len(variants)
+    failed = [k for k, v in r["sweep"].items() if isinstance(v, str)]
+    assert len(failed) == 1 and failed[0].startswith("broadcast/128/") and "out of resources" in r["sweep"][failed[0]]
+    assert r["sweep_best"].startswith("gather/64/") and set(r["sweep_over_bf16_graph"]) == set(r["sweep"]) - set(failed)
 
 
 @pytest.mark.gpu

@@ -184,3 +184,44 @@ def test_validation_errors():
             boundary_loss(**kwargs)
     with pytest.raises(KVLearnError, match="decisions shape"):
         boundary_loss(torch.randn(1, 3, 6), torch.randn(1, 3, 6), dec)
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_groups_are_independent_losses_along_the_head_axis(groups):
+    """``groups=G`` on ``[b, G*h, n]``: each group's weights, valid count, accuracy and loss are those of a call on
+    its heads alone (groups with different valid counts and label balances), the loss and accuracy the means over
+    the groups; the gradient is the one of that mean."""
+    g = torch.Generator().manual_seed(groups)
+    b, h, n, seq = 2, 2, 5, 12
+    pred = torch.randn(b, groups * h, seq, generator=g, requires_grad=True)
+    target = torch.randn(b, groups * h, seq, generator=g)
+    t_new = torch.randint(6, seq, (b, groups * h, n), generator=g)
+    dec = BoundaryDecisions(query=t_new + 2, t_new=t_new, t_bnd=torch.randint(0, 6, (b, groups * h, n), generator=g),
+                            y=torch.where(torch.rand(b, groups * h, n, generator=g) < 0.6, 1.0, -1.0),
+                            valid=torch.rand(b, groups * h, n, generator=g) < 0.3 + 0.2 * torch.arange(groups * h)[:, None] / h)
+    dec.y = dec.y * dec.valid
+    kw = dict(margin_temperature=0.7, balance_clip=(0.5, 2.0))
+    out = boundary_loss(pred, target, dec, groups=groups, **kw)
+    alone = []
+    for i in range(groups):
+        heads = slice(i * h, (i + 1) * h)
+        part = BoundaryDecisions(*(getattr(dec, f)[:, heads] for f in ("query", "t_new", "t_bnd", "y", "valid")))
+        alone.append(boundary_loss(pred[:, heads], target[:, heads], part, **kw))
+        torch.testing.assert_close(out.weights[:, heads], alone[-1].weights)
+    assert len({int(a.num_valid) for a in alone}) > 1  # the groups differ in their valid counts
+    assert out.num_valid.tolist() == [int(a.num_valid) for a in alone]
+    torch.testing.assert_close(out.accuracy, torch.stack([a.accuracy for a in alone]).mean())
+    ref = torch.stack([a.loss for a in alone]).mean()
+    torch.testing.assert_close(out.loss, ref)
+    (grad,) = torch.autograd.grad(out.loss, pred)
+    (want,) = torch.autograd.grad(ref, pred)
+    torch.testing.assert_close(grad, want)
+    one = boundary_loss(pred, target, dec, **kw)  # groups=1: one loss over all heads, another normalisation
+    assert one.num_valid.dim() == 0 and int(one.num_valid) == int(out.num_valid.sum())
+
+
+def test_groups_must_divide_the_heads():
+    dec = _decisions(**DEC)
+    for bad in (0, 3, 1.0, True):
+        with pytest.raises(KVLearnError, match=rf"groups={bad!r} is invalid: expected an integer >= 1 that divides kv_heads=2"):
+            boundary_loss(torch.randn(1, 2, 6), torch.randn(1, 2, 6), dec, groups=bad)

@@ -598,3 +598,94 @@ def test_bad_matmul_dtype_in_scorer_and_config():
     assert KVpopConfig().mlstm_matmul_dtype == "float32"
     mods = KVpopModules(KVpopConfig(window=4, topk=8, mlstm_matmul_dtype="bfloat16"), 2, 8)
     assert mods.scorer.matmul_dtype == "bfloat16"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-head projections in token chunks (head_matmul): the einsum's products, a weight gradient batched over chunks
+
+
+@pytest.mark.parametrize("shape,rows", [((2, 3, 7, 5), 4), ((2, 3, 12, 5), 4), ((2, 3, 3, 5), 4), ((2, 3, 5), 4),
+                                        ((2, 3, 4, 6, 5), 5), ((1, 3, 40, 5), None)])
+def test_head_matmul_equals_the_einsum_float64(shape, rows):
+    """Values and gradients (input and weight) of :func:`head_matmul` / :func:`head_matvec` against the einsum in
+    float64: rows fewer than a chunk, a multiple of it, a remainder, the decode step's [B, H, C], two token axes."""
+    g = torch.Generator().manual_seed(len(shape) + (rows or 0))
+    x = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    got = (scorers_mod.head_matmul(x, w, rows), scorers_mod.head_matvec(x, a, rows))
+    want = (torch.einsum("bh...c,hcn->bh...n", x, w), torch.einsum("bh...c,hc->bh...", x, a))
+    for y, ref in zip(got, want):
+        assert y.shape == ref.shape
+        torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    up = [torch.randn(y.shape, generator=g, dtype=torch.float64) for y in want]
+    grads = torch.autograd.grad(got, (x, w, a), up)
+    refs = torch.autograd.grad(want, (x, w, a), up)
+    for gr, ref in zip(grads, refs):
+        torch.testing.assert_close(gr, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_head_matmul_weight_gradient_is_batched_over_token_chunks():
+    """The point of :func:`head_matmul`: no matmul of the backward reduces over more than ``rows`` tokens (the
+    einsum's weight gradient is one reduction over all B * T tokens per head), and in float32 it matches the
+    einsum's weight gradient to rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+                self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 2, 100, 16)  # 3 chunks of 32 rows and a remainder of 4
+    w = torch.randn(2, 16, 8, requires_grad=True)
+    y = scorers_mod.head_matmul(x, w, rows=32)
+    with Matmuls() as mode:
+        (gw,) = torch.autograd.grad(y, w, torch.ones_like(y))
+    assert mode.shapes and all(a[-1] <= 32 for a, _ in mode.shapes), mode.shapes  # [entries, C, rows] @ [.., rows, N]
+    (ref,) = torch.autograd.grad(torch.einsum("bhtc,hcn->bhtn", x, w), w, torch.ones(2, 2, 100, 8))
+    torch.testing.assert_close(gw, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_mlp_scorer_over_several_chunks_matches_the_float64_reference(monkeypatch):
+    """The MLP scorer at more tokens than a chunk (here 8 rows a chunk, 2 x 29 tokens: chunks and a remainder):
+    scores and parameter gradients of the float64 per-head reference."""
+    monkeypatch.setattr(scorers_mod, "HEAD_MATMUL_ROWS", 8)
+    s = _randomize(MLPScorer(3, 8, hidden=12, zero_init=False), 7)
+    k, v = _kv(3, b=2, h=3, t=29)
+    x = torch.cat([k, v], -1).double()
+    p64 = {n: p.detach().double().requires_grad_() for n, p in s.named_parameters()}
+    ref = torch.stack([F.silu(x[:, h] @ p64["w1"][h] + p64["b1"][h]) @ p64["w2"][h] + p64["b2"][h] for h in range(3)], 1)
+    got = s(k, v)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    weight = torch.linspace(-1, 1, got.numel()).view_as(got)
+    grads = torch.autograd.grad((got * weight).sum(), list(s.parameters()))
+    refs = torch.autograd.grad((ref * weight.double()).sum(), [p64[n] for n, _ in s.named_parameters()])
+    for (name, _), a, b in zip(s.named_parameters(), grads, refs):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_compiled_scores_over_several_chunks_trace_in_one_graph(monkeypatch, skip):
+    """The compiled mLSTM scorer with its projections split into token chunks (8 rows; 77 tokens: 9 chunks and a
+    remainder) traces without graph breaks and equals the eager function (which the float64 references check)."""
+    monkeypatch.setattr(scorers_mod, "HEAD_MATMUL_ROWS", 8)
+    torch._dynamo.reset()  # mlstm_scores is compiled by other tests of this file: start below the recompile limit
+    compiled = torch.compile(scorers_mod.mlstm_scores, dynamic=False, fullgraph=True, backend="aot_eager")
+    s = _mlstm(window=5, seed=11, chunk_size=8, skip=skip)
+    k, v = _kv(12, t=77)
+    _compare_compiled(compiled, s, k, v)
+    torch._dynamo.reset()
+
+
+def test_mlstm_scores_over_several_chunks_match_bruteforce_float64(monkeypatch):
+    """The float64 brute-force reference of the mLSTM scorer with the projections in chunks of 4 token rows."""
+    monkeypatch.setattr(scorers_mod, "HEAD_MATMUL_ROWS", 4)
+    s = _mlstm(window=3, seed=31, chunk_size=4, use_norm=True, skip=False)
+    s.eps = 0.0
+    k, v = _kv(32, b=1, t=13)
+    assert torch.allclose(s(k, v).double(), _ref_mlstm_scores(s, k, v), rtol=1e-4, atol=1e-5)

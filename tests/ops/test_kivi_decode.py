@@ -1,7 +1,9 @@
 """One-token attention over a KIVI store (``kvlearn.ops.kivi_decode``) against attention written out here in float64
 over the store's read-back (itself checked against a brute-force KIVI in ``tests/cache/test_kivi_store.py``); the
-Triton kernel in Triton's CPU interpreter (one subprocess) against the same reference, with rows at different fill
-levels (no quantized key block yet, a block just completed, a full store); bad inputs are one line."""
+Triton kernels in Triton's CPU interpreter (one subprocess) against the same reference: the split kernel's key paths
+(key groups broadcast, per-slot rows), its 16-bit and float32 dequantization, and its window parts at the window's
+boundaries (no quantized key block yet, a block just completed, one slot past it, a capacity that is no multiple of
+the window, a window shorter than a tile), and the first kernel; bad inputs are one line."""
 
 import math
 
@@ -10,7 +12,7 @@ import torch
 
 from kvlearn.cache.kivi import KIVIStore
 from kvlearn.errors import KVLearnError
-from kvlearn.ops.kivi_decode import kivi_decode_attention
+from kvlearn.ops.kivi_decode import kivi_decode_attention, resolve_key_path
 
 from test_packed_decode import reference  # float64 attention written out per head (the packed store's reference)
 
@@ -85,7 +87,7 @@ def test_bad_inputs_raise_one_line_errors():
         assert "\n" not in str(err.value)
 
 
-# name: (seed, B, Hq, Hkv, C, D, bits, group, residual, value group, fills, shared, dtype, block_c, split)
+# name: (seed, B, Hq, Hkv, C, D, bits, group, residual, value group, fills, shared, dtype, block_c, split[, launch])
 INTERP_CASES = {
     # three rows: no quantized key block yet (n < R), a block just completed (n = 2R), mid-block; ragged splits
     "g2_2bit_fill_levels": (0, 3, 4, 2, 150, 64, 2, 8, 32, 16, [20, 64, 150], False, "float32", 16, 64),
@@ -94,18 +96,36 @@ INTERP_CASES = {
     "default_split": (3, 1, 4, 2, 300, 32, 4, 32, 128, 32, [300], False, "float32", 32, None),
     "bf16_2bit": (4, 1, 4, 2, 120, 64, 2, 32, 64, 32, [117], False, "bfloat16", 32, 64),  # the GPU's dtype
     "capacity_below_window": (5, 1, 4, 2, 24, 32, 4, 8, 32, 16, [24], False, "float32", 16, 1024),  # Q = 0
+    # the window's parts at its boundaries (R = 24, a tile of 16, two window parts): n = 1, R - 1, R (keys all
+    # quantized, values all in the window), R + 1, 2R - 1, 3R (no window key), and the full capacity 80 (slots past
+    # Q = 72 never quantize their keys)
+    "window_boundaries": (6, 7, 4, 2, 80, 32, 4, 8, 24, 16, [1, 23, 24, 25, 47, 72, 80], False, "float32", 16, 32),
+    "window_shorter_than_tile": (7, 2, 4, 2, 60, 32, 4, 4, 8, 8, [57, 8], False, "float32", 32, 64),  # 8 groups/tile
+    # key groups of 6 (no power of two): one key row per slot
+    "gather_g6_4bit": (8, 2, 8, 2, 200, 32, 4, 6, 24, 8, [200, 77], False, "float32", 16, 32),
+    "gather_g6_2bit_bf16": (9, 2, 8, 2, 200, 64, 2, 6, 24, 32, [199, 26], False, "bfloat16", 16, 32),
+    "gather_forced_g8": (10, 2, 4, 2, 150, 64, 2, 8, 32, 16, [150, 64], False, "float32", 16, 64,
+                         dict(key_path="gather")),
+    "group_spans_tiles_bf16_4bit": (11, 1, 8, 2, 200, 64, 4, 32, 64, 32, [190], False, "bfloat16", 16, 64),
+    "bf16_8bit": (12, 1, 4, 2, 120, 64, 8, 32, 64, 32, [117], False, "bfloat16", 32, 64),  # float32 dequantization
+    "fp16_8bit": (13, 1, 4, 2, 120, 64, 8, 16, 32, 32, [101], False, "float16", 32, 64),  # 1024 + code from bits
+    "fp16_2bit_block64": (14, 1, 4, 2, 200, 64, 2, 16, 64, 16, [200], False, "float16", 64, 128),
+    "rebuild_fill_levels": (0, 3, 4, 2, 150, 64, 2, 8, 32, 16, [20, 64, 150], False, "float32", 16, 64,
+                            dict(key_path="rebuild")),
+    "rebuild_bf16": (4, 1, 4, 2, 120, 64, 2, 32, 64, 32, [117], False, "bfloat16", 32, 64, dict(key_path="rebuild")),
 }
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1e-2}  # 16 bits: the probabilities meet the values in 16
 
 
 def run_case(name):
-    seed, B, Hq, Hkv, C, D, bits, group, res, vg, fills, shared, dtype, block_c, split = INTERP_CASES[name]
+    seed, B, Hq, Hkv, C, D, bits, group, res, vg, fills, shared, dtype, block_c, split, *launch = INTERP_CASES[name]
     q, store, visible, keys, values = kivi_inputs(seed, B, Hq, Hkv, C, D, bits, group, res, vg, fills, shared,
                                                   dtype=getattr(torch, dtype))
-    got = call(q, store, visible, backend="triton", block_c=block_c, split=split).double()
+    got = call(q, store, visible, backend="triton", block_c=block_c, split=split, **(launch[0] if launch else {}))
     want = reference(q, keys, values, visible, 1 / math.sqrt(D))
-    err = (got - want).abs().max().item()
-    tol = 1e-2 if dtype == "bfloat16" else 2e-5  # bf16: the probabilities meet the values in bf16 (flash attention)
-    return {"ok": bool(torch.allclose(got, want, atol=tol, rtol=tol)), "err": err}
+    err = (got.double() - want).abs().max().item()
+    tol = TOLERANCE[dtype]
+    return {"ok": bool(torch.allclose(got.double(), want, atol=tol, rtol=tol)), "err": err}
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))
@@ -113,11 +133,38 @@ def test_interpreter_matches_reference(interpreter_results, name):
     assert interpreter_results[name]["ok"], interpreter_results[name]
 
 
+def test_key_path_resolution_and_launch_errors():
+    """``"auto"`` broadcasts key groups where a tile lies in one group or holds whole power-of-two groups, else
+    loads a row per slot; a path that cannot serve the launch, or an unknown one, is a one-line error."""
+    assert resolve_key_path("auto", 32, 32) == "broadcast"  # one group per tile
+    assert resolve_key_path("auto", 64, 16) == "broadcast"  # a group spans four tiles
+    assert resolve_key_path("auto", 8, 64) == "broadcast"  # eight groups per tile
+    assert resolve_key_path("auto", 6, 16) == "gather"
+    assert resolve_key_path("auto", 48, 32) == "gather"
+    assert resolve_key_path("gather", 32, 32) == "gather" and resolve_key_path("rebuild", 6, 16) == "rebuild"
+    for args, needle in ((("broadcast", 6, 16), "key_path='broadcast' is invalid for group_size=6, block_c=16"),
+                         (("fold", 32, 32), "key_path='fold' is unknown")):
+        with pytest.raises(KVLearnError, match=needle) as err:
+            resolve_key_path(*args)
+        assert "\n" not in str(err.value)
+
+
+def test_interpreter_cases_reach_every_path():
+    """The interpreter cases resolve to both key paths of the split kernel and to the first kernel, and take each
+    dequantization (bf16 and fp16 from the codes' bits, float32) at least once."""
+    paths = {resolve_key_path((c[15] if len(c) > 15 else {}).get("key_path", "auto"), c[7], c[13])
+             for c in INTERP_CASES.values()}
+    assert paths == {"broadcast", "gather", "rebuild"}
+    kinds = {(c[12], c[6] <= 4) for c in INTERP_CASES.values()}
+    assert {("bfloat16", True), ("float16", False), ("float32", True), ("bfloat16", False)} <= kinds
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [2, 4])
 def test_cuda_kernel_matches_torch_at_a_real_shape(bits):
     """bf16 KIVI store, 40 query heads over 8 KV heads of 128, 5000 slots (several splits), G = 32, R = 128, on
-    CUDA: the kernel equals the torch backend up to the bf16 rounding of the probabilities in the value product."""
+    CUDA: every launch of the benchmark's sweep (both kernels, both key paths, tiles of 16-128, 4 or 8 warps, 2 or 3
+    stages) equals the torch backend up to the bf16 rounding of the probabilities in the value product."""
     torch.manual_seed(0)
     store = KIVIStore(bits, group_size=32, residual=128)
     store.allocate(1, 8, 5000, 128, 128, torch.bfloat16, "cuda")
@@ -127,7 +174,13 @@ def test_cuda_kernel_matches_torch_at_a_real_shape(bits):
     q = torch.randn(1, 40, 128, device="cuda", dtype=torch.bfloat16)
     visible = torch.zeros(1, 1, 5000, dtype=torch.bool, device="cuda")
     visible[..., :4990] = True
-    got = call(q, store, visible, backend="triton")
     want = call(q, store, visible, backend="torch")
-    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
-    assert (got - want).abs().mean() < 1e-3
+    launches = [{}] + [dict(key_path=p, block_c=bc, num_warps=w, num_stages=st)
+                       for p, bc, w, st in (("rebuild", 32, 4, 2), ("rebuild", 64, 4, 2), ("broadcast", 16, 4, 2),
+                                            ("broadcast", 32, 4, 3), ("broadcast", 32, 8, 2), ("broadcast", 64, 8, 2),
+                                            ("broadcast", 128, 4, 2), ("broadcast", 128, 8, 2), ("gather", 32, 4, 2),
+                                            ("gather", 64, 8, 2))]
+    for launch in launches:
+        got = call(q, store, visible, backend="triton", **launch)
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2, msg=lambda m: f"{launch}: {m}")
+        assert (got - want).abs().mean() < 1e-3, launch

@@ -29,6 +29,7 @@ from kvlearn.train.distill import (
     dense_distill_step,
     dense_student,
     distill_losses,
+    fused_adamw_applies,
     kd_loss,
     latest_checkpoint,
     make_optimizer,
@@ -335,3 +336,176 @@ def test_dense_distill_step_of_a_teacher_copy(teacher_path, tmp_path):
         probs = torch.softmax(teacher(input_ids=ids).logits[:, :-1], -1)  # [B, T-1, V]
     mass = probs.topk(16, dim=-1).values.sum(-1)[labels[:, 1:] != -100]  # [N]
     assert abs(log["kd"] - float(-mass.log().mean())) < 1e-5
+
+
+def test_kd_loss_without_the_mask_gather_equals_the_masked_rows(monkeypatch):
+    """Up to ``KD_DENSE_ELEMENTS`` logits ``kd_loss`` computes every position's KL and zeroes the unsupervised ones
+    (no boolean-mask index, whose ``nonzero`` waits for the device); above it it gathers the supervised rows by the mask. Same value
+    and gradient; the unsupervised positions' logits get no gradient either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvlearn.train import distill
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            if func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+                self.names.add("bool_index")  # a boolean mask index: its nonzero syncs with the device
+            return func(*args, **(kwargs or {}))
+
+    labels = torch.tensor([[-100, 3, -100, 4, 5, -100], [-100, -100, 9, -100, -100, 7]])
+    out = {}
+    for limit in (distill.KD_DENSE_ELEMENTS, 0):
+        monkeypatch.setattr(distill, "KD_DENSE_ELEMENTS", limit)
+        s = torch.randn(2, 6, 13, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        t = torch.randn(2, 6, 13, generator=torch.Generator().manual_seed(3))
+        with Ops() as ops:
+            loss = kd_loss(s, t, labels, topk=5)
+        (grad,) = torch.autograd.grad(loss, s)
+        out[limit] = (loss, grad, ops.names)
+    (dense, g_dense, ops_dense), (masked, g_masked, ops_masked) = out.values()
+    assert "bool_index" not in ops_dense and "nonzero" not in ops_dense and "bool_index" in ops_masked
+    torch.testing.assert_close(dense, masked, rtol=1e-6, atol=1e-7)  # float32 (kd_loss's), summed in another order
+    torch.testing.assert_close(g_dense, g_masked, rtol=1e-6, atol=1e-8)
+    assert (g_dense[0, 1] == 0).all() and (g_dense[:, -1] == 0).all()  # unsupervised positions: no gradient
+
+
+def test_fused_adamw_selection_and_state_dicts_across_kinds(teacher_path, tmp_path, monkeypatch):
+    """AdamW is fused only when every parameter is a plain CUDA floating tensor (never on the CPU, never for a tensor
+    subclass such as FSDP2's DTensor); ``fused=`` forces either kind. A fused and a default AdamW take the same
+    steps (to rounding), and the checkpoint's optimizer state of one kind resumes in the other."""
+    from kvlearn.train import distill, parallel
+
+    config = make_config(teacher_path, tmp_path / "f")
+    _, student = build_models(config, torch.device("cpu"))
+    assert not fused_adamw_applies(student.parameters()) and not fused_adamw_applies([])
+
+    class Sub(torch.Tensor):  # a tensor subclass that says it is on CUDA: still not fused (the type decides)
+        is_cuda = True
+
+    assert torch.zeros(2).as_subclass(Sub).is_cuda and not fused_adamw_applies([torch.zeros(2).as_subclass(Sub)])
+    assert not make_optimizer(config, student, torch.device("cpu")).defaults["fused"]  # the CPU path: unchanged
+    monkeypatch.setattr(distill, "fused_adamw_applies", lambda params: True)  # as on CUDA
+    assert make_optimizer(config, student, torch.device("cpu")).defaults["fused"]
+    assert not make_optimizer(config, student, torch.device("cpu"), fused=False).defaults["fused"]
+    monkeypatch.undo()
+
+    def run(fused_first: bool, fused_then: bool, steps=(2, 2)):
+        torch.manual_seed(0)
+        _, model = build_models(config, torch.device("cpu"))
+        opt = make_optimizer(config, model, torch.device("cpu"), fused=fused_first)
+        g = torch.Generator().manual_seed(5)
+        grads = [[torch.randn(p.shape, generator=g) for p in model.parameters()] for _ in range(sum(steps))]
+        for i in range(sum(steps)):
+            if i == steps[0]:  # "resume": the checkpoint's optimizer state into a new optimizer of the other kind
+                state = parallel.full_optimizer_state_dict(model, opt)
+                opt = make_optimizer(config, model, torch.device("cpu"), fused=fused_then)
+                parallel.load_optimizer_state_dict(model, opt, state)
+            for p, gr in zip(model.parameters(), grads[i]):
+                p.grad = gr.clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = run(False, False)
+    for kinds in ((True, True), (True, False), (False, True)):
+        for a, b in zip(run(*kinds), plain):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_cuda_retrofit_takes_fused_adamw_and_resumes(teacher_path, tmp_path):
+    """On CUDA the trainer's AdamW is fused, and a fused and a foreach AdamW take the same steps (to float
+    rounding, on the same gradients); a stopped CUDA run's checkpoint holds the fused optimizer state, which a
+    new fused optimizer loads as saved, and the run resumes to its end."""
+    from kvlearn.train import parallel
+    from kvlearn.train.distill import load_trainer_state
+
+    config = make_config(teacher_path, tmp_path / "g", device="cuda")
+    _, student = build_models(config, torch.device("cuda"))
+    assert fused_adamw_applies(student.parameters())
+    assert make_optimizer(config, student, torch.device("cuda")).defaults["fused"]
+    assert not make_optimizer(config, student, torch.device("cuda"), fused=False).defaults["fused"]
+
+    models = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        _, model = build_models(config, torch.device("cuda"))
+        opt = make_optimizer(config, model, torch.device("cuda"), fused=fused)
+        g = torch.Generator(device="cuda").manual_seed(5)
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g, device="cuda")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        models.append([p.detach() for p in model.parameters()])
+    for a, b in zip(*models):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    kw = dict(device="cuda", steps=4)
+    retrofit(make_config(teacher_path, tmp_path / "b", **kw), stop_after=3, progress=False)
+    resume = make_config(teacher_path, tmp_path / "b", resume=True, **kw)
+    _, model = build_models(resume, torch.device("cuda"))
+    trainer = load_trainer_state(latest_checkpoint(tmp_path / "b"), model, resume)
+    opt = make_optimizer(resume, model, torch.device("cuda"))
+    parallel.load_optimizer_state_dict(model, opt, trainer["optimizer"])
+    loaded = parallel.full_optimizer_state_dict(model, opt)["state"]
+    saved = trainer["optimizer"]["state"]
+    assert opt.defaults["fused"] and loaded.keys() == saved.keys() and int(trainer["step"]) == 2
+    for name, state in saved.items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(loaded[name][key].cpu().float(), state[key].cpu().float(), rtol=0, atol=0)
+    assert retrofit(resume, progress=False)["step"] == 4
+
+
+def test_distill_losses_of_all_layers_at_once_equal_the_loop_over_layers(teacher_path, tmp_path):
+    """``distill_losses`` computes every layer in one pass; a loop over the layers (each layer's own teacher policy,
+    decisions, ``boundary_loss`` and recall, then the means: what it computed before) gives the same terms, and
+    the same gradient into every scorer and decay parameter. The layers differ (own scorers, targets and decay)."""
+    from kvlearn.kvpop.loss import boundary_loss
+    from kvlearn.kvpop.policy import boundary_decisions, teacher_policy
+    from kvlearn.train.distill import retention_recall
+
+    config = make_config(teacher_path, tmp_path / "l", kvpop=KVpopConfig(**{**KV, "margin_temperature": 0.5}))
+    _, student = build_models(config, torch.device("cpu"))
+    scorers, decays = kvpop_modules(student)
+    torch.manual_seed(4)
+    for sc, dc in zip(scorers, decays):  # layers with different, non-neutral scorers and decays
+        torch.nn.init.normal_(sc.w2, std=0.5)
+        torch.nn.init.normal_(dc.alpha, std=1.0)
+    ids, _ = training_batch(2, SEQ, 9)
+    _, state = student_forward(student, ids, config.kvpop)
+    assert len(state.records) == 2
+    kv = config.kvpop
+    queries = sample_query_positions(SEQ, kv.sinks, kv.window, kv.topk, 16, generator=torch.Generator().manual_seed(1))
+    params = [p for n, p in student.named_parameters() if ".kvpop." in n]
+
+    got = distill_losses(state, queries)
+    got_grads = torch.autograd.grad(got["boundary"], params, retain_graph=True)
+
+    parts = {"boundary": [], "boundary_accuracy": [], "keep_fraction": [], "recall": []}
+    for layer in sorted(state.records):
+        rec = state.records[layer]
+        teacher = teacher_policy(rec.target, rec.log_gamma, kv.sinks, kv.window, kv.topk)
+        dec = boundary_decisions(teacher, queries, kv.sinks, kv.window, kv.topk)
+        res = boundary_loss(rec.priorities, teacher.priorities, dec, temperature=kv.loss_temperature,
+                            margin_weighting=kv.margin_weighting, margin_min_weight=kv.margin_min_weight,
+                            margin_temperature=kv.margin_temperature, balance=kv.balance,
+                            balance_clip=tuple(kv.balance_clip))
+        parts["boundary"].append(res.loss)
+        parts["boundary_accuracy"].append(res.accuracy)
+        parts["keep_fraction"].append((((dec.y > 0) & dec.valid).sum() / dec.valid.sum().clamp(min=1)).float())
+        parts["recall"].append(retention_recall(rec.ranks, rec.cutoffs, teacher.ranks, teacher.cutoffs, queries,
+                                                kv.sinks, kv.window))
+    want = {key: torch.stack(v).mean() for key, v in parts.items()}
+    assert len({float(x.detach()) for x in parts["boundary"]}) == 2 and len({float(x) for x in parts["recall"]}) == 2
+    want_grads = torch.autograd.grad(want["boundary"], params)
+    torch.testing.assert_close(got["boundary"], want["boundary"], rtol=1e-6, atol=1e-7)
+    for key in ("boundary_accuracy", "keep_fraction", "recall"):  # counts: the same numbers exactly
+        assert torch.equal(got[key], want[key].detach()), key
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

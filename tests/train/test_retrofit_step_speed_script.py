@@ -44,8 +44,41 @@ def test_smoke_writes_every_row_and_the_summary(tmp_path, capsys):
     assert summary["acceptance"] == {"retrofit_step_le_1p5x_distill_step": ratio <= 1.5}
 
 
+def test_smoke_variants_are_extra_rows(tmp_path):
+    """``--variants``: after the default rows, ``<method>+foreach_adamw`` of every method (AdamW not fused: on the
+    CPU neither is any row) and ``retrofit_kvpop_mlstm+bf16_mlstm_matmuls`` (the config's bf16 mLSTM operands);
+    every variant row's ratio to the default reference, and to the reference's own variant where it has one."""
+    script = load_benchmark("retrofit_step_speed")
+    out = tmp_path / "variants.json"
+    assert script.main(["--smoke", "--variants", "foreach_adamw,bf16_mlstm_matmuls,foreach_adamw",
+                        "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["variants"] == ["foreach_adamw", "bf16_mlstm_matmuls"]
+    rows = {r["name"]: r for r in data["rows"]}
+    base = ["distill_dense", "retrofit_kvpop_mlp", "retrofit_kvpop_mlstm"]
+    assert list(rows) == [*base, *(f"{m}+foreach_adamw" for m in base), "retrofit_kvpop_mlstm+bf16_mlstm_matmuls"]
+    ref = rows["distill_dense"]["ms"]
+    for name, r in rows.items():
+        assert "error" not in r and r["steps_timed"] == 2 and r["adamw_fused"] is False, name
+        assert r["ratio_to_distill_dense"] == pytest.approx(r["ms"] / ref)
+        assert ("variant" in r) == ("+" in name) and name == (f"{r['base']}+{r['variant']}" if "+" in name else name)
+    assert "variant" not in rows["retrofit_kvpop_mlstm"] and rows["retrofit_kvpop_mlstm"]["kvpop"]["mlstm_matmul_dtype"] == "float32"
+    bf16 = rows["retrofit_kvpop_mlstm+bf16_mlstm_matmuls"]
+    assert bf16["kvpop"]["mlstm_matmul_dtype"] == "bfloat16" and bf16["kvpop"]["scorer"] == "mlstm"
+    assert "ratio_to_reference_variant" not in bf16 and "ratio_to_reference_variant" not in rows["distill_dense+foreach_adamw"]
+    foreach = rows["retrofit_kvpop_mlstm+foreach_adamw"]
+    assert foreach["ratio_to_reference_variant"] == pytest.approx(foreach["ms"] / rows["distill_dense+foreach_adamw"]["ms"])
+    summary = data["summary"]
+    assert set(summary["variants"]) == {n for n in rows if "+" in n}
+    assert summary["variants"]["retrofit_kvpop_mlstm+foreach_adamw"]["ratio_to_reference_variant"] == pytest.approx(
+        foreach["ratio_to_reference_variant"])
+    assert summary["acceptance"] == {"retrofit_step_le_1p5x_distill_step":
+                                     summary["retrofit_kvpop_mlstm_over_distill_dense"] <= 1.5}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--smoke", "--methods", "retrofit_kvpop,retrofit_dms"], "--methods: 'retrofit_kvpop' is unknown"),
+    (["--smoke", "--variants", "fused_adamw"], "--variants: 'fused_adamw' is unknown: expected some of foreach_adamw"),
     (["--smoke", "--budget", "256"], "--seq-len=256 is invalid for --budget=256"),
     (["--smoke", "--budget", "20"], "--budget=20 is invalid: expected > sinks + window = 20"),
     (["--shape", "qwen3-1.7b"], "--shape='qwen3-1.7b' is unknown: expected qwen3-0.6b"),

@@ -222,9 +222,14 @@ def _gathered_attention(query, key, value, plan: GatheredPlan, scale, return_lse
     qp = F.pad(query, (0, 0, 0, Tp - T)) if Tp > T else query  # padded rows are zeros, dropped below
     qg = qp.reshape(B, Hq, nQ, BS, D).transpose(1, 2).reshape(B * nQ, Hq, BS, D)
     # index_select: its backward is index_add_ (atomic adds), not advanced indexing's sort-based index_put_
-    # (results/raw/kvpop_ops_h200_b80db6a.json measured the gathered backward with advanced indexing at ~58 ms)
-    kg = key.reshape(B * Hkv * T, D).index_select(0, plan.flat_index).view(B * nQ, Hkv, C, D)
-    vg = value.reshape(B * Hkv * T, D).index_select(0, plan.flat_index).view(B * nQ, Hkv, C, D)
+    # (results/raw/kvpop_ops_h200_b80db6a.json measured the gathered backward with advanced indexing at ~58 ms).
+    # Keys and values are gathered together, as rows [k; v] of 2D: on CUDA index_select runs a gather kernel with
+    # one thread block per index row, so its cost follows the number of rows more than their bytes (a D = 32 bf16
+    # row is 64 bytes) and one gather of [k; v] rows should cost about what one of K alone did; the backward is one
+    # index_add_ instead of two. kg, vg are strided views (row stride 2D, last dim contiguous, as FlexAttention
+    # takes them).
+    kv = torch.cat([key, value], dim=-1).reshape(B * Hkv * T, 2 * D)
+    kg, vg = kv.index_select(0, plan.flat_index).view(B * nQ, Hkv, C, 2, D).unbind(-2)
     if query.device.type == "cpu" and needs_grad:  # eager FlexAttention has no backward on the CPU
         out, lse = _dense_gathered(qg, kg, vg, plan.rel_pos, plan.rel_end, G, scale, return_lse)
     else:

@@ -40,6 +40,9 @@ class BoundaryLoss:
         accuracy: scalar float32, fraction of valid decisions where the student's comparison agrees with ``y``
             (0 when nothing is valid), detached.
         num_valid: scalar int64 number of valid decisions.
+
+    With ``groups > 1`` (:func:`boundary_loss`): ``loss`` and ``accuracy`` are the means over the groups of each
+    group's, the weights have mean 1 over each group's valid decisions, and ``num_valid`` is int64 ``[groups]``.
     """
 
     loss: Tensor
@@ -64,6 +67,7 @@ def boundary_loss(
     balance: bool = True,
     balance_clip: tuple[float, float] = (0.2, 5.0),
     reduce_sum=None,
+    groups: int = 1,
 ) -> BoundaryLoss:
     """Weighted pairwise logistic loss at the teacher's retention boundary.
 
@@ -81,6 +85,11 @@ def boundary_loss(
             mean, number of valid decisions) is then taken over the global batch, and the returned loss is this
             process's share of the global mean (its sum over the global count): the shares add up to the loss of
             one process on the whole batch. None: this batch alone.
+        groups: the ``kv_heads`` axis holds this many independent losses, ``kv_heads / groups`` heads each (the
+            retrofit stacks its layers along it: one call for every layer instead of one per layer). Each group is
+            computed as a call on its own heads alone would compute it (its own weight normalisation and valid
+            count; the balancing is per head anyway), and the loss and accuracy are the means over the groups of
+            theirs (see :class:`BoundaryLoss`). 1: one loss over all heads.
     """
     check(isinstance(pred_priority, Tensor) and pred_priority.dim() == 3,
           f"pred_priority shape={tuple(getattr(pred_priority, 'shape', ()))} is invalid: expected [batch, kv_heads, seq]")
@@ -92,6 +101,8 @@ def boundary_loss(
     check(isinstance(decisions, BoundaryDecisions),
           f"decisions of type {type(decisions).__name__} is invalid: expected BoundaryDecisions")
     b, h, seq = pred_priority.shape
+    check(isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1 and h % groups == 0,
+          f"groups={groups!r} is invalid: expected an integer >= 1 that divides kv_heads={h}")
     shape = decisions.t_new.shape
     check(len(shape) == 3 and shape[0] == b and shape[1] == h,
           f"decisions shape={tuple(shape)} is invalid: expected [batch, kv_heads, n] with batch={b}, kv_heads={h}")
@@ -109,6 +120,18 @@ def boundary_loss(
           f"balance_clip={balance_clip!r} is invalid: expected (c_min, c_max) with 0 < c_min <= c_max")
 
     reduce = reduce_sum if reduce_sum is not None else (lambda t: t)
+    if groups == 1:
+        def total(x: Tensor) -> Tensor:  # [b, h, n] -> scalar
+            return x.sum()
+
+        def per_head(v: Tensor) -> Tensor:
+            return v
+    else:
+        def total(x: Tensor) -> Tensor:  # [b, h, n] -> [groups]: each group's sum
+            return x.reshape(b, groups, h // groups, x.shape[-1]).sum(dim=(0, 2, 3))
+
+        def per_head(v: Tensor) -> Tensor:  # [groups] -> [1, h, 1]: each head its group's value
+            return v.repeat_interleave(h // groups)[None, :, None]
     valid = decisions.valid.bool()
     validf = valid.to(torch.float32)
     y = torch.where(valid, decisions.y.to(torch.float32), torch.zeros((), device=valid.device))
@@ -134,13 +157,15 @@ def boundary_loss(
             w_drop = (0.5 / (1.0 - rho).clamp(min=1e-12)).clamp(c_min, c_max)
             weights = weights * torch.where(y > 0, w_keep[None, :, None], w_drop[None, :, None])
         weights = weights * validf
-        num_valid = reduce(valid.sum())
-        mean_w = reduce(weights.sum()) / num_valid.clamp(min=1)
+        num_valid = reduce(total(valid))
+        mean_w = per_head(reduce(total(weights)) / num_valid.clamp(min=1))
         weights = torch.where(mean_w > 0, weights / mean_w.clamp(min=1e-30), weights)
         # Student tie rule: equal static priorities go to the earlier token, and t_bnd < t_new always,
         # so a tie means t_new is dropped.
         agree = torch.where(y > 0, diff.detach() > 0, diff.detach() <= 0) & valid
-        accuracy = reduce(agree.to(torch.float32).sum()) / num_valid.clamp(min=1)
+        accuracy = reduce(total(agree.to(torch.float32))) / num_valid.clamp(min=1)
 
-    loss = (weights * per_example * validf).sum() / num_valid.clamp(min=1)
+    loss = total(weights * per_example * validf) / num_valid.clamp(min=1)
+    if groups > 1:
+        loss, accuracy = loss.mean(), accuracy.mean()
     return BoundaryLoss(loss=loss, weights=weights, accuracy=accuracy, num_valid=num_valid)

@@ -23,6 +23,8 @@ __all__ = [
     "static_priorities",
     "TeacherPolicy",
     "teacher_policy",
+    "teacher_policies",
+    "stacked_teacher_policy",
     "BoundaryDecisions",
     "boundary_decisions",
     "sample_query_positions",
@@ -179,6 +181,20 @@ def teacher_policies(targets: Sequence[Tensor], log_gammas: Sequence[Tensor], si
         targets: per layer, ``[batch, kv_heads, seq]`` (one shape and device for all).
         log_gammas: per layer, ``[kv_heads]``.
     """
+    stacked = stacked_teacher_policy(targets, log_gammas, sinks, window, topk)
+    b = targets[0].shape[0]
+    return [TeacherPolicy(*(getattr(stacked, f)[i * b : (i + 1) * b] for f in _POLICY_TENSORS), sinks, window, topk)
+            for i in range(len(targets))]
+
+
+_POLICY_TENSORS = ("priorities", "ranks", "cutoffs", "cutoffs_next", "order")
+
+
+def stacked_teacher_policy(targets: Sequence[Tensor], log_gammas: Sequence[Tensor], sinks: int, window: int,
+                           topk: int) -> TeacherPolicy:
+    """The policies of :func:`teacher_policies` as one :class:`TeacherPolicy` over the layers stacked along the
+    batch dimension (``[layers * batch, kv_heads, seq]``, layer-major): rows ``i * batch .. (i + 1) * batch - 1``
+    are layer ``i``'s policy. Same arguments and checks as :func:`teacher_policies`."""
     check(len(targets) >= 1 and len(targets) == len(log_gammas),
           f"got {len(targets)} targets and {len(log_gammas)} log_gammas: expected the same number, at least one")
     for i, target in enumerate(targets):
@@ -194,9 +210,7 @@ def teacher_policies(targets: Sequence[Tensor], log_gammas: Sequence[Tensor], si
         cut_k1 = running_cutoff(ranks, sinks, window, topk + 1)
         idx = torch.arange(prio.shape[-1], device=prio.device, dtype=torch.int64).expand_as(prio)
         order = torch.empty_like(idx).scatter_(-1, ranks.long(), idx)
-    b = targets[0].shape[0]
-    return [TeacherPolicy(*(x[i * b : (i + 1) * b] for x in (prio, ranks, cut_k, cut_k1, order)), sinks, window, topk)
-            for i in range(len(targets))]
+    return TeacherPolicy(prio, ranks, cut_k, cut_k1, order, sinks, window, topk)
 
 
 # ----------------------------------------------------------------------------------------------------------------

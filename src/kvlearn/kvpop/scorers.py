@@ -50,6 +50,44 @@ def _cat_kv(key: Tensor, value: Tensor) -> Tensor:
     return torch.cat([key.detach(), value.detach()], dim=-1).float()
 
 
+# Token rows per batch entry of the per-head projections (:func:`head_matmul`).
+HEAD_MATMUL_ROWS = 256
+
+
+def head_matmul(x: Tensor, w: Tensor, rows: int | None = None) -> Tensor:
+    """Per-head projection ``x [B, H, ..., C] @ w [H, C, N] -> [B, H, ..., N]`` (one float dtype, no casts).
+
+    The same products as ``torch.einsum("bh...c,hcn->bh...n", x, w)``, but computed as one batched matmul over
+    (batch, head, chunk of ``rows`` token rows; default :data:`HEAD_MATMUL_ROWS`), the rows past the last full
+    chunk as one more matmul. Why: the weight's gradient is then a batched matmul over those entries, each reducing
+    over ``rows`` tokens, and a sum over the entries. The einsum's weight gradient is one reduction over all
+    ``B * T`` tokens per head into an ``[C, N]`` output, which a GEMM covers with a handful of thread blocks
+    (the MLP scorer in the 8 x 4096 retrofit: ``C = N = 64``, 8 tiles of 32 x 32 over 32768 tokens; the MLP step's
+    profile, ``results/raw/retrofit_step_profile_retrofit_kvpop_mlp_1880c5c.txt``, has 8 calls of about 1 ms of an
+    FFMA GEMM, one a layer). Forward values are the same dot products (length ``C``); the weight gradient differs
+    from the einsum's by the summation order only."""
+    heads, c, n = w.shape
+    lead = x.shape[:-1]
+    b = x.shape[0]
+    total = math.prod(x.shape[2:-1])  # token rows per (batch, head): 1 for [B, H, C]
+    rows = HEAD_MATMUL_ROWS if rows is None else rows
+    xr = x.reshape(b, heads, total, c)
+    if total <= rows:
+        y = xr @ w  # [B, H, total, N]: w broadcast over the batch
+    else:
+        full = total // rows * rows
+        y = (xr[:, :, :full].reshape(b, heads, total // rows, rows, c) @ w.unsqueeze(1)).reshape(b, heads, full, n)
+        if full < total:
+            y = torch.cat([y, xr[:, :, full:] @ w], dim=2)
+    return y.reshape(*lead, n)
+
+
+def head_matvec(x: Tensor, w: Tensor, rows: int | None = None) -> Tensor:
+    """``x [B, H, ..., C] · w [H, C] -> [B, H, ...]`` per head (``torch.einsum("bh...c,hc->bh...")``) by
+    :func:`head_matmul`, for the same reason."""
+    return head_matmul(x, w.unsqueeze(-1), rows).squeeze(-1)
+
+
 def hedgehog(y: Tensor) -> Tensor:
     """Hedgehog feature map ``φ(y) = [softmax(y); softmax(-y)]`` over the last dim: ``[..., d] -> [..., 2d]``."""
     return torch.cat([torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)], dim=-1)
@@ -152,7 +190,7 @@ class LinearScorer(KVScorer):
             nn.init.uniform_(self.weight, -bound, bound)
 
     def _score_x(self, x: Tensor) -> Tensor:
-        return torch.einsum("bhtc,hc->bht", x, self._param(self.weight)) + self._param(self.bias)[:, None]
+        return head_matvec(x, self._param(self.weight)) + self._param(self.bias)[:, None]
 
 
 class MLPScorer(KVScorer):
@@ -178,8 +216,8 @@ class MLPScorer(KVScorer):
             nn.init.uniform_(self.w2, -bound2, bound2)
 
     def _score_x(self, x: Tensor) -> Tensor:
-        hid = torch.einsum("bhtc,hcd->bhtd", x, self._param(self.w1)) + self._param(self.b1)[:, None]
-        return torch.einsum("bhtd,hd->bht", F.silu(hid), self._param(self.w2)) + self._param(self.b2)[:, None]
+        hid = head_matmul(x, self._param(self.w1)) + self._param(self.b1)[:, None]
+        return head_matvec(F.silu(hid), self._param(self.w2)) + self._param(self.b2)[:, None]
 
 
 def _fold_identity(d_in: int, d_out: int) -> Tensor:
@@ -206,8 +244,7 @@ def _project(x: Tensor, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap: float | None
     ``x`` is read once (and once in the backward) instead of five times."""
     half, dv = w_q.shape[-1], w_v.shape[-1]
     w = torch.cat([w_q.float(), w_k.float(), w_v.float(), w_i.float().unsqueeze(-1), w_f.float().unsqueeze(-1)], dim=-1)
-    seq = x.dim() == 4
-    y = x @ w if seq else (x.unsqueeze(-2) @ w).squeeze(-2)  # [B,H,(T,)N]
+    y = head_matmul(x, w)  # [B,H,(T,)N]
     yq, yk, v, ig, fg = y.split([half, half, dv, 1, 1], dim=-1)
     shape = (w.shape[0],) + (1,) * (x.dim() - 3)
     ig = ig.squeeze(-1) + b_i.float().view(shape)
@@ -221,7 +258,7 @@ def _score_head(h: Tensor, a: Tensor, b: Tensor, norm_weight: Tensor | None, nor
     if norm_weight is not None:
         h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + norm_eps)
         h = h * norm_weight.float().view((heads,) + (1,) * extra + (h.shape[-1],))
-    return torch.einsum("bh...d,hd->bh...", F.silu(h), a.float()) + b.float().view((heads,) + (1,) * extra)
+    return head_matvec(F.silu(h), a.float()) + b.float().view((heads,) + (1,) * extra)
 
 
 def _skip_score(x: Tensor, w1: Tensor | None, b1: Tensor | None, w2: Tensor | None) -> Tensor | float:
@@ -229,8 +266,8 @@ def _skip_score(x: Tensor, w1: Tensor | None, b1: Tensor | None, w2: Tensor | No
     if w1 is None:
         return 0.0
     extra = x.dim() - 3
-    hid = torch.einsum("bh...c,hcd->bh...d", x, w1.float()) + b1.float().view((w1.shape[0],) + (1,) * extra + (-1,))
-    return torch.einsum("bh...d,hd->bh...", F.silu(hid), w2.float())
+    hid = head_matmul(x, w1.float()) + b1.float().view((w1.shape[0],) + (1,) * extra + (-1,))
+    return head_matvec(F.silu(hid), w2.float())
 
 
 def mlstm_scores(

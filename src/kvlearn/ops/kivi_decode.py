@@ -12,9 +12,24 @@ as :func:`kvlearn.ops.quant.pack` does), and a full-precision ring window of the
 
 The asymmetric quantizer's zero-point stops the trick of the symmetric store (:mod:`kvlearn.ops.packed_decode`,
 one scale per vector factored out of the dot product), so this kernel rebuilds each tile of ``BLOCK_C`` keys and
-values **in registers** (codes, their group's scale and minimum, or the window row) and attends it there: no
-dequantized copy of the store is ever written to memory, which a read-then-attend path allocates at every step
-(``2 * slots * head_dim`` model-dtype elements per layer).
+values **in registers** and attends it there: no dequantized copy of the store is ever written to memory, which a
+read-then-attend path allocates at every step (``2 * slots * head_dim`` model-dtype elements per layer).
+
+How a tile is rebuilt (the split kernel). Slots below ``qend = max(n - R, 0)`` have key and value quantized, so
+the programs of the slot splits stop there and their tiles need no window row and no per-element choice; the
+window's slots ``[qend, n)`` (at most ``R``) go to ``ceil(min(R, capacity) / BLOCK_C)`` programs, one tile each, in
+a second launch of the same kernel (values from the window, keys quantized or from it). A quantized tile's codes
+are unpacked into channel order (``tl.join``), so a key group's per-channel scale and minimum are one contiguous
+row, loaded once per group and broadcast over its slots (``key_path="broadcast"``: a tile in one group, or whole
+groups of a power-of-two size; ``"gather"`` loads a row per slot, for any ``G``), and a token's ``D / G_v`` value
+scales and minima one short row, broadcast over their channels; then one ``tl.dot`` for the logits and one for the
+values. The codes become numbers from their bits, with no int-to-float conversion instruction: with bf16 scales
+and ``b <= 4`` (fp16: any ``b``), ``0x4300 | u`` is bf16 ``128 + u`` (fp16: ``0x6400 | u`` is ``1024 + u``), minus
+the offset, exact, and ``u * scale + minimum`` is one fused multiply-add on bf16 pairs, a single rounding of the
+exact value where float32 then a cast rounds twice (they differ only where the float32 sum lands on a bf16 tie);
+otherwise ``bits(2^23 + u) - 2^23`` in float32. ``key_path="rebuild"`` is the first kernel, kept to measure
+against: bit planes, and every element of every tile loading its own scale, minimum and window row and choosing
+among them (``results/kivi_decode_h200.json``: 2.6-4.4x the bf16 cache's decode step).
 
 Inputs (one device): ``query [batch, q_heads, head_dim]``; the store's buffers ``key_codes [batch, kv_heads, Q,
 head_dim * b / 8]`` uint8 (``Q = floor(capacity / R) R``), ``key_scale``, ``key_min [batch, kv_heads, Q / G,
@@ -25,10 +40,11 @@ visible slot per row); ``bits`` in {2, 4, 8}; ``group_size`` ``G``. Returns ``[b
 
 Backends: ``"torch"`` (:func:`kivi_read`, the whole store dequantized, then a masked softmax in float32: the
 reference, any device) and ``"triton"`` (split-K flash decoding as in :mod:`kvlearn.ops.packed_decode`: programs over
-``(batch * kv_heads, slot splits)``, each holding the ``G`` query heads of one KV head, the codes split into
-``8 / b`` bit planes in registers, tiles rebuilt in float32 then cast to the query's dtype for ``tl.dot``; the same
-merge kernel). ``"auto"`` takes Triton on CUDA where :func:`~kvlearn.ops.packed_decode.fused_decode_applies`. Runs
-on the CPU in Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
+``(batch * kv_heads, parts)``, each holding the ``q_heads / kv_heads`` query heads of one KV head, so a tile is
+loaded once for all of them; the same merge kernel). ``"auto"`` takes Triton on CUDA where
+:func:`~kvlearn.ops.packed_decode.fused_decode_applies`. Runs on the CPU in Triton's interpreter
+(``TRITON_INTERPRET=1`` set before triton is imported), which cannot do arithmetic on bf16: there the 16-bit path
+goes through float32.
 """
 
 from __future__ import annotations
@@ -41,13 +57,13 @@ from torch import Tensor
 from kvlearn.errors import check
 from kvlearn.ops.packed_decode import BACKENDS, default_split, fused_decode_applies, merge_splits
 from kvlearn.ops.quant import QUANT_BITS, check_bits, kivi_dequantize_keys, kivi_dequantize_values, unpack
-from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, interpreting, is_pow2, tl, triton
+from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, check_launch, interpreting, is_pow2, tl, triton
 
 if HAS_TRITON:
     from kvlearn.ops.packed_decode import empty_split_state, query_planes, store_split_partials
     from kvlearn.ops.triton_support import dot_fp32, online_lse_step
 
-__all__ = ["kivi_decode_attention", "kivi_read"]
+__all__ = ["KEY_PATHS", "kivi_decode_attention", "kivi_read", "resolve_key_path"]
 
 
 def _unsigned(packed: Tensor, bits: int, n: int) -> Tensor:
@@ -167,7 +183,7 @@ if HAS_TRITON:
         return tl.where(window[:, None], vw.to(tl.float32), vq)
 
     @triton.jit
-    def _kivi_decode_kernel(
+    def _kivi_rebuild_kernel(
         q_ptr,  # [B, Hq, D]
         kc_ptr, ks_ptr, km_ptr,  # key codes [B, Hkv, Q, DB] uint8; key scale / min [B, Hkv, Q / GROUP, D]
         vc_ptr, vs_ptr, vm_ptr,  # value codes [B, Hkv, C, DB] uint8; value scale / min [B, Hkv, C, D / VGROUP]
@@ -188,8 +204,9 @@ if HAS_TRITON:
         SPLIT: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, VGROUP: tl.constexpr, RES: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ):
-        """One (batch x KV head, slot split): tiles of ``BLOCK_C`` slots rebuilt in registers plane by plane, an
-        online softmax in base 2 (the packed kernel's loop with KIVI's tiles)."""
+        """The first kernel (``key_path="rebuild"``, kept to measure against): one (batch x KV head, slot split),
+        every tile of ``BLOCK_C`` slots rebuilt in registers plane by plane, each element loading its own scale,
+        minimum and window row and choosing among them."""
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         b = (bh // HKV).to(tl.int64)
@@ -260,9 +277,202 @@ if HAS_TRITON:
         store_split_partials(m_ptr, l_ptr, acc_ptr, bh * SPLITS + sp, offs_g, offs_t, m_i, l_i, acc0, acc1, acc2, acc3,
                              G_PAD, HEAD_DIM, PER_BYTE)
 
+    # ----- the split kernel: channel-order tiles without per-element selection, the window in parts of its own -----
+
+    @triton.jit
+    def _exact_f32(u):
+        """Integer codes ``0 <= u < 2^23`` (int32) as float32, exactly, with no int-to-float conversion instruction:
+        the bit pattern of ``2^23 + u``, minus ``2^23``."""
+        return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _channel_codes(byte, PER_BYTE: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Packed bytes ``[BLOCK_C, HEAD_DIM / PER_BYTE]`` (int32) -> the unsigned codes ``[BLOCK_C, HEAD_DIM]`` in
+        channel order (code ``j`` of byte ``t``, bits ``[j b, (j + 1) b)``, is channel ``t * PER_BYTE + j``)."""
+        if PER_BYTE == 1:
+            u = byte
+        elif PER_BYTE == 2:
+            u = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_C, HEAD_DIM))
+        else:  # join(join(j0, j2), join(j1, j3)) puts code 2 i + k at [..., i, k]
+            u = tl.reshape(tl.join(tl.join(byte & 3, (byte >> 4) & 3), tl.join((byte >> 2) & 3, byte >> 6)),
+                           (BLOCK_C, HEAD_DIM))
+        return u
+
+    @triton.jit
+    def _dequantize(u, scale, minimum, OFFSET: tl.constexpr, EMULATE: tl.constexpr):
+        """``u * scale + minimum`` elementwise. ``OFFSET`` 128 (bf16 scales, codes below 128) or 1024 (fp16): in
+        that dtype, the codes exact from their bits (``0x4300 | u`` is bf16 ``128 + u``, ``0x6400 | u`` fp16
+        ``1024 + u``; minus the offset, exact) and one fused multiply-add (on pairs, on the GPU): one rounding of
+        the exact ``u s + m``, where float32 then a cast rounds twice (``u s`` is exact in float32; they differ
+        only where the float32 sum lands on a bf16 tie). ``0``: in float32. ``EMULATE``: Triton's interpreter,
+        which keeps bf16 as raw bits (no arithmetic on it) and would round fp16 products: through float32."""
+        if OFFSET == 0:
+            x = _exact_f32(u) * scale.to(tl.float32) + minimum.to(tl.float32)
+        else:
+            if OFFSET == 128:
+                c = (u | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            else:
+                c = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+            if EMULATE:
+                x = ((c.to(tl.float32) - OFFSET) * scale.to(tl.float32) + minimum.to(tl.float32)).to(c.dtype)
+            else:
+                x = tl.fma(c - float(OFFSET), scale, minimum)
+        return x
+
+    @triton.jit
+    def _key_groups(base, c0, rows, live, hi, offs_d, stride_sg, GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, KEY_PATH: tl.constexpr):
+        """The per-channel key scales (or minima) of a tile's slots, ``[BLOCK_C, HEAD_DIM]``: ``KEY_PATH == 1``
+        loads each of the tile's key groups once (one row when the tile lies in one group, else ``BLOCK_C /
+        GROUP`` rows) and broadcasts it over the group's slots; ``0`` loads one row per slot (any ``GROUP``)."""
+        if KEY_PATH == 1:
+            if GROUP % BLOCK_C == 0:
+                row = tl.load(base + (c0 // GROUP) * stride_sg + offs_d)
+                t = tl.broadcast_to(row[None, :], (BLOCK_C, HEAD_DIM))
+            else:
+                K: tl.constexpr = BLOCK_C // GROUP
+                grp = c0 // GROUP + tl.arange(0, K)
+                g_rows = tl.load(base + grp[:, None] * stride_sg + offs_d[None, :], mask=(grp * GROUP < hi)[:, None],
+                                 other=0.0)
+                t = tl.reshape(tl.broadcast_to(g_rows[:, None, :], (K, GROUP, HEAD_DIM)), (BLOCK_C, HEAD_DIM))
+        else:
+            t = tl.load(base + (rows // GROUP)[:, None] * stride_sg + offs_d[None, :], mask=live[:, None], other=0.0)
+        return t
+
+    @triton.jit
+    def _value_groups(base, rows, live, stride_vst, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      VGROUP: tl.constexpr):
+        """The value scales (or minima) of a tile's tokens, ``[BLOCK_C, HEAD_DIM / VGROUP]`` loaded once (one
+        short contiguous row per token) and broadcast over each group's channels: ``[BLOCK_C, HEAD_DIM]``."""
+        NG: tl.constexpr = HEAD_DIM // VGROUP
+        t = tl.load(base + rows[:, None] * stride_vst + tl.arange(0, NG)[None, :], mask=live[:, None], other=0.0)
+        return tl.reshape(tl.broadcast_to(t[:, :, None], (BLOCK_C, NG, VGROUP)), (BLOCK_C, HEAD_DIM))
+
+    @triton.jit
+    def _kivi_decode_kernel(
+        q_ptr,  # [B, Hq, D]
+        kc_ptr, ks_ptr, km_ptr,  # key codes [B, Hkv, Q, DB] uint8; key scale / min [B, Hkv, Q / GROUP, D]
+        vc_ptr, vs_ptr, vm_ptr,  # value codes [B, Hkv, C, DB] uint8; value scale / min [B, Hkv, C, D / VGROUP]
+        kw_ptr, vw_ptr,  # windows [B, Hkv, RES, D]
+        n_ptr,  # filled [B] int64
+        vis_ptr,  # bool viewed as uint8 [B, Hv, C] (Hv = Hkv or 1; stride 0 when shared)
+        m_ptr, l_ptr, acc_ptr,  # partials: [B * Hkv, PARTS, G_PAD], [..., G_PAD], [..., G_PAD, D] float32
+        stride_qb, stride_qh,
+        stride_kcb, stride_kch, stride_kct,
+        stride_ksb, stride_ksh, stride_ksg,
+        stride_vcb, stride_vch, stride_vct,
+        stride_vsb, stride_vsh, stride_vst,
+        stride_wb, stride_wh, stride_wt,
+        stride_vib, stride_vih,
+        split, splits, parts,  # slots per split, the splits, splits + the window's tiles
+        qk_scale,  # scale * log2(e)
+        HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        PER_BYTE: tl.constexpr, DB: tl.constexpr, BLOCK_C: tl.constexpr,
+        GROUP: tl.constexpr, VGROUP: tl.constexpr, RES: tl.constexpr,
+        KEY_PATH: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ):
+        """One (batch x KV head, split ``sp``). Without ``WINDOW``: the split's slots below ``qend = max(n - RES,
+        0)``, where key and value are both quantized, so a tile needs no window row and no per-element choice: the
+        codes unpacked into channel order, the key scales and minima per group (``KEY_PATH`` 1) or per slot (0),
+        the value ones per token, broadcast over their channels; one ``tl.dot`` for the logits and one for the
+        values. With ``WINDOW`` (a launch of its own, so that the main loop keeps the registers it needs): the
+        ``sp``-th tile of ``[qend, n)``, partial ``splits + sp``: the values all from the window there, the keys
+        quantized below ``floor(n / RES) RES`` and from the window above."""
+        bh = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = (bh // HKV).to(tl.int64)
+        h = (bh % HKV).to(tl.int64)
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_t = tl.arange(0, DB)
+        offs_c = tl.arange(0, BLOCK_C)
+        q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                    mask=(offs_g < G)[:, None], other=0.0)  # [G_PAD, D]; padded rows zeros
+        n = tl.load(n_ptr + b).to(tl.int32)
+        qend = tl.maximum(n - RES, 0)  # slots below: key and value quantized
+        kc_base = kc_ptr + b * stride_kcb + h * stride_kch
+        ks_base = ks_ptr + b * stride_ksb + h * stride_ksh
+        km_base = km_ptr + b * stride_ksb + h * stride_ksh
+        vis_base = vis_ptr + b * stride_vib + h * stride_vih
+        m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+        if not WINDOW:
+            lo = sp * split
+            hi = tl.minimum(lo + split, qend)
+            vc_base = vc_ptr + b * stride_vcb + h * stride_vch
+            vs_base = vs_ptr + b * stride_vsb + h * stride_vsh
+            vm_base = vm_ptr + b * stride_vsb + h * stride_vsh
+            for c0 in range(lo, hi, BLOCK_C):
+                rows = c0 + offs_c
+                live = rows < hi
+                visible = tl.load(vis_base + rows, mask=live, other=0) != 0
+                kb = tl.load(kc_base + rows[:, None] * stride_kct + offs_t[None, :], mask=live[:, None], other=0)
+                ks = _key_groups(ks_base, c0, rows, live, hi, offs_d, stride_ksg, GROUP, BLOCK_C, HEAD_DIM,
+                                 KEY_PATH)
+                km = _key_groups(km_base, c0, rows, live, hi, offs_d, stride_ksg, GROUP, BLOCK_C, HEAD_DIM,
+                                 KEY_PATH)
+                u = _channel_codes(kb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM)
+                k = _dequantize(u, ks, km, OFFSET, DOT_UPCAST)
+                s = dot_fp32(q, tl.trans(k.to(q.dtype)), None, DOT_PRECISION, DOT_UPCAST)  # [G_PAD, BLOCK_C]
+                s = tl.where(visible[None, :], s * qk_scale, float("-inf"))
+                m_i, l_i, alpha, p = online_lse_step(m_i, l_i, s)
+                vb = tl.load(vc_base + rows[:, None] * stride_vct + offs_t[None, :], mask=live[:, None], other=0)
+                vs = _value_groups(vs_base, rows, live, stride_vst, BLOCK_C, HEAD_DIM, VGROUP)
+                vm = _value_groups(vm_base, rows, live, stride_vst, BLOCK_C, HEAD_DIM, VGROUP)
+                u = _channel_codes(vb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM)
+                v = _dequantize(u, vs, vm, OFFSET, DOT_UPCAST)
+                acc = dot_fp32(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+        else:  # tile sp of [qend, n): the values from the window, the keys quantized or from it
+            key_end = n // RES * RES
+            rows = qend + sp * BLOCK_C + offs_c
+            live = rows < n
+            visible = tl.load(vis_base + rows, mask=live, other=0) != 0
+            k_quant = live & (rows < key_end)
+            k_window = live & (rows >= key_end)
+            kb = tl.load(kc_base + rows[:, None] * stride_kct + offs_t[None, :], mask=k_quant[:, None], other=0)
+            ks = _key_groups(ks_base, 0, rows, k_quant, 0, offs_d, stride_ksg, GROUP, BLOCK_C, HEAD_DIM, 0)
+            km = _key_groups(km_base, 0, rows, k_quant, 0, offs_d, stride_ksg, GROUP, BLOCK_C, HEAD_DIM, 0)
+            u = _channel_codes(kb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM)
+            k = _dequantize(u, ks, km, OFFSET, DOT_UPCAST)
+            ring = (kw_ptr + b * stride_wb + h * stride_wh) + (rows % RES)[:, None] * stride_wt + offs_d[None, :]
+            kw = tl.load(ring, mask=k_window[:, None], other=0.0)
+            k = tl.where(k_window[:, None], kw.to(q.dtype), k.to(q.dtype))
+            s = dot_fp32(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST)
+            s = tl.where(visible[None, :], s * qk_scale, float("-inf"))
+            m_i, l_i, alpha, p = online_lse_step(m_i, l_i, s)
+            ring = (vw_ptr + b * stride_wb + h * stride_wh) + (rows % RES)[:, None] * stride_wt + offs_d[None, :]
+            v = tl.load(ring, mask=live[:, None], other=0.0)
+            acc = dot_fp32(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+        part = bh * parts + sp
+        if WINDOW:
+            part += splits
+        tl.store(m_ptr + part * G_PAD + offs_g, m_i)
+        tl.store(l_ptr + part * G_PAD + offs_g, l_i)
+        tl.store(acc_ptr + (part * G_PAD + offs_g)[:, None] * HEAD_DIM + offs_d[None, :], acc)
+
+
+KEY_PATHS = ("auto", "broadcast", "gather", "rebuild")
+
+
+def resolve_key_path(key_path: str, group_size: int, block_c: int) -> str:
+    """The kernel's key path for this launch (module docstring): ``"auto"`` is ``"broadcast"`` where a tile lies in
+    one key group (``group_size % block_c == 0``) or holds whole groups of a power-of-two size, else ``"gather"``;
+    ``"rebuild"`` is the first kernel."""
+    check(key_path in KEY_PATHS, f"key_path={key_path!r} is unknown: expected one of {', '.join(KEY_PATHS)}")
+    broadcast_ok = group_size % block_c == 0 or (is_pow2(group_size) and block_c % group_size == 0)
+    if key_path == "auto":
+        key_path = "broadcast" if broadcast_ok else "gather"
+    check(key_path != "broadcast" or broadcast_ok,
+          f"key_path='broadcast' is invalid for group_size={group_size}, block_c={block_c}: expected group_size a "
+          f"multiple of block_c, or a power of two dividing it")
+    return key_path
+
 
 def _triton_decode(query, key_codes, key_scale, key_min, value_codes, value_scale, value_min, key_window,
-                   value_window, filled, visible, bits, group_size, value_group, scale, block_c, split) -> Tensor:
+                   value_window, filled, visible, bits, group_size, value_group, scale, block_c, split, num_warps,
+                   num_stages, key_path) -> Tensor:
     check(HAS_TRITON, "backend='triton' is unavailable: triton is not installed (use backend='torch')")
     b, hq, d = query.shape
     hkv, cap = value_codes.shape[1], value_codes.shape[2]
@@ -273,7 +483,8 @@ def _triton_decode(query, key_codes, key_scale, key_min, value_codes, value_scal
     check(fused_decode_applies(query.device, d, bits),
           f"head_dim={d} is invalid for backend='triton' at {bits} bits: expected a power of two in [16, 256] "
           f"with head_dim * bits / 8 >= 16")
-    check(is_pow2(block_c) and block_c >= 16, f"block_c={block_c!r} is invalid: expected a power of two >= 16")
+    check_launch(num_warps, num_stages, block_c=block_c)
+    key_path = resolve_key_path(key_path, group_size, block_c)
     if split is None:
         split = default_split(cap, b * hkv, block_c, query.device)
     check(isinstance(split, int) and split >= block_c and split % block_c == 0,
@@ -289,35 +500,50 @@ def _triton_decode(query, key_codes, key_scale, key_min, value_codes, value_scal
     q = query.contiguous()
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         q = q.float()
+    # the window's parts, a launch of their own: [max(n - R, 0), n) holds at most min(R, capacity) slots
+    parts = splits if key_path == "rebuild" else splits + triton.cdiv(min(r, cap), block_c)
     dev = query.device
-    m = torch.empty(b * hkv, splits, g_pad, dtype=torch.float32, device=dev)
+    m = torch.empty(b * hkv, parts, g_pad, dtype=torch.float32, device=dev)
     l_ = torch.empty_like(m)
-    acc = torch.empty(b * hkv, splits, g_pad, d, dtype=torch.float32, device=dev)
-    _kivi_decode_kernel[(b * hkv, splits)](
-        q, kc, ks, km, vc, vs, vm, kw, vw, n, vis, m, l_, acc,
-        q.stride(0), q.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2),
-        vs.stride(0), vs.stride(1), vs.stride(2),
-        kw.stride(0), kw.stride(1), kw.stride(2),
-        vis.stride(0), vis.stride(1) if vis.shape[1] > 1 else 0,
-        cap, float(scale) * LOG2E,
-        HKV=hkv, G=g, G_PAD=g_pad, HEAD_DIM=d, PER_BYTE=8 // bits, DB=d * bits // 8, BITS=bits, BLOCK_C=block_c,
-        SPLIT=split, SPLITS=splits, GROUP=group_size, VGROUP=value_group, RES=r,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=interpreting(),
-        num_warps=4, num_stages=2)
+    acc = torch.empty(b * hkv, parts, g_pad, d, dtype=torch.float32, device=dev)
+    args = (q, kc, ks, km, vc, vs, vm, kw, vw, n, vis, m, l_, acc,
+            q.stride(0), q.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2),
+            ks.stride(0), ks.stride(1), ks.stride(2),
+            vc.stride(0), vc.stride(1), vc.stride(2),
+            vs.stride(0), vs.stride(1), vs.stride(2),
+            kw.stride(0), kw.stride(1), kw.stride(2),
+            vis.stride(0), vis.stride(1) if vis.shape[1] > 1 else 0)
+    shape = dict(HKV=hkv, G=g, G_PAD=g_pad, HEAD_DIM=d, PER_BYTE=8 // bits, DB=d * bits // 8, BLOCK_C=block_c,
+                 GROUP=group_size, VGROUP=value_group, RES=r,
+                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=interpreting(),
+                 num_warps=num_warps, num_stages=num_stages)
+    if key_path == "rebuild":
+        _kivi_rebuild_kernel[(b * hkv, splits)](*args, cap, float(scale) * LOG2E, BITS=bits, SPLIT=split,
+                                                SPLITS=splits, **shape)
+    else:
+        # dequantize in the query's 16-bit dtype where the codes are exact in it from their bits (module docstring)
+        half = q.dtype in (torch.bfloat16, torch.float16) and all(t.dtype == q.dtype for t in (ks, km, vs, vm))
+        offset = 0 if not half else 128 if (q.dtype == torch.bfloat16 and bits <= 4) else \
+            1024 if q.dtype == torch.float16 else 0
+        for grid, window in (((b * hkv, splits), False), ((b * hkv, parts - splits), True)):
+            _kivi_decode_kernel[grid](*args, split, splits, parts, float(scale) * LOG2E,
+                                      KEY_PATH={"gather": 0, "broadcast": 1}[key_path], OFFSET=offset, WINDOW=window,
+                                      **shape)
     return merge_splits(m, l_, acc, b, hq, hkv)
 
 
 def kivi_decode_attention(query: Tensor, key_codes: Tensor, key_scale: Tensor, key_min: Tensor, value_codes: Tensor,
                           value_scale: Tensor, value_min: Tensor, key_window: Tensor, value_window: Tensor,
                           filled: Tensor, visible: Tensor, bits: int, group_size: int, scale: float | None = None, *,
-                          backend: str = "auto", block_c: int = 32, split: int | None = None) -> Tensor:
+                          backend: str = "auto", block_c: int = 32, split: int | None = None, num_warps: int = 4,
+                          num_stages: int = 2, key_path: str = "auto") -> Tensor:
     """One-token attention over a KIVI store's buffers (module docstring); ``[batch, q_heads, head_dim]`` float32.
 
-    ``block_c`` (slots per tile) and ``split`` (slots per program, a multiple of ``block_c``; default
-    :func:`~kvlearn.ops.packed_decode.default_split`) are the Triton launch's; the torch backend ignores them."""
+    The Triton launch: ``block_c`` (slots per tile), ``split`` (slots per program, a multiple of ``block_c``;
+    default :func:`~kvlearn.ops.packed_decode.default_split`), ``num_warps``, ``num_stages``, and the kernel's
+    ``key_path`` (:func:`resolve_key_path`; ``"rebuild"``: the first kernel, kept to measure against). The torch
+    backend ignores them."""
     b, hq, hkv, cap, d, r, value_group = _check_inputs(query, key_codes, key_scale, key_min, value_codes, value_scale,
                                                        value_min, key_window, value_window, filled, visible, bits,
                                                        group_size)
@@ -335,4 +561,5 @@ def kivi_decode_attention(query: Tensor, key_codes: Tensor, key_scale: Tensor, k
                                      value_window, filled, bits, key_window.dtype)
             return _torch_decode(query, keys, values, visible, scale)
         return _triton_decode(query, key_codes, key_scale, key_min, value_codes, value_scale, value_min, key_window,
-                              value_window, filled, visible, bits, group_size, value_group, scale, block_c, split)
+                              value_window, filled, visible, bits, group_size, value_group, scale, block_c, split,
+                              num_warps, num_stages, key_path)

@@ -11,7 +11,7 @@ Read top to bottom: config, models, losses, schedule, checkpoints, one step (:fu
 * **Target**: the future-attention target is computed from the *student's* queries and keys with the *sparse* LSE
   its retention attention returned (the paper's approximate target, appendix D.3 / Eq. 9, 34: the normaliser of
   the sparse pass is reused instead of a second dense causal pass). It is detached.
-* **Teacher policy and decisions**: :func:`~kvlearn.kvpop.policy.teacher_policies` (every layer in one pass) on the
+* **Teacher policy and decisions**: :func:`~kvlearn.kvpop.policy.stacked_teacher_policy` (every layer in one pass) on the
   targets with the layers' (detached) decay, :func:`~kvlearn.kvpop.policy.boundary_decisions` at ``queries_per_step`` positions drawn by
   :func:`~kvlearn.kvpop.policy.sample_query_positions` (one draw per step, shared by the layers).
 * **Loss** = KL(teacher || student) over the teacher's top-``kd_topk`` tokens (teacher probabilities renormalised
@@ -23,7 +23,8 @@ Read top to bottom: config, models, losses, schedule, checkpoints, one step (:fu
   with a linear warm-up then a cosine to ``min_lr_ratio`` of it, and the per-head decay parameters ``alpha`` on the
   same schedule at ``lr_decay`` (Adam moves ``alpha`` by at most about the learning rate per step, and the decay's
   range spans ``alpha`` in about [-5, 5]: at ``lr_new`` it could not cross it in a retrofit of ~1000 steps;
-  docs/DESIGN.md "The learned decay"). Gradient clipping; bf16 autocast on CUDA only.
+  docs/DESIGN.md "The learned decay"). Fused AdamW on CUDA (:func:`make_optimizer`). Gradient clipping; bf16
+  autocast on CUDA only.
 * **Data**: :class:`~kvlearn.testbed.data.TestbedStream` (batch ``b`` of the stream is step ``b``: a resumed run
   sees the batches an uninterrupted run would).
 * **Processes**: one, or several under ``torchrun`` (:mod:`kvlearn.train.parallel`): the student and the teacher
@@ -64,7 +65,7 @@ from ..config import DMSConfig, KVpopConfig, StreamingConfig
 from ..errors import check, check_int, check_non_negative, check_positive
 from ..kvpop.apply import apply_kvpop, model_budget_config
 from ..kvpop.loss import boundary_loss
-from ..kvpop.policy import boundary_decisions, sample_query_positions, teacher_policies
+from ..kvpop.policy import BoundaryDecisions, boundary_decisions, sample_query_positions, stacked_teacher_policy
 from ..kvpop.train_attention import TrainForward, use_train_attention
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
 from ..hf import copy_tokenizer_files
@@ -265,6 +266,11 @@ def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig):
 # losses
 
 
+# kd_loss computes every position's KL (no host sync) up to this many logits B (T-1) V, 2^28 (1 GiB of float32
+# logits per copy); above it, only the supervised positions' (the testbed vocabulary of 733 at 8 x 4096: 24 M)
+KD_DENSE_ELEMENTS = 1 << 28
+
+
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, topk: int,
             reduce_sum=None) -> torch.Tensor:
     """KL(teacher top-``topk`` || student) per supervised token, averaged (scalar float32).
@@ -274,15 +280,27 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: 
     is renormalised over its ``topk`` most likely tokens (temperature 1); the student's log-probabilities are over
     the full vocabulary. 0 (still differentiable) when no token is supervised. ``reduce_sum`` (data parallelism,
     :func:`kvlearn.train.parallel.all_reduce_sum`): divide by the supervised tokens of the global batch, so the
-    processes' values add up to the loss of the whole batch."""
+    processes' values add up to the loss of the whole batch.
+
+    Two evaluations of the same sum: up to :data:`KD_DENSE_ELEMENTS` logits (``B (T-1) V``) every position's KL is
+    computed and the unsupervised ones are zeroed (no host sync: selecting the supervised rows by a boolean mask
+    waits for the GPU to count them, which stalls the step's queue); above it only the supervised rows are
+    gathered (the mask path: less memory at large ``V``). The value and gradient are the same up to float rounding
+    for finite logits (a non-finite logit at an unsupervised position, which the mask path skips, makes the dense
+    path's gradient NaN)."""
     mask = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]
-    s = student_logits[:, :-1][mask].float()  # [N, V]: only the supervised positions (saves memory at large V)
-    t = teacher_logits[:, :-1][mask].float()
+    s, t = student_logits[:, :-1], teacher_logits[:, :-1]  # [B, T-1, V]
+    dense = s.numel() <= KD_DENSE_ELEMENTS
+    if not dense:
+        s, t = s[mask], t[mask]  # [N, V]: only the supervised positions
+    s, t = s.float(), t.float()
     k = min(topk, t.shape[-1])
-    t_top, idx = t.topk(k, dim=-1)  # [N, k]
+    t_top, idx = t.topk(k, dim=-1)  # [..., k]
     t_logp = torch.log_softmax(t_top, dim=-1)
     s_logp = torch.gather(torch.log_softmax(s, dim=-1), -1, idx)
-    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # [N]
+    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # [B, T-1] (dense) or [N]
+    if dense:
+        kl = torch.where(mask, kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
     count = mask.sum() if reduce_sum is None else reduce_sum(mask.sum())
     return kl.sum() / count.clamp(min=1)
 
@@ -296,26 +314,40 @@ def distill_losses(state: TrainForward, query_positions: torch.Tensor, reduce_su
     teacher's retained eligible tokens the student also retains, at the sampled queries): tensors, not floats, so
     that a step reads nothing back from the GPU per layer (the caller reads them once). ``reduce_sum``: global-batch
     statistics under data parallelism (:func:`~kvlearn.kvpop.loss.boundary_loss`); the metrics stay this
-    process's."""
+    process's.
+
+    Every layer at once: the teacher policies in one pass (:func:`~kvlearn.kvpop.policy.stacked_teacher_policy`,
+    layers along the batch), the decisions of all layers in one call, and one
+    :func:`~kvlearn.kvpop.loss.boundary_loss` with the layers along the head axis (``groups`` = layers: each layer
+    weighted and normalised as alone), so a step launches these kernels once rather than once per layer. Each
+    term is the mean over the layers of that layer's own value (the same numbers as a loop over the layers, up to
+    the summation order of the loss; tested against that loop)."""
     cfg = state.config
     s, w, k = cfg.sinks, cfg.window, cfg.topk
-    losses, acc, keep, recall = [], [], [], []
     records = [state.records[layer] for layer in sorted(state.records)]
-    policies = teacher_policies([r.target for r in records], [r.log_gamma for r in records], s, w, k)  # one pass
-    for rec, teacher in zip(records, policies):
-        decisions = boundary_decisions(teacher, query_positions.to(rec.target.device), s, w, k)
-        result = boundary_loss(rec.priorities, teacher.priorities, decisions, temperature=cfg.loss_temperature,
-                               margin_weighting=cfg.margin_weighting, margin_min_weight=cfg.margin_min_weight,
-                               margin_temperature=cfg.margin_temperature, balance=cfg.balance,
-                               balance_clip=tuple(cfg.balance_clip), reduce_sum=reduce_sum)
-        losses.append(result.loss)
-        acc.append(result.accuracy.detach().float())
-        n_valid = decisions.valid.sum().clamp(min=1)
-        keep.append((((decisions.y > 0) & decisions.valid).sum() / n_valid).float())
-        recall.append(retention_recall(rec.ranks, rec.cutoffs, teacher.ranks, teacher.cutoffs,
-                                       query_positions.to(rec.target.device), s, w))
-    return {"boundary": torch.stack(losses).mean(), "boundary_accuracy": torch.stack(acc).mean(),
-            "keep_fraction": torch.stack(keep).mean(), "recall": torch.stack(recall).mean()}
+    layers = len(records)
+    b, h, _ = records[0].priorities.shape
+    teacher = stacked_teacher_policy([r.target for r in records], [r.log_gamma for r in records], s, w, k)
+    queries = query_positions.to(teacher.ranks.device)  # one host-to-device copy a step
+    dec = boundary_decisions(teacher, queries, s, w, k)  # [layers * b, h, n]
+
+    def along_heads(x: torch.Tensor) -> torch.Tensor:  # [layers * b, h, ...] (layer-major) -> [b, layers * h, ...]
+        return x.reshape(layers, b, h, *x.shape[2:]).transpose(0, 1).reshape(b, layers * h, *x.shape[2:])
+
+    folded = BoundaryDecisions(*(along_heads(getattr(dec, f)) for f in ("query", "t_new", "t_bnd", "y", "valid")))
+    pred = torch.stack([r.priorities for r in records], dim=1).reshape(b, layers * h, -1)
+    result = boundary_loss(pred, along_heads(teacher.priorities), folded, temperature=cfg.loss_temperature,
+                           margin_weighting=cfg.margin_weighting, margin_min_weight=cfg.margin_min_weight,
+                           margin_temperature=cfg.margin_temperature, balance=cfg.balance,
+                           balance_clip=tuple(cfg.balance_clip), reduce_sum=reduce_sum, groups=layers)
+    with torch.no_grad():
+        valid = dec.valid.reshape(layers, -1)
+        keep = ((dec.y.reshape(layers, -1) > 0) & valid).sum(1) / valid.sum(1).clamp(min=1)  # [layers]
+        recall = retention_recall(torch.stack([r.ranks for r in records]), torch.stack([r.cutoffs for r in records]),
+                                  teacher.ranks.view(layers, b, h, -1), teacher.cutoffs.view(layers, b, h, -1),
+                                  queries, s, w)
+    return {"boundary": result.loss, "boundary_accuracy": result.accuracy.detach().float(),
+            "keep_fraction": keep.float().mean(), "recall": recall}
 
 
 @torch.no_grad()
@@ -323,17 +355,21 @@ def retention_recall(ranks, cutoffs, t_ranks, t_cutoffs, queries: torch.Tensor, 
                      ) -> torch.Tensor:
     """Share of the teacher's retained eligible tokens that the student retains too, at ``queries [n]`` (ranks and
     cutoffs int32 ``[B, H, T]``; eligible ``t``: ``sinks <= t <= q - window``, retained iff rank <= cutoff[q]): a
-    float32 scalar tensor on their device (no read-back)."""
+    float32 scalar tensor on their device (no read-back). ``[L, B, H, T]`` (``L`` layers at once): the mean over the
+    layers of each layer's share."""
     T = ranks.shape[-1]
     t = torch.arange(T, device=ranks.device)
     q = queries.long()
     eligible = (t[None, :] >= sinks) & (t[None, :] <= q[:, None] - window)  # [n, T]
 
-    def kept(r, c):  # [B, H, n, T]
-        return (r[:, :, None, :] <= c[:, :, q][..., None]) & eligible
+    def kept(r, c):  # [..., n, T]
+        return (r[..., None, :] <= c[..., q][..., None]) & eligible
 
     teacher, student = kept(t_ranks, t_cutoffs), kept(ranks, cutoffs)
-    return ((teacher & student).sum() / teacher.sum().clamp(min=1)).float()
+    if ranks.dim() == 3:
+        return ((teacher & student).sum() / teacher.sum().clamp(min=1)).float()
+    dims = tuple(range(1, teacher.dim()))
+    return ((teacher & student).sum(dims) / teacher.sum(dims).clamp(min=1)).float().mean()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -356,18 +392,36 @@ def is_decay_parameter(name: str) -> bool:
     return name.endswith(".kvpop.decay.alpha")
 
 
-def make_optimizer(config: RetrofitConfig, student, device: torch.device) -> torch.optim.AdamW:
+def fused_adamw_applies(params) -> bool:
+    """Whether :func:`make_optimizer` runs AdamW's fused CUDA kernel for ``params``: every one a plain CUDA
+    floating-point tensor (no tensor subclass: FSDP2's DTensor parameters keep the default ``foreach``
+    implementation, as do CPU parameters)."""
+    params = list(params)
+    return bool(params) and all(type(p) in (torch.nn.Parameter, torch.Tensor) and p.is_cuda and p.is_floating_point()
+                                for p in params)
+
+
+def make_optimizer(config: RetrofitConfig, student, device: torch.device, fused: bool | None = None
+                   ) -> torch.optim.AdamW:
     """AdamW with group 0 = the existing weights (constant ``lr``), group 1 = the method's new modules (``lr_new``;
     empty for ``streaming_plus``) but the KVpop decays, group 2 = the KVpop decays' ``alpha`` (``lr_decay``; empty
-    for the other methods)."""
+    for the other methods).
+
+    ``fused``: None (default) takes the fused kernel (``fused=True``: the whole update in one multi-tensor kernel
+    per list of tensors instead of a dozen ``foreach`` kernels; the same update up to float rounding) when
+    :func:`fused_adamw_applies`, else torch's default (``foreach`` on CUDA, the per-tensor loop on the CPU);
+    True/False force it on/off (``benchmarks/retrofit_step_speed.py --variants foreach_adamw``). A state dict
+    loads into either kind (torch moves the ``step`` counters where the kind keeps them)."""
     marker = NEW_MODULES[config.method]
     named = list(student.named_parameters())
     decay = [p for n, p in named if config.method == "kvpop" and is_decay_parameter(n)]
     new = [p for n, p in named if marker is not None and marker in n and not any(p is d for d in decay)]
     old = [p for n, p in named if marker is None or marker not in n]
+    if fused is None:
+        fused = fused_adamw_applies(p for _, p in named)
     return torch.optim.AdamW([{"params": old, "lr": config.lr}, {"params": new, "lr": config.lr_new},
                               {"params": decay, "lr": config.lr_decay}],
-                             weight_decay=config.weight_decay, betas=(0.9, 0.95))
+                             weight_decay=config.weight_decay, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
 
 
 # ----------------------------------------------------------------------------------------------------------------
