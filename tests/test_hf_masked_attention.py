@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlearn.errors import KVLearnError
-from kvlearn.hf import masked_attention
+from kvlearn.hf import masked_attention, query_rows_per_chunk
 
 B, HKV, G, Q, KV, D, DV = 2, 2, 2, 7, 9, 8, 6  # 2 KV heads, 2 query heads per KV head; value dim != key dim
 
@@ -87,3 +87,13 @@ def test_a_mask_that_fits_takes_one_call_and_bad_limits_are_one_line_errors(monk
     torch.testing.assert_close(out, expected)
     with pytest.raises(KVLearnError, match="max_mask_bytes=0 is invalid"):
         masked_attention(query, key, key, mask, None, max_mask_bytes=0)
+
+
+def test_rows_per_chunk_bound_the_float_mask_sdpa_builds():
+    """Hand-computed: 40 query heads over 8 KV heads (g = 5), 131,091 keys, 512 MiB. CUDA: the bias has the mask's
+    heads (1 shared, or 8) times g * rows rows; CPU: the math path's scores over all 40 query heads."""
+    limit, kv = 512 * 2**20, 131_091
+    assert query_rows_per_chunk(1, 40, 8, 1, kv, limit, cuda=True) == limit // (5 * kv * 4) == 204
+    assert query_rows_per_chunk(1, 40, 8, 8, kv, limit, cuda=True) == limit // (40 * kv * 4) == 25
+    assert query_rows_per_chunk(1, 40, 8, 1, kv, limit, cuda=False) == 25
+    assert query_rows_per_chunk(2, 4, 2, 1, 10**12, 1, cuda=True) == 1  # never below one row

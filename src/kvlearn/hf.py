@@ -130,22 +130,34 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     expanded) under the boolean ``mask [batch, P, q, kv]`` (``P`` = 1: one mask for every head, or ``kv_heads``).
     Returns ``[batch, q, q_heads, head_dim]`` (transformers' attention output layout).
 
-    SDPA turns the boolean mask into a float bias over every query head (``batch * q_heads * q * kv`` floats; a
-    4096-token prefill at batch 8 asked the GPU for 18.5 GiB), so when ``4 * batch * q_heads * q * kv`` bytes would
-    exceed ``max_mask_bytes`` (default :data:`MAX_MASK_BYTES`) the query axis goes through in chunks, each with its
+    SDPA turns the boolean mask into a float bias (over every query head when the mask was expanded to them: a
+    4096-token prefill at batch 8 asked the GPU for 18.5 GiB), so when that bias (:func:`query_rows_per_chunk`)
+    would exceed ``max_mask_bytes`` (default :data:`MAX_MASK_BYTES`) the query axis goes through in chunks, each with its
     rows of the mask; query rows are independent, so the result is the same. The K/V are never expanded to the query
     heads: each KV head's group of query heads is folded into the query axis (:func:`_grouped_sdpa`). Expanding them
     had copied ``g`` times the whole cache per layer and call: at 131k tokens, 40 query heads over 8 KV heads of 128,
     2.7 GB of K/V per layer for every decode step of the read-back paths, the bf16 cache's included."""
     b, hq, q, _ = query.shape
     limit = MAX_MASK_BYTES if max_mask_bytes is None else check_int("max_mask_bytes", max_mask_bytes, 1)
-    rows = max(1, limit // max(1, b * hq * key.shape[2] * 4))  # query rows per chunk
+    rows = query_rows_per_chunk(b, hq, key.shape[1], mask.shape[1], key.shape[2], limit, query.is_cuda)
     if q <= rows:
         return _grouped_sdpa(query, key, value, mask, scaling)
     per_row = mask.shape[2] == q  # a mask with one row broadcasts over the queries
     chunks = [_grouped_sdpa(query[:, :, s:s + rows], key, value, mask[:, :, s:s + rows] if per_row else mask, scaling)
               for s in range(0, q, rows)]
     return torch.cat(chunks, dim=1)  # [batch, q, q_heads, head_dim]
+
+
+def query_rows_per_chunk(batch: int, q_heads: int, kv_heads: int, mask_heads: int, kv: int, limit: int,
+                         cuda: bool) -> int:
+    """Query rows per SDPA call of :func:`masked_attention` so that the float mask stays within ``limit`` bytes.
+
+    SDPA turns the boolean mask into a float bias of the mask's own shape, ``[batch, mask_heads, g * rows, kv]``
+    after the fold (``g = q_heads / kv_heads``), so on CUDA a mask shared by every head (``mask_heads`` = 1) allows
+    ``kv_heads`` times the rows of per-head masks. On the CPU SDPA's math path materialises the scores of every query
+    head, ``[batch, q_heads, rows, kv]`` floats, so the bound counts every query head there."""
+    heads = mask_heads * (q_heads // kv_heads) if cuda else q_heads
+    return max(1, limit // max(1, batch * heads * kv * 4))
 
 
 def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
