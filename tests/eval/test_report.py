@@ -107,3 +107,15 @@ def test_kaizen_memory_section_rows_ratios_not_run_and_summary(tmp_path):
     assert "Not run (planned, no row): bf16@131072, int4@131072." in text
     assert '"int4_decode_over_bf16_at_131072": null' in text
     assert "| config | error |" not in text  # not the plain table of other kinds
+
+
+def test_per_variant_rows_name_their_split(tmp_path):
+    row = dict(method="dense", protocol="bounded", compression=0.0, n=4, task="niah", budget=4096, kv_bytes=1, accuracy=0.5)
+    rows = [{**row, "split": "eval", "variants": {"single": {"accuracy": 1.0, "n": 2}, "multivalue": {"accuracy": 0.0, "n": 2}}},
+            {**row, "split": "heldout", "variants": {"single": {"accuracy": 0.5, "n": 2}, "multivalue": {"accuracy": 0.5, "n": 2}}}]
+    data = {"schema": "kvlearn.results.v1", "kind": "accuracy", "command": "x", "commit": "abc", "date": "d",
+            "device": "cpu", "context": 4096, "rows": rows}
+    (tmp_path / "t.json").write_text(json.dumps(data))
+    text = build(tmp_path)
+    assert "| dense | eval | niah | multivalue | 0.000 | 2 |" in text
+    assert "| dense | heldout | niah | multivalue | 0.500 | 2 |" in text

@@ -61,10 +61,12 @@ def accuracy_section(name: str, data: dict) -> str:
             f"{r['kv_bytes']:,} | {ratio} |"
             + store
         )
-    variants = [(r["method"], r["task"], k, v) for r in rows for k, v in r.get("variants", {}).items() if len(r.get("variants", {})) > 1]
+    variants = [(r["method"], r.get("split", "eval"), r["task"], k, v) for r in rows
+                for k, v in r.get("variants", {}).items() if len(r.get("variants", {})) > 1]
     if variants:
-        out += ["", "Per variant:", "", "| method | task | variant | accuracy | n |", "| --- | --- | --- | ---: | ---: |"]
-        out += [f"| {m} | {t} | {k} | {v['accuracy']:.3f} | {v['n']} |" for m, t, k, v in variants]
+        out += ["", "Per variant:", "", "| method | split | task | variant | accuracy | n |",
+                "| --- | --- | --- | --- | ---: | ---: |"]
+        out += [f"| {m} | {sp} | {t} | {k} | {v['accuracy']:.3f} | {v['n']} |" for m, sp, t, k, v in variants]
     return "\n".join(out)
 
 
