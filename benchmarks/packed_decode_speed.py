@@ -9,7 +9,9 @@ every slot visible) three ways, timed with CUDA events (median of ``--iters`` af
 - ``read_then_attend``: what the cache does today, ``PackedStore.read()`` (unpack and dequantize every slot into
   a full-size bf16 temporary) then the same SDPA;
 - ``fused``: :func:`kvlearn.ops.packed_decode.packed_decode_attention` (codes unpacked in registers, no temporary),
-  at its default tile of 64 slots, and ``fused_block_c_128`` at 128 (the choice of the default).
+  at its default tile of 64 slots, and ``fused_block_c_128`` at 128 (the choice of the default); ``fused_planes``
+  the bit-plane kernel it replaced (``variant="planes"``, default launch), in the same run, with its ratio to
+  ``bf16`` and its largest difference from ``fused``.
 
 ``--store kivi`` measures the KIVI store the same way (``KIVIStore`` with key groups of 32 tokens and a 128-token
 bf16 window; ``fused`` is :func:`kvlearn.ops.kivi_decode.kivi_decode_attention` at its default launch, the split
@@ -21,7 +23,8 @@ Rows: ``ms`` per variant and the ratios ``fused / bf16`` and ``read_then_attend 
 ``--graph`` adds ``ms_graph``: each variant replayed from a CUDA graph, so the kernels are timed without the host's
 Python and launch overhead (what a compiled / graph-captured decode loop pays), and ``fused_over_bf16_graph``;
 ``--graph --sweep`` adds the fused kernel's graph-replayed time over its launch grid (:func:`launch_sweep`), to
-choose :func:`kvlearn.ops.packed_decode.default_split` by measurement;
+choose :func:`kvlearn.ops.packed_decode.default_split` by measurement, and the variants of :data:`PACKED_SWEEP`
+(kernel variant x launch: ``variant_sweep*`` keys, :func:`variant_launch_sweep`), old and new kernel side by side;
 plus the largest difference of ``fused`` from ``read_then_attend`` (same codes: only float rounding, chiefly the
 bf16 probabilities of the value product, as in flash attention). KV-Kaizen's
 acceptance asks ``fused / bf16 <= 1`` at 131k (issue #11 item 9). ``--smoke`` runs tiny shapes on the CPU through
@@ -52,6 +55,15 @@ KIVI_SWEEP = (
     ("broadcast", 32, 4, 3, 1), ("broadcast", 32, 8, 2, 1), ("broadcast", 16, 4, 2, 1),
     ("broadcast", 64, 4, 2, 1), ("broadcast", 64, 8, 2, 1), ("broadcast", 128, 4, 2, 1), ("broadcast", 128, 8, 2, 1),
     ("gather", 32, 4, 2, 1), ("gather", 64, 8, 2, 1),
+)
+
+# --store packed --graph --sweep: (variant, block_c, num_warps, num_stages, split as a multiple of the default
+# split); the first is the bit-plane kernel at its default launch, the third the default
+PACKED_SWEEP = (
+    ("planes", 64, 4, 2, 1), ("planes_exact", 64, 4, 2, 1),
+    ("channels", 64, 4, 2, 1), ("channels", 64, 4, 2, 0.5), ("channels", 64, 4, 2, 2),
+    ("channels", 64, 4, 3, 1), ("channels", 64, 8, 2, 1), ("channels", 32, 4, 2, 1), ("channels", 32, 2, 2, 1),
+    ("channels", 128, 4, 2, 1), ("channels", 128, 8, 2, 1), ("channels", 128, 8, 3, 1),
 )
 
 
@@ -121,12 +133,14 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
                                          block_c=block_c or 32, split=split, **launch)
         return packed_decode_attention(q[:, :, 0], store.key_codes, store.key_scales, store.value_codes,
                                        store.value_scales, visible, bits, backend=backend, block_c=block_c or 64,
-                                       split=split)
+                                       split=split, **launch)
 
     variants = [("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused),
                 ("fused_block_c_128", lambda: fused(128))]
     if store_kind == "kivi":  # the first kernel at the tile the benchmark timed it with, in the same run
         variants.append(("fused_rebuild", lambda: fused(64, key_path="rebuild")))
+    else:  # the bit-plane kernel the default replaced, in the same run
+        variants.append(("fused_planes", lambda: fused(variant="planes")))
     ms = {name: timed(fn, iters, device) for name, fn in variants}
     diff = (fused().float() - read_then_attend()[:, :, 0].float()).abs().max().item()
     extra = {}
@@ -134,6 +148,10 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
         extra["fused_rebuild_over_bf16"] = round(ms["fused_rebuild"] / ms["bf16"], 3)
         old = fused(64, key_path="rebuild")
         extra["max_abs_diff_fused_vs_rebuild"] = (fused().float() - old.float()).abs().max().item()
+    else:
+        extra["fused_planes_over_bf16"] = round(ms["fused_planes"] / ms["bf16"], 3)
+        old = fused(variant="planes")
+        extra["max_abs_diff_fused_vs_planes"] = (fused().float() - old.float()).abs().max().item()
     if graph:  # the same, each replayed from a CUDA graph: the kernels' own time
         ms_graph = {}
         for name, fn in variants:
@@ -144,7 +162,7 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
             except RuntimeError as e:  # a variant that cannot be captured is reported, not fatal
                 ms_graph[name] = f"not capturable: {str(e).splitlines()[0][:200]}"
         extra["ms_graph"] = ms_graph
-        for name in ("fused", "fused_rebuild"):
+        for name in ("fused", "fused_rebuild", "fused_planes"):
             if name in ms_graph and all(isinstance(ms_graph[k], float) for k in ("bf16", name)):
                 extra[f"{name}_over_bf16_graph"] = round(ms_graph[name] / ms_graph["bf16"], 3)
         if sweep and isinstance(ms_graph["bf16"], float):
@@ -154,6 +172,8 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
             else:
                 extra.update(launch_sweep(lambda bc, sp: graphed(lambda: fused(bc, sp)), context, iters, device,
                                           ms_graph["bf16"]))
+                extra.update(variant_launch_sweep(lambda **kw: graphed(lambda: fused(**kw)), context, hkv, iters,
+                                                  device, ms_graph["bf16"]))
     return {"store": store_kind, "context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
             "backend": backend,
             "ms": {k2: round(v2, 4) for k2, v2 in ms.items()},
@@ -203,6 +223,18 @@ def kivi_launch_sweep(make, context: int, kv_heads: int, iters: int, device, bf1
     return out
 
 
+def variant_launch_sweep(make, context: int, kv_heads: int, iters: int, device, bf16_ms: float,
+                         variants=PACKED_SWEEP) -> dict:
+    """The packed kernels' graph-replayed time over ``variants`` (:data:`PACKED_SWEEP`), as
+    :func:`kivi_launch_sweep` does for KIVI (``make(variant=, block_c=, split=, num_warps=, num_stages=)``, names
+    ``"variant/block_c/split/num_warps/num_stages"``), its keys prefixed ``variant_`` (``variant_sweep``,
+    ``variant_sweep_over_bf16_graph``, ``variant_sweep_best``, ``variant_sweep_best_over_bf16_graph``) beside the
+    launch grid's."""
+    out = kivi_launch_sweep(lambda key_path, **kw: make(variant=key_path, **kw), context, kv_heads, iters, device,
+                            bf16_ms, variants)
+    return {f"variant_{k}": v for k, v in out.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="16384,32768,65536,131072")
@@ -211,8 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--graph", action="store_true",
                    help="also time each variant replayed from a CUDA graph (the kernels without host overhead)")
     p.add_argument("--sweep", action="store_true",
-                   help="with --graph: also time the fused kernel over its launch grid (block_c x split; --store "
-                        "kivi: the variants of KIVI_SWEEP, the first kernel among them)")
+                   help="with --graph: also time the fused kernel over its launch grid (block_c x split) and the "
+                        "variants of PACKED_SWEEP (--store kivi: of KIVI_SWEEP), the kernel before among them")
     p.add_argument("--store", default="packed", choices=("packed", "kivi"),
                    help="packed: PackedStore and kvlearn.ops.packed_decode; kivi: KIVIStore (G = 32, R = 128) and "
                         "kvlearn.ops.kivi_decode")

@@ -13,12 +13,13 @@
 # then, alone on the GPU, with SPEED=1 (the default) the GPU tests of the retrofit step's and the KIVI kernel's
 # changes since 389900b, `benchmarks/retrofit_step_speed.py --variants foreach_adamw,bf16_mlstm_matmuls --profile`
 # (~1 min) and `benchmarks/packed_decode_speed.py --store kivi --graph --sweep` (the new KIVI kernel against the old
-# one and the bf16 cache, 14 launch variants; ~5 min); with SPEED=0 instead
+# one and the bf16 cache, 14 launch variants; ~5 min) and `--graph --sweep --bits 4,2,8` for the packed store (its
+# channel-order kernel against the bit-plane one it replaces and 10 launch shapes; ~5 min); with SPEED=0 instead
 # `benchmarks/packed_decode_speed.py --graph` (the packed-store decode kernel against the
 # bf16 cache at 16k-131k, eager and replayed from CUDA graphs, about a minute).
 # Everything goes to RUN_DIR (default /tmp/session_out); /tmp/session.done marks the end; /tmp/session.log is the
 # chain's own log. Device time: ~1 start + max(BASELINE_MINUTES + 1, RETROFIT_MINUTES + 5, KAIZEN_MINUTES) + 1, about
-# 12 minutes, plus ~7 with SPEED=1 (the profile's *.txt come back in the small tar), so the calls are:
+# 12 minutes, plus ~12 with SPEED=1 (the profile's *.txt come back in the small tar), so the calls are:
 #   call 1:  KVLEARN_COMMIT=<sha> setsid bash benchmarks/device/method_tables.sh > /tmp/session.log 2>&1 < /dev/null & sleep 570; cat /tmp/session.log
 #   call 2 (within the 30 s the machine stays warm):  WAIT_S=540 bash benchmarks/device/collect_session.sh
 # With THEN_KVPOP_TABLE=1 the chain goes on, on the GPU alone, with `kvpop_table.sh` (the KVpop Table 1: OUT
@@ -54,7 +55,7 @@ fi
 wait
 # alone on the GPU, so that its timings are not shared: the packed-store decode kernel against the bf16 cache
 if [ "${SPEED:-1}" = 1 ]; then  # the step's and the KIVI kernel's changes since 389900b, measured against what they replace
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_distill.py tests/kvpop/test_scorers.py \
+    timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_distill.py tests/kvpop/test_scorers.py \
         tests/kvpop/test_attention.py tests/eval/test_packed_decode_speed_script.py > "$RUN_DIR/gpu_tests_speed.log" 2>&1
     tail -n 3 "$RUN_DIR/gpu_tests_speed.log"
     timeout 200 python3 benchmarks/retrofit_step_speed.py --variants foreach_adamw,bf16_mlstm_matmuls --profile "$RUN_DIR/prof" \
@@ -63,6 +64,9 @@ if [ "${SPEED:-1}" = 1 ]; then  # the step's and the KIVI kernel's changes since
     timeout 330 python3 benchmarks/packed_decode_speed.py --store kivi --graph --sweep --out "$RUN_DIR/kivi_decode_h200.json" \
         > "$RUN_DIR/kivi_decode.log" 2>&1
     grep -v Warn "$RUN_DIR/kivi_decode.log" | cut -c1-400 | tail -n 4
+    timeout 330 python3 benchmarks/packed_decode_speed.py --graph --sweep --bits 4,2,8 --out "$RUN_DIR/packed_decode_h200.json" \
+        > "$RUN_DIR/packed_decode.log" 2>&1
+    grep -v Warn "$RUN_DIR/packed_decode.log" | cut -c1-400 | tail -n 4
 else
     python3 benchmarks/packed_decode_speed.py --graph --out "$RUN_DIR/packed_decode_h200.json" > "$RUN_DIR/packed_decode.log" 2>&1
     tail -n 8 "$RUN_DIR/packed_decode.log"

@@ -21,6 +21,10 @@ def test_smoke_rows_and_agreement(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["context"], r["bits"]) for r in rows] == [(64, 4), (64, 2), (128, 4), (128, 2)]
     assert all(r["max_abs_diff_fused_vs_read"] < 1e-5 and r["fused_over_bf16"] > 0 for r in rows)
+    # the bit-plane kernel is timed beside the default in the same run (here both the torch backend)
+    assert all(r["fused_planes_over_bf16"] > 0 and r["max_abs_diff_fused_vs_planes"] < 1e-6 for r in rows)
+    assert all(set(r["ms"]) == {"bf16", "read_then_attend", "fused", "fused_block_c_128", "fused_planes"}
+               for r in rows)
     assert script.main(["--smoke", "--iters", "1", "--bits", "2", "--store", "kivi", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]  # KIVI: window R = 128, so the 128-slot row has one quantized block
     assert [(r["store"], r["context"]) for r in rows] == [("kivi", 64), ("kivi", 128)]
@@ -117,3 +121,27 @@ def test_launch_sweep_on_cuda_agrees_with_the_default_launch():
     for block_c, split in ((32, 128), (64, 256), (128, 1024), (64, 4096)):
         out = packed_decode_attention(*args, backend="triton", block_c=block_c, split=split)
         torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
+
+
+def test_packed_variant_sweep_times_old_and_new_kernels():
+    """``--store packed --sweep``'s variant sweep: each of PACKED_SWEEP (the bit-plane kernels and the default's
+    launches) through ``make(variant=...)`` at the default split times its factor, under ``variant_*`` keys."""
+    import time
+
+    import torch
+
+    script = load_script()
+    made = []
+
+    def make(**launch):
+        made.append(launch)
+        return lambda: time.sleep(0.0 if launch["variant"] == "channels" and launch["block_c"] == 32 else 0.002)
+
+    variants = script.PACKED_SWEEP
+    r = script.variant_launch_sweep(make, 131072, 8, iters=1, device=torch.device("cpu"), bf16_ms=1.0)
+    assert [(m["variant"], m["block_c"], m["num_warps"], m["num_stages"]) for m in made] == [v[:4] for v in variants]
+    assert {v[0] for v in variants} == {"planes", "planes_exact", "channels"}
+    default = script.default_split(131072, 8, 64, torch.device("cpu"))
+    assert [m["split"] for m in made[2:5]] == [default, default // 2, default * 2]
+    assert len(r["variant_sweep"]) == len(variants) and r["variant_sweep_best"].startswith("channels/32/")
+    assert set(r["variant_sweep_over_bf16_graph"]) == set(r["variant_sweep"])

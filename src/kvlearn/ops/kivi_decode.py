@@ -60,7 +60,7 @@ from kvlearn.ops.quant import QUANT_BITS, check_bits, kivi_dequantize_keys, kivi
 from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, check_launch, interpreting, is_pow2, tl, triton
 
 if HAS_TRITON:
-    from kvlearn.ops.packed_decode import empty_split_state, query_planes, store_split_partials
+    from kvlearn.ops.packed_decode import channel_codes, empty_split_state, query_planes, store_split_partials
     from kvlearn.ops.triton_support import dot_fp32, online_lse_step
 
 __all__ = ["KEY_PATHS", "kivi_decode_attention", "kivi_read", "resolve_key_path"]
@@ -286,19 +286,6 @@ if HAS_TRITON:
         return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def _channel_codes(byte, PER_BYTE: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """Packed bytes ``[BLOCK_C, HEAD_DIM / PER_BYTE]`` (int32) -> the unsigned codes ``[BLOCK_C, HEAD_DIM]`` in
-        channel order (code ``j`` of byte ``t``, bits ``[j b, (j + 1) b)``, is channel ``t * PER_BYTE + j``)."""
-        if PER_BYTE == 1:
-            u = byte
-        elif PER_BYTE == 2:
-            u = tl.reshape(tl.join(byte & 15, byte >> 4), (BLOCK_C, HEAD_DIM))
-        else:  # join(join(j0, j2), join(j1, j3)) puts code 2 i + k at [..., i, k]
-            u = tl.reshape(tl.join(tl.join(byte & 3, (byte >> 4) & 3), tl.join((byte >> 2) & 3, byte >> 6)),
-                           (BLOCK_C, HEAD_DIM))
-        return u
-
-    @triton.jit
     def _dequantize(u, scale, minimum, OFFSET: tl.constexpr, EMULATE: tl.constexpr):
         """``u * scale + minimum`` elementwise. ``OFFSET`` 128 (bf16 scales, codes below 128) or 1024 (fp16): in
         that dtype, the codes exact from their bits (``0x4300 | u`` is bf16 ``128 + u``, ``0x6400 | u`` fp16
@@ -413,7 +400,7 @@ if HAS_TRITON:
                                  KEY_PATH)
                 km = _key_groups(km_base, c0, rows, live, hi, offs_d, stride_ksg, GROUP, BLOCK_C, HEAD_DIM,
                                  KEY_PATH)
-                u = _channel_codes(kb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM)
+                u = channel_codes(kb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM)
                 k = _dequantize(u, ks, km, OFFSET, DOT_UPCAST)
                 s = dot_fp32(q, tl.trans(k.to(q.dtype)), None, DOT_PRECISION, DOT_UPCAST)  # [G_PAD, BLOCK_C]
                 s = tl.where(visible[None, :], s * qk_scale, float("-inf"))
@@ -421,7 +408,7 @@ if HAS_TRITON:
                 vb = tl.load(vc_base + rows[:, None] * stride_vct + offs_t[None, :], mask=live[:, None], other=0)
                 vs = _value_groups(vs_base, rows, live, stride_vst, BLOCK_C, HEAD_DIM, VGROUP)
                 vm = _value_groups(vm_base, rows, live, stride_vst, BLOCK_C, HEAD_DIM, VGROUP)
-                u = _channel_codes(vb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM)
+                u = channel_codes(vb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM)
                 v = _dequantize(u, vs, vm, OFFSET, DOT_UPCAST)
                 acc = dot_fp32(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         else:  # tile sp of [qend, n): the values from the window, the keys quantized or from it
@@ -434,7 +421,7 @@ if HAS_TRITON:
             kb = tl.load(kc_base + rows[:, None] * stride_kct + offs_t[None, :], mask=k_quant[:, None], other=0)
             ks = _key_groups(ks_base, 0, rows, k_quant, 0, offs_d, stride_ksg, GROUP, BLOCK_C, HEAD_DIM, 0)
             km = _key_groups(km_base, 0, rows, k_quant, 0, offs_d, stride_ksg, GROUP, BLOCK_C, HEAD_DIM, 0)
-            u = _channel_codes(kb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM)
+            u = channel_codes(kb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM)
             k = _dequantize(u, ks, km, OFFSET, DOT_UPCAST)
             ring = (kw_ptr + b * stride_wb + h * stride_wh) + (rows % RES)[:, None] * stride_wt + offs_d[None, :]
             kw = tl.load(ring, mask=k_window[:, None], other=0.0)
