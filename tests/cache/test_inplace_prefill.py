@@ -1,0 +1,81 @@
+"""A keep-all layer over live buffers (16-bit Kaizen layers, an MLA latent at 16 bits) writes a multi-token forward's
+tokens into its store first and attends the filled prefix as a view (``CompactLayer.writes_in_place``): no copy of
+the store per chunk. Checked against the model's own forward without a cache, in chunks, with left padding, and
+against the concatenating path it replaces."""
+
+import pytest
+import torch
+
+from kvlearn.cache import CompactLayer
+from kvlearn.kaizen.actions import LayerAction
+from kvlearn.kaizen.cache import make_cache
+
+from tests.kaizen.test_cache_sharing import S, VOCAB, assert_padded_batch_equals_rows_alone, config, tiny
+
+
+def prefill_in_chunks_then_decode(model, cache, ids, cuts):
+    """Logits of ``ids [b, T]``: the prompt ``ids[:, :cuts[-1]]`` in the chunks between ``cuts``, then one token at a
+    time."""
+    out, start = [], 0
+    with torch.no_grad():
+        for end in cuts:
+            out.append(model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True).logits)
+            start = end
+        out += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                for t in range(start, ids.shape[1])]
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("actions", [(LayerAction(16),) * 4, (LayerAction(16), S, LayerAction(4), LayerAction(16))])
+def test_chunked_prefill_in_place_equals_the_forward_without_a_cache(actions):
+    model = tiny(3)
+    cfg = config(model, *actions)
+    ids = torch.randint(1, VOCAB, (2, 26), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model(input_ids=ids, use_cache=False, kaizen_config=cfg).logits
+    cache = make_cache(cfg, model.config, capacity=40)
+    in_place = [layer for layer in cache.layers if isinstance(layer, CompactLayer) and layer.writes_in_place]
+    assert len(in_place) == sum(not a.share and a.bits == 16 for a in actions) > 0
+    got = prefill_in_chunks_then_decode(model, cache, ids, (5, 12, 20))
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert in_place[0].chunk_bytes(4096) == 0 and in_place[0].seen == 26  # no transient copy of the store
+
+
+def test_a_multi_token_forward_attends_views_of_the_live_buffers():
+    model = tiny(8)
+    cfg = config(model, *(LayerAction(16),) * 4)
+    cache = make_cache(cfg, model.config, capacity=30)
+    layer = cache.layers[0]
+    seen = []
+    update = CompactLayer.update
+
+    def spy(self, *args, **kwargs):
+        keys, values = update(self, *args, **kwargs)
+        seen.append((keys, values))
+        return keys, values
+
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CompactLayer, "update", spy)
+        model(input_ids=ids[:, :7], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, 7:], past_key_values=cache, use_cache=True)
+    keys, values = seen[len(cache.layers)]  # layer 0 of the second forward
+    assert keys.shape[2] == 12 and keys.data_ptr() == layer.store.keys.data_ptr()  # the filled prefix, no copy
+    assert values.data_ptr() == layer.store.values.data_ptr()
+
+
+def test_in_place_and_concatenating_paths_give_the_same_logits(monkeypatch):
+    model = tiny(5)
+    cfg = config(model, *(LayerAction(16),) * 4)
+    ids = torch.randint(1, VOCAB, (2, 22), generator=torch.Generator().manual_seed(6))
+    fast = prefill_in_chunks_then_decode(model, make_cache(cfg, model.config, capacity=24), ids, (9, 17))
+    monkeypatch.setattr(CompactLayer, "writes_in_place", property(lambda self: False))
+    slow_cache = make_cache(cfg, model.config, capacity=24)
+    slow = prefill_in_chunks_then_decode(model, slow_cache, ids, (9, 17))
+    assert slow_cache.layers[0].chunk_bytes(8) > 0
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_left_padded_batch_in_place_equals_rows_alone():
+    model = tiny(7)
+    assert_padded_batch_equals_rows_alone(model, config(model, LayerAction(16), S, LayerAction(16), LayerAction(16)))
