@@ -60,7 +60,8 @@ from kvlearn.ops.quant import QUANT_BITS, check_bits, kivi_dequantize_keys, kivi
 from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, check_launch, interpreting, is_pow2, tl, triton
 
 if HAS_TRITON:
-    from kvlearn.ops.packed_decode import channel_codes, empty_split_state, query_planes, store_split_partials
+    from kvlearn.ops.packed_decode import (channel_codes, empty_split_state, program_query, query_planes,
+                                           store_split_partials)
     from kvlearn.ops.triton_support import dot_fp32, online_lse_step
 
 __all__ = ["KEY_PATHS", "kivi_decode_attention", "kivi_read", "resolve_key_path"]
@@ -366,16 +367,9 @@ if HAS_TRITON:
         values. With ``WINDOW`` (a launch of its own, so that the main loop keeps the registers it needs): the
         ``sp``-th tile of ``[qend, n)``, partial ``splits + sp``: the values all from the window there, the keys
         quantized below ``floor(n / RES) RES`` and from the window above."""
-        bh = tl.program_id(0)
-        sp = tl.program_id(1)
-        b = (bh // HKV).to(tl.int64)
-        h = (bh % HKV).to(tl.int64)
-        offs_g = tl.arange(0, G_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
+        bh, sp, b, h, offs_g, offs_d, q = program_query(q_ptr, stride_qb, stride_qh, HKV, G, G_PAD, HEAD_DIM)
         offs_t = tl.arange(0, DB)
         offs_c = tl.arange(0, BLOCK_C)
-        q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                    mask=(offs_g < G)[:, None], other=0.0)  # [G_PAD, D]; padded rows zeros
         n = tl.load(n_ptr + b).to(tl.int32)
         qend = tl.maximum(n - RES, 0)  # slots below: key and value quantized
         kc_base = kc_ptr + b * stride_kcb + h * stride_kch

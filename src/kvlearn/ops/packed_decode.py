@@ -160,6 +160,21 @@ if HAS_TRITON:
         return c
 
     @triton.jit
+    def program_query(q_ptr, stride_qb, stride_qh, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                      HEAD_DIM: tl.constexpr):
+        """The program's coordinates and its KV head's query rows: ``(batch x KV head, split, batch, KV head,
+        offs_g [G_PAD], offs_d [HEAD_DIM], q [G_PAD, HEAD_DIM])``, padded query rows zeros."""
+        bh = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = (bh // HKV).to(tl.int64)
+        h = (bh % HKV).to(tl.int64)
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                    mask=(offs_g < G)[:, None], other=0.0)
+        return bh, sp, b, h, offs_g, offs_d, q
+
+    @triton.jit
     def channel_codes(byte, PER_BYTE: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr):
         """Packed bytes ``[BLOCK_C, HEAD_DIM / PER_BYTE]`` (int32) -> the biased codes ``[BLOCK_C, HEAD_DIM]`` in
         channel order (code ``j`` of byte ``t``, bits ``[j b, (j + 1) b)``, is channel ``t * PER_BYTE + j``)."""
@@ -308,16 +323,9 @@ if HAS_TRITON:
         unpacked into channel order (``tl.join``) and made signed codes of the dot dtype from their bits
         (:func:`_exact_codes`, no int-to-float conversion), so the query is one ``[G_PAD, HEAD_DIM]`` operand, the
         logits one ``tl.dot`` and the values one more into a single ``[G_PAD, HEAD_DIM]`` accumulator."""
-        bh = tl.program_id(0)
-        sp = tl.program_id(1)
-        b = (bh // HKV).to(tl.int64)
-        h = (bh % HKV).to(tl.int64)
-        offs_g = tl.arange(0, G_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
+        bh, sp, b, h, offs_g, offs_d, q = program_query(q_ptr, stride_qb, stride_qh, HKV, G, G_PAD, HEAD_DIM)
         offs_t = tl.arange(0, DB)
         offs_c = tl.arange(0, BLOCK_C)
-        q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                    mask=(offs_g < G)[:, None], other=0.0)  # [G_PAD, D]; padded rows zeros
         kc_base = kc_ptr + b * stride_cb + h * stride_ch
         vc_base = vc_ptr + b * stride_cb + h * stride_ch
         ks_base = ks_ptr + b * stride_sb + h * stride_sh
