@@ -29,5 +29,12 @@ def test_record_and_mismatch(tmp_path):
     msg = teacher_mismatch(student, other)
     assert msg is not None and "\n" not in msg and "another teacher" in msg
     assert hashlib.sha256(b"A").hexdigest()[:12] in msg and hashlib.sha256(b"B").hexdigest()[:12] in msg
-    (other / "model.safetensors").write_bytes(b"A")  # same bytes elsewhere: the same teacher
-    assert teacher_mismatch(student, other) is None
+    copy = folder(tmp_path / "copy", b"A")  # the same bytes elsewhere: the same teacher
+    assert teacher_mismatch(student, copy) is None
+
+
+def test_digest_follows_a_rewritten_file(tmp_path):
+    t = folder(tmp_path / "t", b"first")
+    first = weights_digest(t)
+    (t / "model.safetensors").write_bytes(b"second, longer")  # another size: not the remembered digest
+    assert weights_digest(t) == hashlib.sha256(b"second, longer").hexdigest() != first

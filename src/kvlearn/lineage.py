@@ -9,6 +9,7 @@ does not. The digest is of the file's bytes: the same weights saved again in ano
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,10 +19,17 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def weights_digest(folder: str | os.PathLike) -> str | None:
-    """SHA-256 (hex) of ``folder/model.safetensors``; None when the folder has no such file."""
+    """SHA-256 (hex) of ``folder/model.safetensors``; None when the folder has no such file. Remembered per file
+    (path, size, modification time), so a trainer that saves every few hundred steps hashes its teacher once."""
     path = os.path.join(os.fspath(folder), WEIGHTS_FILE)
     if not os.path.isfile(path):
         return None
+    st = os.stat(path)
+    return _file_digest(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
