@@ -60,8 +60,8 @@ from kvlearn.ops.quant import QUANT_BITS, check_bits, kivi_dequantize_keys, kivi
 from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, check_launch, interpreting, is_pow2, tl, triton
 
 if HAS_TRITON:
-    from kvlearn.ops.packed_decode import (channel_codes, empty_split_state, program_query, query_planes,
-                                           store_split_partials)
+    from kvlearn.ops.packed_decode import (channel_codes, empty_channel_state, empty_split_state, program_query,
+                                           query_planes, store_channel_partials, store_split_partials)
     from kvlearn.ops.triton_support import dot_fp32, online_lse_step
 
 __all__ = ["KEY_PATHS", "kivi_decode_attention", "kivi_read", "resolve_key_path"]
@@ -376,9 +376,7 @@ if HAS_TRITON:
         ks_base = ks_ptr + b * stride_ksb + h * stride_ksh
         km_base = km_ptr + b * stride_ksb + h * stride_ksh
         vis_base = vis_ptr + b * stride_vib + h * stride_vih
-        m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([G_PAD], dtype=tl.float32)
-        acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+        m_i, l_i, acc = empty_channel_state(G_PAD, HEAD_DIM)
         if not WINDOW:
             lo = sp * split
             hi = tl.minimum(lo + split, qend)
@@ -429,9 +427,7 @@ if HAS_TRITON:
         part = bh * parts + sp
         if WINDOW:
             part += splits
-        tl.store(m_ptr + part * G_PAD + offs_g, m_i)
-        tl.store(l_ptr + part * G_PAD + offs_g, l_i)
-        tl.store(acc_ptr + (part * G_PAD + offs_g)[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        store_channel_partials(m_ptr, l_ptr, acc_ptr, part, offs_g, offs_d, m_i, l_i, acc, G_PAD, HEAD_DIM)
 
 
 KEY_PATHS = ("auto", "broadcast", "gather", "rebuild")

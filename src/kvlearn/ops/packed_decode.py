@@ -208,6 +208,22 @@ if HAS_TRITON:
         return tl.full([G_PAD], -1.0e30, dtype=tl.float32), tl.zeros([G_PAD], dtype=tl.float32), zero, zero, zero, zero
 
     @triton.jit
+    def empty_channel_state(G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """A channel-order kernel's split state before its first tile: running max -1e30, sum 0, and one zero value
+        accumulator ``[G_PAD, HEAD_DIM]``."""
+        return (tl.full([G_PAD], -1.0e30, dtype=tl.float32), tl.zeros([G_PAD], dtype=tl.float32),
+                tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32))
+
+    @triton.jit
+    def store_channel_partials(m_ptr, l_ptr, acc_ptr, part, offs_g, offs_d, m_i, l_i, acc, G_PAD: tl.constexpr,
+                               HEAD_DIM: tl.constexpr):
+        """One split's running max, sum and (channel-order) value accumulator into partial ``part``, which
+        :func:`merge_splits` merges."""
+        tl.store(m_ptr + part * G_PAD + offs_g, m_i)
+        tl.store(l_ptr + part * G_PAD + offs_g, l_i)
+        tl.store(acc_ptr + (part * G_PAD + offs_g)[:, None] * HEAD_DIM + offs_d[None, :], acc)
+
+    @triton.jit
     def store_split_partials(m_ptr, l_ptr, acc_ptr, part, offs_g, offs_t, m_i, l_i, acc0, acc1, acc2, acc3,
                              G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PER_BYTE: tl.constexpr):
         """One split's running max, sum and value accumulator (kept per code plane) into the partials that
@@ -331,9 +347,7 @@ if HAS_TRITON:
         ks_base = ks_ptr + b * stride_sb + h * stride_sh
         vs_base = vs_ptr + b * stride_sb + h * stride_sh
         vis_base = vis_ptr + b * stride_vb + h * stride_vh
-        m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([G_PAD], dtype=tl.float32)
-        acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+        m_i, l_i, acc = empty_channel_state(G_PAD, HEAD_DIM)
         lo = sp * SPLIT
         hi = tl.minimum(lo + SPLIT, C)
         for c0 in range(lo, hi, BLOCK_C):
@@ -352,9 +366,7 @@ if HAS_TRITON:
             v = _exact_codes(channel_codes(vb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM), BITS, OFFSET, DOT_UPCAST)
             acc = dot_fp32(pv, v.to(q.dtype), acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         part = bh * SPLITS + sp
-        tl.store(m_ptr + part * G_PAD + offs_g, m_i)
-        tl.store(l_ptr + part * G_PAD + offs_g, l_i)
-        tl.store(acc_ptr + (part * G_PAD + offs_g)[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        store_channel_partials(m_ptr, l_ptr, acc_ptr, part, offs_g, offs_d, m_i, l_i, acc, G_PAD, HEAD_DIM)
 
     @triton.jit
     def _merge_splits_kernel(
