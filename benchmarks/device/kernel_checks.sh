@@ -1,29 +1,44 @@
 #!/usr/bin/env bash
-# Short GPU checks of what the CPU cannot measure, in one call (or as the FALLBACK of teacher_trial_then_tables.sh):
-#   1. the KIVI decode kernel's GPU tests and the cache's KIVI/packed GPU tests -> $OUT/gpu_tests_kivi.log
-#   2. its speed against the bf16 cache and the read-back path, graph-replayed, 16k-131k, 2 bits
-#      (benchmarks/packed_decode_speed.py --store kivi --graph) -> $OUT/kivi_decode_h200.json
-#   3. the retrofit step against a plain distillation step with a kernel profile of one step per method
-#      (benchmarks/retrofit_step_speed.py --profile) -> $OUT/retrofit_step_speed_h200.json, $OUT/profile/*.txt
-#   4. the 131k bf16 row of the Kaizen memory benchmark alone (it ran past 590 s at d2a03be: its per-16k prefill
-#      lines say where the time goes) -> $OUT/kaizen_memory_h200_bf16_131k.json, unless SKIP_MEMORY=1
-# Every step under its own timeout (150 + 180 + 150 s, then MEMORY_MINUTES (default 3) * 60 + 230 s: at most 14
-# minutes, typically ~1 + ~1 + ~1.5 minutes and the memory row; run it detached when the memory row is included).
+# Short GPU checks of what the CPU cannot measure, in one call (or as the PRE / WITH_EVAL / THEN / FALLBACK of
+# teacher_trial_then_tables.sh):
+#   1. unless TESTS=0: the GPU tests of the decode kernels (KIVI, packed store, the caches over them) and of the
+#      retrofit step (distillation, scorers, the sparse attention) -> $OUT/gpu_tests_kernels.log
+#   2. unless TIMINGS=0, each alone on the GPU:
+#      a. the retrofit step against a plain distillation step, with the variants (per-parameter AdamW, bf16 mLSTM
+#         matmuls) and a kernel profile of one step per method (benchmarks/retrofit_step_speed.py --profile)
+#         -> $OUT/retrofit_step_speed_h200.json, $OUT/profile/*.txt
+#      b. the KIVI decode kernel against the bf16 cache, the read-back path and its first kernel (key_path="rebuild"),
+#         graph-replayed, 16k-131k, 2 bits (benchmarks/packed_decode_speed.py --store kivi --graph)
+#         -> $OUT/kivi_decode_h200.json
+#      c. the packed-store decode kernel (channel order) against the bf16 cache, the read-back path and the bit-plane
+#         kernel it replaced, graph-replayed, at PACKED_BITS (default 4,2) -> $OUT/packed_decode_h200.json
+#   3. unless SKIP_MEMORY=1: the 131k bf16 row of the Kaizen memory benchmark alone
+#      -> $OUT/kaizen_memory_h200_bf16_131k.json
+# Every step under its own timeout (240; 200 + 180 + 180 s; then MEMORY_MINUTES (default 3) * 60 + 230 s), typically
+# ~1.5 + (~1.5 + ~1 + ~1.5) minutes and the memory row; run it detached when the memory row is included.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kernel_checks.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)') triton $(python3 -c 'import triton; print(triton.__version__)' 2>/dev/null || echo none)"
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py \
-    tests/cache/test_packed_decode_cache.py > "$OUT/gpu_tests_kivi.log" 2>&1
-echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests_kivi.log"
-timeout 180 python3 benchmarks/packed_decode_speed.py --store kivi --bits 2 --graph \
-    --out "$OUT/kivi_decode_h200.json" > "$OUT/kivi_decode.log" 2>&1
-echo "kivi decode speed rc=$?"; grep -v Warn "$OUT/kivi_decode.log" | cut -c1-400 | tail -n 4
-timeout 150 python3 benchmarks/retrofit_step_speed.py --profile "$OUT/profile" \
-    --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
-echo "retrofit step speed rc=$?"; grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 5
+if [ "${TESTS:-1}" != 0 ]; then
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py \
+        tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py \
+        tests/kvpop/test_attention.py > "$OUT/gpu_tests_kernels.log" 2>&1
+    echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests_kernels.log"
+fi
+if [ "${TIMINGS:-1}" != 0 ]; then
+    timeout 200 python3 benchmarks/retrofit_step_speed.py --variants foreach_adamw,bf16_mlstm_matmuls --profile "$OUT/profile" \
+        --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
+    echo "retrofit step speed rc=$?"; grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 8
+    timeout 180 python3 benchmarks/packed_decode_speed.py --store kivi --bits 2 --graph \
+        --out "$OUT/kivi_decode_h200.json" > "$OUT/kivi_decode.log" 2>&1
+    echo "kivi decode speed rc=$?"; grep -v Warn "$OUT/kivi_decode.log" | cut -c1-400 | tail -n 4
+    timeout 180 python3 benchmarks/packed_decode_speed.py --bits "${PACKED_BITS:-4,2}" --graph \
+        --out "$OUT/packed_decode_h200.json" > "$OUT/packed_decode.log" 2>&1
+    echo "packed decode speed rc=$?"; grep -v Warn "$OUT/packed_decode.log" | cut -c1-400 | tail -n 4
+fi
 if [ "${SKIP_MEMORY:-0}" != 1 ]; then
     OUT=$OUT PART=bf16_131k CONTEXTS=131072 CONFIGS=bf16 MINUTES=${MEMORY_MINUTES:-3} bash benchmarks/device/kaizen_memory.sh
 fi

@@ -22,6 +22,13 @@
 #      then, alone on the GPU, `benchmarks/packed_decode_speed.py --graph`.
 #      FALLBACK='<command line>' runs that instead (alone on the GPU; RUN_DIR is exported), e.g.
 #      FALLBACK='OUT=$RUN_DIR/kaizen bash benchmarks/device/kaizen_overheads.sh; ...'.
+#   PRE='<command line>' runs first, alone on the GPU, before the trial (e.g. the GPU tests of changed kernels), and
+#   WITH_EVAL='<command line>' beside a passed teacher's evaluation, once its checkpoint is written (e.g. GPU tests:
+#   the evaluation measures accuracy, not time), and THEN='<command line>' after that evaluation, alone on the GPU
+#   (e.g. the kernel timings); they log to RUN_DIR/pre.log, with_eval.log and then.log, and none shares the GPU with
+#   the pretrain, whose recipe follows time. E.g. (benchmarks/device/kernel_checks.sh):
+#     WITH_EVAL='TIMINGS=0 SKIP_MEMORY=1 OUT=$RUN_DIR/checks bash benchmarks/device/kernel_checks.sh'
+#     THEN='TESTS=0 SKIP_MEMORY=1 OUT=$RUN_DIR/checks bash benchmarks/device/kernel_checks.sh'
 # Everything goes to RUN_DIR (default /tmp/session_out); /tmp/session.log is the chain's log, /tmp/session.done its
 # end. Device time on one H200: ~1 start + either ~21 (teacher passed) or ~5 + ~14 (failed) minutes:
 #   call 1:  KVLEARN_COMMIT=<sha> setsid bash benchmarks/device/teacher_trial_then_tables.sh > /tmp/session.log 2>&1 < /dev/null & sleep 565; cat /tmp/session.log
@@ -34,6 +41,12 @@ rm -f /tmp/session.done /tmp/teacher.pretrained /tmp/teacher.done
 GATE_STAGE=${GATE_STAGE:-2}; GATE_THRESHOLD=${GATE_THRESHOLD:-${GATE_TRACE:-0.2}}; GATE_FAMILY=${GATE_FAMILY:-trace}
 TEACHER_EXTRA=${TEACHER_EXTRA---stage-fractions 0.12,0.13,0.2,0.2,0.35}
 export RUN_DIR
+job() {  # name, then the command: its output to RUN_DIR/name.log
+    local name=$1; shift
+    if [ "${DRY_RUN:-0}" = 1 ]; then sleep 1; echo "dry run: $*" > "$RUN_DIR/$name.log"; else "$@" > "$RUN_DIR/$name.log" 2>&1; fi
+    echo "== $name done rc=$? $(date -u +%H:%M:%S)"
+}
+[ -n "${PRE:-}" ] && job pre bash -c "$PRE"
 echo "== teacher trial $(date -u +%H:%M:%S): pretrain $TEACHER_EXTRA; gate: $GATE_FAMILY >= $GATE_THRESHOLD after stage $GATE_STAGE"
 CKPT=${CKPT:-/tmp/testbed-teacher}  # teacher.sh's output folder: pretrain rewrites its pretrain_log.json per stage
 if [ "${DRY_RUN:-0}" = 1 ]; then  # a fake pretrain: one stage check a second, every family at DRY_TRACE
@@ -59,18 +72,19 @@ done
 echo "== gate $(date -u +%H:%M:%S): ${verdict:-teacher ended before stage $GATE_STAGE}"
 echo "${verdict:-none}" > "$RUN_DIR/gate.txt"
 if [ "${verdict%% *}" = pass ]; then
+    if [ -n "${WITH_EVAL:-}" ]; then  # beside the evaluation: after the checkpoint is written, before the teacher ends
+        while kill -0 "$teacher" 2>/dev/null && [ ! -e /tmp/teacher.pretrained ]; do sleep 5; done
+        job with_eval bash -c "$WITH_EVAL" &
+    fi
     wait "$teacher"; echo "== teacher done $(date -u +%H:%M:%S)"; cat "$RUN_DIR/teacher.log"
+    wait  # WITH_EVAL
+    [ -n "${THEN:-}" ] && job then bash -c "$THEN"
     touch /tmp/session.done; exit 0
 fi
 kill -- -"$teacher" 2>/dev/null; pkill -f "kvlearn.cli pretrain" 2>/dev/null; wait "$teacher" 2>/dev/null
 # the stopped trial's last stage checkpoint, for a diagnosis on the CPU (collect_session.sh brings it back)
 [ -e "$CKPT/config.json" ] && tar -C "$(dirname "$CKPT")" -cf "$RUN_DIR/teacher/trial_checkpoint.tar" "$(basename "$CKPT")"
 echo "== teacher trial stopped; method tables on the shipped teacher $(date -u +%H:%M:%S)"
-job() {  # name, then the command: its output to RUN_DIR/name.log
-    local name=$1; shift
-    if [ "${DRY_RUN:-0}" = 1 ]; then sleep 1; echo "dry run: $*" > "$RUN_DIR/$name.log"; else "$@" > "$RUN_DIR/$name.log" 2>&1; fi
-    echo "== $name done rc=$? $(date -u +%H:%M:%S)"
-}
 if [ -n "${FALLBACK:-}" ]; then  # instead of the tables below: this command line, alone on the GPU
     job fallback bash -c "$FALLBACK"
     echo "== done $(date -u +%H:%M:%S)"; touch /tmp/session.done; exit 0

@@ -209,13 +209,18 @@ def test_teacher_trial_chain_stops_a_failing_trial_and_keeps_a_passing_one(tmp_p
     for trace, tables in (("0.0", True), ("0.5", False)):
         run_dir = tmp_path / f"trace{trace}"
         env = {**os.environ, "RUN_DIR": str(run_dir), "CKPT": str(run_dir / "ckpt"), "DRY_RUN": "1",
-               "DRY_TRACE": trace}
+               "DRY_TRACE": trace, "PRE": "echo pre", "WITH_EVAL": "echo with-eval", "THEN": "echo then"}
         out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120,
                              cwd=script.parents[2]).stdout
         gate = (run_dir / "gate.txt").read_text()
         assert gate.startswith("fail" if tables else "pass"), (gate, out)
         assert (run_dir / "table512.log").exists() == tables and (run_dir / "baselines.log").exists() == tables, out
         assert ("== done" in out) == tables
+        # PRE runs before every trial; WITH_EVAL and THEN only after a passed one, in that order
+        assert "echo pre" in (run_dir / "pre.log").read_text() and out.index("== pre done") < out.index("== gate")
+        assert (run_dir / "then.log").exists() == (run_dir / "with_eval.log").exists() == (not tables), out
+        if not tables:
+            assert out.index("== gate") < out.index("== with_eval done") < out.index("== then done"), out
     # another family and stage: the gate reads that family's check (the fake log has every family at DRY_TRACE)
     run_dir = tmp_path / "recall"
     env = {**os.environ, "RUN_DIR": str(run_dir), "CKPT": str(run_dir / "ckpt"), "DRY_RUN": "1", "DRY_TRACE": "0.6",
