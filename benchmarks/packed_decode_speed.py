@@ -6,29 +6,29 @@ For each context ``C`` and bit-width, one decode step's attention (batch 1, 40 q
 every slot visible) three ways, timed with CUDA events (median of ``--iters`` after warm-up), in one process:
 
 - ``bf16``: ``scaled_dot_product_attention`` over bf16 K/V ``[1, 8, C, 128]`` (the plain store's read is a view);
-- ``read_then_attend``: what the cache does today, ``PackedStore.read()`` (unpack and dequantize every slot into
-  a full-size bf16 temporary) then the same SDPA;
-- ``fused``: :func:`kvlearn.ops.packed_decode.packed_decode_attention` (codes unpacked in registers, no temporary),
-  at its default tile of 64 slots, and ``fused_block_c_128`` at 128 (the choice of the default); ``fused_planes``
-  the bit-plane kernel it replaced (``variant="planes"``, default launch), in the same run, with its ratio to
-  ``bf16`` and its largest difference from ``fused``.
+- ``read_then_attend``: what the cache does without the kernel, ``PackedStore.read()`` (unpack and dequantize every
+  slot into a full-size bf16 temporary) then the same SDPA;
+- ``fused``: :func:`kvlearn.ops.packed_decode.packed_decode_attention` (the bit-plane kernel: codes unpacked in
+  registers, no temporary), at its default tile of 64 slots, and ``fused_block_c_128`` at 128 (the choice of the
+  default).
 
 ``--store kivi`` measures the KIVI store the same way (``KIVIStore`` with key groups of 32 tokens and a 128-token
-bf16 window; ``fused`` is :func:`kvlearn.ops.kivi_decode.kivi_decode_attention` at its default launch, the split
-kernel, and ``fused_rebuild`` its first kernel, ``key_path="rebuild"`` at a tile of 64 slots, what ``fused`` was
-before: both in the same run, with their ratios to ``bf16``; ``--graph --sweep`` then times the variants of
-:data:`KIVI_SWEEP` (:func:`kivi_launch_sweep`), old and new side by side).
+bf16 window; ``fused`` is :func:`kvlearn.ops.kivi_decode.kivi_decode_attention` at its default launch, a tile of 32
+slots, and ``fused_block_c_128`` at 128).
 
-Rows: ``ms`` per variant and the ratios ``fused / bf16`` and ``read_then_attend / bf16`` measured in the same run,
-``--graph`` adds ``ms_graph``: each variant replayed from a CUDA graph, so the kernels are timed without the host's
-Python and launch overhead (what a compiled / graph-captured decode loop pays), and ``fused_over_bf16_graph``;
-``--graph --sweep`` adds the fused kernel's graph-replayed time over its launch grid (:func:`launch_sweep`), to
-choose :func:`kvlearn.ops.packed_decode.default_split` by measurement, and the variants of :data:`PACKED_SWEEP`
-(kernel variant x launch: ``variant_sweep*`` keys, :func:`variant_launch_sweep`), old and new kernel side by side;
-plus the largest difference of ``fused`` from ``read_then_attend`` (same codes: only float rounding, chiefly the
-bf16 probabilities of the value product, as in flash attention). KV-Kaizen's
-acceptance asks ``fused / bf16 <= 1`` at 131k (issue #11 item 9). ``--smoke`` runs tiny shapes on the CPU through
-the torch backend (checks the plumbing, times nothing meaningful).
+Rows: ``ms`` per variant and the ratios ``fused / bf16``, ``fused_block_c_128 / bf16`` and ``read_then_attend /
+bf16`` measured in the same run, and each fused launch's largest difference from ``read_then_attend``
+(``max_abs_diff_fused_vs_read``, ``max_abs_diff_fused_block_c_128_vs_read``: same codes, so only float rounding,
+chiefly the bf16 probabilities of the value product, as in flash attention). ``--graph`` adds ``ms_graph``: each
+variant replayed from a CUDA graph, so the kernels are timed without the host's Python and launch overhead (what a
+compiled / graph-captured decode loop pays), and ``fused_over_bf16_graph``. ``--graph --sweep`` adds the fused
+kernel's graph-replayed time over a launch grid: for the packed store block_c x split (:func:`launch_sweep`), to
+choose :func:`kvlearn.ops.packed_decode.default_split` by measurement; for KIVI the launches of :data:`KIVI_SWEEP`
+(:func:`kivi_launch_sweep`: key path, tile, warps, stages, split). Every sweep entry also records its largest
+difference from ``read_then_attend`` (``sweep_max_abs_diff``); one above :data:`MAX_ABS_DIFF` is listed in
+``sweep_wrong`` and never chosen as ``sweep_best``. KV-Kaizen's acceptance asks ``fused / bf16 <= 1`` at 131k
+(issue #11 item 9). ``--smoke`` runs tiny shapes on the CPU through the torch backend (checks the plumbing, times
+nothing meaningful).
 """
 
 from __future__ import annotations
@@ -48,23 +48,17 @@ from kvlearn.results import make_results, write_results
 KIVI_GROUP, KIVI_RESIDUAL = 32, 128  # --store kivi: KIVI's key group and full-precision window (kaizen_memory's)
 
 # --store kivi --graph --sweep: (key_path, block_c, num_warps, num_stages, split as a multiple of the default split);
-# the first two are the first kernel (at the API's tile and at the one the benchmark timed), the third the default
+# the first is the default launch (tiles of 16 are refused on CUDA: kvlearn.ops.kivi_decode.check_cuda_block_c)
 KIVI_SWEEP = (
-    ("rebuild", 32, 4, 2, 1), ("rebuild", 64, 4, 2, 1),
     ("broadcast", 32, 4, 2, 1), ("broadcast", 32, 4, 2, 0.5), ("broadcast", 32, 4, 2, 2),
-    ("broadcast", 32, 4, 3, 1), ("broadcast", 32, 8, 2, 1), ("broadcast", 16, 4, 2, 1),
+    ("broadcast", 32, 4, 3, 1), ("broadcast", 32, 8, 2, 1),
     ("broadcast", 64, 4, 2, 1), ("broadcast", 64, 8, 2, 1), ("broadcast", 128, 4, 2, 1), ("broadcast", 128, 8, 2, 1),
     ("gather", 32, 4, 2, 1), ("gather", 64, 8, 2, 1),
 )
 
-# --store packed --graph --sweep: (variant, block_c, num_warps, num_stages, split as a multiple of the default
-# split); the first is the bit-plane kernel at its default launch, the third the default
-PACKED_SWEEP = (
-    ("planes", 64, 4, 2, 1), ("planes_exact", 64, 4, 2, 1),
-    ("channels", 64, 4, 2, 1), ("channels", 64, 4, 2, 0.5), ("channels", 64, 4, 2, 2),
-    ("channels", 64, 4, 3, 1), ("channels", 64, 8, 2, 1), ("channels", 32, 4, 2, 1), ("channels", 32, 2, 2, 1),
-    ("channels", 128, 4, 2, 1), ("channels", 128, 8, 2, 1), ("channels", 128, 8, 3, 1),
-)
+# a fused launch further than this from read_then_attend (largest absolute difference) is wrong, not merely rounded
+# (the kernels measured ~1e-4 at bf16 on the H200; a miscompiled launch 0.19)
+MAX_ABS_DIFF = 1e-2
 
 
 def graphed(fn):
@@ -135,23 +129,18 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
                                        store.value_scales, visible, bits, backend=backend, block_c=block_c or 64,
                                        split=split, **launch)
 
+    reference = read_then_attend()[:, :, 0].float()
+
+    def max_abs_diff(out) -> float:
+        """The largest difference of a fused output from read_then_attend's (NaN stays NaN: never <= a tolerance)."""
+        return (out.float() - reference).abs().max().item()
+
     variants = [("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused),
                 ("fused_block_c_128", lambda: fused(128))]
-    if store_kind == "kivi":  # the first kernel at the tile the benchmark timed it with, in the same run
-        variants.append(("fused_rebuild", lambda: fused(64, key_path="rebuild")))
-    else:  # the bit-plane kernel the default replaced, in the same run
-        variants.append(("fused_planes", lambda: fused(variant="planes")))
     ms = {name: timed(fn, iters, device) for name, fn in variants}
-    diff = (fused().float() - read_then_attend()[:, :, 0].float()).abs().max().item()
+    diffs = {"max_abs_diff_fused_vs_read": max_abs_diff(fused()),
+             "max_abs_diff_fused_block_c_128_vs_read": max_abs_diff(fused(128))}
     extra = {}
-    if store_kind == "kivi":
-        extra["fused_rebuild_over_bf16"] = round(ms["fused_rebuild"] / ms["bf16"], 3)
-        old = fused(64, key_path="rebuild")
-        extra["max_abs_diff_fused_vs_rebuild"] = (fused().float() - old.float()).abs().max().item()
-    else:
-        extra["fused_planes_over_bf16"] = round(ms["fused_planes"] / ms["bf16"], 3)
-        old = fused(variant="planes")
-        extra["max_abs_diff_fused_vs_planes"] = (fused().float() - old.float()).abs().max().item()
     if graph:  # the same, each replayed from a CUDA graph: the kernels' own time
         ms_graph = {}
         for name, fn in variants:
@@ -162,77 +151,79 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
             except RuntimeError as e:  # a variant that cannot be captured is reported, not fatal
                 ms_graph[name] = f"not capturable: {str(e).splitlines()[0][:200]}"
         extra["ms_graph"] = ms_graph
-        for name in ("fused", "fused_rebuild", "fused_planes"):
-            if name in ms_graph and all(isinstance(ms_graph[k], float) for k in ("bf16", name)):
-                extra[f"{name}_over_bf16_graph"] = round(ms_graph[name] / ms_graph["bf16"], 3)
+        if all(isinstance(ms_graph[k], float) for k in ("bf16", "fused")):
+            extra["fused_over_bf16_graph"] = round(ms_graph["fused"] / ms_graph["bf16"], 3)
         if sweep and isinstance(ms_graph["bf16"], float):
+            def make(**launch):  # checked eagerly first (a launch that fails is reported by the sweep), then graphed
+                diff = max_abs_diff(fused(**launch))
+                return graphed(lambda: fused(**launch)), diff
+
             if store_kind == "kivi":
-                extra.update(kivi_launch_sweep(lambda **kw: graphed(lambda: fused(**kw)), context, hkv, iters,
-                                               device, ms_graph["bf16"]))
+                extra.update(kivi_launch_sweep(make, context, hkv, iters, device, ms_graph["bf16"]))
             else:
-                extra.update(launch_sweep(lambda bc, sp: graphed(lambda: fused(bc, sp)), context, iters, device,
+                extra.update(launch_sweep(lambda bc, sp: make(block_c=bc, split=sp), context, iters, device,
                                           ms_graph["bf16"]))
-                extra.update(variant_launch_sweep(lambda **kw: graphed(lambda: fused(**kw)), context, hkv, iters,
-                                                  device, ms_graph["bf16"]))
     return {"store": store_kind, "context": context, "bits": bits, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
             "backend": backend,
             "ms": {k2: round(v2, 4) for k2, v2 in ms.items()},
             "fused_over_bf16": round(ms["fused"] / ms["bf16"], 3),
             "fused_block_c_128_over_bf16": round(ms["fused_block_c_128"] / ms["bf16"], 3),
             "read_then_attend_over_bf16": round(ms["read_then_attend"] / ms["bf16"], 3),
-            "max_abs_diff_fused_vs_read": diff, **extra}
+            **diffs, **extra}
+
+
+def _sweep_summary(times: dict, diffs: dict, bf16_ms: float) -> dict:
+    """A sweep's keys from ``times`` (name -> ms, or a string: the launch failed) and ``diffs`` (name -> largest
+    difference from read_then_attend): ``sweep``, ``sweep_max_abs_diff``, ``sweep_wrong`` (the launches further
+    than :data:`MAX_ABS_DIFF`, or NaN), ``sweep_over_bf16_graph`` (every timed launch), and ``sweep_best`` with
+    ``sweep_best_over_bf16_graph``: the fastest launch that is right (absent when none is)."""
+    timed_ok = {k: v for k, v in times.items() if isinstance(v, float)}
+    wrong = [k for k in timed_ok if not diffs[k] <= MAX_ABS_DIFF]
+    out = {"sweep": times, "sweep_max_abs_diff": diffs, "sweep_wrong": wrong,
+           "sweep_over_bf16_graph": {k: round(v / bf16_ms, 3) for k, v in timed_ok.items()}}
+    right = {k: v for k, v in timed_ok.items() if k not in wrong}
+    if right:
+        best = min(right, key=right.get)
+        out.update(sweep_best=best, sweep_best_over_bf16_graph=round(right[best] / bf16_ms, 3))
+    return out
 
 
 def launch_sweep(make, context: int, iters: int, device, bf16_ms: float) -> dict:
     """The fused kernel's graph-replayed time over its launch grid: tiles ``block_c`` in {32, 64, 128} times slots
-    per program ``split`` from 128 up to 8192 (at most 2048 splits): ``sweep`` maps ``"block_c/split"`` to ms,
-    ``sweep_best`` is the fastest and ``sweep_best_over_bf16_graph`` its ratio to the graph-replayed bf16 cache."""
-    times = {}
+    per program ``split`` from 128 up to 8192 (at most 2048 splits). ``make(block_c, split)`` returns the callable to
+    time and the launch's largest difference from read_then_attend. ``sweep`` maps ``"block_c/split"`` to ms, the
+    rest as :func:`_sweep_summary` says (``sweep_best``: the fastest right launch)."""
+    times, diffs = {}, {}
     for block_c in (32, 64, 128):
         split = max(block_c, 128)
         while split <= 8192:
             if context // split <= 2048:
-                times[f"{block_c}/{split}"] = round(timed(make(block_c, split), iters, device), 4)
+                name = f"{block_c}/{split}"
+                fn, diffs[name] = make(block_c, split)
+                times[name] = round(timed(fn, iters, device), 4)
             split *= 2
-    best = min(times, key=times.get)
-    return {"sweep": times, "sweep_best": best, "sweep_best_over_bf16_graph": round(times[best] / bf16_ms, 3)}
+    return _sweep_summary(times, diffs, bf16_ms)
 
 
 def kivi_launch_sweep(make, context: int, kv_heads: int, iters: int, device, bf16_ms: float,
                       variants=KIVI_SWEEP) -> dict:
-    """The KIVI kernels' graph-replayed time over ``variants`` (:data:`KIVI_SWEEP`): ``make(key_path=, block_c=,
-    split=, num_warps=, num_stages=)`` returns the callable to time; ``split`` is the default split
-    (:func:`~kvlearn.ops.packed_decode.default_split`) times the variant's factor, at least ``block_c``. ``sweep``
-    maps ``"key_path/block_c/split/num_warps/num_stages"`` to ms (or the first line of the error of a launch that
-    failed), ``sweep_over_bf16_graph`` each ratio to the graph-replayed bf16 cache, ``sweep_best`` the fastest and
-    ``sweep_best_over_bf16_graph`` its ratio."""
-    times = {}
+    """The KIVI kernel's graph-replayed time over ``variants`` (:data:`KIVI_SWEEP`): ``make(key_path=, block_c=,
+    split=, num_warps=, num_stages=)`` returns the callable to time and the launch's largest difference from
+    read_then_attend; ``split`` is the default split (:func:`~kvlearn.ops.packed_decode.default_split`) times the
+    variant's factor, at least ``block_c``. ``sweep`` maps ``"key_path/block_c/split/num_warps/num_stages"`` to ms
+    (or the first line of the error of a launch that failed, which has no ``sweep_max_abs_diff``), the rest as
+    :func:`_sweep_summary` says (``sweep_best``: the fastest right launch)."""
+    times, diffs = {}, {}
     for key_path, block_c, warps, stages, factor in variants:
         split = max(block_c, int(default_split(context, kv_heads, block_c, device) * factor))
         name = f"{key_path}/{block_c}/{split}/{warps}/{stages}"
         try:
-            times[name] = round(timed(make(key_path=key_path, block_c=block_c, split=split, num_warps=warps,
-                                           num_stages=stages), iters, device), 4)
+            fn, diff = make(key_path=key_path, block_c=block_c, split=split, num_warps=warps, num_stages=stages)
+            times[name] = round(timed(fn, iters, device), 4)
+            diffs[name] = diff
         except Exception as e:  # one launch that fails to compile or run is reported, not fatal
             times[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    ok = {k: v for k, v in times.items() if isinstance(v, float)}
-    out = {"sweep": times, "sweep_over_bf16_graph": {k: round(v / bf16_ms, 3) for k, v in ok.items()}}
-    if ok:
-        best = min(ok, key=ok.get)
-        out.update(sweep_best=best, sweep_best_over_bf16_graph=round(ok[best] / bf16_ms, 3))
-    return out
-
-
-def variant_launch_sweep(make, context: int, kv_heads: int, iters: int, device, bf16_ms: float,
-                         variants=PACKED_SWEEP) -> dict:
-    """The packed kernels' graph-replayed time over ``variants`` (:data:`PACKED_SWEEP`), as
-    :func:`kivi_launch_sweep` does for KIVI (``make(variant=, block_c=, split=, num_warps=, num_stages=)``, names
-    ``"variant/block_c/split/num_warps/num_stages"``), its keys prefixed ``variant_`` (``variant_sweep``,
-    ``variant_sweep_over_bf16_graph``, ``variant_sweep_best``, ``variant_sweep_best_over_bf16_graph``) beside the
-    launch grid's."""
-    out = kivi_launch_sweep(lambda key_path, **kw: make(variant=key_path, **kw), context, kv_heads, iters, device,
-                            bf16_ms, variants)
-    return {f"variant_{k}": v for k, v in out.items()}
+    return _sweep_summary(times, diffs, bf16_ms)
 
 
 def main(argv=None) -> int:
@@ -243,8 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--graph", action="store_true",
                    help="also time each variant replayed from a CUDA graph (the kernels without host overhead)")
     p.add_argument("--sweep", action="store_true",
-                   help="with --graph: also time the fused kernel over its launch grid (block_c x split) and the "
-                        "variants of PACKED_SWEEP (--store kivi: of KIVI_SWEEP), the kernel before among them")
+                   help="with --graph: also time the fused kernel over its launch grid (block_c x split; --store kivi: "
+                        "the launches of KIVI_SWEEP), each checked against read_then_attend")
     p.add_argument("--store", default="packed", choices=("packed", "kivi"),
                    help="packed: PackedStore and kvlearn.ops.packed_decode; kivi: KIVIStore (G = 32, R = 128) and "
                         "kvlearn.ops.kivi_decode")

@@ -220,8 +220,14 @@ def run(args, tmp: Path, command: str) -> int:
     return 0
 
 
+def profile_file_stem(name: str) -> str:
+    """A row name as a file name the device tool returns: ``+`` (a variant row, ``method+variant``) becomes ``__``."""
+    return name.replace("+", "__")
+
+
 def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 40) -> None:
-    """One step of each method under ``torch.profiler`` into ``folder/<name>.txt``: the step's wall time, then the
+    """One step of each method under ``torch.profiler`` into ``folder/<name>.txt`` (:func:`profile_file_stem`): the
+    step's wall time, then the
     ``rows`` operators with the most self device time (self CPU time on the CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -239,9 +245,9 @@ def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 4
                 torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
         table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90)
-        (folder / f"{t.name}.txt").write_text(f"# {t.name}: one step under the profiler, {wall_ms:.1f} ms wall "
+        (folder / f"{profile_file_stem(t.name)}.txt").write_text(f"# {t.name}: one step under the profiler, {wall_ms:.1f} ms wall "
                                               f"(profiler overhead included); sorted by {key}\n{table}\n")
-        print(f"profile of {t.name}: {folder / (t.name + '.txt')}")
+        print(f"profile of {t.name}: {folder / (profile_file_stem(t.name) + '.txt')}")
 
 
 def summarize(rows: list[dict]) -> dict:

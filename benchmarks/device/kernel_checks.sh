@@ -7,11 +7,10 @@
 #      a. the retrofit step against a plain distillation step, with the variants (per-parameter AdamW, bf16 mLSTM
 #         matmuls) and a kernel profile of one step per method (benchmarks/retrofit_step_speed.py --profile)
 #         -> $OUT/retrofit_step_speed_h200.json, $OUT/profile/*.txt
-#      b. the KIVI decode kernel against the bf16 cache, the read-back path and its first kernel (key_path="rebuild"),
-#         graph-replayed, 16k-131k, 2 bits (benchmarks/packed_decode_speed.py --store kivi --graph)
-#         -> $OUT/kivi_decode_h200.json
-#      c. the packed-store decode kernel (channel order) against the bf16 cache, the read-back path and the bit-plane
-#         kernel it replaced, graph-replayed, at PACKED_BITS (default 4,2) -> $OUT/packed_decode_h200.json
+#      b. the KIVI decode kernel against the bf16 cache and the read-back path, graph-replayed, 16k-131k, 2 bits
+#         (benchmarks/packed_decode_speed.py --store kivi --graph) -> $OUT/kivi_decode_h200.json
+#      c. the packed-store decode kernel (bit planes) against the bf16 cache and the read-back path, graph-replayed,
+#         at PACKED_BITS (default 4,2) -> $OUT/packed_decode_h200.json
 #   3. unless SKIP_MEMORY=1: the 131k bf16 row of the Kaizen memory benchmark alone
 #      -> $OUT/kaizen_memory_h200_bf16_131k.json
 # Every step under its own timeout (240; 200 + 180 + 180 s; then MEMORY_MINUTES (default 3) * 60 + 230 s), typically

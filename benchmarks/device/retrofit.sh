@@ -30,6 +30,6 @@ python3 -c "
 import shutil, sys, torch, kvlearn
 src, dst = sys.argv[1], sys.argv[2]
 kvlearn.load(src, dtype=torch.bfloat16).save_pretrained(dst)
-for f in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
+for f in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'teacher.json'):  # teacher.json: kvlearn.lineage
     shutil.copy2(f'{src}/{f}', dst)
 " "$RUN/final" "/tmp/kvpop-$tag" && tar -C /tmp -cf "$OUT/kvpop_$tag.tar" "kvpop-$tag"

@@ -289,7 +289,8 @@ def cmd_pretrain(args) -> int:
                             **({"family_weights": _family_weights(args.family_weights)} if args.family_weights else {}),
                             **({"train_styles": tuple(args.train_styles.split(","))} if args.train_styles else {}),
                             **({"train_regimes": tuple(args.train_regimes.split(","))} if args.train_regimes else {}),
-                            **({"plain_stages": args.plain_stages} if args.plain_stages is not None else {}))
+                            **({"plain_stages": args.plain_stages} if args.plain_stages is not None else {}),
+                            **({"multivalue_from": args.multivalue_from} if args.multivalue_from is not None else {}))
     pretrain(config)
     return 0
 
@@ -577,6 +578,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plain-stages", type=int, default=None,
                     help="the first N curriculum stages train on the plain haystack only (svo grammar, uniform depths); "
                          "(default 0: every stage on the varied haystacks, the shipped teacher's recipe)")
+    sp.add_argument("--multivalue-from", type=int, default=None, metavar="LENGTH",
+                    help=f"from the curriculum stage of this example length on, a share {tasks.MULTIVALUE_PROBE_SHARE:g} of "
+                         "the dense rows' niah probes give their key 2-4 needles, answered in document order (default: "
+                         "never, the shipped teacher's recipe)")
     sp.set_defaults(func=cmd_pretrain)
 
     sp = sub.add_parser("retrofit", help="distil a trained cache method into a model (teacher: the dense model): KVpop's "

@@ -1,5 +1,6 @@
-"""benchmarks/packed_decode_speed.py --smoke on the CPU: rows for every context and bit-width, the fused path equal
-to read-then-attend up to float rounding, the results file written; without CUDA the GPU run is one line."""
+"""benchmarks/packed_decode_speed.py --smoke on the CPU: rows for every context and bit-width, each fused launch equal
+to read-then-attend up to float rounding, the results file written; without CUDA the GPU run is one line. The launch
+sweeps (on callables made slow, or wrong, on purpose): every launch timed and checked, a wrong one never the best."""
 
 import json
 
@@ -21,17 +22,16 @@ def test_smoke_rows_and_agreement(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["context"], r["bits"]) for r in rows] == [(64, 4), (64, 2), (128, 4), (128, 2)]
     assert all(r["max_abs_diff_fused_vs_read"] < 1e-5 and r["fused_over_bf16"] > 0 for r in rows)
-    # the bit-plane kernel is timed beside the default in the same run (here both the torch backend)
-    assert all(r["fused_planes_over_bf16"] > 0 and r["max_abs_diff_fused_vs_planes"] < 1e-6 for r in rows)
-    assert all(set(r["ms"]) == {"bf16", "read_then_attend", "fused", "fused_block_c_128", "fused_planes"}
+    # every timed fused launch is checked against read_then_attend (here all the torch backend)
+    assert all(r["max_abs_diff_fused_block_c_128_vs_read"] < 1e-5 and r["fused_block_c_128_over_bf16"] > 0
                for r in rows)
+    names = {"bf16", "read_then_attend", "fused", "fused_block_c_128"}
+    assert all(set(r["ms"]) == names for r in rows)
     assert script.main(["--smoke", "--iters", "1", "--bits", "2", "--store", "kivi", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]  # KIVI: window R = 128, so the 128-slot row has one quantized block
     assert [(r["store"], r["context"]) for r in rows] == [("kivi", 64), ("kivi", 128)]
-    assert all(r["max_abs_diff_fused_vs_read"] < 1e-5 for r in rows)
-    # the first kernel is timed beside the default in the same run (here both the torch backend)
-    assert all(r["fused_rebuild_over_bf16"] > 0 and r["max_abs_diff_fused_vs_rebuild"] < 1e-6 for r in rows)
-    names = {"bf16", "read_then_attend", "fused", "fused_block_c_128", "fused_rebuild"}
+    assert all(r["max_abs_diff_fused_vs_read"] < 1e-5 and r["max_abs_diff_fused_block_c_128_vs_read"] < 1e-5
+               for r in rows)
     assert all(set(r["ms"]) == names for r in rows)
     if not torch.cuda.is_available():
         capsys.readouterr()
@@ -60,21 +60,25 @@ def test_launch_sweep_covers_the_grid_and_names_the_fastest():
     script = load_script()
     made = []
 
-    def make(block_c, split):
+    def make(block_c, split):  # 32/1024 is the fastest but wrong, 64/1024 the fastest right one
         made.append((block_c, split))
-        return lambda: time.sleep(0.002 if (block_c, split) != (64, 1024) else 0.0)
+        fast = (block_c, split) in ((64, 1024), (32, 1024))
+        return (lambda: time.sleep(0.0 if fast else 0.002)), (0.5 if (block_c, split) == (32, 1024) else 1e-4)
 
     r = script.launch_sweep(make, 262144, iters=1, device=torch.device("cpu"), bf16_ms=1.0)
     expected = [(bc, sp) for bc in (32, 64, 128) for sp in (128, 256, 512, 1024, 2048, 4096, 8192)
                 if 262144 // sp <= 2048]
     assert made == expected and set(r["sweep"]) == {f"{bc}/{sp}" for bc, sp in expected}
+    assert set(r["sweep_max_abs_diff"]) == set(r["sweep"]) and r["sweep_max_abs_diff"]["32/1024"] == 0.5
+    assert r["sweep_wrong"] == ["32/1024"]
     assert r["sweep_best"] == "64/1024" and r["sweep_best_over_bf16_graph"] == round(r["sweep"]["64/1024"], 3)
 
 
 def test_kivi_launch_sweep_times_every_variant_and_reports_failures():
-    """The KIVI sweep times each variant of KIVI_SWEEP (the first kernel and the split kernel's key paths and
-    launches) at the default split times its factor, names it ``key_path/block_c/split/warps/stages``, gives each
-    ratio to the bf16 time, and reports a launch that raises instead of stopping."""
+    """The KIVI sweep times each variant of KIVI_SWEEP (the kernel's key paths and launches, no tile under 32) at the
+    default split times its factor, names it ``key_path/block_c/split/warps/stages``, gives each ratio to the bf16
+    time and its difference from read_then_attend, reports a launch that raises instead of stopping, and lists a
+    launch further than MAX_ABS_DIFF (or NaN) as wrong, never the best."""
     import time
 
     import torch
@@ -86,19 +90,36 @@ def test_kivi_launch_sweep_times_every_variant_and_reports_failures():
         made.append(launch)
         if launch["block_c"] == 128 and launch["num_warps"] == 8:
             raise RuntimeError("out of resources: shared memory\nmore")
-        return lambda: time.sleep(0.0 if launch["key_path"] == "gather" and launch["block_c"] == 64 else 0.002)
+        # tiles of 64 are the fastest; broadcast's are wrong (one off, one NaN), gather's right
+        wrong = {(64, 4): 0.19, (64, 8): float("nan")} if launch["key_path"] == "broadcast" else {}
+        diff = wrong.get((launch["block_c"], launch["num_warps"]), 1e-4)
+        return (lambda: time.sleep(0.0 if launch["block_c"] == 64 else 0.002)), diff
 
     variants = script.KIVI_SWEEP
     r = script.kivi_launch_sweep(make, 131072, 8, iters=1, device=torch.device("cpu"), bf16_ms=1.0)
     assert [(m["key_path"], m["block_c"], m["num_warps"], m["num_stages"]) for m in made] == \
         [v[:4] for v in variants]
-    assert {v[0] for v in variants} == {"rebuild", "broadcast", "gather"}
+    assert {v[0] for v in variants} == {"broadcast", "gather"} and min(v[1] for v in variants) == 32
+    assert variants[0][:4] == ("broadcast", 32, 4, 2)  # the default launch first
     default = script.default_split(131072, 8, 32, torch.device("cpu"))
-    assert [m["split"] for m in made[2:5]] == [default, default // 2, default * 2]
+    assert [m["split"] for m in made[:3]] == [default, default // 2, default * 2]
     assert len(r["sweep"]) == len(variants)
     failed = [k for k, v in r["sweep"].items() if isinstance(v, str)]
     assert len(failed) == 1 and failed[0].startswith("broadcast/128/") and "out of resources" in r["sweep"][failed[0]]
-    assert r["sweep_best"].startswith("gather/64/") and set(r["sweep_over_bf16_graph"]) == set(r["sweep"]) - set(failed)
+    assert set(r["sweep_over_bf16_graph"]) == set(r["sweep_max_abs_diff"]) == set(r["sweep"]) - set(failed)
+    assert sorted(r["sweep_wrong"]) == sorted(k for k in r["sweep"] if k.startswith("broadcast/64/"))
+    assert len(r["sweep_wrong"]) == 2
+    assert r["sweep_best"].startswith("gather/64/")
+
+
+def test_kivi_launch_sweep_without_a_right_launch_names_no_best():
+    """When every launch is further than MAX_ABS_DIFF from read_then_attend, all are wrong and none is the best."""
+    import torch
+
+    script = load_script()
+    r = script.kivi_launch_sweep(lambda **launch: ((lambda: None), 1.0), 4096, 8, iters=1,
+                                 device=torch.device("cpu"), bf16_ms=1.0, variants=script.KIVI_SWEEP[:2])
+    assert len(r["sweep_wrong"]) == 2 and "sweep_best" not in r
 
 
 @pytest.mark.gpu
@@ -121,27 +142,3 @@ def test_launch_sweep_on_cuda_agrees_with_the_default_launch():
     for block_c, split in ((32, 128), (64, 256), (128, 1024), (64, 4096)):
         out = packed_decode_attention(*args, backend="triton", block_c=block_c, split=split)
         torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
-
-
-def test_packed_variant_sweep_times_old_and_new_kernels():
-    """``--store packed --sweep``'s variant sweep: each of PACKED_SWEEP (the bit-plane kernels and the default's
-    launches) through ``make(variant=...)`` at the default split times its factor, under ``variant_*`` keys."""
-    import time
-
-    import torch
-
-    script = load_script()
-    made = []
-
-    def make(**launch):
-        made.append(launch)
-        return lambda: time.sleep(0.0 if launch["variant"] == "channels" and launch["block_c"] == 32 else 0.002)
-
-    variants = script.PACKED_SWEEP
-    r = script.variant_launch_sweep(make, 131072, 8, iters=1, device=torch.device("cpu"), bf16_ms=1.0)
-    assert [(m["variant"], m["block_c"], m["num_warps"], m["num_stages"]) for m in made] == [v[:4] for v in variants]
-    assert {v[0] for v in variants} == {"planes", "planes_exact", "channels"}
-    default = script.default_split(131072, 8, 64, torch.device("cpu"))
-    assert [m["split"] for m in made[2:5]] == [default, default // 2, default * 2]
-    assert len(r["variant_sweep"]) == len(variants) and r["variant_sweep_best"].startswith("channels/32/")
-    assert set(r["variant_sweep_over_bf16_graph"]) == set(r["variant_sweep"])

@@ -10,7 +10,6 @@ import torch
 from kvlearn.cache import PackedStore
 from kvlearn.errors import KVLearnError
 from kvlearn.ops.packed_decode import packed_decode_attention
-from kvlearn.ops.triton_support import HAS_TRITON, tl, triton
 
 
 def packed_inputs(seed, B, Hq, Hkv, C, D, bits, shared_visibility=False, dtype=torch.float32):
@@ -71,13 +70,12 @@ def test_bad_inputs_raise_one_line_errors():
         (dict(visible=visible[:, :, :5]), "visible shape"),
         (dict(scale=-1.0), "scale=-1.0 is invalid"),
         (dict(backend="cuda"), "backend='cuda' is unknown"),
-        (dict(variant="rows"), "variant='rows' is unknown"),
         (dict(backend="triton"), "backend='triton'"),
     ]
     for override, needle in cases:
         args = dict(q=q, visible=visible, bits=4)
         args.update(override)
-        kwargs = {k: args.pop(k) for k in ("scale", "backend", "variant") if k in args}
+        kwargs = {k: args.pop(k) for k in ("scale", "backend") if k in args}
         with pytest.raises(KVLearnError, match=needle.replace("(", r"\(")) as err:
             packed_decode_attention(args["q"], store.key_codes, store.key_scales, store.value_codes,
                                     store.value_scales, args["visible"], args["bits"], **kwargs)
@@ -96,52 +94,19 @@ INTERP_CASES = {
     "bf16_query_4bit": (5, 1, 4, 2, 90, 32, 4, False, 16, 32),  # bf16 operands (the GPU's dtype)
     "one_split_tail_masked": (3, 1, 4, 1, 50, 32, 4, False, 32, 1024),  # one split, tile past the end
 }
-# the default kernel ("channels": codes unpacked in channel order and made numbers from their bits) and the two
-# bit-plane ones at every bit-width and query dtype: (..., query dtype, variant) appended to the tuple above
+# every bit-width at each query dtype (the dot operands take it): (..., query dtype) appended to the tuple above
 for _bits, _d in ((2, 64), (4, 32), (8, 16)):
     for _dtype in ("float32", "bfloat16", "float16"):
-        for _variant in ("channels", "planes", "planes_exact"):
-            if _variant != "channels" and _dtype == "float16":
-                continue
-            INTERP_CASES[f"{_variant}_{_bits}bit_{_dtype}"] = (6 + _bits, 1, 6, 2, 70, _d, _bits, _bits == 4, 16, 32,
-                                                               _dtype, _variant)
-EXACT_CODES = ("exact_codes",)  # every code of every bit-width through _exact_codes, each OFFSET (below)
-INTERP_CASES.update({name: None for name in EXACT_CODES})
-
-if HAS_TRITON:
-    from kvlearn.ops.packed_decode import _exact_codes
-
-    @triton.jit
-    def _exact_codes_kernel(out_ptr, BITS: tl.constexpr, OFFSET: tl.constexpr, EMULATE: tl.constexpr):
-        u = tl.arange(0, 1 << BITS)
-        tl.store(out_ptr + u, _exact_codes(u, BITS, OFFSET, EMULATE).to(tl.float32))
-
-
-def exact_codes_case():
-    """``_exact_codes`` on every biased code ``u < 2^b`` at 2 / 4 / 8 bits and each operand dtype it serves (the
-    interpreter's float32 route for bf16; fp16 and float32 also without it): exactly ``u - 2^(b-1)``."""
-    kernel = _exact_codes_kernel
-    bad = []
-    for bits in (2, 4, 8):
-        want = torch.arange(2 ** bits, dtype=torch.float32) - 2 ** (bits - 1)
-        for offset, emulate in ((0, False), (0, True), (1024, False), (1024, True), (128 if bits <= 4 else 256, True)):
-            out = torch.full((2 ** bits,), float("nan"))
-            kernel[(1,)](out, BITS=bits, OFFSET=offset, EMULATE=emulate)
-            if not torch.equal(out, want):
-                bad.append((bits, offset, emulate))
-    return {"ok": not bad, "bad": bad}
+        INTERP_CASES[f"{_bits}bit_{_dtype}"] = (6 + _bits, 1, 6, 2, 70, _d, _bits, _bits == 4, 16, 32, _dtype)
 
 
 def run_case(name):
-    if name in EXACT_CODES:
-        return exact_codes_case()
     seed, B, Hq, Hkv, C, D, bits, shared, block_c, split, *rest = INTERP_CASES[name]
-    dtype, variant = getattr(torch, rest[0]) if rest else torch.bfloat16 if name.startswith("bf16") else \
-        torch.float32, rest[1] if rest else "channels"
+    dtype = getattr(torch, rest[0]) if rest else torch.bfloat16 if name.startswith("bf16") else torch.float32
     q, store, visible, keys, values = packed_inputs(seed, B, Hq, Hkv, C, D, bits, shared, dtype=dtype)
     if name == "one_split_tail_masked":
         visible[..., 1:] = False  # one visible slot: the softmax is exactly its value
-    got = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split, variant=variant).double()
+    got = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split).double()
     want = reference(q, keys, values, visible, 1 / math.sqrt(D))
     err = (got - want).abs().max().item()
     # 16-bit: the probabilities meet the value codes in the query's dtype, as in flash attention
@@ -155,9 +120,8 @@ def test_interpreter_matches_reference(interpreter_results, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["channels", "planes", "planes_exact"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_cuda_kernel_matches_torch_at_a_real_shape(bits, variant):
+def test_cuda_kernel_matches_torch_at_a_real_shape(bits):
     """bf16 store, 40 query heads over 8 KV heads of 128, 5000 slots (several splits), on CUDA: the kernel equals
     the torch backend (float32 throughout) up to the bf16 rounding of the probabilities in the value product."""
     torch.manual_seed(0)
@@ -169,7 +133,7 @@ def test_cuda_kernel_matches_torch_at_a_real_shape(bits, variant):
     q = torch.randn(1, 40, 128, device="cuda", dtype=torch.bfloat16)
     visible = torch.ones(1, 1, 5000, dtype=torch.bool, device="cuda")
     visible[..., 4000:] = False
-    got = call(q, store, visible, bits, backend="triton", variant=variant)
+    got = call(q, store, visible, bits, backend="triton")
     want = call(q, store, visible, bits, backend="torch")
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
     assert (got - want).abs().mean() < 1e-3

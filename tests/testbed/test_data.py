@@ -199,3 +199,42 @@ def test_training_stream_never_emits_a_heldout_style_or_regime():
                 regimes.add(e.regime)
     assert not styles & set(HELDOUT_STYLES) and not regimes & set(HELDOUT_REGIMES)
     assert styles == set(TRAIN_STYLES) and regimes == set(TRAIN_REGIMES)  # and it does vary the haystack
+
+
+# SHA-256 (first 16 hex digits) of json.dumps([input_ids.tolist(), labels.tolist()]) of training_batch(16, 1024, 3,
+# dense=0.75), made by the code of commit 1880c5c (the shipped teacher's training data, before e1df32b)
+BATCH_1880C5C = "0880c4fab6d12559"
+
+
+def _batch_digest(ids, labels) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps([ids.tolist(), labels.tolist()]).encode()).hexdigest()[:16]
+
+
+def test_multivalue_share_is_threaded_through_batches_and_the_stream():
+    """``multivalue_share`` reaches every row: share 0 gives the batch of 1880c5c (produced once with that commit's
+    code: ``git worktree add /tmp/wt1880 1880c5c``, ``PYTHONPATH=/tmp/wt1880/src``, ``training_batch(16, 1024, 3,
+    dense=0.75)`` hashed as :func:`_batch_digest`; the worktree removed after), the default share (0.25, what
+    retrofit / Kaizen training use) does not; the stream stores the share and passes it on; bad values are one line."""
+    from kvlearn.testbed.tasks import MULTIVALUE_PROBE_SHARE
+
+    assert _batch_digest(*training_batch(16, 1024, 3, dense=0.75, multivalue_share=0.0)) == BATCH_1880C5C
+    assert _batch_digest(*training_batch(16, 1024, 3, dense=0.75)) != BATCH_1880C5C
+    rows = batch_examples(16, 1024, 3, dense=0.75, multivalue_share=0.0)
+    assert [e.input_ids for e in rows] == training_batch(16, 1024, 3, dense=0.75, multivalue_share=0.0)[0].tolist()
+    assert TestbedStream(1024, 2).multivalue_share == MULTIVALUE_PROBE_SHARE
+    for share in (0.0, MULTIVALUE_PROBE_SHARE, 1.0):
+        stream = TestbedStream(1024, 4, seed=2, families=("niah",), multivalue_share=share)
+        assert stream.multivalue_share == share
+        for b, (ids, labels) in zip(range(2), stream):
+            want_ids, want_labels = training_batch(4, 1024, (2 << 40) | b, ("niah",), multivalue_share=share)
+            assert torch.equal(ids, want_ids) and torch.equal(labels, want_labels)
+    first = [next(iter(TestbedStream(1024, 4, seed=2, families=("niah",), multivalue_share=s)))[0] for s in (0.0, 1.0)]
+    assert not torch.equal(*first)
+    for bad in (1.5, -0.1, "half", True):
+        with pytest.raises(KVLearnError, match=rf"multivalue_share={bad!r} is invalid: expected a number in \[0, 1\]"):
+            training_batch(2, 256, 0, multivalue_share=bad)
+        with pytest.raises(KVLearnError, match="multivalue_share="):
+            TestbedStream(256, 2, multivalue_share=bad)

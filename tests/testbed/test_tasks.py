@@ -431,3 +431,85 @@ def test_the_evaluation_set_is_the_one_the_tables_were_measured_on():
             e = generate(family, example_seed(family, split, i), 4096)
             h.update(json.dumps([e.prompt_ids, e.answer_ids]).encode())
         assert h.hexdigest()[:16] == digest, name
+
+
+def _probes(text: str):
+    """``(cut, answer)`` of every in-context niah probe of a dense prompt: the text up to its ``? answer :`` and the
+    answer it gives (the final question has no ``<eos>`` after it, so it is not one)."""
+    for m in re.finditer(r"what is the special number for \S+ \? answer :( [^<]*)<eos>", text):
+        yield text[: m.start(1)], m.group(1).strip()
+
+
+def test_multivalue_share_zero_never_gives_a_probe_several_needles_and_one_gives_every_probe_from_512():
+    """``multivalue_share=0``: every in-context probe has one needle at every length; ``1``: from 512 on every probe's
+    key has 2-4 needles (below 512 still one). The independent checker, cut at each probe's question, computes the
+    same answer from the text (every needle of the key, in document order)."""
+    seen = {0.0: set(), 1.0: set()}
+    for share in (0.0, 1.0):
+        for i in range(12):
+            seed = example_seed("niah", "train", i)
+            for length in (256, 512, 2048):
+                e = generate("niah", seed, length, dense=True, multivalue_share=share)
+                probes = list(_probes(ids_to_text(e.prompt_ids)))
+                assert len(probes) == length // 256
+                for cut, answer in probes:
+                    assert solve("niah", cut) == answer
+                    n = len(answer.split(" , "))
+                    assert n == 1 if share == 0.0 or length < 512 else 2 <= n <= 4
+                    seen[share].add(n)
+    assert seen == {0.0: {1}, 1.0: {1, 2, 3, 4}}
+
+
+def test_multivalue_share_is_validated_and_changes_only_dense_niah_rows():
+    for bad in (-0.1, 1.5, True, "0.5", None):
+        with pytest.raises(KVLearnError, match=r"multivalue_share=.* is invalid: expected a number in \[0, 1\]"):
+            generate("niah", 1, 1024, dense=True, multivalue_share=bad)
+    for family in FAMILIES:
+        for i in range(4):
+            seed = example_seed(family, "train", i)
+            for dense in (False, True):
+                a, b = (generate(family, seed, 1024, dense=dense, multivalue_share=s) for s in (0.0, 1.0))
+                assert (a == b) == (family != "niah" or not dense), (family, i, dense)
+            # below 512 the share is never drawn from: every share gives the same dense rows
+            assert generate(family, seed, 256, dense=True, multivalue_share=0.0) == generate(family, seed, 256, dense=True)
+
+
+# SHA-256 (first 16 hex digits) of json.dumps([prompt_ids, answer_ids, loss_mask_prompt, needed_spans, item_spans]) of
+# niah examples made by the generator of commit 1880c5c (the one the shipped teacher was trained on, before e1df32b).
+ROWS_1880C5C = {
+    "train/0/512/dense": "41abf66d34eaa20a", "train/0/1024/dense": "a2375411d28b7ef1",
+    "train/0/4096/dense": "c169cd4c2835703f", "train/1/512/dense": "0104a1933c738f4d",
+    "train/1/1024/dense": "c78cd73fdb4f75f9", "train/1/4096/dense": "5c0865b5dfc06731",
+    "train/2/512/dense": "a178e9e2949576fd", "train/2/1024/dense": "17dd5667c41dd1c5",
+    "train/2/4096/dense": "bd675f63b5054a83", "eval/0/4096": "bf70a6c074e4eabc",
+}
+
+
+def _row_digest(e) -> str:
+    import hashlib
+    import json
+
+    payload = [e.prompt_ids, e.answer_ids, e.loss_mask_prompt, e.needed_spans, e.item_spans]
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+
+
+def _rows_1880c5c_calls(**kw):
+    for name in ROWS_1880C5C:
+        split, i, length, *dense = name.split("/")
+        yield name, generate("niah", example_seed("niah", split, int(i)), int(length), dense=bool(dense), **kw)
+
+
+def test_multivalue_share_zero_is_the_generator_of_1880c5c():
+    """``multivalue_share=0`` gives byte for byte the rows of commit 1880c5c (the shipped teacher's training data).
+
+    The constants were produced once with that commit's own code, not with this one: ``git worktree add /tmp/wt1880
+    1880c5c``, then with ``PYTHONPATH=/tmp/wt1880/src`` (``kvlearn.testbed.tasks`` imported from the worktree) for
+    ``i`` in 0, 1, 2 and ``length`` in 512, 1024, 4096: ``generate("niah", example_seed("niah", "train", i), length,
+    dense=True)`` (variants drawn by the seed: single, single, multivalue), and one evaluation-format row
+    ``generate("niah", example_seed("niah", "eval", 0), 4096)`` (multikey), each hashed as :func:`_row_digest` does;
+    the worktree was removed after. (The same check over 25 seeds x 4 families x 256/512/2048 x dense/eval agreed.)
+    At the default share the dense rows differ (the test can tell), the evaluation row does not."""
+    for name, e in _rows_1880c5c_calls(multivalue_share=0.0):
+        assert _row_digest(e) == ROWS_1880C5C[name], name
+    for name, e in _rows_1880c5c_calls():
+        assert (_row_digest(e) == ROWS_1880C5C[name]) == (not name.endswith("dense")), name

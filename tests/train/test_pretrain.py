@@ -296,3 +296,42 @@ def test_adaptive_weights_reach_every_rank_under_torchrun(tmp_path):
     first = saved["stages"][0]["accuracy"]["eval"]
     want = [None, [pytest.approx(1.25 - first[f]) for f in tasks.FAMILIES]]
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1] == want and saved["world_size"] == 2
+
+
+def test_multivalue_probes_are_opt_in_from_a_stage(tmp_path):
+    """``multivalue_from``: None (default, the shipped teacher's recipe) gives every stage's stream share 0 (the rows
+    of 1880c5c); a stage length gives the default share from that stage on; anything else is a one-line error."""
+    from dataclasses import asdict
+
+    from kvlearn.train.pretrain import model_card, stage_multivalue_share
+
+    stages = dict(stages=(256, 512, 1024, 2048), stage_fractions=(0.1, 0.2, 0.3, 0.4), context=2048,
+                  tokens_per_step=8192, out=str(tmp_path / "a"))
+    default = PretrainConfig(**stages)
+    assert default.multivalue_from is None and PretrainConfig().multivalue_from is None
+    assert [stage_multivalue_share(default, s) for s in range(4)] == [0.0] * 4
+    late = PretrainConfig(multivalue_from=1024, **stages)
+    assert [stage_multivalue_share(late, s) for s in range(4)] == [0.0, 0.0, tasks.MULTIVALUE_PROBE_SHARE,
+                                                                    tasks.MULTIVALUE_PROBE_SHARE]
+    for bad in (768, 0, 4096):
+        with pytest.raises(KVLearnError, match=rf"multivalue_from={bad} is invalid: expected None \(never\) or one of "
+                                               r"the stage lengths 256, 512, 1024, 2048$"):
+            PretrainConfig(multivalue_from=bad, **stages)
+    # the model card states it when set, and says nothing of it otherwise
+    def card(config):
+        return model_card({"config": asdict(config), "parameters": 1, "world_size": 1, "stages": []})
+
+    assert "multi-needle niah probes (a share 0.25 of the dense rows' probes) from the 1024 stage on" in card(late)
+    assert "multi-needle" not in card(default)
+
+
+def test_cli_multivalue_from_maps_into_the_config(tmp_path, monkeypatch):
+    from kvlearn import cli
+    from kvlearn.train import pretrain as pretrain_module
+
+    got = []
+    monkeypatch.setattr(pretrain_module, "pretrain", got.append)
+    base = ["pretrain", "--out", str(tmp_path / "t"), "--device", "cpu"]
+    assert cli.main(base) == 0 and got[-1].multivalue_from is None
+    assert cli.main([*base, "--multivalue-from", "2048"]) == 0 and got[-1].multivalue_from == 2048
+    assert cli.main([*base, "--multivalue-from", "300"]) == 2 and len(got) == 2  # not a stage: one-line error

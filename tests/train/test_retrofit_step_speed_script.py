@@ -18,6 +18,8 @@ def test_smoke_writes_every_row_and_the_summary(tmp_path, capsys):
     for name in ["distill_dense", *ALL.split(",")]:  # one profiled step per method, its operators by self time
         text = (tmp_path / "prof" / f"{name}.txt").read_text()
         assert text.startswith(f"# {name}: one step under the profiler") and "aten::" in text and "Self CPU" in text
+    # a variant row's profile gets a file name the device tool returns (no "+")
+    assert script.profile_file_stem("retrofit_kvpop_mlstm+bf16_mlstm_matmuls") == "retrofit_kvpop_mlstm__bf16_mlstm_matmuls"
     data = json.loads(out.read_text())
     for key in ("schema", "kind", "command", "commit", "date", "device", "torch", "rows", "summary"):
         assert key in data, key

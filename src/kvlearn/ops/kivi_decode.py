@@ -27,9 +27,11 @@ values. The codes become numbers from their bits, with no int-to-float conversio
 and ``b <= 4`` (fp16: any ``b``), ``0x4300 | u`` is bf16 ``128 + u`` (fp16: ``0x6400 | u`` is ``1024 + u``), minus
 the offset, exact, and ``u * scale + minimum`` is one fused multiply-add on bf16 pairs, a single rounding of the
 exact value where float32 then a cast rounds twice (they differ only where the float32 sum lands on a bf16 tie);
-otherwise ``bits(2^23 + u) - 2^23`` in float32. ``key_path="rebuild"`` is the first kernel, kept to measure
-against: bit planes, and every element of every tile loading its own scale, minimum and window row and choosing
-among them (``results/kivi_decode_h200.json``: 2.6-4.4x the bf16 cache's decode step).
+otherwise ``bits(2^23 + u) - 2^23`` in float32. The first kernel, which rebuilt every element with its own scale,
+minimum and window choice, measured 2.8-3.3x the bf16 cache's decode step graph-replayed against 1.5-1.7x for this
+one (``results/kivi_decode_h200.json``) and was removed. On CUDA a tile holds at least 32 slots
+(:func:`check_cuda_block_c`): tiles of 16 gave wrong results on the H200 with Triton 3.6 (Triton's CPU interpreter
+still takes them).
 
 Inputs (one device): ``query [batch, q_heads, head_dim]``; the store's buffers ``key_codes [batch, kv_heads, Q,
 head_dim * b / 8]`` uint8 (``Q = floor(capacity / R) R``), ``key_scale``, ``key_min [batch, kv_heads, Q / G,
@@ -60,11 +62,11 @@ from kvlearn.ops.quant import QUANT_BITS, check_bits, kivi_dequantize_keys, kivi
 from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, check_launch, interpreting, is_pow2, tl, triton
 
 if HAS_TRITON:
-    from kvlearn.ops.packed_decode import (channel_codes, empty_channel_state, empty_split_state, program_query,
-                                           query_planes, store_channel_partials, store_split_partials)
+    from kvlearn.ops.packed_decode import channel_codes, empty_channel_state, program_query, store_channel_partials
     from kvlearn.ops.triton_support import dot_fp32, online_lse_step
 
-__all__ = ["KEY_PATHS", "kivi_decode_attention", "kivi_read", "resolve_key_path"]
+__all__ = ["CUDA_MIN_BLOCK_C", "KEY_PATHS", "check_cuda_block_c", "kivi_decode_attention", "kivi_read",
+           "resolve_key_path"]
 
 
 def _unsigned(packed: Tensor, bits: int, n: int) -> Tensor:
@@ -151,134 +153,6 @@ def _torch_decode(query, keys, values, visible, scale) -> Tensor:
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _unsigned_plane(byte, J: tl.constexpr, BITS: tl.constexpr):
-        """Plane ``J`` of packed bytes (int32): the unsigned codes of elements ``t * PER_BYTE + J``, as float32."""
-        return ((byte >> (J * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-
-    @triton.jit
-    def _key_tile(kb, J: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr, rows, quant, window, offs_t,
-                  ks_base, km_base, kw_base, stride_sg, stride_wt, GROUP: tl.constexpr, RES: tl.constexpr):
-        """Plane ``J`` of a tile of keys ``[BLOCK_C, DB]`` float32: ``code * scale + min`` of the slot's token group
-        where ``quant``, the window row where ``window``, zeros elsewhere."""
-        cols = offs_t * PER_BYTE + J
-        grp = rows // GROUP
-        ks = tl.load(ks_base + grp[:, None] * stride_sg + cols[None, :], mask=quant[:, None], other=0.0)
-        km = tl.load(km_base + grp[:, None] * stride_sg + cols[None, :], mask=quant[:, None], other=0.0)
-        kw = tl.load(kw_base + (rows % RES)[:, None] * stride_wt + cols[None, :], mask=window[:, None], other=0.0)
-        kq = _unsigned_plane(kb, J, BITS) * ks.to(tl.float32) + km.to(tl.float32)
-        return tl.where(window[:, None], kw.to(tl.float32), kq)
-
-    @triton.jit
-    def _value_tile(vb, J: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr, rows, quant, window, offs_t,
-                    vs_base, vm_base, vw_base, stride_vst, stride_wt, VGROUP: tl.constexpr, RES: tl.constexpr):
-        """Plane ``J`` of a tile of values ``[BLOCK_C, DB]`` float32: ``code * scale + min`` of the token's channel
-        group where ``quant``, the window row where ``window``, zeros elsewhere."""
-        cols = offs_t * PER_BYTE + J
-        grp = cols // VGROUP
-        vs = tl.load(vs_base + rows[:, None] * stride_vst + grp[None, :], mask=quant[:, None], other=0.0)
-        vm = tl.load(vm_base + rows[:, None] * stride_vst + grp[None, :], mask=quant[:, None], other=0.0)
-        vw = tl.load(vw_base + (rows % RES)[:, None] * stride_wt + cols[None, :], mask=window[:, None], other=0.0)
-        vq = _unsigned_plane(vb, J, BITS) * vs.to(tl.float32) + vm.to(tl.float32)
-        return tl.where(window[:, None], vw.to(tl.float32), vq)
-
-    @triton.jit
-    def _kivi_rebuild_kernel(
-        q_ptr,  # [B, Hq, D]
-        kc_ptr, ks_ptr, km_ptr,  # key codes [B, Hkv, Q, DB] uint8; key scale / min [B, Hkv, Q / GROUP, D]
-        vc_ptr, vs_ptr, vm_ptr,  # value codes [B, Hkv, C, DB] uint8; value scale / min [B, Hkv, C, D / VGROUP]
-        kw_ptr, vw_ptr,  # windows [B, Hkv, RES, D]
-        n_ptr,  # filled [B] int64
-        vis_ptr,  # bool viewed as uint8 [B, Hv, C] (Hv = Hkv or 1; stride 0 when shared)
-        m_ptr, l_ptr, acc_ptr,  # partials: [B * Hkv, SPLITS, G_PAD], [..., G_PAD], [..., G_PAD, D] float32
-        stride_qb, stride_qh,
-        stride_kcb, stride_kch, stride_kct,
-        stride_ksb, stride_ksh, stride_ksg,
-        stride_vcb, stride_vch, stride_vct,
-        stride_vsb, stride_vsh, stride_vst,
-        stride_wb, stride_wh, stride_wt,
-        stride_vib, stride_vih,
-        C, qk_scale,  # scale * log2(e)
-        HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PER_BYTE: tl.constexpr, DB: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
-        SPLIT: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, VGROUP: tl.constexpr, RES: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    ):
-        """The first kernel (``key_path="rebuild"``, kept to measure against): one (batch x KV head, slot split),
-        every tile of ``BLOCK_C`` slots rebuilt in registers plane by plane, each element loading its own scale,
-        minimum and window row and choosing among them."""
-        bh = tl.program_id(0)
-        sp = tl.program_id(1)
-        b = (bh // HKV).to(tl.int64)
-        h = (bh % HKV).to(tl.int64)
-        offs_g = tl.arange(0, G_PAD)
-        offs_t = tl.arange(0, DB)
-        offs_c = tl.arange(0, BLOCK_C)
-        q_rows = q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh
-        q0, q1, q2, q3 = query_planes(q_rows, offs_t, offs_g < G, PER_BYTE, HEAD_DIM)
-        n = tl.load(n_ptr + b)
-        key_end = n // RES * RES  # keys below are quantized, the rest up to n in the window
-        value_end = n - RES  # values below are quantized
-        kc_base = kc_ptr + b * stride_kcb + h * stride_kch
-        ks_base = ks_ptr + b * stride_ksb + h * stride_ksh
-        km_base = km_ptr + b * stride_ksb + h * stride_ksh
-        vc_base = vc_ptr + b * stride_vcb + h * stride_vch
-        vs_base = vs_ptr + b * stride_vsb + h * stride_vsh
-        vm_base = vm_ptr + b * stride_vsb + h * stride_vsh
-        kw_base = kw_ptr + b * stride_wb + h * stride_wh
-        vw_base = vw_ptr + b * stride_wb + h * stride_wh
-        vis_base = vis_ptr + b * stride_vib + h * stride_vih
-        m_i, l_i, acc0, acc1, acc2, acc3 = empty_split_state(G_PAD, DB)
-        lo = sp * SPLIT
-        hi = tl.minimum(lo + SPLIT, C)
-        for c0 in range(lo, hi, BLOCK_C):
-            rows = c0 + offs_c
-            live = (rows < hi) & (rows < n)
-            visible = tl.load(vis_base + rows, mask=live, other=0) != 0
-            k_quant = live & (rows < key_end)
-            k_window = live & (rows >= key_end)
-            kb = tl.load(kc_base + rows[:, None] * stride_kct + offs_t[None, :], mask=k_quant[:, None], other=0)
-            kb = kb.to(tl.int32)
-            k0 = _key_tile(kb, 0, BITS, PER_BYTE, rows, k_quant, k_window, offs_t, ks_base, km_base, kw_base,
-                           stride_ksg, stride_wt, GROUP, RES)
-            s = dot_fp32(q0, tl.trans(k0.to(q0.dtype)), None, DOT_PRECISION, DOT_UPCAST)
-            if PER_BYTE > 1:
-                k1 = _key_tile(kb, 1, BITS, PER_BYTE, rows, k_quant, k_window, offs_t, ks_base, km_base, kw_base,
-                               stride_ksg, stride_wt, GROUP, RES)
-                s = dot_fp32(q1, tl.trans(k1.to(q0.dtype)), s, DOT_PRECISION, DOT_UPCAST)
-            if PER_BYTE > 2:
-                k2 = _key_tile(kb, 2, BITS, PER_BYTE, rows, k_quant, k_window, offs_t, ks_base, km_base, kw_base,
-                               stride_ksg, stride_wt, GROUP, RES)
-                s = dot_fp32(q2, tl.trans(k2.to(q0.dtype)), s, DOT_PRECISION, DOT_UPCAST)
-                k3 = _key_tile(kb, 3, BITS, PER_BYTE, rows, k_quant, k_window, offs_t, ks_base, km_base, kw_base,
-                               stride_ksg, stride_wt, GROUP, RES)
-                s = dot_fp32(q3, tl.trans(k3.to(q0.dtype)), s, DOT_PRECISION, DOT_UPCAST)
-            s = tl.where(visible[None, :], s * qk_scale, float("-inf"))
-            m_i, l_i, alpha, p = online_lse_step(m_i, l_i, s)
-            p = p.to(q0.dtype)  # [G_PAD, BLOCK_C]
-            v_quant = live & (rows < value_end)
-            v_window = live & (rows >= value_end)
-            vb = tl.load(vc_base + rows[:, None] * stride_vct + offs_t[None, :], mask=v_quant[:, None], other=0)
-            vb = vb.to(tl.int32)
-            v0 = _value_tile(vb, 0, BITS, PER_BYTE, rows, v_quant, v_window, offs_t, vs_base, vm_base, vw_base,
-                             stride_vst, stride_wt, VGROUP, RES)
-            acc0 = dot_fp32(p, v0.to(q0.dtype), acc0 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
-            if PER_BYTE > 1:
-                v1 = _value_tile(vb, 1, BITS, PER_BYTE, rows, v_quant, v_window, offs_t, vs_base, vm_base, vw_base,
-                                 stride_vst, stride_wt, VGROUP, RES)
-                acc1 = dot_fp32(p, v1.to(q0.dtype), acc1 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
-            if PER_BYTE > 2:
-                v2 = _value_tile(vb, 2, BITS, PER_BYTE, rows, v_quant, v_window, offs_t, vs_base, vm_base, vw_base,
-                                 stride_vst, stride_wt, VGROUP, RES)
-                acc2 = dot_fp32(p, v2.to(q0.dtype), acc2 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
-                v3 = _value_tile(vb, 3, BITS, PER_BYTE, rows, v_quant, v_window, offs_t, vs_base, vm_base, vw_base,
-                                 stride_vst, stride_wt, VGROUP, RES)
-                acc3 = dot_fp32(p, v3.to(q0.dtype), acc3 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
-        store_split_partials(m_ptr, l_ptr, acc_ptr, bh * SPLITS + sp, offs_g, offs_t, m_i, l_i, acc0, acc1, acc2, acc3,
-                             G_PAD, HEAD_DIM, PER_BYTE)
-
-    # ----- the split kernel: channel-order tiles without per-element selection, the window in parts of its own -----
 
     @triton.jit
     def _exact_f32(u):
@@ -430,13 +304,13 @@ if HAS_TRITON:
         store_channel_partials(m_ptr, l_ptr, acc_ptr, part, offs_g, offs_d, m_i, l_i, acc, G_PAD, HEAD_DIM)
 
 
-KEY_PATHS = ("auto", "broadcast", "gather", "rebuild")
+KEY_PATHS = ("auto", "broadcast", "gather")
+CUDA_MIN_BLOCK_C = 32  # tiles of 16 slots gave wrong results on the H200 with Triton 3.6 (module docstring)
 
 
 def resolve_key_path(key_path: str, group_size: int, block_c: int) -> str:
     """The kernel's key path for this launch (module docstring): ``"auto"`` is ``"broadcast"`` where a tile lies in
-    one key group (``group_size % block_c == 0``) or holds whole groups of a power-of-two size, else ``"gather"``;
-    ``"rebuild"`` is the first kernel."""
+    one key group (``group_size % block_c == 0``) or holds whole groups of a power-of-two size, else ``"gather"``."""
     check(key_path in KEY_PATHS, f"key_path={key_path!r} is unknown: expected one of {', '.join(KEY_PATHS)}")
     broadcast_ok = group_size % block_c == 0 or (is_pow2(group_size) and block_c % group_size == 0)
     if key_path == "auto":
@@ -445,6 +319,16 @@ def resolve_key_path(key_path: str, group_size: int, block_c: int) -> str:
           f"key_path='broadcast' is invalid for group_size={group_size}, block_c={block_c}: expected group_size a "
           f"multiple of block_c, or a power of two dividing it")
     return key_path
+
+
+def check_cuda_block_c(block_c: int, on_cuda: bool) -> None:
+    """A one-line error for a tile of fewer than :data:`CUDA_MIN_BLOCK_C` slots when the kernel runs on CUDA
+    (``on_cuda``; not in Triton's CPU interpreter, which computes such tiles right): ``block_c=16`` gave wrong
+    results (most elements off, by up to 0.19) on the H200 with Triton 3.6, where the default 32 agreed with
+    torch."""
+    check(not on_cuda or block_c >= CUDA_MIN_BLOCK_C,
+          f"block_c={block_c} is invalid for the KIVI decode kernel on CUDA: expected a power of two >= "
+          f"{CUDA_MIN_BLOCK_C} (16 gave wrong results on the H200 with Triton 3.6)")
 
 
 def _triton_decode(query, key_codes, key_scale, key_min, value_codes, value_scale, value_min, key_window,
@@ -461,6 +345,7 @@ def _triton_decode(query, key_codes, key_scale, key_min, value_codes, value_scal
           f"head_dim={d} is invalid for backend='triton' at {bits} bits: expected a power of two in [16, 256] "
           f"with head_dim * bits / 8 >= 16")
     check_launch(num_warps, num_stages, block_c=block_c)
+    check_cuda_block_c(block_c, query.is_cuda and not interpreting())
     key_path = resolve_key_path(key_path, group_size, block_c)
     if split is None:
         split = default_split(cap, b * hkv, block_c, query.device)
@@ -478,7 +363,7 @@ def _triton_decode(query, key_codes, key_scale, key_min, value_codes, value_scal
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         q = q.float()
     # the window's parts, a launch of their own: [max(n - R, 0), n) holds at most min(R, capacity) slots
-    parts = splits if key_path == "rebuild" else splits + triton.cdiv(min(r, cap), block_c)
+    parts = splits + triton.cdiv(min(r, cap), block_c)
     dev = query.device
     m = torch.empty(b * hkv, parts, g_pad, dtype=torch.float32, device=dev)
     l_ = torch.empty_like(m)
@@ -495,18 +380,14 @@ def _triton_decode(query, key_codes, key_scale, key_min, value_codes, value_scal
                  GROUP=group_size, VGROUP=value_group, RES=r,
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_UPCAST=interpreting(),
                  num_warps=num_warps, num_stages=num_stages)
-    if key_path == "rebuild":
-        _kivi_rebuild_kernel[(b * hkv, splits)](*args, cap, float(scale) * LOG2E, BITS=bits, SPLIT=split,
-                                                SPLITS=splits, **shape)
-    else:
-        # dequantize in the query's 16-bit dtype where the codes are exact in it from their bits (module docstring)
-        half = q.dtype in (torch.bfloat16, torch.float16) and all(t.dtype == q.dtype for t in (ks, km, vs, vm))
-        offset = 0 if not half else 128 if (q.dtype == torch.bfloat16 and bits <= 4) else \
-            1024 if q.dtype == torch.float16 else 0
-        for grid, window in (((b * hkv, splits), False), ((b * hkv, parts - splits), True)):
-            _kivi_decode_kernel[grid](*args, split, splits, parts, float(scale) * LOG2E,
-                                      KEY_PATH={"gather": 0, "broadcast": 1}[key_path], OFFSET=offset, WINDOW=window,
-                                      **shape)
+    # dequantize in the query's 16-bit dtype where the codes are exact in it from their bits (module docstring)
+    half = q.dtype in (torch.bfloat16, torch.float16) and all(t.dtype == q.dtype for t in (ks, km, vs, vm))
+    offset = 0 if not half else 128 if (q.dtype == torch.bfloat16 and bits <= 4) else \
+        1024 if q.dtype == torch.float16 else 0
+    for grid, window in (((b * hkv, splits), False), ((b * hkv, parts - splits), True)):
+        _kivi_decode_kernel[grid](*args, split, splits, parts, float(scale) * LOG2E,
+                                  KEY_PATH={"gather": 0, "broadcast": 1}[key_path], OFFSET=offset, WINDOW=window,
+                                  **shape)
     return merge_splits(m, l_, acc, b, hq, hkv)
 
 
@@ -517,10 +398,10 @@ def kivi_decode_attention(query: Tensor, key_codes: Tensor, key_scale: Tensor, k
                           num_stages: int = 2, key_path: str = "auto") -> Tensor:
     """One-token attention over a KIVI store's buffers (module docstring); ``[batch, q_heads, head_dim]`` float32.
 
-    The Triton launch: ``block_c`` (slots per tile), ``split`` (slots per program, a multiple of ``block_c``;
-    default :func:`~kvlearn.ops.packed_decode.default_split`), ``num_warps``, ``num_stages``, and the kernel's
-    ``key_path`` (:func:`resolve_key_path`; ``"rebuild"``: the first kernel, kept to measure against). The torch
-    backend ignores them."""
+    The Triton launch: ``block_c`` (slots per tile, at least 32 on CUDA: :func:`check_cuda_block_c`), ``split``
+    (slots per program, a multiple of ``block_c``; default :func:`~kvlearn.ops.packed_decode.default_split`),
+    ``num_warps``, ``num_stages``, and the kernel's ``key_path`` (:func:`resolve_key_path`). The torch backend
+    ignores them."""
     b, hq, hkv, cap, d, r, value_group = _check_inputs(query, key_codes, key_scale, key_min, value_codes, value_scale,
                                                        value_min, key_window, value_window, filled, visible, bits,
                                                        group_size)

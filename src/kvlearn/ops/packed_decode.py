@@ -25,14 +25,16 @@ Returns ``[batch, q_heads, head_dim]`` float32. Query head ``i`` reads KV head `
 Backends: ``"torch"`` (dequantize, then a masked softmax in float32: the reference, any device) and ``"triton"``
 (split-K flash decoding: programs over ``(batch * kv_heads, slot splits)`` each hold the ``G`` query heads of one
 KV head, padded to 16 rows for ``tl.dot``, and stream slot tiles with an online softmax in base 2; a second small
-kernel merges the splits). The codes are loaded as whole packed bytes (vector loads of contiguous rows) and, in
-the default kernel (``variant="channels"``), unpacked into channel order (``tl.join``) and made numbers of the
-query's dtype from their bits, with no int-to-float conversion (:func:`_exact_codes`: bf16 ``0x4300 | u`` is ``128 +
-u``, fp16 ``0x6400 | u`` is ``1024 + u``, minus the offset and bias, exact): one dot for the logits and one for the
-values. ``variant="planes"`` is the kernel before it, kept to measure against: the bytes split into ``8 / bits``
-bit planes, one dot per plane, the codes converted from integers (``"planes_exact"``: that one with the codes from
-their bits). The dot operands take the query's dtype (bf16 in a bf16 model: the codes are exact in it, and the
-probabilities go to bf16 for the value product as in flash attention). ``"auto"`` takes Triton on CUDA when triton is installed. Runs on the CPU in Triton's
+kernel merges the splits). The codes are loaded as whole packed bytes (vector loads of contiguous rows) and split
+in registers into ``8 / bits`` bit planes, plane ``J`` holding the elements ``t * 8 / bits + J``: one dot per plane
+for the logits against the query's matching elements, and one per plane for the values into an accumulator kept
+per plane, interleaved back when the split's partials are stored. The dot operands take the query's dtype (bf16
+in a bf16 model: the codes are exact in it, and the probabilities go to bf16 for the value product as in flash
+attention). A channel-order variant (codes unpacked with ``tl.join`` into one operand, one dot each) measured
+slower at 64k-131k slots on the H200 (``results/packed_decode_h200.json``) and was removed; its channel-order
+helpers (:func:`channel_codes`, :func:`program_query`, :func:`empty_channel_state`, :func:`store_channel_partials`)
+stay here for :mod:`kvlearn.ops.kivi_decode`'s kernel, which shares :func:`merge_splits` and
+:func:`default_split` too. ``"auto"`` takes Triton on CUDA when triton is installed. Runs on the CPU in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
 """
 
@@ -51,10 +53,9 @@ from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, check_launch, interpre
 if HAS_TRITON:
     from kvlearn.ops.triton_support import dot_fp32, online_lse_step
 
-__all__ = ["BACKENDS", "VARIANTS", "fused_decode_applies", "packed_decode_attention"]
+__all__ = ["BACKENDS", "fused_decode_applies", "packed_decode_attention"]
 
 BACKENDS = ("auto", "torch", "triton")
-VARIANTS = ("channels", "planes", "planes_exact")  # the Triton kernel's (packed_decode_attention)
 
 
 def fused_decode_applies(device: torch.device, head_dim: int, bits: int) -> bool:
@@ -115,49 +116,6 @@ if HAS_TRITON:
         ``t * PER_BYTE + J`` (bits ``[J * BITS, (J + 1) * BITS)`` of byte ``t``, biased by ``2^(BITS - 1)``),
         as float32."""
         return (((byte >> (J * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))).to(tl.float32)
-
-    @triton.jit
-    def _exact_codes(u, BITS: tl.constexpr, OFFSET: tl.constexpr, EMULATE: tl.constexpr):
-        """Biased codes ``0 <= u < 2^BITS`` (int32) -> the signed codes ``u - 2^(BITS - 1)``, exactly, made from
-        their bits with no int-to-float conversion instruction, in the dot operands' dtype, which ``OFFSET``
-        names: ``0`` float32 (``bits(2^23 + u) - 2^23``); ``1024`` fp16 (``0x6400 | u`` is ``1024 + u``, any
-        ``BITS``); ``128`` bf16 for ``BITS <= 4`` (``0x4300 | u`` is ``128 + u`` for ``u < 128``); ``256`` bf16 for
-        8 bits (bf16 has 8 significant bits, so ``128 + u`` is not exact past 255: ``0x4300 | (u & 127)`` is ``128 +
-        (u & 127)`` and ``0x4380 ^ (u & 128)`` is 256 below ``u = 128``, 128 from it; their difference is ``u -
-        128``). Every intermediate and the difference are integers of at most 9 significant bits below 2^11 (fp16)
-        or 8 (bf16): exact. ``EMULATE``: Triton's interpreter, which cannot do arithmetic on bf16: through float32
-        (exact too)."""
-        BIAS: tl.constexpr = 1 << (BITS - 1)
-        if OFFSET == 0:
-            c = (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
-        elif OFFSET == 256:
-            hi = ((u & 127) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            lo = ((u & 128) ^ 0x4380).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            if EMULATE:
-                c = (hi.to(tl.float32) - lo.to(tl.float32)).to(tl.bfloat16)
-            else:
-                c = hi - lo
-        else:
-            if OFFSET == 128:
-                x = (u | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            else:
-                x = (u | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-            if EMULATE:
-                c = (x.to(tl.float32) - float(OFFSET + BIAS)).to(x.dtype)
-            else:
-                c = x - float(OFFSET + BIAS)
-        return c
-
-    @triton.jit
-    def _plane_operand(byte, J: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, EMULATE: tl.constexpr,
-                       dtype: tl.constexpr):
-        """Plane ``J`` of packed bytes as a dot operand of ``dtype``: ``OFFSET == -1`` the first kernel's
-        int-to-float conversion (:func:`_code_plane`), else :func:`_exact_codes` from the bits."""
-        if OFFSET == -1:
-            c = _code_plane(byte, J, BITS).to(dtype)
-        else:
-            c = _exact_codes((byte >> (J * BITS)) & ((1 << BITS) - 1), BITS, OFFSET, EMULATE).to(dtype)
-        return c
 
     @triton.jit
     def program_query(q_ptr, stride_qb, stride_qh, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
@@ -251,12 +209,10 @@ if HAS_TRITON:
         C, qk_scale,  # scale * log2(e)
         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         PER_BYTE: tl.constexpr, DB: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
-        SPLIT: tl.constexpr, SPLITS: tl.constexpr, OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DOT_UPCAST: tl.constexpr,
+        SPLIT: tl.constexpr, SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     ):
-        """The bit-plane kernel (``variant="planes"``, ``OFFSET == -1``: the first one, kept to measure against;
-        ``"planes_exact"``: the same with the codes made from their bits, :func:`_exact_codes`). One (batch x KV
-        head, slot split): the split's slots in tiles of ``BLOCK_C``, online softmax in base 2.
+        """The bit-plane kernel. One (batch x KV head, slot split): the split's slots in tiles of ``BLOCK_C``, online
+        softmax in base 2.
 
         Codes are read as whole packed bytes ``[BLOCK_C, HEAD_DIM / PER_BYTE]`` (contiguous rows, vector loads)
         and split into ``PER_BYTE`` planes in registers; plane ``J`` holds the elements ``t * PER_BYTE + J``, so
@@ -287,16 +243,12 @@ if HAS_TRITON:
             kb = tl.load(kc_base + rows[:, None] * stride_ct + offs_t[None, :], mask=live[:, None], other=0)
             kb = kb.to(tl.int32)  # [BLOCK_C, DB] packed bytes
             dt = q0.dtype
-            s = dot_fp32(q0, tl.trans(_plane_operand(kb, 0, BITS, OFFSET, DOT_UPCAST, dt)), None, DOT_PRECISION,
-                         DOT_UPCAST)
+            s = dot_fp32(q0, tl.trans(_code_plane(kb, 0, BITS).to(dt)), None, DOT_PRECISION, DOT_UPCAST)
             if PER_BYTE > 1:
-                s = dot_fp32(q1, tl.trans(_plane_operand(kb, 1, BITS, OFFSET, DOT_UPCAST, dt)), s, DOT_PRECISION,
-                             DOT_UPCAST)
+                s = dot_fp32(q1, tl.trans(_code_plane(kb, 1, BITS).to(dt)), s, DOT_PRECISION, DOT_UPCAST)
             if PER_BYTE > 2:
-                s = dot_fp32(q2, tl.trans(_plane_operand(kb, 2, BITS, OFFSET, DOT_UPCAST, dt)), s, DOT_PRECISION,
-                             DOT_UPCAST)
-                s = dot_fp32(q3, tl.trans(_plane_operand(kb, 3, BITS, OFFSET, DOT_UPCAST, dt)), s, DOT_PRECISION,
-                             DOT_UPCAST)
+                s = dot_fp32(q2, tl.trans(_code_plane(kb, 2, BITS).to(dt)), s, DOT_PRECISION, DOT_UPCAST)
+                s = dot_fp32(q3, tl.trans(_code_plane(kb, 3, BITS).to(dt)), s, DOT_PRECISION, DOT_UPCAST)
             k_scale = tl.load(ks_base + rows, mask=live, other=0.0).to(tl.float32)
             s = s * (k_scale * qk_scale)[None, :]
             s = tl.where(visible[None, :], s, float("-inf"))
@@ -305,68 +257,14 @@ if HAS_TRITON:
             pv = (p * v_scale[None, :]).to(dt)  # [G_PAD, BLOCK_C]
             vb = tl.load(vc_base + rows[:, None] * stride_ct + offs_t[None, :], mask=live[:, None], other=0)
             vb = vb.to(tl.int32)
-            acc0 = dot_fp32(pv, _plane_operand(vb, 0, BITS, OFFSET, DOT_UPCAST, dt), acc0 * alpha[:, None],
-                            DOT_PRECISION, DOT_UPCAST)
+            acc0 = dot_fp32(pv, _code_plane(vb, 0, BITS).to(dt), acc0 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
             if PER_BYTE > 1:
-                acc1 = dot_fp32(pv, _plane_operand(vb, 1, BITS, OFFSET, DOT_UPCAST, dt), acc1 * alpha[:, None],
-                                DOT_PRECISION, DOT_UPCAST)
+                acc1 = dot_fp32(pv, _code_plane(vb, 1, BITS).to(dt), acc1 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
             if PER_BYTE > 2:
-                acc2 = dot_fp32(pv, _plane_operand(vb, 2, BITS, OFFSET, DOT_UPCAST, dt), acc2 * alpha[:, None],
-                                DOT_PRECISION, DOT_UPCAST)
-                acc3 = dot_fp32(pv, _plane_operand(vb, 3, BITS, OFFSET, DOT_UPCAST, dt), acc3 * alpha[:, None],
-                                DOT_PRECISION, DOT_UPCAST)
+                acc2 = dot_fp32(pv, _code_plane(vb, 2, BITS).to(dt), acc2 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+                acc3 = dot_fp32(pv, _code_plane(vb, 3, BITS).to(dt), acc3 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         store_split_partials(m_ptr, l_ptr, acc_ptr, bh * SPLITS + sp, offs_g, offs_t, m_i, l_i, acc0, acc1, acc2, acc3,
                              G_PAD, HEAD_DIM, PER_BYTE)
-
-    @triton.jit
-    def _packed_channels_kernel(
-        q_ptr,  # [B, Hq, D]
-        kc_ptr, ks_ptr, vc_ptr, vs_ptr,  # codes [B, Hkv, C, D / PER_BYTE] uint8, scales [B, Hkv, C]
-        vis_ptr,  # bool viewed as uint8 [B, Hv, C] (Hv = Hkv or 1; stride 0 when shared)
-        m_ptr, l_ptr, acc_ptr,  # partials: [B * Hkv, SPLITS, G_PAD], [..., G_PAD], [..., G_PAD, D] float32
-        stride_qb, stride_qh,
-        stride_cb, stride_ch, stride_ct,  # codes (keys and values share the layout)
-        stride_sb, stride_sh,  # scales
-        stride_vb, stride_vh,  # visibility
-        C, qk_scale,  # scale * log2(e)
-        HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PER_BYTE: tl.constexpr, DB: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
-        SPLIT: tl.constexpr, SPLITS: tl.constexpr, OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        DOT_UPCAST: tl.constexpr,
-    ):
-        """The default kernel (``variant="channels"``). One (batch x KV head, slot split): the split's slots in tiles
-        of ``BLOCK_C``, online softmax in base 2. A tile's packed bytes ``[BLOCK_C, HEAD_DIM / PER_BYTE]`` are
-        unpacked into channel order (``tl.join``) and made signed codes of the dot dtype from their bits
-        (:func:`_exact_codes`, no int-to-float conversion), so the query is one ``[G_PAD, HEAD_DIM]`` operand, the
-        logits one ``tl.dot`` and the values one more into a single ``[G_PAD, HEAD_DIM]`` accumulator."""
-        bh, sp, b, h, offs_g, offs_d, q = program_query(q_ptr, stride_qb, stride_qh, HKV, G, G_PAD, HEAD_DIM)
-        offs_t = tl.arange(0, DB)
-        offs_c = tl.arange(0, BLOCK_C)
-        kc_base = kc_ptr + b * stride_cb + h * stride_ch
-        vc_base = vc_ptr + b * stride_cb + h * stride_ch
-        ks_base = ks_ptr + b * stride_sb + h * stride_sh
-        vs_base = vs_ptr + b * stride_sb + h * stride_sh
-        vis_base = vis_ptr + b * stride_vb + h * stride_vh
-        m_i, l_i, acc = empty_channel_state(G_PAD, HEAD_DIM)
-        lo = sp * SPLIT
-        hi = tl.minimum(lo + SPLIT, C)
-        for c0 in range(lo, hi, BLOCK_C):
-            rows = c0 + offs_c
-            live = rows < hi
-            visible = tl.load(vis_base + rows, mask=live, other=0) != 0
-            kb = tl.load(kc_base + rows[:, None] * stride_ct + offs_t[None, :], mask=live[:, None], other=0)
-            k = _exact_codes(channel_codes(kb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM), BITS, OFFSET, DOT_UPCAST)
-            s = dot_fp32(q, tl.trans(k.to(q.dtype)), None, DOT_PRECISION, DOT_UPCAST)  # [G_PAD, BLOCK_C]
-            k_scale = tl.load(ks_base + rows, mask=live, other=0.0).to(tl.float32)
-            s = tl.where(visible[None, :], s * (k_scale * qk_scale)[None, :], float("-inf"))
-            m_i, l_i, alpha, p = online_lse_step(m_i, l_i, s)
-            v_scale = tl.load(vs_base + rows, mask=live, other=0.0).to(tl.float32)
-            pv = (p * v_scale[None, :]).to(q.dtype)  # [G_PAD, BLOCK_C]
-            vb = tl.load(vc_base + rows[:, None] * stride_ct + offs_t[None, :], mask=live[:, None], other=0)
-            v = _exact_codes(channel_codes(vb.to(tl.int32), PER_BYTE, BLOCK_C, HEAD_DIM), BITS, OFFSET, DOT_UPCAST)
-            acc = dot_fp32(pv, v.to(q.dtype), acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
-        part = bh * SPLITS + sp
-        store_channel_partials(m_ptr, l_ptr, acc_ptr, part, offs_g, offs_d, m_i, l_i, acc, G_PAD, HEAD_DIM)
 
     @triton.jit
     def _merge_splits_kernel(
@@ -416,18 +314,8 @@ def default_split(slots: int, rows: int, block_c: int, device: torch.device) -> 
     return max(block_c, split)
 
 
-def code_offset(dtype: torch.dtype, bits: int) -> int:
-    """The kernels' ``OFFSET`` for dot operands of ``dtype`` (:func:`_exact_codes`): 0 float32, 1024 fp16, 128
-    bf16 at 2 / 4 bits, 256 bf16 at 8 bits."""
-    if dtype == torch.float16:
-        return 1024
-    if dtype == torch.bfloat16:
-        return 128 if bits <= 4 else 256
-    return 0
-
-
 def _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visible, bits, scale,
-                   block_c: int, split: int | None, variant: str, num_warps: int, num_stages: int) -> Tensor:
+                   block_c: int, split: int | None, num_warps: int, num_stages: int) -> Tensor:
     check(HAS_TRITON, "backend='triton' is unavailable: triton is not installed (use backend='torch')")
     b, hq, d = query.shape
     hkv, slots = key_codes.shape[1], key_codes.shape[2]
@@ -455,15 +343,13 @@ def _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visi
     m = torch.empty(b * hkv, splits, g_pad, dtype=torch.float32, device=dev)
     l_ = torch.empty_like(m)
     acc = torch.empty(b * hkv, splits, g_pad, d, dtype=torch.float32, device=dev)
-    kernel = _packed_channels_kernel if variant == "channels" else _packed_decode_kernel
-    offset = -1 if variant == "planes" else code_offset(q.dtype, bits)
-    kernel[(b * hkv, splits)](
+    _packed_decode_kernel[(b * hkv, splits)](
         q, kc, ks, vc, vs, vis, m, l_, acc,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1),
         vis.stride(0), vis.stride(1) if vis.shape[1] > 1 else 0,
         slots, float(scale) * LOG2E,
         HKV=hkv, G=g, G_PAD=g_pad, HEAD_DIM=d, PER_BYTE=8 // bits, DB=d * bits // 8, BITS=bits, BLOCK_C=block_c,
-        SPLIT=split, SPLITS=splits, OFFSET=offset, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SPLIT=split, SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages)
     return merge_splits(m, l_, acc, b, hq, hkv)
 
@@ -483,20 +369,17 @@ def merge_splits(m: Tensor, l_: Tensor, acc: Tensor, batch: int, q_heads: int, k
 def packed_decode_attention(query: Tensor, key_codes: Tensor, key_scales: Tensor, value_codes: Tensor,
                             value_scales: Tensor, visible: Tensor, bits: int, scale: float | None = None, *,
                             backend: str = "auto", block_c: int = 64, split: int | None = None,
-                            variant: str = "channels", num_warps: int = 4, num_stages: int = 2) -> Tensor:
+                            num_warps: int = 4, num_stages: int = 2) -> Tensor:
     """One-token attention over packed ``bits``-bit K/V (module docstring); ``[batch, q_heads, head_dim]`` float32.
 
     ``block_c`` (slots per tile), ``split`` (slots per program, a multiple of ``block_c``; default
-    :func:`default_split`: about four programs per multiprocessor), ``num_warps``, ``num_stages`` and the kernel's
-    ``variant`` (:data:`VARIANTS`: ``"channels"`` the default, ``"planes"`` the bit-plane kernel before it, kept to
-    measure against, ``"planes_exact"`` that one with the codes made from their bits) are the Triton launch's;
-    the torch backend ignores them."""
+    :func:`default_split`: about four programs per multiprocessor), ``num_warps`` and ``num_stages`` are the
+    Triton launch's; the torch backend ignores them."""
     b, hq, hkv, slots, d = _check_inputs(query, key_codes, key_scales, value_codes, value_scales, visible, bits)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
           f"scale={scale!r} is invalid: expected a float > 0")
     check(backend in BACKENDS, f"backend={backend!r} is unknown: expected one of {', '.join(BACKENDS)}")
-    check(variant in VARIANTS, f"variant={variant!r} is unknown: expected one of {', '.join(VARIANTS)}")
     if backend == "auto":
         backend = "triton" if query.is_cuda and fused_decode_applies(query.device, d, bits) else "torch"
     if visible.shape[1] != hkv:
@@ -505,4 +388,4 @@ def packed_decode_attention(query: Tensor, key_codes: Tensor, key_scales: Tensor
         if backend == "torch":
             return _torch_decode(query, key_codes, key_scales, value_codes, value_scales, visible, bits, scale)
         return _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visible, bits, scale,
-                              block_c, split, variant, num_warps, num_stages)
+                              block_c, split, num_warps, num_stages)

@@ -17,7 +17,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import check
 from .filler import TRAIN_STYLES
-from .tasks import FAMILIES, TRAIN_REGIMES, Example, example_seed, generate
+from .tasks import (FAMILIES, MULTIVALUE_PROBE_SHARE, TRAIN_REGIMES, Example, check_multivalue_share, example_seed,
+                    generate)
 from .tokenizer import PAD_ID
 
 IGNORE_INDEX = -100
@@ -74,7 +75,7 @@ def check_haystack_subset(values, allowed: tuple[str, ...], name: str) -> tuple[
 def batch_examples(
     batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None,
     dense: bool | float = True, styles: Sequence[str] | None = None, regimes: Sequence[str] | None = None,
-    rows: range | None = None,
+    rows: range | None = None, multivalue_share: float = MULTIVALUE_PROBE_SHARE,
 ) -> list[Example]:
     """The examples of training batch ``seed``: row ``j`` is train example ``(seed << 12) | j`` of a family
     drawn from ``families`` with probabilities proportional to ``weights`` (uniform when None).
@@ -83,11 +84,14 @@ def batch_examples(
     the final answer supervised) or the share in [0, 1] of dense rows, each row drawn independently.
     ``styles`` / ``regimes``: when given, each row's haystack style / depth regime is drawn uniformly from them
     (subsets of the training ones) instead of from the example's seed. ``rows``: only these rows of the batch
-    (a data-parallel share, :func:`shard_rows`); the rows are the same examples as in the whole batch."""
+    (a data-parallel share, :func:`shard_rows`); the rows are the same examples as in the whole batch.
+    ``multivalue_share``: the share of dense niah rows' in-context probes (from length 512 on) whose key gets several
+    needles (:func:`kvlearn.testbed.tasks.generate`); 0 gives the rows of 1880c5c, the shipped teacher's data."""
     check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
     check(_is_int(seed) and seed >= 0, f"seed={seed!r} is invalid: expected an integer >= 0")
     families, weights = _check_mixture(families, weights)
     share = dense_share(dense)
+    multivalue_share = check_multivalue_share(multivalue_share)
     styles = check_haystack_subset(styles, TRAIN_STYLES, "styles")
     regimes = check_haystack_subset(regimes, TRAIN_REGIMES, "regimes")
     rng = random.Random(f"kvlearn-batch:{seed}")
@@ -99,7 +103,7 @@ def batch_examples(
     rows = range(batch_size) if rows is None else _check_rows(rows, batch_size)
     return [
         generate(chosen[j], example_seed(chosen[j], "train", (seed << 12) | j), length, dense=is_dense[j],
-                 style=hay[j][0], regime=hay[j][1])
+                 style=hay[j][0], regime=hay[j][1], multivalue_share=multivalue_share)
         for j in rows
     ]
 
@@ -124,16 +128,17 @@ def shard_rows(batch_size: int, index: int, count: int) -> range:
 def training_batch(
     batch_size: int, length: int, seed: int, families: Sequence[str] = FAMILIES, weights=None,
     dense: bool | float = True, styles: Sequence[str] | None = None, regimes: Sequence[str] | None = None,
-    rows: range | None = None,
+    rows: range | None = None, multivalue_share: float = MULTIVALUE_PROBE_SHARE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, both ``LongTensor [batch_size, length]``: one whole example per row.
 
     ``dense=True`` (default) draws the training format with in-context question/answer pairs; a number in
     [0, 1] is the share of such rows (the others are in the evaluation format). Different ``seed`` values give
-    disjoint train examples; no eval example is ever drawn. ``styles`` / ``regimes`` narrow the haystack
-    (:func:`batch_examples`).
+    disjoint train examples; no eval example is ever drawn. ``styles`` / ``regimes`` narrow the haystack and
+    ``multivalue_share`` sets the share of multi-needle niah probes (:func:`batch_examples`).
     """
-    examples = batch_examples(batch_size, length, seed, families, weights, dense, styles, regimes, rows)
+    examples = batch_examples(batch_size, length, seed, families, weights, dense, styles, regimes, rows,
+                              multivalue_share=multivalue_share)
     input_ids = torch.tensor([e.input_ids for e in examples], dtype=torch.long)
     labels = torch.tensor([example_labels(e) for e in examples], dtype=torch.long)
     return input_ids, labels
@@ -222,6 +227,7 @@ class TestbedStream(IterableDataset):
     (give each curriculum stage its own ``seed``, or resume with ``start_batch``). ``rows`` (a range from
     :func:`shard_rows`) keeps only those rows of every batch: data-parallel processes that each take one share of
     the same batches (``world_size=1`` then) together see exactly the batches one process would.
+    ``multivalue_share``: the share of multi-needle niah probes in dense rows (:func:`batch_examples`).
     """
 
     __test__ = False  # not a pytest class
@@ -240,6 +246,7 @@ class TestbedStream(IterableDataset):
         styles: Sequence[str] | None = None,
         regimes: Sequence[str] | None = None,
         rows: range | None = None,
+        multivalue_share: float = MULTIVALUE_PROBE_SHARE,
     ) -> None:
         super().__init__()
         check(_is_int(world_size) and world_size >= 1, f"world_size={world_size!r} is invalid: expected an integer >= 1")
@@ -252,6 +259,7 @@ class TestbedStream(IterableDataset):
         self.styles = check_haystack_subset(styles, TRAIN_STYLES, "styles")
         self.regimes = check_haystack_subset(regimes, TRAIN_REGIMES, "regimes")
         self.rows = None if rows is None else _check_rows(rows, batch_size)
+        self.multivalue_share = check_multivalue_share(multivalue_share)
         generate(self.families[0], 0, length)  # validates length early, in the main process
         self.length, self.batch_size, self.seed = length, batch_size, seed
         self.rank, self.world_size, self.dense, self.start_batch = rank, world_size, dense, start_batch
@@ -270,7 +278,7 @@ class TestbedStream(IterableDataset):
         for b in self.batch_numbers(wid, nw):
             yield training_batch(
                 self.batch_size, self.length, (self.seed << 40) | b, self.families, self.weights, self.dense,
-                self.styles, self.regimes, self.rows,
+                self.styles, self.regimes, self.rows, multivalue_share=self.multivalue_share,
             )
 
 

@@ -231,8 +231,18 @@ def _answer_mask(prefix_len: int, total_len: int) -> list[bool]:
 
 
 # dense niah rows: the share of in-context probes whose key gets several needles (2..MULTIVALUE_PROBE_MAX), from 512 on
+# (the default of generate's ``multivalue_share``; 0 gives the rows of 1880c5c, the generator the shipped teacher
+# was trained on)
 MULTIVALUE_PROBE_SHARE = 0.25
 MULTIVALUE_PROBE_MAX = 4
+
+
+def check_multivalue_share(share) -> float:
+    """``share`` as a float if it is a number in [0, 1] (the share of dense niah probes with several needles), else
+    a one-line error naming the value and the range."""
+    ok = isinstance(share, (int, float)) and not isinstance(share, bool) and 0.0 <= share <= 1.0
+    check(ok, f"multivalue_share={share!r} is invalid: expected a number in [0, 1]")
+    return float(share)
 
 
 def _needle(key: int, value: list[int]) -> list[int]:
@@ -244,7 +254,8 @@ def _niah_answer(groups: list[tuple[int, list[int]]]) -> list[int]:
     return [t for k, v in groups for t in [k, _IS] + v + [_COMMA]][:-1]
 
 
-def _niah(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: bool, seed: int) -> Example:
+def _niah(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: bool, seed: int,
+          multivalue_share: float = MULTIVALUE_PROBE_SHARE) -> Example:
     n_probes = max(1, length // 256) if dense else 0
     n_keys = {"single": 1, "multikey": 4, "multivalue": 1, "multiquery": 4}[variant]
     keys = rng.sample(_KEY_IDS, n_keys + n_probes)
@@ -274,9 +285,11 @@ def _niah(rng: random.Random, hay: _Haystack, length: int, variant: str, dense: 
             answer = _niah_answer([(task_keys[target], values[target])])
     answer.append(EOS_ID)
     for k in probe_keys:  # dense: fresh needles of one key, then later a question about that key with its answer
-        # from 512 on, a quarter of the probes give their key 2-4 needles, answered in document order like the
-        # multivalue variant (the evaluation format's only other source of it: a sixteenth of the niah rows)
-        n_values = rng.randint(2, MULTIVALUE_PROBE_MAX) if length >= 512 and rng.random() < MULTIVALUE_PROBE_SHARE else 1
+        # from 512 on, a share of the probes (a quarter by default) give their key 2-4 needles, answered in document
+        # order like the multivalue variant (the evaluation format's only other source of it: a sixteenth of the niah
+        # rows). Share 0 draws nothing for it, so the random stream and every row are those of 1880c5c
+        several = length >= 512 and multivalue_share > 0 and rng.random() < multivalue_share
+        n_values = rng.randint(2, MULTIVALUE_PROBE_MAX) if several else 1
         values = [_digits(rng, 4) for _ in range(n_values)]
         fracs = sorted(rng.random() * 0.95 for _ in range(n_values))
         items += [_Item(_needle(k, v), f) for v, f in zip(values, fracs)]
@@ -477,15 +490,17 @@ def haystack_of(seed: int) -> tuple[str, str]:
 
 def generate(
     family: str, seed: int, length: int, variant: str | None = None, dense: bool = False,
-    style: str | None = None, regime: str | None = None,
+    style: str | None = None, regime: str | None = None, multivalue_share: float = MULTIVALUE_PROBE_SHARE,
 ) -> Example:
     """One example of ``family`` with ``len(prompt_ids) + len(answer_ids) == length``.
 
     ``variant`` (see :data:`VARIANTS`), ``style`` (:data:`STYLES`) and ``regime`` (:data:`REGIMES`) are drawn from
     the seed when None (:func:`haystack_of`). A ``train``-split seed never takes a held-out style or regime, not
     even when asked, so training cannot see them. ``dense=True`` adds in-context question/answer pairs marked in
-    ``loss_mask_prompt`` (training); the evaluation format is ``dense=False``. The same arguments always give the
-    same example.
+    ``loss_mask_prompt`` (training); the evaluation format is ``dense=False``. ``multivalue_share`` (in [0, 1]): the
+    share of a dense niah row's in-context probes, from length 512 on, whose key gets 2..:data:`MULTIVALUE_PROBE_MAX`
+    needles; 0 gives exactly the rows of commit 1880c5c (the shipped teacher's training data). It changes nothing
+    else: not the other families, not the evaluation format. The same arguments always give the same example.
     """
     _check_family(family)
     check_int("seed", seed, 0)
@@ -501,8 +516,11 @@ def generate(
         f"style={style!r} / regime={regime!r}: held-out styles {HELDOUT_STYLES} and regimes {HELDOUT_REGIMES} "
         f"are never generated from a train seed (seed={seed})",
     )
+    multivalue_share = check_multivalue_share(multivalue_share)
     rng = random.Random(seed)
     hay = _Haystack(style, regime, random.Random(f"kvlearn-depths:{seed}"))
+    if family == "niah":
+        return _niah(rng, hay, length, variant, bool(dense), seed, multivalue_share)
     return _GENERATORS[family](rng, hay, length, variant, bool(dense), seed)
 
 

@@ -74,6 +74,12 @@ class PretrainConfig:
     # recipe of the shipped teachers (68c180d, 1880c5c); 3 formed no lookup in 2 of 2 runs (docs/TESTBED.md, "The previous
     # teacher (68c180d) and the search for trace")
     plain_stages: int = 0
+    # the curriculum stage length from which the dense rows' niah probes may give their key several needles (a share
+    # testbed.tasks.MULTIVALUE_PROBE_SHARE of them, answered in document order); None = never, the rows of 1880c5c:
+    # the recipe of the shipped teacher. Opt-in, because the one from-scratch run with them from 512 on (the
+    # generator's default since e1df32b) formed no retrieval by the 2048 stage check (recall 0.00, trace 0.03; the
+    # shipped teacher's run 0.97 / 0.98 there; b6634e3). One run proves no cause; the defaults keep the shipped recipe
+    multivalue_from: int | None = None
     # optimisation
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
@@ -112,6 +118,10 @@ class PretrainConfig:
         self.train_styles = check_haystack_subset(self.train_styles, TRAIN_STYLES, "train_styles")
         self.train_regimes = check_haystack_subset(self.train_regimes, testbed_tasks.TRAIN_REGIMES, "train_regimes")
         check_int("plain_stages", self.plain_stages, 0)
+        check(self.multivalue_from is None or (isinstance(self.multivalue_from, int) and not isinstance(self.multivalue_from, bool)
+                                                and self.multivalue_from in self.stages),
+              f"multivalue_from={self.multivalue_from!r} is invalid: expected None (never) or one of the stage lengths "
+              f"{', '.join(str(s) for s in self.stages)}")
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoint")
         check(self.overwrite or not out.exists() or not any(out.iterdir()) or out == Path(self.resume or "\0"),
@@ -173,6 +183,14 @@ def stage_haystack(config: PretrainConfig, stage: int) -> tuple[tuple[str, ...] 
     if stage < config.plain_stages:
         return (PLAIN_STYLE,), (PLAIN_REGIME,)
     return config.train_styles, config.train_regimes
+
+
+def stage_multivalue_share(config: PretrainConfig, stage: int) -> float:
+    """The share of dense niah probes with several needles in curriculum stage ``stage``'s rows:
+    ``tasks.MULTIVALUE_PROBE_SHARE`` from the stage of length ``multivalue_from`` on, else 0 (the rows of 1880c5c)."""
+    length = config.stages[stage]
+    on = config.multivalue_from is not None and length >= config.multivalue_from
+    return testbed_tasks.MULTIVALUE_PROBE_SHARE if on else 0.0
 
 
 def build_model(config: PretrainConfig, tokenizer) -> Qwen3ForCausalLM:
@@ -309,7 +327,10 @@ def model_card(log: dict) -> str:
         + ", ".join(f"{L}: {f:g}" for L, f in zip(c["stages"], c["stage_fractions"]))
         + f" (example length: share of the time); AdamW {tuple(c['betas'])}, peak LR {c['lr']:g}, cosine to "
         f"{c['min_lr_ratio']:g} of it, {c['tokens_per_step']:,} tokens per step, dense-format share "
-        f"{c['dense_fraction']:g}, seed {c['seed']}. Command: `{log.get('command', 'kvlearn pretrain')}`, code of "
+        f"{c['dense_fraction']:g}"
+        + (f", multi-needle niah probes (a share {testbed_tasks.MULTIVALUE_PROBE_SHARE:g} of the dense rows' probes) "
+           f"from the {c['multivalue_from']} stage on" if c.get("multivalue_from") is not None else "")
+        + f", seed {c['seed']}. Command: `{log.get('command', 'kvlearn pretrain')}`, code of "
         f"commit {log.get('commit', '?')} (its testbed generator made the training data).",
         "- Haystacks: training styles and depth regimes only (`kvlearn.testbed.filler.TRAIN_STYLES`"
         + (f" narrowed to {', '.join(c['train_styles'])}" if c.get("train_styles") else "")
@@ -363,7 +384,8 @@ def pretrain(config: PretrainConfig) -> dict:
         rows = config.tokens_per_step // length // d.world
         styles, regimes = stage_haystack(config, stage)
         stream = TestbedStream(length=length, batch_size=rows, seed=config.seed * 1000 + length, rank=d.rank, world_size=d.world,
-                              dense=config.dense_fraction, weights=weights, styles=styles, regimes=regimes)
+                              dense=config.dense_fraction, weights=weights, styles=styles, regimes=regimes,
+                              multivalue_share=stage_multivalue_share(config, stage))
         return iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                 pin_memory=device.type == "cuda", persistent_workers=False,
                                                 prefetch_factor=4 if config.num_workers else None))
