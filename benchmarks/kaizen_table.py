@@ -43,7 +43,7 @@ zero-initialised scorers. Factors a method cannot reach (KIVI at 16x, precision 
 ``skipped`` with the reason. Protocol ``bounded`` for all but ``kaizen+snapkv`` (``context``, SnapKV's).
 
 Runs go in priority order (the control; the selectors and their untrained-backbone rows; the baselines at the
-selectors' targets, then at the other factors; the compositions), the file is written before the first run and
+selectors' targets and ``--first-factors``, then at the other factors; the compositions), the file is written before the first run and
 rewritten after every run with every run not done yet under ``not_run`` (a process killed mid-way leaves a file that
 says ``complete: false``), and ``--minutes`` stops cleanly as in ``eviction_baselines.py``.
 
@@ -167,7 +167,8 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
         for t in targets:
             add("kaizen", weights=path, label=label, target=t)
             add("untrained_backbone", selector=path, label=label, target=t)
-    first = sorted({t for *_, ts in selectors for t in ts if t in factors})
+    first_factors = parse_factors(args.first_factors, "--first-factors") if args.first_factors else ()
+    first = sorted({t for *_, ts in selectors for t in ts if t in factors} | {f for f in first_factors if f in factors})
     for f in first + sorted(f for f in factors if f not in first):
         for m in baselines:
             add(m, weights=args.control if m == "posthoc_quant" else None, target=f)
@@ -237,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kvpop", default=None, help="a KVpop retrofit folder for kaizen+kvpop (default: --model, "
                                                   "untrained scorers)")
     ap.add_argument("--factors", default=None, help="the baselines' target factors (default 2,4,8,16; --smoke: 4,8)")
+    ap.add_argument("--first-factors", default="",
+                    help="factors whose baseline rows run first, besides the selectors' targets (e.g. 4,8 in a "
+                         "baselines-only run beside the selectors' training)")
     ap.add_argument("--baselines", default="all", help=f"comma list of {','.join(BASELINES)}, 'all' or 'none'")
     ap.add_argument("--compose-factors", default="16,32", help="total factors of kaizen+snapkv/kvpop, or 'none'")
     ap.add_argument("--compose-rep", type=float, default=4.0,

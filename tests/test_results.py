@@ -89,6 +89,30 @@ def test_merge_across_runs_keeps_each_rows_run(tmp_path):
     assert read_results(tmp_path / "m.json")["commit"] == "c1,c2"
 
 
+def test_merge_keeps_kaizen_rows_of_other_selectors_and_factors():
+    """KV-Kaizen rows share method, protocol, split, budget (the context) and task across selectors and factors:
+    merging a baselines-only part with a selectors-only part keeps every selector's and every factor's row and drops
+    only the control both parts measured (hand-built rows)."""
+    from kvlearn.results import make_results, merge_results
+
+    def row(method, factor, selector=None, model="teacher"):
+        r = {"method": method, "protocol": "bounded", "split": "eval", "budget": 4096, "task": "niah",
+             "factor": factor, "model": model, "accuracy": 0.5}
+        return {**r, "selector": selector} if selector else r
+
+    control = row("control", 1.0)
+    baselines = make_results("accuracy", [control, row("static", 2.0), row("static", 4.0)], device="cuda",
+                             command="b", commit="c1")
+    selectors = make_results("accuracy", [control, row("kaizen", 4.571429, "kaizen4", "$OUT/kaizen-t4/final"),
+                                          row("kaizen", 8.0, "kaizen8", "$OUT/kaizen-t8/final"),
+                                          row("untrained_backbone", 4.571429, "kaizen4")], device="cuda",
+                             command="s", commit="c1")
+    m = merge_results([baselines, selectors], "b && s")
+    assert [(r["method"], r["factor"], r.get("selector")) for r in m["rows"]] == [
+        ("control", 1.0, None), ("static", 2.0, None), ("static", 4.0, None), ("kaizen", 4.571429, "kaizen4"),
+        ("kaizen", 8.0, "kaizen8"), ("untrained_backbone", 4.571429, "kaizen4")]
+
+
 def test_merge_keeps_a_measured_row_over_a_failed_one():
     """A row that failed in one part (``error``) and was measured in another is kept as measured, in the failed
     row's place; a later failure never replaces a measured row."""

@@ -7,6 +7,7 @@
 #     (docs/notes/kvpop_retrofit_smoke.md section 7): PEAK_EXTRA (default '--decay-init 0.99999 --target-reduction
 #     peak') and TOTAL_EXTRA (default '--decay-init 0.99999 --target-count-normalize 0', the total mass);
 #   - the KV-Kaizen table (`kaizen_table.sh`, KAIZEN_MINUTES default 9.5 in all);
+# BASELINES=0 leaves the eviction baselines out (e.g. when results/baselines_table.json is already on this teacher);
 # RETROFITS=0 leaves the two retrofits out (their question, peak or total mass, is answered: docs/DESIGN.md 4.1),
 # RETROFITS=peak runs the peak one only (the shipped student's recipe: its tar replaces checkpoints/testbed-kvpop);
 # METHODS / BUDGETS reach eviction_baselines.sh (e.g. only the rows results/baselines_table.json's not_run lists);
@@ -38,8 +39,10 @@ timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_packe
     tests/cache/test_packed_decode_cache.py tests/ops/test_kivi_decode.py > "$RUN_DIR/gpu_tests_new_kernels.log" 2>&1 \
     || { echo "new-kernel GPU tests failed: KVLEARN_PACKED_DECODE=0"; export KVLEARN_PACKED_DECODE=0; }
 tail -n 3 "$RUN_DIR/gpu_tests_new_kernels.log"
-(OUT="$RUN_DIR/baselines" MODEL=$MODEL MINUTES=${BASELINE_MINUTES:-8} \
-    bash benchmarks/device/eviction_baselines.sh > "$RUN_DIR/baselines.log" 2>&1; echo "== baselines done $(date -u +%H:%M:%S)") &
+if [ "${BASELINES:-1}" != 0 ]; then
+    (OUT="$RUN_DIR/baselines" MODEL=$MODEL MINUTES=${BASELINE_MINUTES:-8} \
+        bash benchmarks/device/eviction_baselines.sh > "$RUN_DIR/baselines.log" 2>&1; echo "== baselines done $(date -u +%H:%M:%S)") &
+fi
 if [ "${RETROFITS:-1}" != 0 ]; then
     (OUT="$RUN_DIR/retrofit" MODEL=$MODEL MINUTES=${RETROFIT_MINUTES:-5} N=${N:-100} TAG=peak \
         EXTRA=${PEAK_EXTRA---decay-init 0.99999 --target-reduction peak} \

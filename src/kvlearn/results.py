@@ -138,11 +138,20 @@ def row_run_key(row: dict) -> str:
     return run_key(row.get("method"), row.get("protocol"), row.get("split"), None if full else row.get("budget"))
 
 
+def merge_key(row: dict) -> tuple:
+    """What makes a results row one measurement when parts are merged: ``(method, protocol, split, budget, task)``,
+    and for rows that carry them (KV-Kaizen's) the ``selector``, the ``model`` weights and the realised ``factor``
+    (to 4 decimals): two selectors, or one baseline at two factors, share the first five and are different rows."""
+    factor = row.get("factor")
+    return (row.get("method"), row.get("protocol"), row.get("split"), row.get("budget"), row.get("task"),
+            row.get("selector"), row.get("model"), None if factor is None else round(float(factor), 4))
+
+
 def merge_results(parts: list[dict], command: str, across_runs: bool = False) -> dict:
     """One results file from the files of runs split over processes or GPUs (same kind, commit and device).
 
-    Rows are concatenated in order; a row whose ``(method, protocol, split, budget, task)`` already appeared (the
-    full cache, which every part measures first) is dropped, unless the kept one is an ``error`` row and this one
+    Rows are concatenated in order; a row whose :func:`merge_key` already appeared (the full cache, which every part
+    measures first) is dropped, unless the kept one is an ``error`` row and this one
     is not (a part that reran a failed row wins). ``not_run`` and ``skipped`` are united, ``complete``
     holds when every part is complete, ``wall_seconds`` is the longest part's.
 
@@ -168,7 +177,7 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
         for r in p["rows"]:
             if across_runs:
                 r = {**r, **{k: p[k] for k in ("commit", "date", "n_per_task") if k in p and k not in r}}
-            key = (r.get("method"), r.get("protocol"), r.get("split"), r.get("budget"), r.get("task"))
+            key = merge_key(r)
             if key not in seen:
                 seen[key] = len(rows)
                 rows.append(r)

@@ -97,7 +97,7 @@ def test_unreachable_factors_are_skipped_with_the_reason(smoke):
     script = load_script()
     args = argparse.Namespace(model=str(work / "teacher"), control=None, kvpop=None, splits="eval", baselines="all",
                               factors="4,16", compose_factors="none", compose_rep=4.0, tasks="vt", n_per_task=1,
-                              context=256, batch_size=1, chunk_size=64, sinks=4, method_options={})
+                              context=256, batch_size=1, chunk_size=64, sinks=4, method_options={}, first_factors="")
     runs, skipped = script.plan_runs(args, [])
     assert [r.describe() for r in runs] == ["control/bounded/eval", "static/bounded/eval/F=4",
                                             "dp_search/bounded/eval/F=4", "random/bounded/eval/F=4",
@@ -107,6 +107,11 @@ def test_unreachable_factors_are_skipped_with_the_reason(smoke):
     assert set(skipped) == {"kivi/bounded/eval/F=16", "posthoc_quant/bounded/eval/F=16"}
     assert "outside the feasible range" in skipped["posthoc_quant/bounded/eval/F=16"]
     assert all("\n" not in why for why in skipped.values())
+    # --first-factors: those factors' baselines run first (a baselines-only run beside the selectors' training)
+    args.first_factors = "16"
+    runs, _ = script.plan_runs(args, [])
+    assert [r.describe() for r in runs][:4] == ["control/bounded/eval", "static/bounded/eval/F=16",
+                                                "dp_search/bounded/eval/F=16", "random/bounded/eval/F=16"]
 
 
 def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(smoke, tmp_path, monkeypatch,
@@ -126,3 +131,29 @@ def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(smok
     assert data["complete"] is False and data["not_run"] == ["kaizen[k4]/bounded/eval/F=4",
                                                              "untrained_backbone[k4]/bounded/eval/F=4",
                                                              "static/bounded/eval/F=4"]
+
+
+def test_device_script_runs_the_baselines_beside_the_training_and_merges(tmp_path):
+    """benchmarks/device/kaizen_table.sh as a dry run: the training-free rows run in their own process (no
+    --selector) from the start, the selectors' table after training runs no baseline or composition, and the two
+    parts are merged into kaizen_table.json (the control once, every other row kept) with its plot."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(repo / "src")}
+    out = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    baselines = (tmp_path / "kaizen_table_baselines.log").read_text()
+    assert "benchmarks/kaizen_table.py" in baselines and "--selector" not in baselines and "--baselines" not in baselines
+    selectors = (tmp_path / "kaizen_table_selectors.log").read_text()
+    assert "--selector kaizen4=" in selectors and "--selector kaizen8=" in selectors
+    assert "--baselines none --compose-factors none" in selectors
+    for t in (4, 8):
+        assert "kaizen-train" in (tmp_path / f"kaizen_train_t{t}.log").read_text()
+    merged = json.loads((tmp_path / "kaizen_table.json").read_text())
+    assert [(r["method"], r["factor"]) for r in merged["rows"]] == [("control", 1.0), ("kaizen", 4.0), ("static", 4.0)]
+    assert (tmp_path / "kaizen_table.png").stat().st_size > 0

@@ -7,8 +7,8 @@ Llama: absorbed decode).
   context forward, then a question chunk and decoding); a left-padded batch equals its rows alone;
 - the absorbed decode equals the decompressed one; a plain ``DynamicCache`` holds ``(k_R, c)`` and decodes the same;
 - the cache holds exactly the bytes of the cost model (hand-computed);
-- sharing layers (depth on MLA) attend their anchor's expanded K/V, in the forward, the cache and the training
-  mixture;
+- sharing layers (depth on MLA) attend their anchor's latent, in the forward, the cache and the training mixture
+  (expanded K/V, or absorbed through a cache without k_norm: :mod:`test_mla_share_absorbed`);
 - bad input (a rank on a GQA model, a width not in the action set, eviction on MLA, a mismatched backbone) is a
   one-line error.
 """
@@ -85,7 +85,7 @@ def test_decoding_through_the_latent_store_equals_the_mla_forward(kind, name):
 @pytest.mark.parametrize("name", list(SHARED))
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_sharing_layers_decode_like_the_mla_forward(kind, name):
-    """Depth on MLA: a sharing layer attends its anchor's expanded keys/values; prefill + decoding (sharing layers
+    """Depth on MLA: a sharing layer attends its anchor's latent; prefill + decoding (sharing layers
     are BorrowedLayers, 0 bytes) equals the no-cache forward, and the sharer's own latent projections are unused."""
     model = sharing.attach(convert_to_mla(tiny(kind, 13, layers=4), ROPE, calibration()[0], rank=FULL_RANK))
     cfg = config(model, *SHARED[name])

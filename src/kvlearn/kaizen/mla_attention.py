@@ -26,16 +26,28 @@ Where the action comes from: a :class:`~kvlearn.kaizen.cache.KaizenCache` or ``k
 transformers ``Cache`` (``DynamicCache``) stores ``(k_R, c)`` as one KV head. The selector's training mixture
 (``kaizen_train``) mixes the prefix-masked, fake-quantized latents (:meth:`MLAAttention.mixture`).
 
-**Share (depth).** A sharing layer attends its own queries over its anchor's keys and values, as on GQA: the
-anchor's ``(k_R, c[:d])`` of this forward (fake-quantized, or read from its store) expanded with the *anchor's*
-up-projections and RoPE mixing into the layer-independent form of :meth:`MLAAttention.full_keys`, ``K = [k̃ ;
-Eᵀk_R]`` per KV head, attended by ``[q_h ; rope(q_h)]``. The anchor puts ``(K, V, mask)`` in the forward's anchor
-dictionary (only when a later layer shares it); the sharing layer keeps no cache (a ``BorrowedLayer``) and its own
-``kv_down``/``up_*`` are unused. (The alternative, the anchor's latent expanded with the sharer's own
-up-projections, is not built.) Not built yet for MLA: evicting policies.
+**Share (depth).** A sharing layer attends its own queries over its anchor's latent of this forward (fake-quantized,
+or read from its store), with the *anchor's* up-projections and RoPE mixing (the sharer's own ``kv_down``/``up_*``/
+``E`` are unused; it keeps no cache: a ``BorrowedLayer``). The anchor fills the forward's anchor dictionary only when
+a later layer shares it, in one of two equal forms:
+
+- **absorbed**, when the anchor itself attends absorbed (through a cache, no ``k_norm``): a :class:`SharedLatent`,
+  the anchor's ``up_k[..., :d]``, ``up_v[..., :d]`` ``[n_kv, d_h, d]``, ``E`` ``[d_R, n_kv d_h]``, ``k_R [B, 1, S,
+  d_R]``, ``c[:d] [B, 1, S, d]`` and mask. The sharer's head ``h`` (KV group ``g`` of the anchor: the same head
+  layout) attends ``[up_k,g[:, :d]ᵀ q_h ; E_g rope(q_h)]`` over ``[c[:d] ; k_R]`` with value ``c[:d]`` (its own
+  softmax scale), then ``o_h = up_v,g[:, :d] · (that)`` (:func:`absorbed_attention`, the anchor's own decode too).
+  Never expands the latent.
+- **decompressed** otherwise (no cache, or an anchor with ``k_norm``): ``(K, V, mask)``, the latent expanded into the
+  layer-independent form of :meth:`MLAAttention.full_keys`, ``K = [k̃ ; Eᵀk_R] [B, n_kv, S, 2 d_h]`` per KV head and
+  ``V [B, n_kv, S, d_h]``, attended by ``[q_h ; rope(q_h)]`` (``rope(q_h)·(Eᵀk_R)_g = q_R,h·k_R``).
+
+(The alternative, the anchor's latent expanded with the sharer's own up-projections, is not built.) Not built yet for
+MLA: evicting policies.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -45,6 +57,44 @@ from ..cache import CompactCache
 from ..errors import check
 from ..hf import masked_attention
 from ..ops.quant import fake_quantize
+
+
+class SharedLatent(NamedTuple):
+    """What an anchor that attends absorbed puts in the forward's anchor dictionary for the layers sharing it
+    (module docstring, "Share (depth)"): its up-projections' first ``d`` columns ``up_k``, ``up_v`` ``[n_kv, d_h,
+    d]``, its RoPE mixing ``rope_mix`` (``E [d_R, n_kv d_h]``), the latent of this forward ``k_r [B, 1, S, d_R]``,
+    ``c [B, 1, S, d]`` and the boolean ``mask [B | 1, 1 | P, T, S]``. Per-forward state only."""
+
+    up_k: torch.Tensor
+    up_v: torch.Tensor
+    rope_mix: torch.Tensor
+    k_r: torch.Tensor
+    c: torch.Tensor
+    mask: torch.Tensor
+
+
+def rope_query(rope_mix: torch.Tensor, q_rot: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``q_R,h = E_g rope(q_h)``: ``rope_mix`` ``E [d_R, n_kv d_h]``, ``q_rot`` ``rope(q) [B, Hq, T, d_h]`` (head
+    ``h`` in KV group ``g = h // (Hq / n_kv)``) -> ``[B, Hq, T, d_R]``."""
+    b, hq, t, dh = q_rot.shape
+    e = rope_mix.view(rope_mix.shape[0], num_kv_heads, dh)
+    q = q_rot.reshape(b, num_kv_heads, hq // num_kv_heads, t, dh)
+    return torch.einsum("rgd,bgjtd->bgjtr", e, q).reshape(b, hq, t, -1)
+
+
+def absorbed_attention(q, q_r, k_r, c, mask, up_k, up_v, scaling) -> torch.Tensor:
+    """The absorbed MLA attention (module docstring) of the queries ``q [B, Hq, T, d_h]`` (unrotated) and ``q_r
+    [B, Hq, T, d_R]`` over the latent ``k_r [B, 1, S, d_R]``, ``c [B, 1, S, d]`` with the up-projections ``up_k``,
+    ``up_v`` ``[n_kv, d_h, d]`` (the first ``d`` columns) and the boolean ``mask``: ``q̃_h = up_k,g[:, :d]ᵀ q_h``,
+    MQA of ``[q̃_h ; q_R,h]`` over ``[c ; k_R]`` with value ``c``, then ``o_h = up_v,g · (that)``. Returns ``[B, T,
+    Hq, d_h]``. An anchor's own decode, and a sharing layer's over its anchor's :class:`SharedLatent`."""
+    b, hq, t, dh = q.shape
+    kv, d = up_k.shape[0], c.shape[-1]
+    g = hq // kv
+    qa = torch.einsum("bgjtx,gxr->bgjtr", q.view(b, kv, g, t, dh), up_k).reshape(b, hq, t, d)
+    out = masked_attention(torch.cat([qa, q_r], dim=-1), torch.cat([c, k_r], dim=-1), c, mask, scaling)
+    out = torch.einsum("btgjr,gxr->btgjx", out.view(b, t, kv, g, d), up_v)
+    return out.reshape(b, t, hq, dh)
 
 
 class MLAAttention(nn.Module):
@@ -101,14 +151,14 @@ class MLAAttention(nn.Module):
     def project(self, hidden_states, position_embeddings):
         """``(q [B, Hq, T, d_h] unrotated, rope(q), q_R [B, Hq, T, d_R], k_R [B, 1, T, d_R], c [B, 1, T, r])``."""
         b, t, _ = hidden_states.shape
-        kv, g, dh = self.num_kv_heads, self.num_key_value_groups, self.head_dim
+        kv, dh = self.num_kv_heads, self.head_dim
         q = self.q_norm(self.q_proj(hidden_states).view(b, t, -1, dh)).transpose(1, 2)
         k = self.k_norm(self.k_proj(hidden_states).view(b, t, -1, dh)).transpose(1, 2)
         cos, sin = position_embeddings
         q_rot, k_rot = apply_rotary_pos_emb(q, k, cos, sin)
         e = self.rope_mix.view(self.rope_dim, kv, dh)
         k_r = torch.einsum("rgd,bgtd->btr", e, k_rot)[:, None]
-        q_r = torch.einsum("rgd,bgjtd->bgjtr", e, q_rot.view(b, kv, g, t, dh)).reshape(b, -1, t, self.rope_dim)
+        q_r = rope_query(self.rope_mix, q_rot, kv)
         c = self.kv_down(hidden_states)[:, None]
         return q, q_rot, q_r, k_r, c
 
@@ -140,12 +190,19 @@ class MLAAttention(nn.Module):
         return masked_attention(torch.cat([q, q_r], dim=-1), key, v, mask, self.scaling)  # [B, T, Hq, d_h]
 
     def attend_absorbed(self, q, q_r, k_r, c, mask):
-        b, hq, t, dh = q.shape
-        kv, g, d = self.num_kv_heads, self.num_key_value_groups, c.shape[-1]
-        qa = torch.einsum("bgjtx,gxr->bgjtr", q.view(b, kv, g, t, dh), self.up_k[..., :d]).reshape(b, hq, t, d)
-        out = masked_attention(torch.cat([qa, q_r], dim=-1), torch.cat([c, k_r], dim=-1), c, mask, self.scaling)
-        out = torch.einsum("btgjr,gxr->btgjx", out.view(b, t, kv, g, d), self.up_v[..., :d])
-        return out.reshape(b, t, hq, dh)
+        d = c.shape[-1]
+        return absorbed_attention(q, q_r, k_r, c, mask, self.up_k[..., :d], self.up_v[..., :d], self.scaling)
+
+    def shared_latent(self, k_r: torch.Tensor, c: torch.Tensor, mask: torch.Tensor) -> SharedLatent:
+        """This anchor's latent ``(k_R, c[:d])`` of the forward as a :class:`SharedLatent` for the layers sharing it."""
+        d = c.shape[-1]
+        return SharedLatent(self.up_k[..., :d], self.up_v[..., :d], self.rope_mix, k_r, c, mask)
+
+    def attend_shared(self, q, q_rot, shared: SharedLatent):
+        """This (sharing) layer's queries ``q``, ``rope(q)`` ``[B, Hq, T, d_h]`` over its anchor's latent, absorbed
+        with the anchor's projections: ``q_R,h = E_anchor,g rope(q_h)``. Returns ``[B, T, Hq, d_h]``."""
+        q_r = rope_query(shared.rope_mix, q_rot, shared.up_k.shape[0])
+        return absorbed_attention(q, q_r, shared.k_r, shared.c, shared.mask, shared.up_k, shared.up_v, self.scaling)
 
     def mixture(self, state, k_r: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The selector's training mixture (``kaizen_train``, :class:`~kvlearn.kaizen.sharing.KaizenTrainForward`),
@@ -187,13 +244,17 @@ class MLAAttention(nn.Module):
             mask = _bool_mask(attention_mask, t, t, c.device)
             out = masked_attention(torch.cat([q, q_rot], dim=-1), key, value, mask, self.scaling)
             return self.o_proj(out.reshape(b, t, -1)), None
-        if forward is not None and forward.config.actions[l].share:  # the anchor's (K, V, mask) of this forward
+        if forward is not None and forward.config.actions[l].share:  # the anchor's latent or (K, V, mask)
             anchor = forward.config.anchor_of(l)
             check(anchor in forward.shared, f"layer {l} shares layer {anchor}, which has not run in this forward")
             if isinstance(cache, CompactCache):
                 cache.update(k_r, c, l)  # a BorrowedLayer: writes nothing
-            key, value, mask = forward.shared[anchor]
-            out = masked_attention(torch.cat([q, q_rot], dim=-1), key, value, mask, self.scaling)
+            shared = forward.shared[anchor]
+            if isinstance(shared, SharedLatent):
+                out = self.attend_shared(q, q_rot, shared)
+            else:
+                key, value, mask = shared
+                out = masked_attention(torch.cat([q, q_rot], dim=-1), key, value, mask, self.scaling)
             return self.o_proj(out.reshape(b, t, -1)), None
         d, bits = self._action(kwargs)
         c = c[..., :d]
@@ -219,8 +280,8 @@ class MLAAttention(nn.Module):
             k_r, c = fake_quantize(k_r, bits), fake_quantize(c, bits)
             mask = _bool_mask(attention_mask, t, c.shape[2], c.device)
             absorb = False
-        if forward is not None and l in forward.needed:  # a later layer shares this one
-            forward.shared[l] = (*self.full_keys(k_r, c), mask)
+        if forward is not None and l in forward.needed:  # a later layer shares this one (module docstring)
+            forward.shared[l] = self.shared_latent(k_r, c, mask) if absorb else (*self.full_keys(k_r, c), mask)
         attend = self.attend_absorbed if absorb else self.attend_decompressed
         out = attend(q, q_r, k_r, c, mask)
         return self.o_proj(out.reshape(b, t, -1)), None
@@ -237,4 +298,4 @@ def _bool_mask(attention_mask, q: int, kv: int, device) -> torch.Tensor:
     return attention_mask[..., -kv:]
 
 
-__all__ = ["MLAAttention"]
+__all__ = ["MLAAttention", "SharedLatent", "absorbed_attention", "rope_query"]

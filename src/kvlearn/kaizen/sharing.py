@@ -44,13 +44,15 @@ ATTENTION_NAME = "kvlearn_kaizen"
 
 class KaizenForward:
     """Per-forward state: the configuration, and ``shared {anchor layer: (K [batch, kv_heads, kv, head_dim], V,
-    mask)}`` filled by the anchors of this forward and read by the layers sharing them. Made fresh by the hook for
+    mask)}`` filled by the anchors of this forward and read by the layers sharing them (an MLA anchor that decodes
+    absorbed puts its latent there instead, a :class:`~kvlearn.kaizen.mla_attention.SharedLatent`, which its sharers
+    attend absorbed). Made fresh by the hook for
     every forward; never kept between forwards. A plain class, not a dataclass: FSDP's hooks rebuild dataclasses
     found in module arguments (the layers would fill copies of ``shared``)."""
 
     def __init__(self, config: KaizenConfig, shared: dict | None = None):
         self.config = config
-        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {} if shared is None else shared
+        self.shared: dict[int, tuple] = {} if shared is None else shared  # (K, V, mask) or a SharedLatent
         self.needed = frozenset(config.anchor_of(l) for l, a in enumerate(config.actions) if a.share)
 
 
