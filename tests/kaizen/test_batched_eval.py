@@ -118,6 +118,10 @@ def test_batched_rows_equal_rows_alone(model, protocol, monkeypatch):
             if all(c != d for d in distinct):
                 distinct.append(c)
         assert r["distinct_configurations"] == len(distinct) >= 2
+        # which configurations, with their prompt counts: the same direct count, as "b4 b8 share ..." strings
+        counts = {str(d): sum(c == d for c in per_prompt) for d in distinct}
+        assert r["configurations"] == dict(sorted(counts.items(), key=lambda kv: -kv[1])[:8])
+        assert sum(r["configurations"].values()) <= r["n"] and all(" " in k for k in r["configurations"])
 
 
 @pytest.mark.parametrize("method", ["kaizen", "kaizen_static", "kaizen_random", "kaizen_dp"])

@@ -177,7 +177,11 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
         row["target"] = round(sum(result.targets) / len(result.targets), 6)
         row["compression"] = round(1.0 - 1.0 / row["factor"], 6)
     if result.choices:  # how many different per-layer configurations the method chose for this task's prompts
-        row["distinct_configurations"] = len(group_by_choice(result.choices))
+        groups = group_by_choice(result.choices)
+        row["distinct_configurations"] = len(groups)
+        # which ones ("b4 b8 share ..." per layer) and for how many prompts, the most frequent first (at most 8)
+        top = sorted(groups, key=lambda g: -len(g[1]))[:CONFIGURATIONS_LISTED]
+        row["configurations"] = {str(choice): len(rows) for choice, rows in top}
     row["variants"] = {k: {"accuracy": c / n, "n": n} for k, (c, n) in sorted(result.by_variant.items())}
     if result.n < config.n_per_task:
         row["incomplete"] = True
@@ -188,6 +192,9 @@ def new_tokens(example) -> int:
     """Tokens generated for ``example``: its answer with ``<eos>``, plus 32 for ``trace`` (its reasoning before
     "answer :")."""
     return len(example.answer_ids) + (32 if example.family == "trace" else 0)
+
+
+CONFIGURATIONS_LISTED = 8  # a row lists at most this many of its prompts' configurations (``configurations``)
 
 
 def group_by_choice(choices: list) -> list[tuple[object, list[int]]]:
