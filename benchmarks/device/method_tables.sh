@@ -11,11 +11,11 @@
 # RETROFITS=0 leaves the two retrofits out (their question, peak or total mass, is answered: docs/DESIGN.md 4.1),
 # RETROFITS=peak runs the peak one only (the shipped student's recipe: its tar replaces checkpoints/testbed-kvpop);
 # METHODS / BUDGETS reach eviction_baselines.sh (e.g. only the rows results/baselines_table.json's not_run lists);
-# then, alone on the GPU, with SPEED=1 (the default) the GPU tests of the retrofit step's and the KIVI kernel's
-# changes since 389900b, `benchmarks/retrofit_step_speed.py --variants foreach_adamw,bf16_mlstm_matmuls --profile`
-# (~1 min) and `benchmarks/packed_decode_speed.py --store kivi --graph --sweep` (the new KIVI kernel against the old
-# one and the bf16 cache, 14 launch variants; ~5 min) and `--graph --sweep --bits 4,2,8` for the packed store (its
-# channel-order kernel against the bit-plane one it replaces and 10 launch shapes; ~5 min); with SPEED=0 instead
+# then, alone on the GPU, with SPEED=1 (the default) the GPU tests of the retrofit step,
+# `benchmarks/retrofit_step_speed.py --variants foreach_adamw,bf16_mlstm_matmuls --profile` (~1 min) and
+# `benchmarks/packed_decode_speed.py --store kivi --graph --sweep` (the KIVI kernel against the bf16 cache over the
+# launches of KIVI_SWEEP, each checked against the read-back; ~5 min) and `--graph --sweep --bits 4,2,8` for the
+# packed store (its launch grid; ~5 min); with SPEED=0 instead
 # `benchmarks/packed_decode_speed.py --graph` (the packed-store decode kernel against the
 # bf16 cache at 16k-131k, eager and replayed from CUDA graphs, about a minute).
 # Everything goes to RUN_DIR (default /tmp/session_out); /tmp/session.done marks the end; /tmp/session.log is the
@@ -57,7 +57,7 @@ fi
     bash benchmarks/device/kaizen_table.sh > "$RUN_DIR/kaizen.log" 2>&1; echo "== kaizen done $(date -u +%H:%M:%S)") &
 wait
 # alone on the GPU, so that its timings are not shared: the packed-store decode kernel against the bf16 cache
-if [ "${SPEED:-1}" = 1 ]; then  # the step's and the KIVI kernel's changes since 389900b, measured against what they replace
+if [ "${SPEED:-1}" = 1 ]; then  # the step and the decode kernels' launch sweeps
     timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_distill.py tests/kvpop/test_scorers.py \
         tests/kvpop/test_attention.py tests/eval/test_packed_decode_speed_script.py > "$RUN_DIR/gpu_tests_speed.log" 2>&1
     tail -n 3 "$RUN_DIR/gpu_tests_speed.log"

@@ -118,14 +118,19 @@ if HAS_TRITON:
         return (((byte >> (J * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))).to(tl.float32)
 
     @triton.jit
+    def program_coords(HKV: tl.constexpr):
+        """A decode program's coordinates on its ``(batch * KV heads, splits)`` grid: ``(batch x KV head, split,
+        batch, KV head)``, the last two int64 (pointer offsets)."""
+        bh = tl.program_id(0)
+        sp = tl.program_id(1)
+        return bh, sp, (bh // HKV).to(tl.int64), (bh % HKV).to(tl.int64)
+
+    @triton.jit
     def program_query(q_ptr, stride_qb, stride_qh, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                       HEAD_DIM: tl.constexpr):
         """The program's coordinates and its KV head's query rows: ``(batch x KV head, split, batch, KV head,
         offs_g [G_PAD], offs_d [HEAD_DIM], q [G_PAD, HEAD_DIM])``, padded query rows zeros."""
-        bh = tl.program_id(0)
-        sp = tl.program_id(1)
-        b = (bh // HKV).to(tl.int64)
-        h = (bh % HKV).to(tl.int64)
+        bh, sp, b, h = program_coords(HKV)
         offs_g = tl.arange(0, G_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
@@ -218,10 +223,7 @@ if HAS_TRITON:
         and split into ``PER_BYTE`` planes in registers; plane ``J`` holds the elements ``t * PER_BYTE + J``, so
         ``<q, k> = sum_J <q[J::PER_BYTE], plane_J>`` and the value accumulator is kept per plane, interleaved back
         on the store. The dot operands take the query's dtype (bf16 on the GPU: the codes are exact in it)."""
-        bh = tl.program_id(0)
-        sp = tl.program_id(1)
-        b = (bh // HKV).to(tl.int64)
-        h = (bh % HKV).to(tl.int64)
+        bh, sp, b, h = program_coords(HKV)
         offs_g = tl.arange(0, G_PAD)
         offs_t = tl.arange(0, DB)
         offs_c = tl.arange(0, BLOCK_C)
