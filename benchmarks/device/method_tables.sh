@@ -7,6 +7,9 @@
 #     (docs/notes/kvpop_retrofit_smoke.md section 7): PEAK_EXTRA (default '--decay-init 0.99999 --target-reduction
 #     peak') and TOTAL_EXTRA (default '--decay-init 0.99999 --target-count-normalize 0', the total mass);
 #   - the KV-Kaizen table (`kaizen_table.sh`, KAIZEN_MINUTES default 9.5 in all);
+# TEACHER_N=<n> first evaluates the teacher (`benchmarks/teacher_eval.py`, dense and streaming at 1024, both splits) at n
+# per family beside the kernel tests -> $RUN_DIR/testbed_teacher.json (~1.2 minutes per 100); KAIZEN=0 leaves the
+# KV-Kaizen table out;
 # BASELINES=0 leaves the eviction baselines out (e.g. when results/baselines_table.json is already on this teacher);
 # RETROFITS=0 leaves the two retrofits out (their question, peak or total mass, is answered: docs/DESIGN.md 4.1),
 # RETROFITS=peak runs the peak one only (the shipped student's recipe: its tar replaces checkpoints/testbed-kvpop);
@@ -33,6 +36,10 @@ RUN_DIR=${RUN_DIR:-/tmp/session_out}; mkdir -p "$RUN_DIR"
 rm -f /tmp/session.done
 MODEL=${MODEL:-checkpoints/testbed-teacher}
 echo "== start $(date -u +%H:%M:%S) on $MODEL"
+if [ "${TEACHER_N:-0}" != 0 ]; then  # the teacher's acceptance evaluation at n=TEACHER_N, beside the kernel tests (accuracy, not time)
+    (python3 benchmarks/teacher_eval.py --model "$MODEL" --n-per-task "$TEACHER_N" --batch-size 100 \
+        --out "$RUN_DIR/testbed_teacher.json" > "$RUN_DIR/teacher_eval.log" 2>&1; echo "== teacher eval done rc=$? $(date -u +%H:%M:%S)") &
+fi
 # the new kernels first (about a minute): if the packed or KIVI decode kernel fails on this GPU, the Kaizen table runs on
 # the read-back path (KVLEARN_PACKED_DECODE=0) rather than losing its rows; the log says which
 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_packed_decode.py tests/ops/test_future_target_triton.py \
@@ -53,8 +60,10 @@ if [ "${RETROFITS:-1}" = 1 ]; then
         EXTRA=${TOTAL_EXTRA---decay-init 0.99999 --target-count-normalize 0} \
         bash benchmarks/device/retrofit.sh > "$RUN_DIR/retrofit_total.log" 2>&1; echo "== retrofit total done $(date -u +%H:%M:%S)") &
 fi
-(OUT="$RUN_DIR/kaizen" MODEL=$MODEL TOTAL_MINUTES=${KAIZEN_MINUTES:-9.5} \
-    bash benchmarks/device/kaizen_table.sh > "$RUN_DIR/kaizen.log" 2>&1; echo "== kaizen done $(date -u +%H:%M:%S)") &
+if [ "${KAIZEN:-1}" != 0 ]; then
+    (OUT="$RUN_DIR/kaizen" MODEL=$MODEL TOTAL_MINUTES=${KAIZEN_MINUTES:-9.5} \
+        bash benchmarks/device/kaizen_table.sh > "$RUN_DIR/kaizen.log" 2>&1; echo "== kaizen done $(date -u +%H:%M:%S)") &
+fi
 wait
 # alone on the GPU, so that its timings are not shared: the packed-store decode kernel against the bf16 cache
 if [ "${SPEED:-1}" = 1 ]; then  # the step and the decode kernels' launch sweeps
