@@ -332,6 +332,7 @@ def cmd_retrofit(args) -> int:
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             lr_new=args.lr_new, lr_decay=args.lr_decay, warmup_steps=args.warmup_steps,
                             grad_clip=args.grad_clip, kd_topk=args.kd_topk, boundary_weight=args.boundary_weight,
+                            dense_fraction=args.dense_fraction,
                             save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                             num_workers=args.num_workers, method=args.method, **method_kw, **length)
     _threads(args.threads)
@@ -382,6 +383,7 @@ def cmd_kaizen_train(args) -> int:
                                targets=targets, axes=axes, batch_size=args.batch_size, seq_len=args.seq_len,
                                lr=args.lr, lr_new=args.lr_new, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
                                kd_topk=args.kd_topk, beta=args.beta, eta=args.eta, budget_cap=args.budget_cap,
+                               dense_fraction=args.dense_fraction,
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
     _threads(args.threads)
@@ -484,6 +486,9 @@ def add_trainer_options(sp, existing: str, new: str) -> None:
     sp.add_argument("--warmup-steps", type=int, default=100, help=f"warm-up steps of the learning rate of {new}")
     sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
     sp.add_argument("--kd-topk", type=int, default=256, help="teacher logits kept by the distillation loss")
+    sp.add_argument("--dense-fraction", type=float, default=0.75,
+                    help="share of training rows in the dense format (in-context Q/A pairs); the rest are in the "
+                         "evaluation format, one supervised answer each")
     sp.add_argument("--save-interval", type=int, default=200, help="steps between checkpoints")
     sp.add_argument("--seed", type=int, default=0, help="random seed (data and sampling)")
     sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")

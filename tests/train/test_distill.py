@@ -509,3 +509,26 @@ def test_distill_losses_of_all_layers_at_once_equal_the_loop_over_layers(teacher
         assert torch.equal(got[key], want[key].detach()), key
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_dense_fraction_flag_reaches_both_trainers(teacher_path, tmp_path, monkeypatch, capsys):
+    """``--dense-fraction`` of ``kvlearn retrofit`` and ``kvlearn kaizen-train`` lands in the config the trainer gets
+    (default 0.75); a share outside [0, 1] is a one-line error naming the value and the range."""
+    from kvlearn import cli
+    from kvlearn.train import distill as distill_module
+    from kvlearn.train import kaizen_train as kaizen_module
+
+    got = []
+    monkeypatch.setattr(distill_module, "retrofit", lambda c: got.append(c) or {"final": "f", "step": 0})
+    monkeypatch.setattr(kaizen_module, "kaizen_train", lambda c: got.append(c) or {"final": "f", "step": 0})
+    common = ["--model", teacher_path, "--seq-len", "128", "--device", "cpu"]
+    retro = ["retrofit", *common, "--out", str(tmp_path / "r"), "--budget", "52", "--window", "16"]
+    kaizen = ["kaizen-train", *common, "--out", str(tmp_path / "k")]
+    assert cli.main(retro) == 0 and got[-1].dense_fraction == 0.75
+    assert cli.main([*retro, "--dense-fraction", "0.25"]) == 0 and got[-1].dense_fraction == 0.25
+    assert cli.main([*kaizen, "--dense-fraction", "0"]) == 0 and got[-1].dense_fraction == 0.0
+    assert type(got[-1]).__name__ == "KaizenTrainConfig"
+    capsys.readouterr()
+    assert cli.main([*kaizen, "--dense-fraction", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dense_fraction=1.5 is invalid: expected True, False or a share of dense rows in [0, 1]" in err

@@ -67,7 +67,7 @@ from ..kvpop.apply import apply_kvpop, model_budget_config
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import BoundaryDecisions, boundary_decisions, sample_query_positions, stacked_teacher_policy
 from ..kvpop.train_attention import TrainForward, use_train_attention
-from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
+from ..testbed.data import IGNORE_INDEX, TestbedStream, dense_share, shard_rows
 from ..hf import copy_tokenizer_files
 from ..lineage import write_teacher_record
 from . import parallel
@@ -188,6 +188,7 @@ def check_trainer_fields(config) -> None:
     """The checks every distillation trainer's config shares (retrofit, kaizen-train): schedule and loop integers,
     the device, and the model folder against ``seq_len``; one-line errors."""
     check(0 <= config.min_lr_ratio <= 1, f"min_lr_ratio={config.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
+    config.dense_fraction = dense_share(config.dense_fraction, "dense_fraction")
     for name, low in (("warmup_steps", 0), ("kd_topk", 1), ("save_interval", 1), ("seed", 0), ("num_workers", 0)):
         check_int(name, getattr(config, name), low)
     check(config.device == "cpu" or config.device.startswith("cuda"),
