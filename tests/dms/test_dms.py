@@ -90,6 +90,14 @@ def masked_logits(model, config, ids, hard=True, keep_mask=None):
         kvlearn.attach(model)
 
 
+def distinct_ids(rows: int = 2) -> torch.Tensor:
+    """``[rows, T]`` token ids, no token twice in a row: layer 0's gate reads the token embedding alone, so a repeated
+    token gives two bitwise-equal logits in one full forward, an exact tie that the brute-force rule breaks by
+    position, while the cache computed the two in different forwards (a chunk, a decode step) whose matmuls may round
+    differently and break it the other way."""
+    return torch.stack([torch.randperm(VOCAB - 1)[:T] + 1 for _ in range(rows)])
+
+
 def decode_chunks(prefill):
     return [(0, prefill)] + [(t, t + 1) for t in range(prefill, T)]
 
@@ -100,7 +108,7 @@ def test_cache_equals_the_brute_force_mask(prefill, budget):
     config = DMSConfig(sinks=2, window=4, budget=budget if budget is not None else T + 1)
     model = dms_model(config)
     torch.manual_seed(3)
-    ids = torch.randint(1, VOCAB, (2, T))
+    ids = distinct_ids()
     ref, state = masked_logits(model, config, ids,
                                keep_mask=lambda alpha: reference_keep(alpha, config.sinks, config.window, budget))
     evicted = [(r.alpha[..., 1:] > 0).float().mean().item() for r in state.records.values()]
@@ -117,7 +125,7 @@ def test_cache_equals_the_brute_force_mask(prefill, budget):
 def test_chunked_prefill_equals_the_brute_force_mask():
     config = DMSConfig(sinks=2, window=4, budget=10)
     model = dms_model(config, seed=1)
-    ids = torch.randint(1, VOCAB, (2, T))
+    ids = distinct_ids()
     ref, _ = masked_logits(model, config, ids,
                            keep_mask=lambda alpha: reference_keep(alpha, config.sinks, config.window, 10))
     got, _ = cache_logits(model, config, ids, [(0, 7), (7, 20), (20, 21), (21, 33), (33, T)])
