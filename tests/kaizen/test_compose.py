@@ -123,6 +123,9 @@ def test_allocated_bytes_follow_the_cost_model(name, actions):
 @pytest.mark.parametrize("name", METHODS)
 def test_a_budget_that_keeps_everything_equals_the_kaizen_cache(name):
     model, config, method = setup(name, 48, 64, 4.0, seed=4)
+    # float64: the composed and the plain cache attend through different kernels, whose float32 roundings (they
+    # differ between CPUs, e.g. AVX-512 and AVX2) can move a key across a 4-bit rounding boundary in one path only
+    model = model.double()
     choice = KaizenConfig(Backbone.from_config(model.config), (LayerAction(8), S, LayerAction(4)))
     ids = ids_of(2, 40)
     for dense in ((True,) if name == "kaizen+snapkv" else (True, False)):
