@@ -55,10 +55,8 @@ def configurations(num_layers: int) -> list[tuple[str, tuple[LayerAction, ...]]]
 
 def one_hot(actions, space, batch: int) -> torch.Tensor:
     """``[batch, layers, len(space)]`` one-hot weights of ``actions``."""
-    w = torch.zeros(batch, len(actions), len(space))
-    for l, a in enumerate(actions):
-        w[:, l, space.index(a)] = 1.0
-    return w
+    indices = torch.tensor([space.index(a) for a in actions])
+    return torch.nn.functional.one_hot(indices, len(space)).float().expand(batch, -1, -1)
 
 
 def measure(logits: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor) -> dict:

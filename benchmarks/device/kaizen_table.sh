@@ -14,8 +14,9 @@
 # `not_run` in the merged file lists the runs a guard cut (run kaizen_table.py again with --selector
 # $OUT/kaizen-t4/final ... and --baselines/--factors for them, then merge).
 # MODEL (default: the shipped checkpoints/testbed-teacher); N_PER_TASK (default 100); SEQ_LEN and BATCH (training,
-# defaults 4096 and 8); TRAIN_ARGS: more kaizen-train options (e.g. '--dense-fraction 0.25': more rows in the evaluation
-# format, docs/DESIGN.md section 8, "Which layers the selector may share"); CONTROL: a same-recipe uncompressed fine-tune for the control row (default: the teacher).
+# defaults 4096 and 8); TRAIN_ARGS: more kaizen-train options (e.g. '--dense-fraction 0.25': more rows in the
+# evaluation format, docs/DESIGN.md section 8, "Which layers the selector may share"); CONTROL: a same-recipe
+# uncompressed fine-tune for the control row (default: the teacher).
 # DRY_RUN=1 checks the plumbing on the CPU: the processes print their command lines, and two fake parts are merged.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kaizen_table.sh
 set -u

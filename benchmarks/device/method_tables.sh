@@ -28,7 +28,8 @@
 #   call 2 (within the 30 s the machine stays warm):  WAIT_S=540 bash benchmarks/device/collect_session.sh
 # With THEN_KVPOP_TABLE=1 the chain goes on, on the GPU alone, with `kvpop_table.sh` (the KVpop Table 1: OUT
 # TABLE_DIR, default /tmp/table_out; its log /tmp/table.log; /tmp/table.done marks its end), so that one machine
-# start serves both; collect it with a third call:
+# start serves both (with its training-free rows unless TABLE_BASELINES=0; the chain's BASELINES does not reach it);
+# collect it with a third call:
 #   call 3:  WAIT_S=560 RUN_DIR=/tmp/table_out DONE=/tmp/table.done LOG=/tmp/table.log bash benchmarks/device/collect_session.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -87,7 +88,10 @@ echo "== done $(date -u +%H:%M:%S)"
 touch /tmp/session.done
 if [ "${THEN_KVPOP_TABLE:-0}" = 1 ]; then
     rm -f /tmp/table.done
-    OUT=${TABLE_DIR:-/tmp/table_out} MODEL=$MODEL bash benchmarks/device/kvpop_table.sh > /tmp/table.log 2>&1
+    # the chain's own BASELINES (the eviction-baselines job) must not reach the table: TABLE_BASELINES=0 leaves the
+    # table's training-free rows out
+    OUT=${TABLE_DIR:-/tmp/table_out} MODEL=$MODEL BASELINES=${TABLE_BASELINES:-1} bash benchmarks/device/kvpop_table.sh \
+        > /tmp/table.log 2>&1
     echo "== kvpop table done rc=$? $(date -u +%H:%M:%S)"
     touch /tmp/table.done
 fi

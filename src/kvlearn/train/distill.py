@@ -186,7 +186,8 @@ def check_out_folder(config) -> None:
 
 def check_trainer_fields(config) -> None:
     """The checks every distillation trainer's config shares (retrofit, kaizen-train): schedule and loop integers,
-    the device, and the model folder against ``seq_len``; one-line errors."""
+    the share of dense-format rows (``dense_fraction``, made a float in [0, 1]), the device, and the model folder
+    against ``seq_len``; one-line errors."""
     check(0 <= config.min_lr_ratio <= 1, f"min_lr_ratio={config.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
     config.dense_fraction = dense_share(config.dense_fraction, "dense_fraction")
     for name, low in (("warmup_steps", 0), ("kd_topk", 1), ("save_interval", 1), ("seed", 0), ("num_workers", 0)):
