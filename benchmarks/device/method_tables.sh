@@ -29,7 +29,8 @@
 # With THEN_KVPOP_TABLE=1 the chain goes on, on the GPU alone, with `kvpop_table.sh` (the KVpop Table 1: OUT
 # TABLE_DIR, default /tmp/table_out; its log /tmp/table.log; /tmp/table.done marks its end), so that one machine
 # start serves both (with its training-free rows unless TABLE_BASELINES=0; the chain's BASELINES does not reach it);
-# collect it with a third call:
+# collect it with a third call (KVPOP_TABLE=1 instead runs it beside the other jobs from the start, OUT TABLE_DIR
+# default $RUN_DIR/table, so that the one collecting call brings it back; SPEED=none then skips the timings):
 #   call 3:  WAIT_S=560 RUN_DIR=/tmp/table_out DONE=/tmp/table.done LOG=/tmp/table.log bash benchmarks/device/collect_session.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -42,11 +43,13 @@ if [ "${TEACHER_N:-0}" != 0 ]; then  # the teacher's acceptance evaluation at n=
         --out "$RUN_DIR/testbed_teacher.json" > "$RUN_DIR/teacher_eval.log" 2>&1; echo "== teacher eval done rc=$? $(date -u +%H:%M:%S)") &
 fi
 # the new kernels first (about a minute): if the packed or KIVI decode kernel fails on this GPU, the Kaizen table runs on
-# the read-back path (KVLEARN_PACKED_DECODE=0) rather than losing its rows; the log says which
-timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_packed_decode.py tests/ops/test_future_target_triton.py \
-    tests/cache/test_packed_decode_cache.py tests/ops/test_kivi_decode.py > "$RUN_DIR/gpu_tests_new_kernels.log" 2>&1 \
-    || { echo "new-kernel GPU tests failed: KVLEARN_PACKED_DECODE=0"; export KVLEARN_PACKED_DECODE=0; }
-tail -n 3 "$RUN_DIR/gpu_tests_new_kernels.log"
+# the read-back path (KVLEARN_PACKED_DECODE=0) rather than losing its rows; the log says which (KERNEL_TESTS=0: not)
+if [ "${KERNEL_TESTS:-1}" != 0 ]; then
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_packed_decode.py tests/ops/test_future_target_triton.py \
+        tests/cache/test_packed_decode_cache.py tests/ops/test_kivi_decode.py > "$RUN_DIR/gpu_tests_new_kernels.log" 2>&1 \
+        || { echo "new-kernel GPU tests failed: KVLEARN_PACKED_DECODE=0"; export KVLEARN_PACKED_DECODE=0; }
+    tail -n 3 "$RUN_DIR/gpu_tests_new_kernels.log"
+fi
 if [ "${BASELINES:-1}" != 0 ]; then
     (OUT="$RUN_DIR/baselines" MODEL=$MODEL MINUTES=${BASELINE_MINUTES:-8} \
         bash benchmarks/device/eviction_baselines.sh > "$RUN_DIR/baselines.log" 2>&1; echo "== baselines done $(date -u +%H:%M:%S)") &
@@ -65,9 +68,15 @@ if [ "${KAIZEN:-1}" != 0 ]; then
     (OUT="$RUN_DIR/kaizen" MODEL=$MODEL TOTAL_MINUTES=${KAIZEN_MINUTES:-9.5} \
         bash benchmarks/device/kaizen_table.sh > "$RUN_DIR/kaizen.log" 2>&1; echo "== kaizen done $(date -u +%H:%M:%S)") &
 fi
+if [ "${KVPOP_TABLE:-0}" = 1 ]; then  # the KVpop Table 1 beside the jobs above (its env: kvpop_table.sh's)
+    (OUT=${TABLE_DIR:-$RUN_DIR/table} MODEL=$MODEL BASELINES=${TABLE_BASELINES:-1} bash benchmarks/device/kvpop_table.sh \
+        > "$RUN_DIR/kvpop_table.log" 2>&1; echo "== kvpop table beside done rc=$? $(date -u +%H:%M:%S)") &
+fi
 wait
 # alone on the GPU, so that its timings are not shared: the packed-store decode kernel against the bf16 cache
-if [ "${SPEED:-1}" = 1 ]; then  # the step and the decode kernels' launch sweeps
+if [ "${SPEED:-1}" = none ]; then
+    echo "SPEED=none: no timing"
+elif [ "${SPEED:-1}" = 1 ]; then  # the step and the decode kernels' launch sweeps
     timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_distill.py tests/kvpop/test_scorers.py \
         tests/kvpop/test_attention.py tests/eval/test_packed_decode_speed_script.py > "$RUN_DIR/gpu_tests_speed.log" 2>&1
     tail -n 3 "$RUN_DIR/gpu_tests_speed.log"
