@@ -153,3 +153,24 @@ def test_merge_across_runs_clears_the_not_run_that_a_later_run_measured():
                           device="cuda", command="c", commit="c3", complete=True)
     m = merge_results([first, second, failed], "a; b; c", across_runs=True)
     assert m["not_run"] == ["snapkv/context/eval/B=512"] and m["complete"] is False
+
+
+def test_merge_across_runs_clears_the_skipped_that_another_run_measured():
+    """A student skipped at a budget its window cannot take in one run, and measured there by another run (trained
+    with a smaller window), is not listed as skipped in the merged file; a skip no run measured stays. Within one
+    run (``across_runs=False``) the skips are only united."""
+    from kvlearn.results import make_results, merge_results
+
+    def row(method, budget):
+        return {"method": method, "protocol": "bounded", "split": "eval", "budget": budget, "task": "niah",
+                "accuracy": 0.5}
+
+    reason = "budget=256 is invalid: expected an integer >= 261"
+    wide = make_results("accuracy", [row("kvpop", 512)], device="cuda", command="a", commit="c1",
+                        skipped={"kvpop/bounded/eval/B=256": reason, "dms/bounded/eval/B=256": reason})
+    narrow = make_results("accuracy", [row("kvpop", 256)], device="cuda", command="b", commit="c2", skipped={})
+    m = merge_results([wide, narrow], "a; b", across_runs=True)
+    assert m["skipped"] == {"dms/bounded/eval/B=256": reason}
+    assert [r["budget"] for r in m["rows"]] == [512, 256]
+    same = make_results("accuracy", [row("kvpop", 256)], device="cuda", command="b", commit="c1", skipped={})
+    assert set(merge_results([wide, same], "a; b")["skipped"]) == {"kvpop/bounded/eval/B=256", "dms/bounded/eval/B=256"}

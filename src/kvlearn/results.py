@@ -133,7 +133,14 @@ def run_key(method: str, protocol: str, split: str, budget: int | None) -> str:
 
 
 def row_run_key(row: dict) -> str:
-    """:func:`run_key` of the run a results row belongs to."""
+    """:func:`run_key` of the run a results row belongs to; for a KV-Kaizen table row (it carries the realised
+    ``factor``) the name ``benchmarks/kaizen_table.py`` lists it under, ``method[selector]/protocol/split/F=target``
+    (no ``F=`` for the full cache or a row without a target)."""
+    if "factor" in row:
+        who = str(row.get("method")) + (f"[{row['selector']}]" if row.get("selector") else "")
+        target = row.get("target")
+        factor = "" if row.get("registry_method") == "dense" or target is None else f"/F={float(target):g}"
+        return f"{who}/{row.get('protocol')}/{row.get('split')}{factor}"
     full = row.get("method") in FULL_CACHE_LABELS
     return run_key(row.get("method"), row.get("protocol"), row.get("split"), None if full else row.get("budget"))
 
@@ -158,7 +165,7 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
     ``across_runs``: the parts may come from different runs (commits, dates): every row gets its run's ``commit``,
     ``date`` and ``n_per_task`` (where the part has them), ``runs`` lists each part's ``commit``, ``date`` and
     ``command``, and the file's ``commit`` names every commit (comma-separated, in order); a ``not_run`` entry that
-    another part measured is dropped (:func:`row_run_key`), and ``complete`` holds when no ``not_run`` entry and no
+    another part measured is dropped (:func:`row_run_key`), and so is a ``skipped`` one, and ``complete`` holds when no ``not_run`` entry and no
     ``error`` row is left. Same kind and device still."""
     from .errors import check
 
@@ -190,6 +197,9 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
             merged["not_run"] = list(dict.fromkeys(x for x in merged["not_run"] if x not in measured))
     if any("skipped" in p for p in parts):
         merged["skipped"] = {k: v for p in parts for k, v in p.get("skipped", {}).items()}
+        if across_runs:  # a run that could not take a budget (e.g. a student's window) and another run that did
+            measured = {row_run_key(r) for r in rows if "error" not in r}
+            merged["skipped"] = {k: v for k, v in merged["skipped"].items() if k not in measured}
     if any("complete" in p for p in parts):
         merged["complete"] = all(p.get("complete", False) for p in parts)
         if across_runs:

@@ -157,3 +157,24 @@ def test_device_script_runs_the_baselines_beside_the_training_and_merges(tmp_pat
     merged = json.loads((tmp_path / "kaizen_table.json").read_text())
     assert [(r["method"], r["factor"]) for r in merged["rows"]] == [("control", 1.0), ("kaizen", 4.0), ("static", 4.0)]
     assert (tmp_path / "kaizen_table.png").stat().st_size > 0
+
+
+def test_merge_across_runs_clears_the_runs_a_later_kaizen_table_measured(smoke, tmp_path):
+    """A table cut by its guard (``--minutes 0``: every run under ``not_run``), merged across runs with a complete
+    table of the same plan, leaves nothing under ``not_run``: :func:`kvlearn.results.row_run_key` names each Kaizen
+    row as the script lists its run (``method[selector]/protocol/split/F=target``)."""
+    from kvlearn.results import merge_results, row_run_key
+
+    work, data = smoke
+    out = tmp_path / "cut.json"
+    assert load_script().main(["--smoke", "--smoke-dir", str(tmp_path), "--selector",
+                               f"kaizen4={work / 'kaizen-t4' / 'final'}", "--minutes", "0", "--out", str(out)]) == 0
+    cut = json.loads(out.read_text())
+    assert {row_run_key(r) for r in data["rows"]} == set(cut["not_run"])
+    assert row_run_key(next(r for r in data["rows"] if r["method"] == "untrained_backbone" and r["split"] == "eval")) \
+        == "untrained_backbone[kaizen4]/bounded/eval/F=4"
+    merged = merge_results([cut, data], "cut; full", across_runs=True)
+    assert merged["not_run"] == [] and merged["complete"] is True and len(merged["rows"]) == len(data["rows"])
+    half = {**data, "rows": [r for r in data["rows"] if r["method"] != "static"]}
+    left = merge_results([cut, half], "cut; half", across_runs=True)["not_run"]
+    assert left == [k for k in cut["not_run"] if k.startswith("static/")] and left
