@@ -383,7 +383,7 @@ def cmd_kaizen_train(args) -> int:
                                targets=targets, axes=axes, batch_size=args.batch_size, seq_len=args.seq_len,
                                lr=args.lr, lr_new=args.lr_new, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
                                kd_topk=args.kd_topk, beta=args.beta, eta=args.eta, budget_cap=args.budget_cap,
-                               dense_fraction=args.dense_fraction,
+                               dense_fraction=args.dense_fraction, penalty_cost=args.penalty_cost,
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
     _threads(args.threads)
@@ -670,6 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--beta", type=float, default=0.0, help="initial budget multiplier")
     sp.add_argument("--eta", type=float, default=0.01, help="multiplier step (0: constant --beta)")
     sp.add_argument("--budget-cap", type=float, default=1e4, help="largest budget multiplier")
+    sp.add_argument("--penalty-cost", default="sampled", choices=("sampled", "expected"),
+                    help="the cost the budget penalty reads: the Gumbel sample's (default) or the expected cost under "
+                         "the selector's softmax (no noise: the argmax does not settle below the target)")
     add_trainer_options(sp, "the backbone", "the selector")
     sp.set_defaults(func=cmd_kaizen_train)
 

@@ -421,3 +421,51 @@ def test_training_selector_reads_the_prompt_only():
     teacher_logits = torch.randn(1, 40, model.config.vocab_size)
     out = step_losses(model, teacher_logits, other, labels, torch.tensor([4.0]), 1.0, BudgetMultiplier(), 8)
     torch.testing.assert_close(out["logits"], prompt_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_expected_penalty_cost_is_the_softmax_mean_and_noise_free():
+    """``penalty_cost="expected"``: the penalty reads ``Σ softmax(logits) c`` (by hand, from the action costs), the
+    same for any Gumbel draw, and its gradient on the logits is that hand expression's; the sampled cost is the
+    draw's one-hot cost. A row whose expected cost is within budget is not penalised, though a draw may lie over
+    it (the hinge on samples would push it)."""
+    from kvlearn.train.kaizen_train import KaizenTrainConfig, penalised_cost, step_losses
+
+    model = tiny(0)
+    sel = apply_kaizen(model, KaizenMethodConfig(target=4.0)) and selector_of(model)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.normal_(0.0, 0.3)
+    row = ids_of(batch=2, length=24, seed=4)
+    labels = torch.full_like(row, -100)
+    labels[:, 20:] = row[:, 20:]
+    teacher_logits = torch.randn(2, 24, model.config.vocab_size)
+    beta = BudgetMultiplier(eta=0.0, beta=5.0)
+    costs = torch.tensor([float(c) for c in sel.costs])
+    logits = sel(row, labels == -100, 4.0)
+    by_hand = (torch.softmax(logits, -1) * costs).sum((-1, -2))  # [2] bits per token
+    pens = []
+    for seed in (0, 1):
+        u = torch.rand(logits.shape, generator=torch.Generator().manual_seed(seed))
+        out = step_losses(model, teacher_logits, row, labels, torch.tensor([4.0, 4.0]), 1.0, beta, 8, uniforms=u,
+                          penalty_cost="expected")
+        hard = torch.nn.functional.one_hot((out["logits"] - torch.log(-torch.log(u))).argmax(-1), logits.shape[-1])
+        torch.testing.assert_close(out["sampled_bits"], (hard * costs).sum((-1, -2)).float())
+        pens.append(out["penalty"])
+    target_bits = sel.target_bits(torch.tensor([4.0, 4.0]))
+    torch.testing.assert_close(pens[0], 5.0 * torch.relu(by_hand / target_bits - 1).mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pens[0], pens[1])
+    # gradient on the logits: autograd of the hand expression
+    leaf = logits.detach().requires_grad_(True)
+    weights = torch.zeros_like(leaf)
+    penalised_cost(sel, leaf, weights, "expected").sum().backward()
+    expected_grad = torch.autograd.grad((torch.softmax(leaf, -1) * costs).sum(), leaf)[0]
+    torch.testing.assert_close(leaf.grad, expected_grad)
+    # within budget in expectation: no penalty, whatever the draw
+    generous = step_losses(model, teacher_logits, row, labels, torch.tensor([1.0, 1.0]), 1.0, beta, 8,
+                           generator=torch.Generator().manual_seed(0), penalty_cost="expected")
+    assert float(generous["penalty"].detach()) == 0.0
+    with pytest.raises(ValueError, match="penalty_cost='mean' is invalid: expected one of sampled, expected"):
+        penalised_cost(sel, logits, weights, "mean")
+    with pytest.raises(ValueError, match="penalty_cost='mean' is invalid"):
+        KaizenTrainConfig(model="unused", penalty_cost="mean")

@@ -81,7 +81,9 @@ from .distill import (FINAL, LOG_FILE, check_out_folder, check_trainer_fields, c
                       save_checkpoint)
 
 __all__ = ["KaizenTrainConfig", "kaizen_train", "kaizen_train_step", "build_models", "step_losses", "temperature",
-           "KaizenStep", "make_optimizer", "make_multiplier"]
+           "KaizenStep", "make_optimizer", "make_multiplier", "penalised_cost", "PENALTY_COSTS"]
+
+PENALTY_COSTS = ("sampled", "expected")  # which cost the budget penalty reads (penalised_cost)
 
 
 def default_out() -> str:
@@ -120,6 +122,7 @@ class KaizenTrainConfig:
     delta: float = 0.1
     budget_cap: float = 1e4
     dense_fraction: float = 0.75
+    penalty_cost: str = "sampled"  # the cost the budget penalty reads: "sampled" (the Gumbel sample) or "expected"
     save_interval: int = 200
     seed: int = 0
     device: str = "cpu"
@@ -148,6 +151,8 @@ class KaizenTrainConfig:
         for name in ("weight_decay", "beta", "eta", "delta", "budget_cap"):
             check_non_negative(name, getattr(self, name))
         check(self.beta <= self.budget_cap, f"beta={self.beta} is invalid: expected beta <= budget_cap={self.budget_cap}")
+        check(self.penalty_cost in PENALTY_COSTS,
+              f"penalty_cost={self.penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
         check_trainer_fields(self)
         from ..hf import read_model_config
 
@@ -158,6 +163,22 @@ class KaizenTrainConfig:
         return KaizenMethodConfig(target=None, axes=self.axes, width=self.width, heads=self.heads, blocks=self.blocks,
                                   max_positions=max(self.seq_len, 8192), init_margin=self.init_margin,
                                   train_targets=self.targets)
+
+
+def penalised_cost(sel, logits: torch.Tensor, weights: torch.Tensor, penalty_cost: str = "sampled") -> torch.Tensor:
+    """``Ĉ [batch]``, the cost in bits per token the budget penalty reads, differentiable in the selector's logits.
+
+    ``"sampled"``: the cost of the Gumbel sample ``weights [batch, L, A]`` (straight-through one-hots: the sample's
+    cost forward, the tempered softmax's gradient backward). ``"expected"``: the cost under the selector's own
+    distribution, ``Σ_l Σ_a softmax(logits)_{l,a} c(a)``, the mean of the sampled cost over the Gumbel draws
+    (Gumbel-argmax samples follow that softmax), with no noise. The penalty is a hinge, so on samples it is
+    ``E[relu(C / C* - 1)] >= relu(E[C] / C* - 1)``: it keeps pushing while any sample lies over budget, and the argmax
+    settles below the target (the 4.57x of a 4x selector, ``docs/DESIGN.md`` section 8); the expected cost has no such
+    gap."""
+    if penalty_cost == "expected":
+        return sel.cost(torch.softmax(logits.float(), dim=-1))
+    check(penalty_cost == "sampled", f"penalty_cost={penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
+    return sel.cost(weights.float())
 
 
 def temperature(config: KaizenTrainConfig, fraction: float) -> float:
@@ -194,14 +215,16 @@ def gumbel_uniforms(batch: int, layers: int, actions: int, generator: torch.Gene
 
 def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tensor, tau: float,
                 multiplier: BudgetMultiplier, kd_topk: int, generator: torch.Generator | None = None, *,
-                uniforms: torch.Tensor | None = None, reduce_sum=None, world: int = 1) -> dict:
+                uniforms: torch.Tensor | None = None, reduce_sum=None, world: int = 1,
+                penalty_cost: str = "sampled") -> dict:
     """One training forward: ``{"loss", "kd", "penalty"}`` (differentiable) and detached ``bits`` (realised, argmax,
     ``[batch]``), ``sampled_bits [batch]``, ``target_bits [batch]``, ``logits`` (the selector's).
 
     Gumbel noise: from ``generator`` for these rows, or from ``uniforms [batch, layers, actions]`` (this process's
     rows of :func:`gumbel_uniforms`; the same arithmetic as the generator path). Under data parallelism
     (``world`` processes, ``reduce_sum`` = :func:`kvlearn.train.parallel.all_reduce_sum`) ``loss``, ``kd`` and
-    ``penalty`` are this process's shares of the global-batch values (module docstring, "Processes")."""
+    ``penalty`` are this process's shares of the global-batch values (module docstring, "Processes").
+    ``penalty_cost``: which cost the penalty reads (:func:`penalised_cost`); ``sampled_bits`` is the sample's either way."""
     sel = selector_of(student)
     # the selector reads what it reads at evaluation, the prompt: supervised tokens (answers) are masked out
     logits = sel(input_ids, labels == IGNORE_INDEX, targets)  # [B, L, A]
@@ -216,7 +239,8 @@ def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tenso
     kd = kd_loss(out, teacher_logits, labels, kd_topk, reduce_sum=reduce_sum)
     cost = sel.cost(weights.float())  # [B] bits per token (no metadata), hard forward
     target_bits = sel.target_bits(targets).to(cost.device)
-    penalty = multiplier.penalty(cost, target_bits) / world  # a mean over rows: every process holds as many
+    penalised = cost if penalty_cost == "sampled" else penalised_cost(sel, logits, weights, penalty_cost)
+    penalty = multiplier.penalty(penalised, target_bits) / world  # a mean over rows: every process holds as many
     with torch.no_grad():
         hard = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         bits = sel.cost(hard)
@@ -231,17 +255,20 @@ class KaizenStep(torch.nn.Module):
     wrapper. Arguments are tensors and numbers only (FSDP's hooks rebuild dicts and dataclasses found in module
     arguments): the multiplier is an attribute, read at call time."""
 
-    def __init__(self, student, multiplier: BudgetMultiplier, kd_topk: int, world: int = 1):
+    def __init__(self, student, multiplier: BudgetMultiplier, kd_topk: int, world: int = 1,
+                 penalty_cost: str = "sampled"):
         super().__init__()
         self.student = student
         self.multiplier = multiplier
         self.kd_topk = kd_topk
         self.world = world
+        self.penalty_cost = penalty_cost
 
     def forward(self, teacher_logits, input_ids, labels, targets, tau: float, uniforms) -> dict:
         return step_losses(self.student, teacher_logits, input_ids, labels, targets, tau, self.multiplier,
                            self.kd_topk, uniforms=uniforms, world=self.world,
-                           reduce_sum=parallel.all_reduce_sum if self.world > 1 else None)
+                           reduce_sum=parallel.all_reduce_sum if self.world > 1 else None,
+                           penalty_cost=self.penalty_cost)
 
 
 def make_optimizer(config: KaizenTrainConfig, student) -> torch.optim.AdamW:
@@ -347,7 +374,7 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
         trainer_state = load_trainer_state(latest_checkpoint(out), student, config)
         step = int(trainer_state["step"])
         multiplier.load_state_dict(trainer_state["multiplier"])
-    joint = KaizenStep(student, multiplier, config.kd_topk, d.world)
+    joint = KaizenStep(student, multiplier, config.kd_topk, d.world, penalty_cost=config.penalty_cost)
     if d.world > 1:
         parallel.shard_model(teacher)
         parallel.shard_model(student, root=joint)
