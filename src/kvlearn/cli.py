@@ -670,9 +670,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--beta", type=float, default=0.0, help="initial budget multiplier")
     sp.add_argument("--eta", type=float, default=0.01, help="multiplier step (0: constant --beta)")
     sp.add_argument("--budget-cap", type=float, default=1e4, help="largest budget multiplier")
-    sp.add_argument("--penalty-cost", default="sampled", choices=("sampled", "expected"),
-                    help="the cost the budget penalty reads: the Gumbel sample's (default) or the expected cost under "
-                         "the selector's softmax (no noise: the argmax does not settle below the target)")
+    sp.add_argument("--penalty-cost", default="expected", choices=("expected", "sampled"),
+                    help="the cost the budget penalty reads: the expected cost under the selector's softmax (default: "
+                         "no noise, so the argmax does not settle below the target) or the Gumbel sample's (the "
+                         "default before 78345ed)")
     add_trainer_options(sp, "the backbone", "the selector")
     sp.set_defaults(func=cmd_kaizen_train)
 
