@@ -165,8 +165,8 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
     ``across_runs``: the parts may come from different runs (commits, dates): every row gets its run's ``commit``,
     ``date`` and ``n_per_task`` (where the part has them), ``runs`` lists each part's ``commit``, ``date`` and
     ``command``, and the file's ``commit`` names every commit (comma-separated, in order); a ``not_run`` entry that
-    another part measured is dropped (:func:`row_run_key`), and so is a ``skipped`` one, and ``complete`` holds when no ``not_run`` entry and no
-    ``error`` row is left. Same kind and device still."""
+    another part measured is dropped (:func:`row_run_key`), and so is a ``skipped`` one, and ``complete`` holds when
+    no ``not_run`` entry and no ``error`` row is left. Same kind and device still."""
     from .errors import check
 
     check(len(parts) > 0, "merge_results: no results to merge")

@@ -14,9 +14,10 @@ loop. ``docs/DESIGN.md`` section 8, "Training".
   (:class:`~kvlearn.kaizen.sharing.KaizenTrainForward`: every layer attends the fake-quantized K/V of its sampled
   bit-width, or its anchor's K/V for ``share``, exactly the sampled configuration's forward).
 * **Loss** = KD (:func:`kvlearn.train.distill.kd_loss`: KL to the teacher's top-``kd_topk`` logits) + the budget
-  penalty ``β · mean relu(Ĉ / C* - 1)`` (:class:`~kvlearn.kaizen.budget.BudgetMultiplier`; ``Ĉ`` the one-hots'
-  cost in bits per token without metadata, ``C* = C_ref / ρ*``). Gradients reach the selector through the weights
-  (both terms: straight-through) and the backbone through the attention (KD).
+  penalty ``β · mean relu(Ĉ / C* - 1)`` (:class:`~kvlearn.kaizen.budget.BudgetMultiplier`; ``Ĉ`` the selector's
+  expected cost in bits per token without metadata, or with ``penalty_cost="sampled"`` the one-hots' cost:
+  :func:`penalised_cost`; ``C* = C_ref / ρ*``). Gradients reach the selector through the weights (KD:
+  straight-through) and its softmax (the penalty), and the backbone through the attention (KD).
 * **Multiplier**: after each step ``β`` is updated from the *realised* cost, the argmax configuration of each
   sequence (what evaluation runs): up while over budget, slowly down once under it, capped at ``budget_cap``.
 * **Optimiser**: AdamW, group 0 the backbone (constant ``lr``), group 1 the selector (``lr_new``, warm-up then
@@ -170,15 +171,17 @@ def penalised_cost(sel, logits: torch.Tensor, weights: torch.Tensor, penalty_cos
 
     ``"sampled"`` (the default before 78345ed; every selector in ``results/`` trained so): the cost of the Gumbel
     sample ``weights [batch, L, A]`` (straight-through one-hots: the sample's cost forward, the tempered softmax's
-    gradient backward). ``"expected"`` (the default): the cost under the selector's own distribution, ``Σ_l Σ_a softmax(logits)_{l,a} c(a)``, the mean of the sampled cost over the Gumbel draws
-    (Gumbel-argmax samples follow that softmax), with no noise. The penalty is a hinge, so on samples it is
+    gradient backward). ``"expected"`` (the default): the cost under the selector's own distribution,
+    ``Σ_l Σ_a softmax(logits)_{l,a} c(a)``, the mean of the sampled cost over the Gumbel draws (Gumbel-argmax
+    samples follow that softmax), with no noise. The penalty is a hinge, so on samples it is
     ``E[relu(C / C* - 1)] >= relu(E[C] / C* - 1)``: it keeps pushing while any sample lies over budget, and the argmax
     settles below the target (the 4.57x of a 4x selector, ``docs/DESIGN.md`` section 8); the expected cost has no such
     gap. On the shipped teacher (CPU, 200 steps, target 4) it ends at 4.0x where the sampled cost ends at 5.33x
     (``results/raw/kaizen_penalty_cost_*_cpu_78345ed.*``)."""
     if penalty_cost == "expected":
         return sel.cost(torch.softmax(logits.float(), dim=-1))
-    check(penalty_cost == "sampled", f"penalty_cost={penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
+    check(penalty_cost == "sampled",
+          f"penalty_cost={penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
     return sel.cost(weights.float())
 
 
@@ -225,7 +228,8 @@ def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tenso
     rows of :func:`gumbel_uniforms`; the same arithmetic as the generator path). Under data parallelism
     (``world`` processes, ``reduce_sum`` = :func:`kvlearn.train.parallel.all_reduce_sum`) ``loss``, ``kd`` and
     ``penalty`` are this process's shares of the global-batch values (module docstring, "Processes").
-    ``penalty_cost``: which cost the penalty reads (:func:`penalised_cost`); ``sampled_bits`` is the sample's either way."""
+    ``penalty_cost``: which cost the penalty reads (:func:`penalised_cost`); ``sampled_bits`` is the sample's cost
+    either way."""
     sel = selector_of(student)
     # the selector reads what it reads at evaluation, the prompt: supervised tokens (answers) are masked out
     logits = sel(input_ids, labels == IGNORE_INDEX, targets)  # [B, L, A]
