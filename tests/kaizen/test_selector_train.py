@@ -455,6 +455,12 @@ def test_expected_penalty_cost_is_the_softmax_mean_and_noise_free():
     target_bits = sel.target_bits(torch.tensor([4.0, 4.0]))
     torch.testing.assert_close(pens[0], 5.0 * torch.relu(by_hand / target_bits - 1).mean(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(pens[0], pens[1])
+    # "sampled": the penalty reads the draw's one-hot cost instead
+    u = torch.rand(logits.shape, generator=torch.Generator().manual_seed(0))
+    sampled = step_losses(model, teacher_logits, row, labels, torch.tensor([4.0, 4.0]), 1.0, beta, 8, uniforms=u,
+                          penalty_cost="sampled")
+    torch.testing.assert_close(sampled["penalty"], 5.0 * torch.relu(sampled["sampled_bits"] / target_bits - 1).mean(),
+                               rtol=1e-5, atol=1e-6)
     # gradient on the logits: autograd of the hand expression
     leaf = logits.detach().requires_grad_(True)
     weights = torch.zeros_like(leaf)

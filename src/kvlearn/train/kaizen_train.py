@@ -244,8 +244,8 @@ def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tenso
     kd = kd_loss(out, teacher_logits, labels, kd_topk, reduce_sum=reduce_sum)
     cost = sel.cost(weights.float())  # [B] bits per token (no metadata), hard forward
     target_bits = sel.target_bits(targets).to(cost.device)
-    penalised = cost if penalty_cost == "sampled" else penalised_cost(sel, logits, weights, penalty_cost)
-    penalty = multiplier.penalty(penalised, target_bits) / world  # a mean over rows: every process holds as many
+    # a mean over rows: every process holds as many
+    penalty = multiplier.penalty(penalised_cost(sel, logits, weights, penalty_cost), target_bits) / world
     with torch.no_grad():
         hard = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         bits = sel.cost(hard)
