@@ -42,7 +42,7 @@ ties ``static`` prefers less sharing), so those rows repeat ``static``'s; it run
 zero-initialised scorers. Factors a method cannot reach (KIVI at 16x, precision alone past 8x) are listed under
 ``skipped`` with the reason. Protocol ``bounded`` for all but ``kaizen+snapkv`` (``context``, SnapKV's).
 
-Runs go in priority order (the control; the selectors and their untrained-backbone rows; the baselines at the
+Runs go in priority order (the control, unless ``--no-control``: a part run beside one that measures it; the selectors and their untrained-backbone rows; the baselines at the
 selectors' targets and ``--first-factors``, then at the other factors; the compositions), the file is written before the first run and
 rewritten after every run with every run not done yet under ``not_run`` (a process killed mid-way leaves a file that
 says ``complete: false``), and ``--minutes`` stops cleanly as in ``eviction_baselines.py``.
@@ -162,7 +162,8 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
                 continue
             runs.append(Run(method, config, weights, selector, label))
 
-    add("control", weights=args.control)
+    if not getattr(args, "no_control", False):
+        add("control", weights=args.control)
     for label, path, targets in selectors:
         for t in targets:
             add("kaizen", weights=path, label=label, target=t)
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=str(REPO / "checkpoints" / "testbed-teacher"),
                     help="the teacher (the original backbone: baselines and untrained_backbone rows run on it)")
     ap.add_argument("--control", default=None, help="uncompressed control folder (default: --model)")
+    ap.add_argument("--no-control", action="store_true",
+                    help="leave the control rows out (a part run beside another that measures them)")
     ap.add_argument("--selector", action="append", default=[], metavar="LABEL=PATH",
                     help="a kaizen-train folder (repeat the option); evaluated at each of its training targets")
     ap.add_argument("--kvpop", default=None, help="a KVpop retrofit folder for kaizen+kvpop (default: --model, "

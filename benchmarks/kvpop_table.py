@@ -21,7 +21,8 @@ file is written before the first run and rewritten after every run with every ru
 ``eviction_baselines.py``. A student's runs at a budget its trained options cannot take (e.g. below sinks + window
 + 1) are listed under ``skipped`` with the reason; a student with no valid budget at all is an error. As in the
 paper's Table 1, a KVpop student's recurrent state (mLSTM) counts toward its budget: its cache keeps that many
-fewer long-range tokens (``KVpopConfig.state_in_budget``), so its ``kv_bytes`` match the MLP scorer's.
+fewer long-range tokens (``KVpopConfig.state_in_budget``), so its ``kv_bytes`` match the MLP scorer's;
+``--state-in-budget 0`` gives those slots back (an ablation: what the state's share of the budget costs).
 
 ``--smoke`` runs the same code on the CPU in about a minute: a tiny random Qwen3 as the teacher and as an
 untrained KVpop "student", context 256, budgets 96 and 48, 2 examples of niah and vt, into ``runs/smoke/``.
@@ -73,7 +74,9 @@ def plan_runs(args, students: list[tuple[str, str, str]]
                   chunk_size=args.chunk_size, sinks=args.sinks)
     # each student under the pattern it was trained for; a KVpop student's recurrent state (mLSTM) counts toward
     # its budget, as in the paper's Table 1 (KVpopConfig.state_in_budget; no effect for a stateless scorer)
-    options = {label: {**trained_options(method, path), **({"state_in_budget": True} if method == "kvpop" else {})}
+    # (--state-in-budget 0: the ablation that gives the state's slots back to the top-k)
+    state_rule = {"state_in_budget": getattr(args, "state_in_budget", "1") == "1"}
+    options = {label: {**trained_options(method, path), **(state_rule if method == "kvpop" else {})}
                or None for label, method, path in students}
     runs = [] if getattr(args, "no_teacher", False) else [
         ("teacher", "dense", None, EvalConfig(method="dense", split=s, protocol=protocols[0], **common)) for s in splits]
@@ -120,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a trained checkpoint and the registered method it runs with (repeat the option)")
     ap.add_argument("--baselines", default="all", help=f"comma list of {','.join(EVICTION_METHODS)}, 'all' or 'none'")
     ap.add_argument("--budgets", default="1024,512,256", help="comma list of budgets (tokens per KV head)")
+    ap.add_argument("--state-in-budget", default="1", choices=("0", "1"),
+                    help="1: a KVpop student's recurrent state takes its bytes' worth of top-k slots (Table 1's rule); "
+                         "0: it does not (an ablation)")
     ap.add_argument("--no-teacher", action="store_true",
                     help="skip the teacher's rows (when parallel parts of one table share them out)")
     ap.add_argument("--protocols", default="bounded", help=f"comma list of {','.join(PROTOCOLS)} or 'all'")

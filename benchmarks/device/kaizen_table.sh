@@ -3,9 +3,9 @@
 # that share the GPU from the start (the testbed teacher is small):
 #   - the training-free rows on the teacher: the control, the baselines at factors 2,4,8,16 and
 #     kaizen+snapkv/kaizen+kvpop at 16 and 32 (`--minutes TOTAL_MINUTES - 0.5`) -> $OUT/kaizen_table_baselines.json;
-#   - two selectors trained with `kvlearn kaizen-train` (targets 4 and 8, precision + depth, TRAIN_MINUTES each,
-#     concurrently), then their rows and their untrained-backbone rows with the minutes left
-#     -> $OUT/kaizen_table_selectors.json;
+#   - selectors trained with `kvlearn kaizen-train` (TARGETS, default 4 and 8, precision + depth, TRAIN_MINUTES
+#     each, concurrently), then each selector's rows and untrained-backbone rows with the minutes left, one process
+#     per selector -> $OUT/kaizen_table_selector_t<target>.json;
 # merged (`python -m kvlearn.results merge`) into $OUT/kaizen_table.json with its plot $OUT/kaizen_table.png; the
 # selectors under $OUT/kaizen-t4, $OUT/kaizen-t8, logs in $OUT/*.log. (Before, the baselines ran after the selectors
 # and two runs in a row, 3859a14 and b6634e3, were cut by the time guard before any baseline row.)
@@ -17,7 +17,13 @@
 # defaults 4096 and 8); TRAIN_ARGS: more kaizen-train options (e.g. '--dense-fraction 0.25': more rows in the
 # evaluation format, docs/DESIGN.md section 8, "Which layers the selector may share"); CONTROL: a same-recipe
 # uncompressed fine-tune for the control row (default: the teacher).
-# DRY_RUN=1 checks the plumbing on the CPU: the processes print their command lines, and two fake parts are merged.
+# DRY_RUN=1 checks the plumbing on the CPU: the processes print their command lines, and fake parts are merged.
+# TARGETS (default '4 8'): the selectors trained, one kaizen-train each; an entry may be a comma list (a
+# budget-conditioned selector sampling its target per sequence, e.g. '1,2,4', folder kaizen-t1_2_4, label kaizen1_2_4).
+# Each selector's rows run in their own process after training (the first one also measures the control).
+# BASELINE_PARTS (default '--first-factors 4,8'): the training-free part's kaizen_table.py options; several parts
+# separated by ';' run as that many processes side by side, the first measuring the control, the others with
+# --no-control (e.g. '--factors 2 --baselines static,dp_search,random --compose-factors none;--factors 16 ...').
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kaizen_table.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -25,54 +31,73 @@ OUT=${OUT:-out}
 MODEL=${MODEL:-checkpoints/testbed-teacher}
 TRAIN_MINUTES=${TRAIN_MINUTES:-4}
 TOTAL_MINUTES=${TOTAL_MINUTES:-9.5}
+TARGETS=${TARGETS:-4 8}
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 start=$(date +%s)
 run() {  # the command, or with DRY_RUN=1 its line
     if [ "${DRY_RUN:-0}" = 1 ]; then echo "dry run: $*"; else "$@"; fi
 }
-run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} --n-per-task "${N_PER_TASK:-100}" \
-    --first-factors 4,8 --minutes "$(python3 -c "print(max(1.0, $TOTAL_MINUTES - 0.5))")" --out "$OUT/kaizen_table_baselines.json" \
-    > "$OUT/kaizen_table_baselines.log" 2>&1 &
-baselines=$!
+parts=()
+IFS=';' read -ra baseline_parts <<< "${BASELINE_PARTS:---first-factors 4,8}"
+i=0
+for part_args in "${baseline_parts[@]}"; do
+    name=baselines; [ "$i" -gt 0 ] && name=baselines$i
+    control=(); [ "$i" -gt 0 ] && control=(--no-control)
+    # shellcheck disable=SC2086
+    run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} --n-per-task "${N_PER_TASK:-100}" \
+        $part_args "${control[@]}" --minutes "$(python3 -c "print(max(1.0, $TOTAL_MINUTES - 0.5))")" \
+        --out "$OUT/kaizen_table_$name.json" > "$OUT/kaizen_table_$name.log" 2>&1 &
+    parts+=("$OUT/kaizen_table_$name.json")
+    i=$((i + 1))
+done
 trainers=()
-for t in 4 8; do
-    run python3 -m kvlearn.cli kaizen-train --model "$MODEL" --out "$OUT/kaizen-t$t" --overwrite --target "$t" \
+for t in $TARGETS; do
+    tag=${t//,/_}
+    run python3 -m kvlearn.cli kaizen-train --model "$MODEL" --out "$OUT/kaizen-t$tag" --overwrite --target "$t" \
         --minutes "$TRAIN_MINUTES" --seq-len "${SEQ_LEN:-4096}" --batch-size "${BATCH:-8}" --device cuda \
-        --save-interval 100000 ${TRAIN_ARGS:-} > "$OUT/kaizen_train_t$t.log" 2>&1 &
+        --save-interval 100000 ${TRAIN_ARGS:-} > "$OUT/kaizen_train_t$tag.log" 2>&1 &
     trainers+=($!)
 done
 wait "${trainers[@]}"
 tail -n 3 "$OUT"/kaizen_train_t*.log
-selectors=()
-for t in 4 8; do
-    if [ -f "$OUT/kaizen-t$t/final/config.json" ] || [ "${DRY_RUN:-0}" = 1 ]; then
-        selectors+=(--selector "kaizen$t=$OUT/kaizen-t$t/final")
-    else
-        echo "kaizen-train target $t left no final/ folder: its rows are missing (see $OUT/kaizen_train_t$t.log)"
-    fi
-done
 left=$(python3 -c "print(max(1.0, round($TOTAL_MINUTES - ($(date +%s) - $start) / 60 - 0.5, 2)))")
 echo "selectors' rows: $left minutes"
-run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} "${selectors[@]}" \
-    --baselines none --compose-factors none --n-per-task "${N_PER_TASK:-100}" --minutes "$left" \
-    --out "$OUT/kaizen_table_selectors.json" > "$OUT/kaizen_table_selectors.log" 2>&1
-wait "$baselines"
-tail -n 20 "$OUT/kaizen_table_selectors.log" "$OUT/kaizen_table_baselines.log"
-if [ "${DRY_RUN:-0}" = 1 ]; then  # two fake parts, so that the merge and the plot below run
-    python3 - "$OUT" <<'PY'
+first=1
+for t in $TARGETS; do
+    tag=${t//,/_}
+    if [ -f "$OUT/kaizen-t$tag/final/config.json" ] || [ "${DRY_RUN:-0}" = 1 ]; then
+        control=(); [ "$first" = 0 ] && control=(--no-control)
+        run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} \
+            --selector "kaizen$tag=$OUT/kaizen-t$tag/final" "${control[@]}" --baselines none --compose-factors none \
+            --n-per-task "${N_PER_TASK:-100}" --minutes "$left" --out "$OUT/kaizen_table_selector_t$tag.json" \
+            > "$OUT/kaizen_table_selector_t$tag.log" 2>&1 &
+        parts+=("$OUT/kaizen_table_selector_t$tag.json")
+        first=0
+    else
+        echo "kaizen-train target $t left no final/ folder: its rows are missing (see $OUT/kaizen_train_t$tag.log)"
+    fi
+done
+wait
+tail -n 20 "$OUT"/kaizen_table_selector_t*.log "$OUT"/kaizen_table_baselines*.log
+if [ "${DRY_RUN:-0}" = 1 ]; then  # fake parts, so that the merge and the plot below run
+    python3 - "$OUT" $TARGETS <<'PY'
 import sys
 from kvlearn.results import make_results, write_results
 row = lambda m, f, **kw: {"method": m, "protocol": "bounded", "split": "eval", "budget": 4096, "context": 4096,
                           "task": "niah", "accuracy": 0.5, "n": 2, "factor": f, "compression": 1 - 1 / f, "model": "teacher", **kw}
-write_results(f"{sys.argv[1]}/kaizen_table_selectors.json", make_results(
-    "accuracy", [row("control", 1.0), row("kaizen", 4.0, selector="kaizen4")], device="cpu", command="s", commit="x"))
-write_results(f"{sys.argv[1]}/kaizen_table_baselines.json", make_results(
+out, targets = sys.argv[1], sys.argv[2:]
+for i, t in enumerate(targets):
+    tag = t.replace(",", "_")
+    write_results(f"{out}/kaizen_table_selector_t{tag}.json", make_results(
+        "accuracy", ([row("control", 1.0)] if i == 0 else []) + [row("kaizen", float(t.split(",")[-1]), selector=f"kaizen{tag}")],
+        device="cpu", command="s", commit="x"))
+write_results(f"{out}/kaizen_table_baselines.json", make_results(
     "accuracy", [row("control", 1.0), row("static", 4.0)], device="cpu", command="b", commit="x"))
 PY
 fi
-python3 -m kvlearn.results merge "$OUT/kaizen_table.json" "$OUT/kaizen_table_selectors.json" \
-    "$OUT/kaizen_table_baselines.json"
+existing=(); for p in "${parts[@]}"; do [ -f "$p" ] && existing+=("$p"); done
+python3 -m kvlearn.results merge "$OUT/kaizen_table.json" "${existing[@]}"
 python3 -c "
 import sys
 from kvlearn.eval.plots import plot_pareto

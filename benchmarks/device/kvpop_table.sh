@@ -22,6 +22,9 @@
 # retrofits and evaluates them; STUDENTS (default 'kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms',
 # name=method pairs) picks which; SPLIT_PARTS=1 runs each student's eval and held-out splits as two processes;
 # BASELINES=0 leaves the training-free baselines out.
+# EXTRA_PARTS: more table processes beside the students' (ablations on the same students), ';'-separated
+# 'name|kvpop_table.py options', where {student} is that student's checkpoint folder, e.g.
+# 'mlstm_fullk|--student kvpop_fullk=kvpop:{kvpop} --state-in-budget 0 --baselines none --no-teacher'.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_table.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -85,6 +88,15 @@ for s in $STUDENTS; do
         parts+=("$OUT/part_$name.json")
     fi
 done
+if [ -n "${EXTRA_PARTS:-}" ]; then
+    IFS=';' read -ra extra_parts <<< "$EXTRA_PARTS"
+    for part in "${extra_parts[@]}"; do
+        name=${part%%|*}; part_args=${part#*|}
+        for s in $STUDENTS; do part_args=${part_args//\{${s%%=*}\}/$(student_dir "${s%%=*}")}; done
+        # shellcheck disable=SC2086
+        table "$name" $part_args & parts+=("$OUT/part_$name.json")
+    done
+fi
 if [ "${BASELINES:-1}" = 1 ]; then
     table baselines_a --baselines streaming,tova,h2o & parts+=("$OUT/part_baselines_a.json")
     table baselines_b --baselines snapkv,pyramidkv,knorm,random --no-teacher & parts+=("$OUT/part_baselines_b.json")

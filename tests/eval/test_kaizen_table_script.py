@@ -80,6 +80,17 @@ def test_time_guard_lists_the_plan_in_priority_order(smoke, tmp_path):
     assert cut["not_run"][-1] == "kaizen+kvpop/bounded/heldout/F=32"
 
 
+def test_no_control_leaves_the_control_rows_out_of_the_plan(smoke, tmp_path):
+    work, _ = smoke
+    out = tmp_path / "t.json"
+    assert load_script().main(["--smoke", "--smoke-dir", str(tmp_path), "--selector", f"k4={work / 'kaizen-t4' / 'final'}",
+                               "--no-control", "--minutes", "0", "--out", str(out)]) == 0
+    cut = json.loads(out.read_text())
+    assert not any(r.startswith("control/") for r in cut["not_run"])
+    assert cut["not_run"][:2] == ["kaizen[k4]/bounded/eval/F=4", "kaizen[k4]/bounded/heldout/F=4"]
+    assert len(cut["not_run"]) == 2 * (2 + 5 * 2 + 2 * 2)
+
+
 def test_bad_selectors_are_one_line_errors(tmp_path, capsys):
     script = load_script()
     out = tmp_path / "t.json"
@@ -135,8 +146,9 @@ def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(smok
 
 def test_device_script_runs_the_baselines_beside_the_training_and_merges(tmp_path):
     """benchmarks/device/kaizen_table.sh as a dry run: the training-free rows run in their own process (no
-    --selector) from the start, the selectors' table after training runs no baseline or composition, and the two
-    parts are merged into kaizen_table.json (the control once, every other row kept) with its plot."""
+    --selector) from the start, each selector's table after training runs in its own process with no baseline or
+    composition (only the first one measures the control), and the parts are merged into kaizen_table.json (the
+    control once, every other row kept) with its plot."""
     import json
     import os
     import subprocess
@@ -149,14 +161,38 @@ def test_device_script_runs_the_baselines_beside_the_training_and_merges(tmp_pat
     assert out.returncode == 0, out.stderr[-2000:]
     baselines = (tmp_path / "kaizen_table_baselines.log").read_text()
     assert "benchmarks/kaizen_table.py" in baselines and "--selector" not in baselines and "--baselines" not in baselines
-    selectors = (tmp_path / "kaizen_table_selectors.log").read_text()
-    assert "--selector kaizen4=" in selectors and "--selector kaizen8=" in selectors
-    assert "--baselines none --compose-factors none" in selectors
-    for t in (4, 8):
+    assert "--first-factors 4,8" in baselines and "--no-control" not in baselines
+    for t, control in ((4, True), (8, False)):
+        selector = (tmp_path / f"kaizen_table_selector_t{t}.log").read_text()
+        assert f"--selector kaizen{t}=" in selector and "--baselines none --compose-factors none" in selector
+        assert ("--no-control" not in selector) == control
         assert "kaizen-train" in (tmp_path / f"kaizen_train_t{t}.log").read_text()
     merged = json.loads((tmp_path / "kaizen_table.json").read_text())
-    assert [(r["method"], r["factor"]) for r in merged["rows"]] == [("control", 1.0), ("kaizen", 4.0), ("static", 4.0)]
+    assert sorted((r["method"], r["factor"]) for r in merged["rows"]) == [
+        ("control", 1.0), ("kaizen", 4.0), ("kaizen", 8.0), ("static", 4.0)]
     assert (tmp_path / "kaizen_table.png").stat().st_size > 0
+
+
+def test_device_script_splits_targets_and_baseline_parts(tmp_path):
+    """TARGETS with a comma list (a budget-conditioned selector) and BASELINE_PARTS with two parts: one trainer and
+    one table process per selector, one process per baseline part, only the first part measuring the control."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(repo / "src"),
+           "TARGETS": "16 1,2,4", "BASELINE_PARTS": "--factors 2 --compose-factors none;--factors 16 --baselines static"}
+    out = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first = (tmp_path / "kaizen_table_baselines.log").read_text()
+    second = (tmp_path / "kaizen_table_baselines1.log").read_text()
+    assert "--factors 2 --compose-factors none" in first and "--no-control" not in first
+    assert "--factors 16 --baselines static" in second and "--no-control" in second
+    assert "--target 1,2,4" in (tmp_path / "kaizen_train_t1_2_4.log").read_text()
+    assert "--selector kaizen1_2_4=" in (tmp_path / "kaizen_table_selector_t1_2_4.log").read_text()
+    assert "--selector kaizen16=" in (tmp_path / "kaizen_table_selector_t16.log").read_text()
 
 
 def test_merge_across_runs_clears_the_runs_a_later_kaizen_table_measured(smoke, tmp_path):

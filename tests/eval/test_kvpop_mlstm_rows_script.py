@@ -36,3 +36,28 @@ def test_kvpop_table_rejects_an_unknown_student(tmp_path):
                          timeout=60, cwd=ROOT)
     assert run.returncode == 2
     assert "unknown student kvpop_fast: expected kvpop_mlp, kvpop, kvpop_noskip, kvpop_skip, kvpop_immediate" in run.stdout
+
+
+def test_kvpop_table_extra_parts_run_on_the_named_students(tmp_path):
+    """``EXTRA_PARTS`` (ablations on the same students): each part is one more kvpop_table.py process, with
+    ``{name}`` replaced by that student's checkpoint folder (python3 replaced by a stub that logs its arguments)."""
+    students = tmp_path / "students"
+    for name in ("kvpop_mlp", "kvpop"):
+        (students / name).mkdir(parents=True)
+        (students / name / "config.json").write_text("{}")
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir()
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls.log\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "STUDENTS_FROM": str(students), "BASELINES": "0",
+           "STUDENTS": "kvpop_mlp=kvpop kvpop=kvpop", "PATH": f"{stub.parent}:{os.environ['PATH']}",
+           "EXTRA_PARTS": "mlp494|--student k234=kvpop:{kvpop_mlp} --budgets 494;"
+                          "fullk|--student fullk=kvpop:{kvpop} --state-in-budget 0"}
+    subprocess.run(["bash", "benchmarks/device/kvpop_table.sh"], env=env, capture_output=True, text=True,
+                   timeout=60, cwd=ROOT)
+    tables = [line for line in (tmp_path / "calls.log").read_text().splitlines() if "kvpop_table.py" in line]
+    assert len(tables) == 4, tables  # the two students' parts and the two extra ones
+    mlp494 = next(line for line in tables if "part_mlp494.json" in line)
+    assert f"--student k234=kvpop:{students}/kvpop_mlp --budgets 494" in mlp494
+    fullk = next(line for line in tables if "part_fullk.json" in line)
+    assert f"--student fullk=kvpop:{students}/kvpop --state-in-budget 0" in fullk

@@ -55,6 +55,21 @@ def test_students_are_evaluated_under_their_trained_window_and_scorer(tmp_path):
                                                                             (1024, 256, 764, "linear")]
 
 
+def test_state_in_budget_is_the_table_rule_and_0_is_the_ablation(tmp_path):
+    """A KVpop student's runs carry ``state_in_budget=True`` by default (Table 1's rule: an mLSTM student's cache
+    gives its state's bytes back from the top-k) and False under ``--state-in-budget 0``; other methods carry none."""
+    script = load_script()
+    (tmp_path / "config.json").write_text(json.dumps({"kvpop": {"sinks": 4, "window": 256, "scorer": "mlstm"}}))
+    args = argparse.Namespace(protocols="bounded", splits="eval", baselines="streaming", budgets="512", tasks="vt",
+                              n_per_task=1, context=4096, batch_size=1, chunk_size=256, sinks=4, no_teacher=True)
+    for flag, expected in (("1", True), ("0", False)):
+        args.state_in_budget = flag
+        runs, _ = script.plan_runs(args, [("kvpop", "kvpop", str(tmp_path))])
+        kvpop = [c for label, _, _, c in runs if label == "kvpop"]
+        assert [c.method_config.state_in_budget for c in kvpop] == [expected]
+        assert [c.options for label, _, _, c in runs if label == "streaming"] == [None]
+
+
 def test_no_teacher_leaves_out_only_the_teacher_rows(tmp_path):
     """``--no-teacher`` (parallel parts of one table): the plan without the teacher's runs, the rest unchanged."""
     script = load_script()
