@@ -384,6 +384,8 @@ def cmd_kaizen_train(args) -> int:
                                lr=args.lr, lr_new=args.lr_new, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
                                kd_topk=args.kd_topk, beta=args.beta, eta=args.eta, budget_cap=args.budget_cap,
                                dense_fraction=args.dense_fraction, penalty_cost=args.penalty_cost,
+                               underuse_weight=args.underuse_weight,
+                               target_head=None if args.target_head is None else args.target_head == "1",
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
     _threads(args.threads)
@@ -674,6 +676,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the cost the budget penalty reads: the expected cost under the selector's softmax (default: "
                          "no noise, so the argmax does not settle below the target) or the Gumbel sample's (the "
                          "default before 78345ed)")
+    sp.add_argument("--underuse-weight", type=float, default=0.0,
+                    help="weight of a penalty on compressing more than the target asks (w * relu(1 - cost / target)); "
+                         "> 0 makes a budget-conditioned selector (--target 1,2,4) spend a loose target")
+    sp.add_argument("--target-head", default=None, choices=("0", "1"),
+                    help="the selector's direct target term T_l log2(target) (default: on when --target lists several)")
     add_trainer_options(sp, "the backbone", "the selector")
     sp.set_defaults(func=cmd_kaizen_train)
 

@@ -475,3 +475,91 @@ def test_expected_penalty_cost_is_the_softmax_mean_and_noise_free():
         penalised_cost(sel, logits, weights, "mean")
     with pytest.raises(ValueError, match="penalty_cost='mean' is invalid"):
         KaizenTrainConfig(model="unused", penalty_cost="mean")
+
+
+def test_underuse_penalty_pushes_a_cheaper_than_target_choice_back_up():
+    """``underuse_weight`` w: the penalty gains ``w · mean relu(1 - Ĉ / C*)`` (by hand from the expected cost), so a
+    row compressed past its target (here every layer at 2 bits, 8x, asked for 1x) is charged and the gradient
+    lowers the cheap actions' logits; w = 0 leaves the penalty as before (none under budget); a negative w is a
+    one-line error."""
+    from kvlearn.train.kaizen_train import KaizenTrainConfig, step_losses, underuse_penalty
+
+    model = tiny(0)
+    sel = apply_kaizen(model, KaizenMethodConfig(target=1.0)) and selector_of(model)
+    names = [str(a) for a in sel.space]
+    with torch.no_grad():
+        sel.head_bias.zero_()
+        sel.head_bias[:, names.index("b2")] = 8.0  # every layer prefers 2 bits: 8x
+    row = ids_of(batch=2, length=24, seed=4)
+    labels = torch.full_like(row, -100)
+    labels[:, 20:] = row[:, 20:]
+    teacher_logits = torch.randn(2, 24, model.config.vocab_size)
+    beta = BudgetMultiplier(eta=0.0, beta=5.0)
+    costs = torch.tensor([float(c) for c in sel.costs])
+    targets = torch.tensor([1.0, 1.0])
+    by_hand = (torch.softmax(sel(row, labels == -100, targets), -1) * costs).sum((-1, -2)).detach()
+    target_bits = sel.target_bits(targets)
+    assert float(by_hand.max()) < float(target_bits.min()) / 7  # about 8x cheaper than asked
+    plain = step_losses(model, teacher_logits, row, labels, targets, 1.0, beta, 8,
+                        generator=torch.Generator().manual_seed(0))
+    assert float(plain["penalty"].detach()) == 0.0  # under budget: the cap-only penalty is silent
+    out = step_losses(model, teacher_logits, row, labels, targets, 1.0, beta, 8,
+                      generator=torch.Generator().manual_seed(0), underuse_weight=2.0)
+    torch.testing.assert_close(out["penalty"], 2.0 * torch.relu(1 - by_hand / target_bits).mean(), rtol=1e-5, atol=1e-6)
+    sel.zero_grad()
+    out["penalty"].backward()
+    g = sel.head_bias.grad
+    assert float(g[:, names.index("b2")].min()) > 0 and float(g[:, names.index("b16")].max()) < 0
+    zero = underuse_penalty(by_hand, target_bits, 0.0)
+    assert float(zero) == 0.0 and not zero.requires_grad
+    with pytest.raises(ValueError, match="underuse_weight"):
+        KaizenTrainConfig(model="unused", underuse_weight=-1.0)
+
+
+def test_direct_target_term_gets_a_gradient_where_film_gets_none():
+    """At init (head weights and FiLM zero) the FiLM layer's gradient is exactly zero, so the target cannot reach the
+    logits until the head weights grow; the direct target term ``T log2(t)`` gets ``log2(t)`` times the logits'
+    gradient from the first step (by hand), and changes nothing at init (zero) or at target 1 (log2 1 = 0)."""
+    model = tiny(0)
+    backbone = Backbone.from_config(model.config)
+    torch.manual_seed(0)
+    plain = KaizenSelector(VOCAB, backbone)
+    torch.manual_seed(0)
+    sel = KaizenSelector(VOCAB, backbone, target_head=True)
+    assert plain.target_weight is None and tuple(sel.target_weight.shape) == (backbone.num_layers, len(sel.space))
+    ids = ids_of(2)
+    targets = torch.tensor([1.0, 4.0])
+    torch.testing.assert_close(sel(ids, None, targets), plain(ids, None, targets))  # zero at init
+    upstream = torch.randn(2, backbone.num_layers, len(sel.space))
+    for s in (plain, sel):
+        logits = s(ids, None, targets)
+        (logits.masked_fill(~s.mask, 0.0) * upstream).sum().backward()
+    assert float(plain.film.weight.grad.abs().max()) == 0.0 and float(plain.film.bias.grad.abs().max()) == 0.0
+    expected = (torch.log2(targets)[:, None, None] * upstream).sum(0) * sel.mask
+    torch.testing.assert_close(sel.target_weight.grad, expected)
+    with torch.no_grad():
+        sel.target_weight.normal_()
+    at_one = sel(ids, None, torch.tensor([1.0, 1.0]))
+    torch.testing.assert_close(at_one, plain(ids, None, torch.tensor([1.0, 1.0])))
+
+
+def test_target_head_round_trips_and_old_records_load_without_it(teacher_path, tmp_path):
+    """kaizen-train with several targets builds the direct target term (recorded ``target_head``) and ``kvlearn.load``
+    restores it bit-exactly; a record written before the field existed loads as ``target_head=False``."""
+    import json as _json
+
+    result = kaizen_train(train_config(teacher_path, tmp_path / "run", targets=(1.0, 4.0), steps=2, save_interval=10),
+                          progress=False)
+    model = kvlearn.load(result["final"])
+    sel = selector_of(model)
+    assert model.config.kaizen["target_head"] is True and sel.target_weight is not None
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(result["final"]) / "model.safetensors"))
+    torch.testing.assert_close(sel.target_weight.detach(), state["kaizen_selector.target_weight"], atol=0, rtol=0)
+    single = kaizen_train(train_config(teacher_path, tmp_path / "one", steps=1, save_interval=10), progress=False)
+    cfg_path = Path(single["final"]) / "config.json"
+    cfg = _json.loads(cfg_path.read_text())
+    assert cfg["kaizen"].pop("target_head") is False
+    cfg_path.write_text(_json.dumps(cfg))
+    assert selector_of(kvlearn.load(single["final"])).target_weight is None

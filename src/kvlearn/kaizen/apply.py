@@ -43,7 +43,8 @@ class KaizenMethodConfig:
         target: the target compression ``ρ*`` the selector is conditioned on at evaluation (``None``: the first of
             ``train_targets``, the budget it was trained for).
         axes: the enabled compression axes (``None``: precision and depth on a GQA backbone).
-        width, heads, blocks, max_positions, init_margin: the selector (:class:`KaizenSelector`).
+        width, heads, blocks, max_positions, init_margin, target_head: the selector (:class:`KaizenSelector`;
+            ``target_head`` False in records written before it existed).
         train_targets: the targets it was trained on (recorded by the trainer; informational).
     """
 
@@ -55,6 +56,7 @@ class KaizenMethodConfig:
     max_positions: int = 8192
     init_margin: float = 2.0
     train_targets: tuple[float, ...] = (4.0,)
+    target_head: bool = False
 
     def __post_init__(self) -> None:
         if self.axes is not None:
@@ -69,6 +71,7 @@ class KaizenMethodConfig:
         check_int("heads", self.heads, 1)
         check_int("blocks", self.blocks, 1)
         check_int("max_positions", self.max_positions, 1)
+        check(isinstance(self.target_head, bool), f"target_head={self.target_head!r} is invalid: expected True or False")
 
     @property
     def resolved_target(self) -> float:
@@ -117,7 +120,8 @@ def apply_kaizen(model, config: KaizenMethodConfig):
     else:
         device = next(model.parameters()).device
         sel = KaizenSelector(model.config.vocab_size, backbone, config.axes, config.width, config.heads,
-                             config.blocks, config.max_positions, config.init_margin).to(device)
+                             config.blocks, config.max_positions, config.init_margin,
+                             target_head=config.target_head).to(device)
         setattr(model, SELECTOR_NAME, sel)
     saved = asdict(config)
     saved["axes"] = None if config.axes is None else list(config.axes)

@@ -15,6 +15,11 @@ Architecture (:class:`KaizenSelector`):
 - **budget conditioning**: a FiLM layer on the pooled vector, ``h <- h (1 + γ(t)) + β(t)`` with ``(γ, β)`` a linear
   function of ``t = log2(ρ*)``, the per-sequence target compression; zero-initialised, so at init the budget has
   no effect and one selector can learn to serve several budgets;
+- **direct target term** (``target_head=True``, what ``kvlearn kaizen-train`` builds for several targets): the
+  logits also get ``T_l · log2(ρ*)``, ``T [layers, actions]`` zero-initialised. With ``W_l`` and the FiLM layer both
+  starting at zero, the FiLM layer's gradient is zero at init and the target reaches the logits only once ``W_l``
+  has grown from prompt features; ``T`` gets ``log2(ρ*)`` times the logits' gradient from the first step
+  (``docs/DESIGN.md`` section 8, "Spending a loose target");
 - **heads**: one linear head per layer, ``logits[:, l] = W_l h + b_l`` over that layer's allowed actions of
   :func:`~kvlearn.kaizen.actions.action_space`; disallowed ones (:func:`~kvlearn.kaizen.actions.action_mask`:
   ``share`` at layer 0) are ``-inf``. ``W_l`` starts at zero and ``b_l`` gives the least compressed action
@@ -78,7 +83,7 @@ class KaizenSelector(nn.Module):
     """
 
     def __init__(self, vocab_size: int, backbone: Backbone, axes=None, width: int = 64, heads: int = 2,
-                 blocks: int = 2, max_positions: int = 8192, init_margin: float = 2.0):
+                 blocks: int = 2, max_positions: int = 8192, init_margin: float = 2.0, target_head: bool = False):
         super().__init__()
         check(isinstance(backbone, Backbone), f"backbone={backbone!r} is not a kaizen Backbone")
         check(width % heads == 0, f"width={width} is invalid: expected a multiple of heads={heads}")
@@ -100,6 +105,7 @@ class KaizenSelector(nn.Module):
         bias = torch.zeros(L, A)
         bias[:, 0] = init_margin
         self.head_bias = nn.Parameter(bias)
+        self.target_weight = nn.Parameter(torch.zeros(L, A)) if target_head else None
         self.register_buffer("mask", torch.tensor(action_mask(backbone, self.axes)), persistent=False)
         self.register_buffer("costs", torch.tensor([float(action_bits(a, backbone, metadata=False)) for a in self.space]),
                              persistent=False)
@@ -135,6 +141,8 @@ class KaizenSelector(nn.Module):
         gamma, beta = self.film(torch.log2(t)[:, None]).chunk(2, dim=-1)
         h = h * (1 + gamma) + beta
         logits = torch.einsum("bw,law->bla", h, self.head_weight) + self.head_bias
+        if self.target_weight is not None:  # the direct target term: [B, 1, 1] x [L, A]
+            logits = logits + torch.log2(t)[:, None, None] * self.target_weight
         return logits.masked_fill(~self.mask, float("-inf"))
 
     @torch.no_grad()

@@ -124,6 +124,8 @@ class KaizenTrainConfig:
     budget_cap: float = 1e4
     dense_fraction: float = 0.75
     penalty_cost: str = "expected"  # the cost the budget penalty reads: "expected" (softmax) or "sampled" (Gumbel)
+    underuse_weight: float = 0.0  # weight of the penalty on compressing more than asked (budget conditioning)
+    target_head: bool | None = None  # the selector's direct target term (None: when there are several targets)
     save_interval: int = 200
     seed: int = 0
     device: str = "cpu"
@@ -149,9 +151,12 @@ class KaizenTrainConfig:
         check_int("seq_len", self.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
         for name in ("lr", "lr_new", "grad_clip", "tau_start", "tau_end"):
             check_positive(name, getattr(self, name))
-        for name in ("weight_decay", "beta", "eta", "delta", "budget_cap"):
+        for name in ("weight_decay", "beta", "eta", "delta", "budget_cap", "underuse_weight"):
             check_non_negative(name, getattr(self, name))
         check(self.beta <= self.budget_cap, f"beta={self.beta} is invalid: expected beta <= budget_cap={self.budget_cap}")
+        if self.target_head is None:
+            self.target_head = len(self.targets) > 1
+        check(isinstance(self.target_head, bool), f"target_head={self.target_head!r} is invalid: expected True, False or None")
         check(self.penalty_cost in PENALTY_COSTS,
               f"penalty_cost={self.penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
         check_trainer_fields(self)
@@ -163,7 +168,7 @@ class KaizenTrainConfig:
     def method_config(self) -> KaizenMethodConfig:
         return KaizenMethodConfig(target=None, axes=self.axes, width=self.width, heads=self.heads, blocks=self.blocks,
                                   max_positions=max(self.seq_len, 8192), init_margin=self.init_margin,
-                                  train_targets=self.targets)
+                                  train_targets=self.targets, target_head=self.target_head)
 
 
 def penalised_cost(sel, logits: torch.Tensor, weights: torch.Tensor, penalty_cost: str = "expected") -> torch.Tensor:
@@ -217,10 +222,22 @@ def gumbel_uniforms(batch: int, layers: int, actions: int, generator: torch.Gene
     return torch.rand((batch, layers, actions), generator=generator, dtype=torch.float32)
 
 
+def underuse_penalty(cost: torch.Tensor, target_bits: torch.Tensor, weight: float) -> torch.Tensor:
+    """``w · mean relu(1 - Ĉ / C*)``: the penalty on a configuration cheaper than its target ``C*`` (``cost``,
+    ``target_bits``: ``[batch]`` bits per token). The budget multiplier's hinge pushes only down (over budget) and the
+    KD loss alone barely tells 4 bits from 16 on a jointly trained backbone, so a budget-conditioned selector
+    otherwise answers a loose target (1x) with the configuration its tight ones (4x) taught it
+    (``results/raw/kaizen_table_factors2_16_compose32_64_7822af1.json``); with ``w > 0`` the target is a budget to
+    spend, not only a cap. Zero (a constant) when ``w = 0``."""
+    if weight == 0:
+        return cost.new_zeros(())
+    return weight * torch.relu(1 - cost / target_bits.to(cost.dtype)).mean()
+
+
 def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tensor, tau: float,
                 multiplier: BudgetMultiplier, kd_topk: int, generator: torch.Generator | None = None, *,
                 uniforms: torch.Tensor | None = None, reduce_sum=None, world: int = 1,
-                penalty_cost: str = "expected") -> dict:
+                penalty_cost: str = "expected", underuse_weight: float = 0.0) -> dict:
     """One training forward: ``{"loss", "kd", "penalty"}`` (differentiable) and detached ``bits`` (realised, argmax,
     ``[batch]``), ``sampled_bits [batch]``, ``target_bits [batch]``, ``logits`` (the selector's).
 
@@ -229,7 +246,8 @@ def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tenso
     (``world`` processes, ``reduce_sum`` = :func:`kvlearn.train.parallel.all_reduce_sum`) ``loss``, ``kd`` and
     ``penalty`` are this process's shares of the global-batch values (module docstring, "Processes").
     ``penalty_cost``: which cost the penalty reads (:func:`penalised_cost`); ``sampled_bits`` is the sample's cost
-    either way."""
+    either way. ``underuse_weight`` ``w``: the penalty also holds ``w · mean relu(1 - Ĉ / C*)`` (the same cost
+    ``Ĉ``), so that a sequence compressed more than its target asks is pushed back up (:func:`underuse_penalty`)."""
     sel = selector_of(student)
     # the selector reads what it reads at evaluation, the prompt: supervised tokens (answers) are masked out
     logits = sel(input_ids, labels == IGNORE_INDEX, targets)  # [B, L, A]
@@ -245,7 +263,8 @@ def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tenso
     cost = sel.cost(weights.float())  # [B] bits per token (no metadata), hard forward
     target_bits = sel.target_bits(targets).to(cost.device)
     # a mean over rows: every process holds as many
-    penalty = multiplier.penalty(penalised_cost(sel, logits, weights, penalty_cost), target_bits) / world
+    penalised = penalised_cost(sel, logits, weights, penalty_cost)
+    penalty = (multiplier.penalty(penalised, target_bits) + underuse_penalty(penalised, target_bits, underuse_weight)) / world
     with torch.no_grad():
         hard = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         bits = sel.cost(hard)
@@ -261,19 +280,20 @@ class KaizenStep(torch.nn.Module):
     arguments): the multiplier is an attribute, read at call time."""
 
     def __init__(self, student, multiplier: BudgetMultiplier, kd_topk: int, world: int = 1,
-                 penalty_cost: str = "expected"):
+                 penalty_cost: str = "expected", underuse_weight: float = 0.0):
         super().__init__()
         self.student = student
         self.multiplier = multiplier
         self.kd_topk = kd_topk
         self.world = world
         self.penalty_cost = penalty_cost
+        self.underuse_weight = underuse_weight
 
     def forward(self, teacher_logits, input_ids, labels, targets, tau: float, uniforms) -> dict:
         return step_losses(self.student, teacher_logits, input_ids, labels, targets, tau, self.multiplier,
                            self.kd_topk, uniforms=uniforms, world=self.world,
                            reduce_sum=parallel.all_reduce_sum if self.world > 1 else None,
-                           penalty_cost=self.penalty_cost)
+                           penalty_cost=self.penalty_cost, underuse_weight=self.underuse_weight)
 
 
 def make_optimizer(config: KaizenTrainConfig, student) -> torch.optim.AdamW:
@@ -379,7 +399,8 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
         trainer_state = load_trainer_state(latest_checkpoint(out), student, config)
         step = int(trainer_state["step"])
         multiplier.load_state_dict(trainer_state["multiplier"])
-    joint = KaizenStep(student, multiplier, config.kd_topk, d.world, penalty_cost=config.penalty_cost)
+    joint = KaizenStep(student, multiplier, config.kd_topk, d.world, penalty_cost=config.penalty_cost,
+                       underuse_weight=config.underuse_weight)
     if d.world > 1:
         parallel.shard_model(teacher)
         parallel.shard_model(student, root=joint)

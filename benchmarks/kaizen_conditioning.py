@@ -1,0 +1,107 @@
+"""Does a budget-conditioned KV-Kaizen selector follow its target? (issue #11 item 9: "one budget-conditioned
+selector over {1, 2, 4}").
+
+For a ``kvlearn kaizen-train`` folder trained with several targets (``--target 1,2,4``), run only the selector (no
+generation) on ``--n-per-task`` prompts of every family at each ``--targets`` value and record the configuration it
+chooses (argmax, what evaluation runs), its realised factor ``C_ref / C`` (no metadata, as ``kvlearn eval`` reports
+it) and how many distinct configurations it returns. A selector whose FiLM conditioning learned nothing returns
+the same configuration at every target; one that follows its budget returns factors at or under each target.
+
+    PYTHONPATH=src python benchmarks/kaizen_conditioning.py --model runs/kaizen-t1_2_4/final --targets 1,2,4 \\
+        --n-per-task 10 --out results/raw/kaizen_conditioning_<name>.json
+
+writes ``kvlearn.results.v1`` rows (kind ``kaizen_conditioning``): one per target and family with ``factor`` (mean),
+``factor_min``, ``factor_max``, ``distinct_configurations`` and ``configurations`` (configuration -> count), and a
+summary line per target. CPU is enough (the selector is a two-block transformer over the prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+import torch  # noqa: E402
+
+from kvlearn.errors import KVLearnError, check  # noqa: E402
+from kvlearn.results import command_line, make_results, write_results  # noqa: E402
+from kvlearn.testbed import tasks as testbed_tasks  # noqa: E402
+
+
+def parse_targets(text: str) -> tuple[float, ...]:
+    try:
+        targets = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        targets = ()
+    check(len(targets) > 0 and all(t >= 1 for t in targets),
+          f"--targets {text!r} is invalid: expected a comma list of compression factors >= 1, e.g. 1,2,4")
+    return targets
+
+
+def conditioning_rows(model, targets, families, n_per_task: int, context: int, split: str = "eval") -> list[dict]:
+    """One row per (target, family): the selector's argmax configuration on ``n_per_task`` prompts of ``split``."""
+    from kvlearn.kaizen.apply import select
+
+    rows = []
+    for target in targets:
+        for family in families:
+            configs = []
+            for i in range(n_per_task):
+                ex = testbed_tasks.generate(family, testbed_tasks.example_seed(family, split, i), context)
+                chosen, _ = select(model, torch.tensor([ex.prompt_ids]), target=target)
+                configs.append(chosen[0])
+            factors = [c.compression(metadata=False) for c in configs]
+            counts = Counter(str(c) for c in configs)
+            rows.append({"target": target, "task": family, "split": split, "context": context, "n": n_per_task,
+                         "factor": sum(factors) / len(factors), "factor_min": min(factors),
+                         "factor_max": max(factors), "distinct_configurations": len(counts),
+                         "configurations": dict(counts.most_common())})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a kvlearn kaizen-train folder (its final/ or a step-<N>/)")
+    ap.add_argument("--targets", default="1,2,4", help="comma list of target factors to condition on")
+    ap.add_argument("--tasks", default="all", help="comma list of families or 'all'")
+    ap.add_argument("--n-per-task", type=int, default=10)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--split", default="eval", choices=testbed_tasks.SPLITS)
+    ap.add_argument("--out", required=True, help="results file")
+    args = ap.parse_args(argv)
+    try:
+        import kvlearn
+
+        targets = parse_targets(args.targets)
+        families = testbed_tasks.FAMILIES if args.tasks == "all" else tuple(args.tasks.split(","))
+        for f in families:
+            check(f in testbed_tasks.FAMILIES, f"--tasks: unknown family {f!r}: expected one of "
+                                               f"{', '.join(testbed_tasks.FAMILIES)}")
+        check(args.n_per_task >= 1, f"--n-per-task {args.n_per_task} is invalid: expected >= 1")
+        start = time.time()
+        model = kvlearn.load(args.model).eval()
+        rows = conditioning_rows(model, targets, families, args.n_per_task, args.context, args.split)
+    except KVLearnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_results(args.out, make_results("kaizen_conditioning", rows, device="cpu", command=command_line(),
+                                         model=args.model, wall_seconds=round(time.time() - start, 1)))
+    for t in targets:
+        mine = [r for r in rows if r["target"] == t]
+        configs = Counter()
+        for r in mine:
+            configs.update(r["configurations"])
+        print(f"target {t:g}: factor {sum(r['factor'] for r in mine) / len(mine):.2f} "
+              f"({len(configs)} distinct: {', '.join(f'{c} x{k}' for c, k in configs.most_common(3))})")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
