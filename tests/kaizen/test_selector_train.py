@@ -535,7 +535,8 @@ def test_direct_target_term_gets_a_gradient_where_film_gets_none():
         logits = s(ids, None, targets)
         (logits.masked_fill(~s.mask, 0.0) * upstream).sum().backward()
     assert float(plain.film.weight.grad.abs().max()) == 0.0 and float(plain.film.bias.grad.abs().max()) == 0.0
-    expected = (torch.log2(targets)[:, None, None] * upstream).sum(0) * sel.mask
+    expected = sel.target_gain * (torch.log2(targets)[:, None, None] * upstream).sum(0) * sel.mask
+    assert sel.target_gain == 64.0  # the width
     torch.testing.assert_close(sel.target_weight.grad, expected)
     with torch.no_grad():
         sel.target_weight.normal_()

@@ -16,9 +16,12 @@ Architecture (:class:`KaizenSelector`):
   function of ``t = log2(ρ*)``, the per-sequence target compression; zero-initialised, so at init the budget has
   no effect and one selector can learn to serve several budgets;
 - **direct target term** (``target_head=True``, what ``kvlearn kaizen-train`` builds for several targets): the
-  logits also get ``T_l · log2(ρ*)``, ``T [layers, actions]`` zero-initialised. With ``W_l`` and the FiLM layer both
-  starting at zero, the FiLM layer's gradient is zero at init and the target reaches the logits only once ``W_l``
-  has grown from prompt features; ``T`` gets ``log2(ρ*)`` times the logits' gradient from the first step
+  logits also get ``g · T_l · log2(ρ*)``, ``T [layers, actions]`` zero-initialised, with the fixed gain ``g = width``.
+  With ``W_l`` and the FiLM layer both starting at zero, the FiLM layer's gradient is zero at init and the target
+  reaches the logits only once ``W_l`` has grown from prompt features; ``T`` gets ``g log2(ρ*)`` times the logits'
+  gradient from the first step. The gain: under Adam every parameter moves about ``lr`` per step, so ``W_l h``
+  (``width`` channels of unit-scale features) can move a logit about ``width`` times further per step than one
+  parameter can; without it ``T`` stayed under 0.05 in 200 CPU steps while the prompt path set the choice
   (``docs/DESIGN.md`` section 8, "Spending a loose target");
 - **heads**: one linear head per layer, ``logits[:, l] = W_l h + b_l`` over that layer's allowed actions of
   :func:`~kvlearn.kaizen.actions.action_space`; disallowed ones (:func:`~kvlearn.kaizen.actions.action_mask`:
@@ -106,6 +109,7 @@ class KaizenSelector(nn.Module):
         bias[:, 0] = init_margin
         self.head_bias = nn.Parameter(bias)
         self.target_weight = nn.Parameter(torch.zeros(L, A)) if target_head else None
+        self.target_gain = float(width)  # the direct term's fixed gain (module docstring)
         self.register_buffer("mask", torch.tensor(action_mask(backbone, self.axes)), persistent=False)
         self.register_buffer("costs", torch.tensor([float(action_bits(a, backbone, metadata=False)) for a in self.space]),
                              persistent=False)
@@ -141,8 +145,8 @@ class KaizenSelector(nn.Module):
         gamma, beta = self.film(torch.log2(t)[:, None]).chunk(2, dim=-1)
         h = h * (1 + gamma) + beta
         logits = torch.einsum("bw,law->bla", h, self.head_weight) + self.head_bias
-        if self.target_weight is not None:  # the direct target term: [B, 1, 1] x [L, A]
-            logits = logits + torch.log2(t)[:, None, None] * self.target_weight
+        if self.target_weight is not None:  # the direct target term: [B, 1, 1] x [L, A], gain width (docstring)
+            logits = logits + self.target_gain * torch.log2(t)[:, None, None] * self.target_weight
         return logits.masked_fill(~self.mask, float("-inf"))
 
     @torch.no_grad()
