@@ -423,6 +423,16 @@ def test_training_selector_reads_the_prompt_only():
     torch.testing.assert_close(out["logits"], prompt_logits, rtol=1e-5, atol=1e-5)
 
 
+def penalty_batch(model, sel):
+    """Two rows of 24 tokens whose last 4 are supervised, random teacher logits, a constant multiplier (5.0) and
+    the selector's per-action costs: the inputs of the penalty tests below."""
+    row = ids_of(batch=2, length=24, seed=4)
+    labels = torch.full_like(row, -100)
+    labels[:, 20:] = row[:, 20:]
+    teacher_logits = torch.randn(2, 24, model.config.vocab_size)
+    return row, labels, teacher_logits, BudgetMultiplier(eta=0.0, beta=5.0), torch.tensor([float(c) for c in sel.costs])
+
+
 def test_expected_penalty_cost_is_the_softmax_mean_and_noise_free():
     """``penalty_cost="expected"``: the penalty reads ``Σ softmax(logits) c`` (by hand, from the action costs), the
     same for any Gumbel draw, and its gradient on the logits is that hand expression's; the sampled cost is the
@@ -436,12 +446,7 @@ def test_expected_penalty_cost_is_the_softmax_mean_and_noise_free():
     with torch.no_grad():
         for p in sel.parameters():
             p.normal_(0.0, 0.3)
-    row = ids_of(batch=2, length=24, seed=4)
-    labels = torch.full_like(row, -100)
-    labels[:, 20:] = row[:, 20:]
-    teacher_logits = torch.randn(2, 24, model.config.vocab_size)
-    beta = BudgetMultiplier(eta=0.0, beta=5.0)
-    costs = torch.tensor([float(c) for c in sel.costs])
+    row, labels, teacher_logits, beta, costs = penalty_batch(model, sel)
     logits = sel(row, labels == -100, 4.0)
     by_hand = (torch.softmax(logits, -1) * costs).sum((-1, -2))  # [2] bits per token
     pens = []
@@ -490,12 +495,7 @@ def test_underuse_penalty_pushes_a_cheaper_than_target_choice_back_up():
     with torch.no_grad():
         sel.head_bias.zero_()
         sel.head_bias[:, names.index("b2")] = 8.0  # every layer prefers 2 bits: 8x
-    row = ids_of(batch=2, length=24, seed=4)
-    labels = torch.full_like(row, -100)
-    labels[:, 20:] = row[:, 20:]
-    teacher_logits = torch.randn(2, 24, model.config.vocab_size)
-    beta = BudgetMultiplier(eta=0.0, beta=5.0)
-    costs = torch.tensor([float(c) for c in sel.costs])
+    row, labels, teacher_logits, beta, costs = penalty_batch(model, sel)
     targets = torch.tensor([1.0, 1.0])
     by_hand = (torch.softmax(sel(row, labels == -100, targets), -1) * costs).sum((-1, -2)).detach()
     target_bits = sel.target_bits(targets)

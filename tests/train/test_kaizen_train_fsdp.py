@@ -143,7 +143,9 @@ def test_final_checkpoint_loads_with_the_same_choices(runs):
     c1, l1 = _choices(single["final"], ids)
     c2, l2 = _choices(ranks[0]["fresh"]["final"], ids)
     assert torch.equal(c1, c2) and bool((c1 != 0).any())  # trained away from the init choice (action 0 everywhere)
-    torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
+    # two targets: the selector has the direct target term, whose fixed gain (width 64, times log2 4) multiplies
+    # the summation-order differences of FSDP's gradient reduction that Adam turns into parameter steps
+    torch.testing.assert_close(l2, l1, rtol=1e-3, atol=1e-3)
 
 
 def test_two_processes_resume_a_single_process_checkpoint(runs):

@@ -16,7 +16,9 @@ loop. ``docs/DESIGN.md`` section 8, "Training".
 * **Loss** = KD (:func:`kvlearn.train.distill.kd_loss`: KL to the teacher's top-``kd_topk`` logits) + the budget
   penalty ``β · mean relu(Ĉ / C* - 1)`` (:class:`~kvlearn.kaizen.budget.BudgetMultiplier`; ``Ĉ`` the selector's
   expected cost in bits per token without metadata, or with ``penalty_cost="sampled"`` the one-hots' cost:
-  :func:`penalised_cost`; ``C* = C_ref / ρ*``). Gradients reach the selector through the weights (KD:
+  :func:`penalised_cost`; ``C* = C_ref / ρ*``), plus with ``underuse_weight`` w > 0 the under-use term
+  ``w · mean relu(1 - Ĉ / C*)`` (:func:`underuse_penalty`: a loose target is a budget to spend, what a
+  budget-conditioned selector needs). Gradients reach the selector through the weights (KD:
   straight-through) and its softmax (the penalty), and the backbone through the attention (KD).
 * **Multiplier**: after each step ``β`` is updated from the *realised* cost, the argmax configuration of each
   sequence (what evaluation runs): up while over budget, slowly down once under it, capped at ``budget_cap``.
