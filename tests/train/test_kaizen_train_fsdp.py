@@ -33,7 +33,11 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 # over budget from the start (factor 1 against targets 2 and 4): the multiplier rises from beta=1 by eta * excess;
 # seed 2 gives the two processes' rows different targets at the first step (a per-process update would differ)
 SETTINGS = dict(targets=[2.0, 4.0], steps=3, batch_size=4, seq_len=128, save_interval=2, warmup_steps=0, lr=1e-3,
-                lr_new=5e-2, beta=1.0, eta=0.5, init_margin=0.5, seed=2)
+                lr_new=5e-2, beta=1.0, eta=0.5, init_margin=0.5, seed=2, target_head=False)
+# target_head=False: the selector's direct target term (on by default for two targets) multiplies its weights by a
+# fixed gain of 64 x log2(target), so the summation-order differences of FSDP's gradient reduction, which Adam turns
+# into parameter steps of up to lr, would reach the logits amplified; the data-parallel arithmetic under test does not
+# depend on which selector parameters exist
 
 # One torchrun launch (interpreter start-up and imports dominate the test's time) runs, in each of the 2 processes:
 # the CLI with an odd global batch (its one-line error), a fresh run, and a run resumed from a copy of the
@@ -143,9 +147,7 @@ def test_final_checkpoint_loads_with_the_same_choices(runs):
     c1, l1 = _choices(single["final"], ids)
     c2, l2 = _choices(ranks[0]["fresh"]["final"], ids)
     assert torch.equal(c1, c2) and bool((c1 != 0).any())  # trained away from the init choice (action 0 everywhere)
-    # two targets: the selector has the direct target term, whose fixed gain (width 64, times log2 4) multiplies
-    # the summation-order differences of FSDP's gradient reduction that Adam turns into parameter steps
-    torch.testing.assert_close(l2, l1, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
 
 
 def test_two_processes_resume_a_single_process_checkpoint(runs):
