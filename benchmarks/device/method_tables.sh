@@ -26,6 +26,9 @@
 # 12 minutes, plus ~12 with SPEED=1 (the profile's *.txt come back in the small tar), so the calls are:
 #   call 1:  KVLEARN_COMMIT=<sha> setsid bash benchmarks/device/method_tables.sh > /tmp/session.log 2>&1 < /dev/null & sleep 570; cat /tmp/session.log
 #   call 2 (within the 30 s the machine stays warm):  WAIT_S=540 bash benchmarks/device/collect_session.sh
+# (a pause longer than those 30 s between the calls loses the whole chain: session 15's first call, 7822af1, left
+# nothing. A chain that fits one call runs in the foreground instead and collects itself:
+#   timeout 562 bash benchmarks/device/method_tables.sh > /tmp/session.log 2>&1; WAIT_S=0 bash benchmarks/device/collect_session.sh)
 # With THEN_KVPOP_TABLE=1 the chain goes on, on the GPU alone, with `kvpop_table.sh` (the KVpop Table 1: OUT
 # TABLE_DIR, default /tmp/table_out; its log /tmp/table.log; /tmp/table.done marks its end), so that one machine
 # start serves both (with its training-free rows unless TABLE_BASELINES=0; the chain's BASELINES does not reach it);
