@@ -33,28 +33,17 @@ from kvlearn.results import command_line, make_results, write_results  # noqa: E
 from kvlearn.testbed import tasks as testbed_tasks  # noqa: E402
 
 
-def parse_targets(text: str) -> tuple[float, ...]:
-    try:
-        targets = tuple(float(t) for t in text.split(","))
-    except ValueError:
-        targets = ()
-    check(len(targets) > 0 and all(t >= 1 for t in targets),
-          f"--targets {text!r} is invalid: expected a comma list of compression factors >= 1, e.g. 1,2,4")
-    return targets
-
-
 def conditioning_rows(model, targets, families, n_per_task: int, context: int, split: str = "eval") -> list[dict]:
     """One row per (target, family): the selector's argmax configuration on ``n_per_task`` prompts of ``split``."""
     from kvlearn.kaizen.apply import select
 
+    prompts = {family: [torch.tensor([testbed_tasks.generate(family, testbed_tasks.example_seed(family, split, i),
+                                                             context).prompt_ids]) for i in range(n_per_task)]
+               for family in families}  # generated once, read at every target
     rows = []
     for target in targets:
         for family in families:
-            configs = []
-            for i in range(n_per_task):
-                ex = testbed_tasks.generate(family, testbed_tasks.example_seed(family, split, i), context)
-                chosen, _ = select(model, torch.tensor([ex.prompt_ids]), target=target)
-                configs.append(chosen[0])
+            configs = [select(model, ids, target=target)[0][0] for ids in prompts[family]]
             factors = [c.compression(metadata=False) for c in configs]
             counts = Counter(str(c) for c in configs)
             rows.append({"target": target, "task": family, "split": split, "context": context, "n": n_per_task,
@@ -77,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         import kvlearn
+        from kvlearn.cli import parse_targets
 
-        targets = parse_targets(args.targets)
+        targets = parse_targets(args.targets, "--targets")
         families = testbed_tasks.FAMILIES if args.tasks == "all" else tuple(args.tasks.split(","))
         for f in families:
             check(f in testbed_tasks.FAMILIES, f"--tasks: unknown family {f!r}: expected one of "

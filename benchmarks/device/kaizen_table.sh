@@ -20,7 +20,7 @@
 # DRY_RUN=1 checks the plumbing on the CPU: the processes print their command lines, and fake parts are merged.
 # TARGETS (default '4 8'): the selectors trained, one kaizen-train each; an entry may be a comma list (a
 # budget-conditioned selector sampling its target per sequence, e.g. '1,2,4', folder kaizen-t1_2_4, label kaizen1_2_4).
-# Each selector's rows run in their own process after training (the first one also measures the control).
+# Each selector's rows run in their own process after training, with --no-control (the first baseline part measures it).
 # BASELINE_PARTS (default '--first-factors 4,8'): the training-free part's kaizen_table.py options; several parts
 # separated by ';' run as that many processes side by side, the first measuring the control, the others with
 # --no-control (e.g. '--factors 2 --baselines static,dp_search,random --compose-factors none;--factors 16 ...').
@@ -63,17 +63,14 @@ wait "${trainers[@]}"
 tail -n 3 "$OUT"/kaizen_train_t*.log
 left=$(python3 -c "print(max(1.0, round($TOTAL_MINUTES - ($(date +%s) - $start) / 60 - 0.5, 2)))")
 echo "selectors' rows: $left minutes"
-first=1
 for t in $TARGETS; do
     tag=${t//,/_}
     if [ -f "$OUT/kaizen-t$tag/final/config.json" ] || [ "${DRY_RUN:-0}" = 1 ]; then
-        control=(); [ "$first" = 0 ] && control=(--no-control)
         run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} \
-            --selector "kaizen$tag=$OUT/kaizen-t$tag/final" "${control[@]}" --baselines none --compose-factors none \
+            --selector "kaizen$tag=$OUT/kaizen-t$tag/final" --no-control --baselines none --compose-factors none \
             --n-per-task "${N_PER_TASK:-100}" --minutes "$left" --out "$OUT/kaizen_table_selector_t$tag.json" \
             > "$OUT/kaizen_table_selector_t$tag.log" 2>&1 &
         parts+=("$OUT/kaizen_table_selector_t$tag.json")
-        first=0
     else
         echo "kaizen-train target $t left no final/ folder: its rows are missing (see $OUT/kaizen_train_t$tag.log)"
     fi
@@ -87,10 +84,10 @@ from kvlearn.results import make_results, write_results
 row = lambda m, f, **kw: {"method": m, "protocol": "bounded", "split": "eval", "budget": 4096, "context": 4096,
                           "task": "niah", "accuracy": 0.5, "n": 2, "factor": f, "compression": 1 - 1 / f, "model": "teacher", **kw}
 out, targets = sys.argv[1], sys.argv[2:]
-for i, t in enumerate(targets):
+for t in targets:
     tag = t.replace(",", "_")
     write_results(f"{out}/kaizen_table_selector_t{tag}.json", make_results(
-        "accuracy", ([row("control", 1.0)] if i == 0 else []) + [row("kaizen", float(t.split(",")[-1]), selector=f"kaizen{tag}")],
+        "accuracy", [row("kaizen", float(t.split(",")[-1]), selector=f"kaizen{tag}")],
         device="cpu", command="s", commit="x"))
 write_results(f"{out}/kaizen_table_baselines.json", make_results(
     "accuracy", [row("control", 1.0), row("static", 4.0)], device="cpu", command="b", commit="x"))

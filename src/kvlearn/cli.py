@@ -368,15 +368,23 @@ def cmd_reproduce(args) -> int:
     return 0
 
 
+def parse_targets(text: str, flag: str = "--target") -> tuple[float, ...]:
+    """A compression factor or a comma list of them (``"4"``, ``"1,2,4"``) -> floats > 0; a one-line error naming
+    ``flag`` otherwise."""
+    try:
+        targets = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        targets = ()
+    check(len(targets) > 0 and all(t > 0 for t in targets),
+          f"{flag} {text!r} is invalid: expected a compression factor > 0 or a comma list, e.g. 4 or 1,2,4")
+    return targets
+
+
 def cmd_kaizen_train(args) -> int:
     from .train.kaizen_train import KaizenTrainConfig, kaizen_train
 
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
-    try:
-        targets = tuple(float(t) for t in args.target.split(","))
-    except ValueError:
-        targets = ()
-    check(len(targets) > 0, f"--target {args.target!r} is invalid: expected a compression factor or a comma list, e.g. 4 or 2,4,8")
+    targets = parse_targets(args.target)
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
     config = KaizenTrainConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,

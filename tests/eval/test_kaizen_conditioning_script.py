@@ -60,7 +60,7 @@ def test_a_target_conditioned_selector_is_reported_per_target(folder):
 
 def test_bad_targets_are_one_line_errors(folder, tmp_path, capsys):
     _, path = folder
-    assert load_benchmark("kaizen_conditioning").main(["--model", str(path), "--targets", "0.5", "--out",
+    assert load_benchmark("kaizen_conditioning").main(["--model", str(path), "--targets", "0,2", "--out",
                                                        str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
-    assert "--targets '0.5' is invalid: expected a comma list of compression factors >= 1" in err and err.count("\n") == 1
+    assert "--targets '0,2' is invalid: expected a compression factor > 0 or a comma list" in err and err.count("\n") == 1
