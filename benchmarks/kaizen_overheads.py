@@ -131,7 +131,7 @@ def run(args, tmp: Path, command: str) -> int:
     check_int("--context", args.context, 1, read_model_config(teacher_folder).max_position_embeddings,
               hint=" (the model's max_position_embeddings)")
     torch.manual_seed(config.seed)  # as kaizen_train() seeds before build_models (the selector's init)
-    teacher, student = build_models(config, device)
+    teacher, student, _ = build_models(config, device)
     sel = selector_of(student)
     import transformers
     from transformers import DynamicCache

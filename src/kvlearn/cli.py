@@ -380,6 +380,18 @@ def parse_targets(text: str, flag: str = "--target") -> tuple[float, ...]:
     return targets
 
 
+def parse_share_layers(text: str):
+    """``--share-layers``: ``all`` (None: every layer but 0), ``auto`` (the sensitivity pass) or a comma list of layer
+    indices (``6,7``; an empty string: no layer shares); a one-line error otherwise."""
+    if text in ("all", "auto"):
+        return None if text == "all" else "auto"
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise KVLearnError(f"--share-layers {text!r} is invalid: expected all, auto or a comma list of layer "
+                           "indices >= 1, e.g. 6,7") from None
+
+
 def cmd_kaizen_train(args) -> int:
     from .train.kaizen_train import KaizenTrainConfig, kaizen_train
 
@@ -394,6 +406,8 @@ def cmd_kaizen_train(args) -> int:
                                dense_fraction=args.dense_fraction, penalty_cost=args.penalty_cost,
                                underuse_weight=args.underuse_weight,
                                target_head=None if args.target_head is None else args.target_head == "1",
+                               share_layers=parse_share_layers(args.share_layers),
+                               **({} if args.share_threshold is None else {"share_threshold": args.share_threshold}),
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
     _threads(args.threads)
@@ -689,6 +703,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "> 0 makes a budget-conditioned selector (--target 1,2,4) spend a loose target")
     sp.add_argument("--target-head", default=None, choices=("0", "1"),
                     help="the selector's direct target term T_l log2(target) (default: on when --target lists several)")
+    sp.add_argument("--share-layers", default="all",
+                    help="the layers whose cache may be shared (replaced by an earlier layer's): all (every layer but "
+                         "0), a comma list (6,7), or auto: before training, measure on evaluation-format training rows "
+                         "how much sharing each layer alone raises the distillation loss, and allow it where that is "
+                         "at most --share-threshold (written to share_sensitivity.json in --out)")
+    sp.add_argument("--share-threshold", type=float, default=None,
+                    help="with --share-layers auto: the largest increase of the distillation loss (nats per "
+                         "supervised token) a shared layer may cost (default 0.05)")
     add_trainer_options(sp, "the backbone", "the selector")
     sp.set_defaults(func=cmd_kaizen_train)
 

@@ -101,7 +101,7 @@ def test_kaizen_train_step_by_hand_takes_the_loops_steps(teacher_path, tmp_path)
     logged = [json.loads(ln) for ln in (tmp_path / "loop" / LOG_FILE).read_text().splitlines()]
     assert len(logged) == 2 and result["final"] is None
     torch.manual_seed(config.seed)  # as kaizen_train() seeds before build_models
-    teacher, student = build_models(config, torch.device("cpu"))
+    teacher, student, _ = build_models(config, torch.device("cpu"))
     joint = KaizenStep(student, make_multiplier(config), config.kd_topk)
     optimizer = make_optimizer(config, student)
     batches = iter(TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,

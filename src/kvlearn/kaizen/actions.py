@@ -199,11 +199,32 @@ def action_space(backbone: Backbone, axes: tuple[str, ...] | None = None) -> tup
     return tuple(own) + ((LayerAction.shared(),) if "depth" in axes else ())
 
 
-def action_mask(backbone: Backbone, axes: tuple[str, ...] | None = None) -> list[list[bool]]:
+def check_share_layers(share_layers, backbone: Backbone) -> tuple[int, ...] | None:
+    """One-line error unless ``share_layers`` is ``None`` (every layer but 0 may share) or a collection of distinct
+    layer indices in ``[1, L-1]`` (layer 0 has no earlier cache to read); return it as a sorted tuple (or None)."""
+    if share_layers is None:
+        return None
+    L = backbone.num_layers
+    try:
+        layers = tuple(share_layers)
+    except TypeError:
+        layers = None
+    ok = layers is not None and all(isinstance(l, int) and not isinstance(l, bool) for l in layers)
+    check(ok and all(1 <= l < L for l in layers) and len(set(layers)) == len(layers),
+          f"share_layers={share_layers!r} is invalid: expected distinct layer indices in [1, {L - 1}] (layer 0 cannot "
+          "share: no earlier layer), or None for every one of them")
+    return tuple(sorted(layers))
+
+
+def action_mask(backbone: Backbone, axes: tuple[str, ...] | None = None,
+                share_layers=None) -> list[list[bool]]:
     """``[L][A]`` which actions of ``action_space(backbone, axes)`` each layer may take (the selector sets the logits
-    of the others to -inf): every action, except ``share`` at layer 0."""
+    of the others to -inf): every action, except ``share`` at layer 0 and, when ``share_layers`` lists layers
+    (:func:`check_share_layers`), ``share`` at every layer it does not list."""
     space = action_space(backbone, axes)
-    return [[not (a.share and l == 0) for a in space] for l in range(backbone.num_layers)]
+    layers = check_share_layers(share_layers, backbone)
+    allowed = range(1, backbone.num_layers) if layers is None else layers
+    return [[not a.share or l in allowed for a in space] for l in range(backbone.num_layers)]
 
 
 def check_axes(axes, backbone: Backbone) -> tuple[str, ...]:
@@ -219,28 +240,32 @@ def check_axes(axes, backbone: Backbone) -> tuple[str, ...]:
     return axes
 
 
-def feasible_range(backbone: Backbone, axes: tuple[str, ...] | None = None, metadata: bool = False) -> tuple[float, float]:
-    """``(ρ_min, ρ_max)``: the least and the most compression reachable with the enabled ``axes``.
+def feasible_range(backbone: Backbone, axes: tuple[str, ...] | None = None, metadata: bool = False,
+                   share_layers=None) -> tuple[float, float]:
+    """``(ρ_min, ρ_max)``: the least and the most compression reachable with the enabled ``axes`` (and, with depth,
+    sharing only at ``share_layers``: :func:`action_mask`).
 
-    ``ρ_min``: every layer at its most expensive action; ``ρ_max``: layer 0 at the cheapest own-cache action and
-    every other layer at the cheapest action (``share`` when depth is enabled, at cost 0). On an MLA backbone
+    ``ρ_min``: every layer at its most expensive allowed action; ``ρ_max``: every layer at its cheapest allowed action
+    (``share``, at cost 0, where allowed; layer 0 at the cheapest own-cache action). On an MLA backbone
     ``ρ_min > 1`` (the conversion itself compresses)."""
-    axes = check_axes(axes, backbone)
     space = action_space(backbone, axes)
-    own = [action_bits(a, backbone, metadata) for a in space if not a.share]
-    rest = 0 if "depth" in axes else min(own)
+    mask = action_mask(backbone, axes, share_layers)
+    costs = [[action_bits(a, backbone, metadata) for a, ok in zip(space, row) if ok] for row in mask]
     ref = backbone.reference_bits
-    return ref / (backbone.num_layers * max(own)), ref / (min(own) + (backbone.num_layers - 1) * rest)
+    return ref / sum(max(c) for c in costs), ref / sum(min(c) for c in costs)
 
 
-def check_budget(target: float, backbone: Backbone, axes: tuple[str, ...] | None = None, metadata: bool = False) -> float:
+def check_budget(target: float, backbone: Backbone, axes: tuple[str, ...] | None = None, metadata: bool = False,
+                 share_layers=None) -> float:
     """One-line error unless the target compression ``target`` (``ρ*``, e.g. 4.0 for a 4x smaller cache) is within
     :func:`feasible_range`; return it as a float."""
-    lo, hi = feasible_range(backbone, axes, metadata)
+    lo, hi = feasible_range(backbone, axes, metadata, share_layers)
     ok = isinstance(target, (int, float)) and not isinstance(target, bool) and math.isfinite(target)
     check(ok and lo * (1 - 1e-9) <= target <= hi * (1 + 1e-9),
           f"target compression {target!r} is outside the feasible range [{lo:.4g}x, {hi:.4g}x] for axes "
-          f"{'+'.join(check_axes(axes, backbone))} on this backbone")
+          f"{'+'.join(check_axes(axes, backbone))} on this backbone"
+          + ("" if share_layers is None or "depth" not in check_axes(axes, backbone) else
+             f" with sharing only at layers {','.join(map(str, check_share_layers(share_layers, backbone))) or 'none'}"))
     return float(target)
 
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import KVLearnError, check, check_int
-from .actions import Backbone, check_axes, check_budget
+from .actions import Backbone, check_axes, check_budget, check_share_layers
 from .cache import KaizenCache
 from .prompt import choice_cache, one_choice, prompt_capacity, prompt_rows
 from .selector import SELECTOR_NAME, KaizenSelector
@@ -46,6 +46,8 @@ class KaizenMethodConfig:
         width, heads, blocks, max_positions, init_margin, target_head: the selector (:class:`KaizenSelector`;
             ``target_head`` False in records written before it existed).
         train_targets: the targets it was trained on (recorded by the trainer; informational).
+        share_layers: the layers whose selector head may choose ``share`` (``None``: every layer but 0, and in
+            records written before the field existed; :func:`~kvlearn.kaizen.actions.check_share_layers`).
     """
 
     target: float | None = None
@@ -57,11 +59,16 @@ class KaizenMethodConfig:
     init_margin: float = 2.0
     train_targets: tuple[float, ...] = (4.0,)
     target_head: bool = False
+    share_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.axes is not None:
             object.__setattr__(self, "axes", tuple(self.axes))
         object.__setattr__(self, "train_targets", tuple(float(t) for t in self.train_targets))
+        if self.share_layers is not None:
+            check(isinstance(self.share_layers, (list, tuple)),
+                  f"share_layers={self.share_layers!r} is invalid: expected a list of layer indices >= 1, or None")
+            object.__setattr__(self, "share_layers", tuple(self.share_layers))
         check(self.target is None or (isinstance(self.target, (int, float)) and not isinstance(self.target, bool)
                                       and math.isfinite(self.target) and self.target > 0),
               f"target={self.target!r} is invalid: expected a compression factor > 0 (e.g. 4.0)")
@@ -80,8 +87,9 @@ class KaizenMethodConfig:
     def check_targets(self, backbone: Backbone) -> None:
         """One-line error unless every target is in the feasible range of the axes on ``backbone``."""
         check_axes(self.axes, backbone)
+        check_share_layers(self.share_layers, backbone)
         for t in (self.resolved_target, *self.train_targets):
-            check_budget(t, backbone, self.axes)
+            check_budget(t, backbone, self.axes, share_layers=self.share_layers)
 
 
 def selector_of(model) -> KaizenSelector:
@@ -121,11 +129,12 @@ def apply_kaizen(model, config: KaizenMethodConfig):
         device = next(model.parameters()).device
         sel = KaizenSelector(model.config.vocab_size, backbone, config.axes, config.width, config.heads,
                              config.blocks, config.max_positions, config.init_margin,
-                             target_head=config.target_head).to(device)
+                             target_head=config.target_head, share_layers=config.share_layers).to(device)
         setattr(model, SELECTOR_NAME, sel)
     saved = asdict(config)
     saved["axes"] = None if config.axes is None else list(config.axes)
     saved["train_targets"] = list(config.train_targets)
+    saved["share_layers"] = None if config.share_layers is None else list(config.share_layers)
     setattr(model.config, CONFIG_KEY, saved)
     sharing.attach(model)
     return model

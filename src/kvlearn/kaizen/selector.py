@@ -25,7 +25,7 @@ Architecture (:class:`KaizenSelector`):
   (``docs/DESIGN.md`` section 8, "Spending a loose target");
 - **heads**: one linear head per layer, ``logits[:, l] = W_l h + b_l`` over that layer's allowed actions of
   :func:`~kvlearn.kaizen.actions.action_space`; disallowed ones (:func:`~kvlearn.kaizen.actions.action_mask`:
-  ``share`` at layer 0) are ``-inf``. ``W_l`` starts at zero and ``b_l`` gives the least compressed action
+  ``share`` at layer 0, and at every layer ``share_layers`` does not list when it is given) are ``-inf``. ``W_l`` starts at zero and ``b_l`` gives the least compressed action
   (index 0: 16 bits, no sharing) a margin ``init_margin`` over the others: at init that action is the argmax at
   every layer, for every prompt and target.
 
@@ -42,7 +42,7 @@ from torch import nn
 
 from ..errors import check
 from .budget import selection_cost
-from .actions import Backbone, KaizenConfig, action_bits, action_mask, action_space, check_axes
+from .actions import Backbone, KaizenConfig, action_bits, action_mask, action_space, check_axes, check_share_layers
 
 __all__ = ["KaizenSelector", "gumbel_straight_through", "temperature_at", "SELECTOR_NAME"]
 
@@ -83,16 +83,22 @@ class KaizenSelector(nn.Module):
         width, heads, blocks: the encoder (64, 2, 2).
         max_positions: learned positions (longer prompts reuse the last).
         init_margin: the bias margin of the least compressed action at init.
+        target_head: the direct target term (module docstring).
+        share_layers: the layers that may take ``share`` (``None``: every layer but 0;
+            :func:`~kvlearn.kaizen.actions.check_share_layers`), e.g. from the trainer's sensitivity pass
+            (:mod:`kvlearn.kaizen.share_sensitivity`).
     """
 
     def __init__(self, vocab_size: int, backbone: Backbone, axes=None, width: int = 64, heads: int = 2,
-                 blocks: int = 2, max_positions: int = 8192, init_margin: float = 2.0, target_head: bool = False):
+                 blocks: int = 2, max_positions: int = 8192, init_margin: float = 2.0, target_head: bool = False,
+                 share_layers=None):
         super().__init__()
         check(isinstance(backbone, Backbone), f"backbone={backbone!r} is not a kaizen Backbone")
         check(width % heads == 0, f"width={width} is invalid: expected a multiple of heads={heads}")
         self.backbone = backbone
         self.axes = check_axes(axes, backbone)
         self.space = action_space(backbone, self.axes)
+        self.share_layers = check_share_layers(share_layers, backbone)
         L, A = backbone.num_layers, len(self.space)
         self.embed = nn.Embedding(vocab_size, width)
         self.pos = nn.Embedding(max_positions, width)
@@ -110,7 +116,7 @@ class KaizenSelector(nn.Module):
         self.head_bias = nn.Parameter(bias)
         self.target_weight = nn.Parameter(torch.zeros(L, A)) if target_head else None
         self.target_gain = float(width)  # the direct term's fixed gain (module docstring)
-        self.register_buffer("mask", torch.tensor(action_mask(backbone, self.axes)), persistent=False)
+        self.register_buffer("mask", torch.tensor(action_mask(backbone, self.axes, self.share_layers)), persistent=False)
         self.register_buffer("costs", torch.tensor([float(action_bits(a, backbone, metadata=False)) for a in self.space]),
                              persistent=False)
 

@@ -74,6 +74,7 @@ from ..errors import check, check_int, check_non_negative, check_positive
 from ..kaizen.actions import Backbone
 from ..kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
 from ..kaizen.budget import BudgetMultiplier
+from ..kaizen.share_sensitivity import DEFAULT_THRESHOLD, allowed_share_layers, calibration_rows, share_increases
 from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight_through
 from ..kaizen.sharing import KaizenTrainForward
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
@@ -128,6 +129,9 @@ class KaizenTrainConfig:
     penalty_cost: str = "expected"  # the cost the budget penalty reads: "expected" (softmax) or "sampled" (Gumbel)
     underuse_weight: float = 0.0  # weight of the penalty on compressing more than asked (budget conditioning)
     target_head: bool | None = None  # the selector's direct target term (None: when there are several targets)
+    share_layers: tuple[int, ...] | str | None = None  # layers that may share: None all, "auto" the sensitivity pass
+    share_threshold: float = DEFAULT_THRESHOLD  # "auto": nats per token a sharing may cost
+    share_rows: int = 16  # "auto": calibration rows
     save_interval: int = 200
     seed: int = 0
     device: str = "cpu"
@@ -159,6 +163,12 @@ class KaizenTrainConfig:
         if self.target_head is None:
             self.target_head = len(self.targets) > 1
         check(isinstance(self.target_head, bool), f"target_head={self.target_head!r} is invalid: expected True, False or None")
+        if self.share_layers is not None and self.share_layers != "auto":
+            check(isinstance(self.share_layers, (list, tuple)),
+                  f"share_layers={self.share_layers!r} is invalid: expected layer indices >= 1, 'auto' or None")
+            self.share_layers = tuple(self.share_layers)
+        check_non_negative("share_threshold", self.share_threshold)
+        check_int("share_rows", self.share_rows, 1)
         check(self.penalty_cost in PENALTY_COSTS,
               f"penalty_cost={self.penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
         check_trainer_fields(self)
@@ -167,10 +177,13 @@ class KaizenTrainConfig:
         self.method_config().check_targets(Backbone.from_config(read_model_config(self.model)))
         check_out_folder(self)
 
-    def method_config(self) -> KaizenMethodConfig:
+    def method_config(self, share_layers=None) -> KaizenMethodConfig:
+        """The selector's recorded config; ``share_layers``: the resolved layers when ``self.share_layers`` is
+        ``"auto"`` (before resolution ``None``: every layer, for the range checks)."""
+        layers = share_layers if self.share_layers == "auto" else self.share_layers
         return KaizenMethodConfig(target=None, axes=self.axes, width=self.width, heads=self.heads, blocks=self.blocks,
                                   max_positions=max(self.seq_len, 8192), init_margin=self.init_margin,
-                                  train_targets=self.targets, target_head=self.target_head)
+                                  train_targets=self.targets, target_head=self.target_head, share_layers=layers)
 
 
 def penalised_cost(sel, logits: torch.Tensor, weights: torch.Tensor, penalty_cost: str = "expected") -> torch.Tensor:
@@ -198,17 +211,42 @@ def temperature(config: KaizenTrainConfig, fraction: float) -> float:
     return config.tau_start * (config.tau_end / config.tau_start) ** f
 
 
+SHARE_REPORT = "share_sensitivity.json"  # the out folder's record of the "auto" sensitivity pass
+
+
+def resolve_share_layers(config: KaizenTrainConfig, model, device: torch.device) -> tuple[tuple[int, ...] | None, dict | None]:
+    """``(share_layers, report)``: ``config.share_layers`` itself, or for ``"auto"`` the layers the sensitivity pass
+    on ``model`` (the dense model with the Kaizen attention attached) allows (:mod:`kvlearn.kaizen.share_sensitivity`:
+    ``share_rows`` evaluation-format training rows of ``seq_len`` tokens, stream ``seed``) and its report
+    (``increases``, ``threshold``, ``allowed``, ``rows``, ``seq_len``)."""
+    if config.share_layers != "auto":
+        return config.share_layers, None
+    ids, labels = calibration_rows(config.share_rows, config.seq_len, config.seed)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        increases = share_increases(model, ids, labels, config.kd_topk, batch_size=min(config.batch_size, 8))
+    allowed = allowed_share_layers(increases, config.share_threshold)
+    report = {"increases": [None if v is None else round(v, 6) for v in increases], "threshold": config.share_threshold,
+              "allowed": list(allowed), "rows": config.share_rows, "seq_len": config.seq_len, "seed": config.seed}
+    return allowed, report
+
+
 def build_models(config: KaizenTrainConfig, device: torch.device):
-    """``(teacher, student)``: the frozen dense model and a float32 copy with the selector applied, in train mode."""
+    """``(teacher, student, share_report)``: the frozen dense model, a float32 copy with the selector applied (in
+    train mode) and, for ``share_layers="auto"``, the sensitivity pass's report (:func:`resolve_share_layers`; run
+    on the copy before the selector exists) else ``None``."""
     from ..checkpoint import load as load_model
+    from ..kaizen.sharing import attach
 
     teacher = load_model(config.model, dtype=torch.float32, device=device)
     teacher.requires_grad_(False)
     student = copy.deepcopy(teacher)
-    apply_kaizen(student, config.method_config())
+    share_layers, report = resolve_share_layers(config, attach(student), device)
+    method = config.method_config(share_layers)
+    method.check_targets(Backbone.from_model(student))  # one-line error if the allowed sharing cannot reach a target
+    apply_kaizen(student, method)
     student.requires_grad_(True)
     student.train()
-    return teacher, student
+    return teacher, student, report
 
 
 def sample_targets(config: KaizenTrainConfig, batch: int, generator: torch.Generator) -> torch.Tensor:
@@ -369,14 +407,16 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
             "lr_new": lr_new}
 
 
-RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed")
+RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed",
+                 "share_layers", "share_threshold")
+RESUME_DEFAULTS = {"share_layers": None, "share_threshold": DEFAULT_THRESHOLD}  # checkpoints from before the fields
 
 
 def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
     """Load the student weights of checkpoint ``path`` and return its trainer state; one-line error when it was
     trained with other settings."""
     mine = asdict(config)
-    trainer = read_trainer_state(path, {name: mine[name] for name in RESUME_FIELDS})
+    trainer = read_trainer_state(path, {name: mine[name] for name in RESUME_FIELDS}, RESUME_DEFAULTS)
     load_student_weights(path, student)
     return trainer
 
@@ -394,7 +434,12 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
         out.mkdir(parents=True, exist_ok=True)
         if config.overwrite and not config.resume:
             clear_run_outputs(out)
-    teacher, student = build_models(config, device)
+    teacher, student, share_report = build_models(config, device)
+    if d.main and share_report is not None:
+        (out / SHARE_REPORT).write_text(json.dumps(share_report, indent=1) + "\n")
+        if progress:
+            print(f"kaizen-train: sharing allowed at layers {share_report['allowed'] or 'none'} (increase in KD per "
+                  f"layer {share_report['increases']}, threshold {config.share_threshold})", flush=True)
     multiplier = make_multiplier(config)
     step, trainer_state = 0, None
     if config.resume:  # into the unsharded student, on every process
