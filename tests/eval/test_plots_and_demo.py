@@ -8,7 +8,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kvlearn import KVpopConfig, apply_kvpop
 from kvlearn.cli import DEFAULT_KVPOP_MODEL, main
-from kvlearn.eval.plots import mean_accuracy, plot_accuracy, plot_pareto
+from kvlearn.eval.plots import by_selector, mean_accuracy, plot_accuracy, plot_pareto
 from kvlearn.kvpop.apply import kvpop_modules
 from kvlearn.lineage import write_teacher_record
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
@@ -34,6 +34,20 @@ def test_pareto_plot_and_its_means(tmp_path):
     assert agg[("eval", "streaming", "bounded", 1024)]["accuracy"] == 0.25
     assert agg[("eval", "streaming", "context", 1024)]["incomplete"] is True
     assert plot_pareto(rows(), tmp_path / "p.png").stat().st_size > 5000
+
+
+def test_factor_pareto_draws_one_line_per_selector(tmp_path):
+    """Two selectors at the same factor are two series (by hand: their own means), baselines keep their method."""
+    base = dict(protocol="bounded", split="eval", budget=4096, compression=0.75, context=4096, n=4, factor=4.0, target=4.0)
+    r = [dict(base, method="control", task="niah", accuracy=1.0, factor=1.0, target=None, compression=0.0)]
+    for sel, accs in (("a", (1.0, 0.5)), ("b", (0.0, 0.25))):
+        r += [dict(base, method="kaizen", selector=sel, task=t, accuracy=acc) for t, acc in zip(("niah", "vt"), accs)]
+    r += [dict(base, method="static", task=t, accuracy=0.5) for t in ("niah", "vt")]
+    agg = by_selector(mean_accuracy(r, ("target", "selector")))
+    assert agg[("eval", "kaizen [a]", "bounded", 4096, 4.0, "a")]["accuracy"] == 0.75
+    assert agg[("eval", "kaizen [b]", "bounded", 4096, 4.0, "b")]["accuracy"] == 0.125
+    assert agg[("eval", "static", "bounded", 4096, 4.0, None)]["accuracy"] == 0.5
+    assert plot_pareto(r, tmp_path / "f.png", x="factor", reference="control").stat().st_size > 5000
 
 
 def tiny_model(seed=0):

@@ -140,16 +140,24 @@ def method_colors(methods: list[str]) -> dict:
     return {m: palette[i % len(palette)] for i, m in enumerate(methods)}
 
 
+def by_selector(agg: dict[tuple, dict]) -> dict[tuple, dict]:
+    """``mean_accuracy(rows, ("target", "selector"))`` with each trained selector's rows as a series of its own: the
+    method of a key whose ``selector`` is set becomes ``"<method> [<selector>]"`` (e.g. ``kaizen [kaizen4]`` and
+    ``untrained_backbone [kaizen4]``), so two selectors at one factor are two points on two lines, not one line
+    zig-zagging between them."""
+    return {(k[0], k[1] if k[-1] is None else f"{k[1]} [{k[-1]}]", *k[2:]): v for k, v in agg.items()}
+
+
 def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy against compression",
                 x: str = "compression", reference: str = "dense") -> Path:
     """Mean accuracy over families against the compression ratio ``1 - budget/context`` (``x="factor"``: against the
-    rows' realised cache reduction ``factor``, log scale, points also split by ``target`` and ``selector``): one
-    line (colour) per method, one marker and line style per protocol; the full cache (method ``reference``) is a
+    rows' realised cache reduction ``factor``, log scale, points also split by ``target``, one line per trained
+    ``selector``: :func:`by_selector`): one line (colour) per method, one marker and line style per protocol; the full cache (method ``reference``) is a
     star at CR 0 (factor 1) and a dotted reference line. One panel per split. Points from runs cut short by a time
     guard are drawn hollow."""
     check(x in ("compression", "factor"), f"x={x!r} is invalid: expected 'compression' or 'factor'")
     by_factor = x == "factor"
-    agg = mean_accuracy(rows, ("target", "selector") if by_factor else ())
+    agg = by_selector(mean_accuracy(rows, ("target", "selector"))) if by_factor else mean_accuracy(rows)
     origin = 1.0 if by_factor else 0.0
     splits = list(dict.fromkeys(k[0] for k in agg))
     methods = [m for m in dict.fromkeys(k[1] for k in agg) if m != reference]
