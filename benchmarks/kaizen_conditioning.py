@@ -3,15 +3,19 @@ selector over {1, 2, 4}").
 
 For a ``kvlearn kaizen-train`` folder trained with several targets (``--target 1,2,4``), run only the selector (no
 generation) on ``--n-per-task`` prompts of every family at each ``--targets`` value and record the configuration it
-chooses (argmax, what evaluation runs), its realised factor ``C_ref / C`` (no metadata, as ``kvlearn eval`` reports
-it) and how many distinct configurations it returns. A selector whose FiLM conditioning learned nothing returns
-the same configuration at every target; one that follows its budget returns factors at or under each target.
+chooses (what evaluation runs: the argmax, projected onto the budget when it lies over it), its realised factor
+``C_ref / C`` (no metadata, as ``kvlearn eval`` reports it), how many distinct configurations it returns, and the raw
+argmax's factor (``argmax_factor``, before the projection). A selector whose conditioning learned nothing has the
+same argmax at every target (the projection then does all the work); one that follows its budget has
+``argmax_factor`` near each target.
 
     PYTHONPATH=src python benchmarks/kaizen_conditioning.py --model runs/kaizen-t1_2_4/final --targets 1,2,4 \\
         --n-per-task 10 --out results/raw/kaizen_conditioning_<name>.json
 
 writes ``kvlearn.results.v1`` rows (kind ``kaizen_conditioning``): one per target and family with ``factor`` (mean),
-``factor_min``, ``factor_max``, ``distinct_configurations`` and ``configurations`` (configuration -> count), and a
+``factor_min``, ``factor_max``, ``argmax_factor`` (mean; ``argmax_factor_min``, ``argmax_factor_max``),
+``projected`` (the prompts whose argmax lay over the budget), ``distinct_configurations`` and ``configurations``
+(configuration -> count), and a
 summary line per target. CPU is enough (the selector is a two-block transformer over the prompt).
 """
 
@@ -34,8 +38,9 @@ from kvlearn.testbed import tasks as testbed_tasks  # noqa: E402
 
 
 def conditioning_rows(model, targets, families, n_per_task: int, context: int, split: str = "eval") -> list[dict]:
-    """One row per (target, family): the selector's argmax configuration on ``n_per_task`` prompts of ``split``."""
-    from kvlearn.kaizen.apply import select
+    """One row per (target, family): the selector's evaluation choice and raw argmax on ``n_per_task`` prompts of
+    ``split``."""
+    from kvlearn.kaizen.apply import select, selector_of
 
     prompts = {family: [torch.tensor([testbed_tasks.generate(family, testbed_tasks.example_seed(family, split, i),
                                                              context).prompt_ids]) for i in range(n_per_task)]
@@ -43,12 +48,18 @@ def conditioning_rows(model, targets, families, n_per_task: int, context: int, s
     rows = []
     for target in targets:
         for family in families:
-            configs = [select(model, ids, target=target)[0][0] for ids in prompts[family]]
+            chosen = [select(model, ids, target=target) for ids in prompts[family]]
+            configs = [c[0][0] for c in chosen]
+            raw = [selector_of(model).configs(logits.argmax(-1))[0] for _, logits in chosen]
             factors = [c.compression(metadata=False) for c in configs]
+            raw_factors = [c.compression(metadata=False) for c in raw]
             counts = Counter(str(c) for c in configs)
             rows.append({"target": target, "task": family, "split": split, "context": context, "n": n_per_task,
                          "factor": sum(factors) / len(factors), "factor_min": min(factors),
-                         "factor_max": max(factors), "distinct_configurations": len(counts),
+                         "factor_max": max(factors), "argmax_factor": sum(raw_factors) / len(raw_factors),
+                         "argmax_factor_min": min(raw_factors), "argmax_factor_max": max(raw_factors),
+                         "projected": sum(str(a) != str(b) for a, b in zip(configs, raw)),
+                         "distinct_configurations": len(counts),
                          "configurations": dict(counts.most_common())})
     return rows
 
@@ -87,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         configs = Counter()
         for r in mine:
             configs.update(r["configurations"])
-        print(f"target {t:g}: factor {sum(r['factor'] for r in mine) / len(mine):.2f} "
+        print(f"target {t:g}: factor {sum(r['factor'] for r in mine) / len(mine):.2f}, argmax "
+              f"{sum(r['argmax_factor'] for r in mine) / len(mine):.2f}, projected {sum(r['projected'] for r in mine)} "
               f"({len(configs)} distinct: {', '.join(f'{c} x{k}' for c, k in configs.most_common(3))})")
     print(f"wrote {args.out}")
     return 0

@@ -35,9 +35,13 @@ def test_untrained_selector_returns_the_least_compressed_choice_at_every_target(
          "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["target"], r["task"]) for r in rows] == [(1.0, "niah"), (1.0, "vt"), (4.0, "niah"), (4.0, "vt")]
-    for r in rows:  # init: 16 bits everywhere, whatever the target (the FiLM layer starts at zero)
-        assert r["factor"] == r["factor_min"] == r["factor_max"] == 1.0
-        assert r["configurations"] == {"b16 b16 b16 b16": 2} and r["distinct_configurations"] == 1
+    for r in rows:  # init: the argmax is 16 bits everywhere, whatever the target (the FiLM layer starts at zero)
+        assert r["argmax_factor"] == r["argmax_factor_min"] == r["argmax_factor_max"] == 1.0
+        assert r["distinct_configurations"] == 1
+    for r in rows[:2]:  # target 1: within budget, the argmax itself
+        assert r["factor"] == 1.0 and r["projected"] == 0 and r["configurations"] == {"b16 b16 b16 b16": 2}
+    for r in rows[2:]:  # target 4: over budget, projected onto it (the most likely configuration within 4x)
+        assert r["factor"] == r["factor_min"] == 4.0 and r["projected"] == 2
 
 
 def test_a_target_conditioned_selector_is_reported_per_target(folder):

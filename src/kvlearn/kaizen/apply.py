@@ -180,7 +180,8 @@ def load_selector_onto(model, path) -> object:
 
 @torch.no_grad()
 def select(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, target=None):
-    """``(configs, logits)``: the evaluation choice (argmax) for each prompt of ``input_ids [batch, seq]`` at
+    """``(configs, logits)``: the evaluation choice (the argmax, or the most likely configuration within the budget
+    when the argmax lies over it: :meth:`KaizenSelector.choose_within_budget`) for each prompt of ``input_ids [batch, seq]`` at
     ``target`` (``None``: the recorded target), a :class:`KaizenConfig` per row and the logits ``[batch, layers,
     actions]``."""
     sel = selector_of(model)
@@ -188,7 +189,7 @@ def select(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
         recorded = recorded_config(model)
         target = recorded.resolved_target if recorded is not None else 1.0
     logits = sel(input_ids, attention_mask, target)
-    return sel.configs(logits.argmax(-1)), logits
+    return sel.configs(sel.choose_within_budget(logits, target)), logits
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ Architecture (:class:`KaizenSelector`):
 
 Sampling: during training :func:`gumbel_straight_through` (temperature annealed from 2.0 to 0.1 by the trainer,
 :func:`temperature_at`): a hard one-hot forward, the Gumbel-softmax gradient backward. At evaluation the argmax of
-the logits (:meth:`KaizenSelector.choose`). The selector runs once per prompt before prefill; its choice holds for
-the whole generation.
+the logits (:meth:`KaizenSelector.choose`), projected onto the budget when it lies over it
+(:meth:`KaizenSelector.choose_within_budget`, what ``kvlearn eval`` runs). The selector runs once per prompt before
+prefill; its choice holds for the whole generation.
 """
 
 from __future__ import annotations
@@ -160,6 +161,26 @@ class KaizenSelector(nn.Module):
                target=None) -> torch.Tensor:
         """The evaluation choice: ``argmax`` of the logits, int64 ``[batch, layers]``."""
         return self(input_ids, attention_mask, target).argmax(-1)
+
+    @torch.no_grad()
+    def choose_within_budget(self, logits: torch.Tensor, target) -> torch.Tensor:
+        """The evaluation choice under the budget, int64 ``[batch, layers]``: per row the argmax of ``logits [batch,
+        layers, actions]`` when its cost (bits per token without metadata) is within ``C* = C_ref / ρ*`` (``target``:
+        ``ρ*``, a number or ``[batch]``), else the selector's most likely configuration within it,
+        ``argmax Σ_l log softmax(logits)_{l, a_l}`` subject to ``Σ_l c(a_l) <= C*`` over the allowed actions (the exact
+        multiple-choice knapsack of :func:`~kvlearn.kaizen.dp_search.dp_search`). A selector trained on the expected
+        cost meets the target in expectation, and its argmax can land on either side of it; this keeps a prompt's
+        cache within what was asked. One-line error for a budget no allowed configuration meets."""
+        from .dp_search import dp_search
+
+        choice = logits.argmax(-1)
+        budget = self.target_bits(torch.as_tensor(target, dtype=torch.float32).reshape(-1).expand(logits.shape[0]))
+        cost = self.costs.to(logits.device)[choice].sum(-1)  # [batch]
+        logp = torch.log_softmax(logits.double(), dim=-1).cpu()
+        for row in (cost.cpu() > budget * (1 + 1e-9)).nonzero().flatten().tolist():
+            picked = dp_search(-logp[row], self.costs.cpu(), float(budget[row]), self.mask.cpu())
+            choice[row] = torch.tensor(picked.indices, device=choice.device)
+        return choice
 
     def configs(self, indices: torch.Tensor) -> list[KaizenConfig]:
         """One :class:`KaizenConfig` per row of ``indices [batch, layers]``."""
