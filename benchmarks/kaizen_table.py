@@ -32,6 +32,11 @@ weights it ran on), ``factor`` (realised cache reduction, mean over examples; 1 
 ``posthoc_quant``      ``kaizen_static`` (axes precision)     the plain quantizer, uniform bits, no training
 ``kaizen+snapkv``      ``kaizen+snapkv`` (protocol context)   total factors ``--compose-factors``: the static
 ``kaizen+kvpop``       ``kaizen+kvpop``                       configuration at ``--compose-rep`` x eviction
+``smaller_model``      ``dense``                              ``--smaller-model PATH``: a smaller dense model
+                                                              trained with the teacher's recipe (e.g. ``kvlearn
+                                                              pretrain --num-layers 2``), uncompressed; ``factor``
+                                                              = the teacher's bf16 cache bits per token over its
+                                                              own (:func:`smaller_model_factor`)
 =====================  =====================================  ==================================================
 
 The baselines (static .. posthoc_quant) and the compositions run on ``--model``'s weights without training (the
@@ -48,7 +53,7 @@ rewritten after every run with every run not done yet under ``not_run`` (a proce
 says ``complete: false``), and ``--minutes`` stops cleanly as in ``eviction_baselines.py``.
 
 ``--smoke`` runs the same code on the CPU in about a minute: a tiny random GQA Qwen3 (4 layers, 2 KV heads of 128,
-2 query heads per KV head) saved as the teacher, a selector trained 4 steps at target 4 with the trainer's Python
+2 query heads per KV head) saved as the teacher, the same shape with 2 layers as the smaller model, a selector trained 4 steps at target 4 with the trainer's Python
 API, bfloat16 (so the dense cache is the factors' 16-bit reference), context 256, factors 4 and 8, compositions 16
 and 32 (SnapKV and KVpop windows 16), KIVI windows of 32, 2 examples of niah and vt, under
 ``runs/smoke/kaizen_table/``.
@@ -79,7 +84,7 @@ BASELINES = ("static", "dp_search", "random", "kivi", "posthoc_quant")  # priori
 COMPOSED = ("kaizen+snapkv", "kaizen+kvpop")
 REGISTRY = {"control": "dense", "kaizen": "kaizen", "untrained_backbone": "kaizen", "static": "kaizen_static",
             "random": "kaizen_random", "dp_search": "kaizen_dp", "kivi": "kivi", "posthoc_quant": "kaizen_static",
-            "kaizen+snapkv": "kaizen+snapkv", "kaizen+kvpop": "kaizen+kvpop"}
+            "kaizen+snapkv": "kaizen+snapkv", "kaizen+kvpop": "kaizen+kvpop", "smaller_model": "dense"}
 BASE_OPTIONS = {"posthoc_quant": {"axes": ["precision"]}}
 
 
@@ -120,6 +125,21 @@ def parse_factors(text: str, option: str) -> tuple[float, ...]:
         raise KVLearnError(f"{option} {text!r}: expected a comma list of factors, e.g. 2,4,8,16") from None
     check(factors and all(f > 0 for f in factors), f"{option} {text!r}: expected factors > 0")
     return factors
+
+
+def smaller_model_factor(teacher: str, smaller: str) -> float:
+    """The cache reduction of a smaller uncompressed model: the teacher's bits per token of a 16-bit cache
+    (``layers x 2 x kv_heads x head_dim x 16``) over the smaller model's. One-line error unless both read the same
+    vocabulary (the testbed's) and the smaller cache is no larger."""
+    from kvlearn.hf import read_model_config
+    from kvlearn.kaizen.actions import Backbone
+
+    big, small = read_model_config(teacher), read_model_config(smaller)
+    check(big.vocab_size == small.vocab_size, f"--smaller-model {smaller}: vocabulary {small.vocab_size}, the teacher's "
+                                              f"is {big.vocab_size}: expected a model of the same testbed vocabulary")
+    factor = Backbone.from_config(big).reference_bits / Backbone.from_config(small).reference_bits
+    check(factor >= 1, f"--smaller-model {smaller}: its cache is {1 / factor:.3g}x the teacher's: expected a smaller one")
+    return factor
 
 
 def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
@@ -168,6 +188,8 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
         for t in targets:
             add("kaizen", weights=path, label=label, target=t)
             add("untrained_backbone", selector=path, label=label, target=t)
+    if getattr(args, "smaller_model", None):
+        add("smaller_model", weights=args.smaller_model)
     first_factors = parse_factors(args.first_factors, "--first-factors") if args.first_factors else ()
     first = sorted({t for *_, ts in selectors for t in ts if t in factors} | {f for f in first_factors if f in factors})
     for f in first + sorted(f for f in factors if f not in first):
@@ -198,11 +220,15 @@ def smoke_setup(args) -> None:
     work = Path(args.smoke_dir)
     teacher = work / "teacher"
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=512,
-                      pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=True)
-    Qwen3ForCausalLM(cfg).save_pretrained(teacher)
+    shape = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=128, max_position_embeddings=512, pad_token_id=PAD_ID,
+                 bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=True)
+    Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=4, **shape)).save_pretrained(teacher)
     args.model = str(teacher)
+    if args.smaller_model is None:  # half the layers: a 2x smaller cache
+        smaller = work / "smaller"
+        Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, **shape)).save_pretrained(smaller)
+        args.smaller_model = str(smaller)
     if not args.selector:
         result = kaizen_train(KaizenTrainConfig(model=str(teacher), out=str(work / "kaizen-t4"), overwrite=True,
                                                 targets=(4.0,), steps=4, batch_size=2, seq_len=128, save_interval=100,
@@ -238,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave the control rows out (a part run beside another that measures them)")
     ap.add_argument("--selector", action="append", default=[], metavar="LABEL=PATH",
                     help="a kaizen-train folder (repeat the option); evaluated at each of its training targets")
+    ap.add_argument("--smaller-model", default=None,
+                    help="a smaller dense model trained with the teacher's recipe: its rows (smaller_model) at the "
+                         "factor of its smaller cache")
     ap.add_argument("--kvpop", default=None, help="a KVpop retrofit folder for kaizen+kvpop (default: --model, "
                                                   "untrained scorers)")
     ap.add_argument("--factors", default=None, help="the baselines' target factors (default 2,4,8,16; --smoke: 4,8)")
@@ -270,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         plot = Path(args.plot or out.with_name("kaizen_table.png"))
         selectors = [parse_selector(s) for s in args.selector]
         check(len({s[0] for s in selectors}) == len(selectors), f"--selector labels repeat: {[s[0] for s in selectors]}")
+        smaller_factor = smaller_model_factor(args.model, args.smaller_model) if args.smaller_model else None
         runs, skipped = plan_runs(args, selectors)
     except KVLearnError as e:
         print(f"kaizen_table: error: {e}", file=sys.stderr)
@@ -308,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "given with --control)",
             selectors={label: {"path": repo_relative(path), "train_targets": list(ts)} for label, path, ts in selectors},
             kvpop_model=repo_relative(args.kvpop) if args.kvpop else "the teacher with untrained KVpop scorers",
+            **({"smaller_model": repo_relative(args.smaller_model)} if args.smaller_model else {}),
             note=("static, random, dp_search, kivi, posthoc_quant and the compositions run on --model's weights "
                   "without training; posthoc_quant repeats static's configuration wherever precision alone reaches the "
                   "factor; untrained_backbone = each selector's choices on --model's weights; factor = realised"),
@@ -333,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["selector"] = run.label
             if run.selector:
                 r["selector_path"] = repo_relative(run.selector)
+            if run.method == "smaller_model":  # its own dense cache, smaller than the teacher's
+                r["factor"] = r["target"] = round(smaller_factor, 6)
             r.setdefault("factor", 1.0)  # control: the dense cache
         rows += new
         not_run = not_run[1:]

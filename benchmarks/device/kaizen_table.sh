@@ -16,7 +16,8 @@
 # MODEL (default: the shipped checkpoints/testbed-teacher); N_PER_TASK (default 100); SEQ_LEN and BATCH (training,
 # defaults 4096 and 8); TRAIN_ARGS: more kaizen-train options (e.g. '--dense-fraction 0.25': more rows in the
 # evaluation format, docs/DESIGN.md section 8, "Which layers the selector may share"); CONTROL: a same-recipe
-# uncompressed fine-tune for the control row (default: the teacher).
+# uncompressed fine-tune for the control row (default: the teacher); SMALLER_MODEL: a smaller dense model trained with
+# the teacher's recipe (`kvlearn pretrain --num-layers 2`), whose rows the first baseline part measures (smaller_model).
 # DRY_RUN=1 checks the plumbing on the CPU: the processes print their command lines, and fake parts are merged.
 # TARGETS (default '4 8'): the selectors trained, one kaizen-train each; an entry may be a comma list (a
 # budget-conditioned selector sampling its target per sequence, e.g. '1,2,4', folder kaizen-t1_2_4, label kaizen1_2_4).
@@ -44,6 +45,7 @@ i=0
 for part_args in "${baseline_parts[@]}"; do
     name=baselines; [ "$i" -gt 0 ] && name=baselines$i
     control=(); [ "$i" -gt 0 ] && control=(--no-control)
+    [ "$i" -eq 0 ] && [ -n "${SMALLER_MODEL:-}" ] && control+=(--smaller-model "$SMALLER_MODEL")
     # shellcheck disable=SC2086
     run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} --n-per-task "${N_PER_TASK:-100}" \
         $part_args "${control[@]}" --minutes "$(python3 -c "print(max(1.0, $TOTAL_MINUTES - 0.5))")" \

@@ -290,7 +290,8 @@ def cmd_pretrain(args) -> int:
                             **({"train_styles": tuple(args.train_styles.split(","))} if args.train_styles else {}),
                             **({"train_regimes": tuple(args.train_regimes.split(","))} if args.train_regimes else {}),
                             **({"plain_stages": args.plain_stages} if args.plain_stages is not None else {}),
-                            **({"multivalue_from": args.multivalue_from} if args.multivalue_from is not None else {}))
+                            **({"multivalue_from": args.multivalue_from} if args.multivalue_from is not None else {}),
+                            **({"num_layers": args.num_layers} if args.num_layers is not None else {}))
     pretrain(config)
     return 0
 
@@ -607,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plain-stages", type=int, default=None,
                     help="the first N curriculum stages train on the plain haystack only (svo grammar, uniform depths); "
                          "(default 0: every stage on the varied haystacks, the shipped teacher's recipe)")
+    sp.add_argument("--num-layers", type=int, default=None,
+                    help="decoder layers (default 8, the shipped teacher's); fewer make the smaller uncompressed "
+                         "model of the KV-Kaizen table (benchmarks/kaizen_table.py --smaller-model)")
     sp.add_argument("--multivalue-from", type=int, default=None, metavar="LENGTH",
                     help=f"from the curriculum stage of this example length on, a share {tasks.MULTIVALUE_PROBE_SHARE:g} of "
                          "the dense rows' niah probes give their key 2-4 needles, answered in document order (default: "

@@ -7,7 +7,7 @@ import pytest
 from benchmark_loader import load_benchmark
 
 KINDS = {"control", "kaizen", "untrained_backbone", "static", "random", "dp_search", "kivi", "posthoc_quant",
-         "kaizen+snapkv", "kaizen+kvpop"}
+         "kaizen+snapkv", "kaizen+kvpop", "smaller_model"}
 
 
 def load_script():
@@ -33,7 +33,8 @@ def test_smoke_has_every_row_kind_with_realised_factors(smoke):
     registry = {r["method"]: r["registry_method"] for r in rows}
     assert registry == {"control": "dense", "kaizen": "kaizen", "untrained_backbone": "kaizen",
                         "static": "kaizen_static", "random": "kaizen_random", "dp_search": "kaizen_dp", "kivi": "kivi",
-                        "posthoc_quant": "kaizen_static", "kaizen+snapkv": "kaizen+snapkv", "kaizen+kvpop": "kaizen+kvpop"}
+                        "posthoc_quant": "kaizen_static", "kaizen+snapkv": "kaizen+snapkv", "kaizen+kvpop": "kaizen+kvpop",
+                        "smaller_model": "dense"}
     assert all(r["n"] == 2 and r["context"] == 256 and "factor" in r for r in rows)
     targets = {(r["method"], r.get("target")) for r in rows}
     assert {("static", 4.0), ("static", 8.0), ("kaizen", 4.0), ("untrained_backbone", 4.0), ("kaizen+snapkv", 16.0),
@@ -58,6 +59,9 @@ def test_smoke_has_every_row_kind_with_realised_factors(smoke):
         for m in ("kaizen+snapkv", "kaizen+kvpop"):
             r = one(m, f)
             assert r["factor"] == pytest.approx(f) and r["budget"] == 256 * 4 / f
+    small = one("smaller_model", 2.0)  # half the layers: half the dense cache, by the config and by the bytes
+    assert small["factor"] == 2.0 and small["store_bytes"] == pytest.approx(dense / 2, rel=0.01)
+    assert small["model"].endswith("smaller") and data["smaller_model"].endswith("smaller")
     kivi = one("kivi", 4.0)
     assert 1 < kivi["factor"] < 4 and kivi["store_bytes"] == pytest.approx(dense / kivi["factor"], rel=0.05)
     assert (work / "kaizen_table.png").stat().st_size > 1000
@@ -75,8 +79,9 @@ def test_time_guard_lists_the_plan_in_priority_order(smoke, tmp_path):
     assert cut["not_run"][:6] == ["control/bounded/eval", "control/bounded/heldout", "kaizen[k4]/bounded/eval/F=4",
                                   "kaizen[k4]/bounded/heldout/F=4", "untrained_backbone[k4]/bounded/eval/F=4",
                                   "untrained_backbone[k4]/bounded/heldout/F=4"]
-    assert cut["not_run"][6:8] == ["static/bounded/eval/F=4", "static/bounded/heldout/F=4"]
-    assert len(cut["not_run"]) == 2 * (1 + 2 + 5 * 2 + 2 * 2)
+    assert cut["not_run"][6:10] == ["smaller_model/bounded/eval", "smaller_model/bounded/heldout",
+                                    "static/bounded/eval/F=4", "static/bounded/heldout/F=4"]
+    assert len(cut["not_run"]) == 2 * (1 + 2 + 1 + 5 * 2 + 2 * 2)
     assert cut["not_run"][-1] == "kaizen+kvpop/bounded/heldout/F=32"
 
 
@@ -88,7 +93,7 @@ def test_no_control_leaves_the_control_rows_out_of_the_plan(smoke, tmp_path):
     cut = json.loads(out.read_text())
     assert not any(r.startswith("control/") for r in cut["not_run"])
     assert cut["not_run"][:2] == ["kaizen[k4]/bounded/eval/F=4", "kaizen[k4]/bounded/heldout/F=4"]
-    assert len(cut["not_run"]) == 2 * (2 + 5 * 2 + 2 * 2)
+    assert len(cut["not_run"]) == 2 * (2 + 1 + 5 * 2 + 2 * 2)  # --smoke adds its smaller model
 
 
 def test_bad_selectors_are_one_line_errors(tmp_path, capsys):
@@ -141,6 +146,7 @@ def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(smok
     assert {r["method"] for r in data["rows"]} == {"control"}
     assert data["complete"] is False and data["not_run"] == ["kaizen[k4]/bounded/eval/F=4",
                                                              "untrained_backbone[k4]/bounded/eval/F=4",
+                                                             "smaller_model/bounded/eval",
                                                              "static/bounded/eval/F=4"]
 
 
@@ -213,3 +219,25 @@ def test_merge_across_runs_clears_the_runs_a_later_kaizen_table_measured(smoke, 
     half = {**data, "rows": [r for r in data["rows"] if r["method"] != "static"]}
     left = merge_results([cut, half], "cut; half", across_runs=True)["not_run"]
     assert left == [k for k in cut["not_run"] if k.startswith("static/")] and left
+
+
+def test_smaller_model_factor_and_its_errors(tmp_path):
+    """The factor by hand: 8 layers x 2 KV heads x 32 over 2 x 2 x 32 = 4; other vocabularies and larger caches are
+    one-line errors."""
+    from transformers import Qwen3Config
+
+    from kvlearn.errors import KVLearnError
+
+    def save(name, layers, vocab=300, kv=2):
+        path = tmp_path / name
+        Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                    num_attention_heads=4, num_key_value_heads=kv, head_dim=32).save_pretrained(path)
+        return str(path)
+
+    script = load_script()
+    assert script.smaller_model_factor(save("t", 8), save("s", 2)) == 4.0
+    assert script.smaller_model_factor(save("t2", 8), save("s2", 4, kv=1)) == 4.0
+    for bad, expect in ((save("v", 2, vocab=301), "vocabulary"), (save("big", 16), "expected a smaller one")):
+        with pytest.raises(KVLearnError) as e:
+            script.smaller_model_factor(save("t3", 8), bad)
+        assert expect in str(e.value) and "\n" not in str(e.value)

@@ -335,3 +335,15 @@ def test_cli_multivalue_from_maps_into_the_config(tmp_path, monkeypatch):
     assert cli.main(base) == 0 and got[-1].multivalue_from is None
     assert cli.main([*base, "--multivalue-from", "2048"]) == 0 and got[-1].multivalue_from == 2048
     assert cli.main([*base, "--multivalue-from", "300"]) == 2 and len(got) == 2  # not a stage: one-line error
+
+
+def test_cli_num_layers_maps_into_the_config(tmp_path, monkeypatch):
+    from kvlearn import cli
+    from kvlearn.train import pretrain as pretrain_module
+
+    got = []
+    monkeypatch.setattr(pretrain_module, "pretrain", got.append)
+    base = ["pretrain", "--out", str(tmp_path / "t"), "--device", "cpu"]
+    assert cli.main(base) == 0 and got[-1].num_layers == 8
+    assert cli.main([*base, "--num-layers", "2"]) == 0 and got[-1].num_layers == 2
+    assert cli.main([*base, "--num-layers", "0"]) == 2 and len(got) == 2  # one-line error

@@ -125,11 +125,11 @@ class CompactLayer(CacheLayerMixin):
                 values = value_states.new_empty(b, h, 0, value_states.shape[-1])
             else:
                 keys, values = self.store.read()
-        elif self.writes_in_place:  # keep-all over live buffers: write first, attend the filled prefix in place
+        elif self.writes_in_place:  # keep-all: write first, attend the filled prefix (a view, or its stored form)
             self.store_attends = False
             self._write(plan.write_slots, key_states, value_states, new_pos, plan.new_state)
             filled = self.seen + q  # slot = position, and every position is below the tokens seen (padding included)
-            keys, values = (t[:, :, :filled] for t in self.store.read())
+            keys, values = self.store.read_prefix(filled)
             self._visible = (self.slot_positions[..., :filled], None, -1)
         else:
             self.store_attends = False
@@ -254,14 +254,19 @@ class CompactLayer(CacheLayerMixin):
         buffers. Otherwise the forward attends ``capacity`` stored slots and the ``q`` new tokens concatenated (a
         copy of the store), because the tokens a policy evicts in this forward stay visible to its earlier
         queries. At 131k tokens in 4096-token chunks the copy was 537 MB per layer and chunk at bf16 (8 KV heads
-        of 128)."""
-        return bool(self.policy.append_only and self.store.read_is_view)
+        of 128). Also over a store that is not a view when the layer attends the stored form and a write then a read
+        gives exactly that form (``Store.write_read_exact``: the packed store): the prefix is then read back
+        (dequantized) for ``seen + q`` slots instead of ``capacity``, the same values the concatenation attends. At
+        131k that was a flat 28 s per 16k-token segment of int4 prefill against 3-15 s for bf16
+        (``results/raw/kaizen_memory_h200_b_131k_f29a15a.json``)."""
+        exact = self.attend_stored_form and self.store.write_read_exact
+        return bool(self.policy.append_only and (self.store.read_is_view or exact))
 
     def chunk_bytes(self, chunk: int) -> int:
         """Transient bytes of a ``chunk``-token forward: the returned ``capacity + chunk`` keys/values (none when
         :attr:`writes_in_place`)."""
-        if not self.is_initialized or self.writes_in_place:
-            return 0
+        if not self.is_initialized or (self.writes_in_place and self.store.read_is_view):
+            return 0  # (a packed store's read-back prefix: at most the bound below)
         b, h = self.store.shape[:2]
         return b * h * (self.capacity + chunk) * self.store.bytes_per_token()
 

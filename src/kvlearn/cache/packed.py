@@ -35,6 +35,8 @@ class PackedStore(Store):
     """Keys and values as packed ``bits``-bit codes plus one model-dtype scale per stored vector (module docstring).
     ``k_dim`` and ``v_dim`` must be divisible by ``8 / bits``."""
 
+    write_read_exact = True  # per-vector quantization: a token reads back as round_trip gives it
+
     def __init__(self, bits: int) -> None:
         self.bits = check_bits(bits, QUANT_BITS)
         self.key_codes: torch.Tensor | None = None
@@ -73,6 +75,15 @@ class PackedStore(Store):
         dk, dv = self.dims
         keys = dequantize(unpack(self.key_codes, self.bits, dk), self.key_scales, self.dtype)
         values = dequantize(unpack(self.value_codes, self.bits, dv), self.value_scales, self.dtype)
+        return keys, values
+
+    def read_prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` slots dequantized (a temporary of ``length`` slots, not ``capacity``): what a keep-all
+        layer's multi-token forward attends after writing its chunk (``CompactLayer.writes_in_place``)."""
+        dk, dv = self.dims
+        keys = dequantize(unpack(self.key_codes[:, :, :length], self.bits, dk), self.key_scales[:, :, :length], self.dtype)
+        values = dequantize(unpack(self.value_codes[:, :, :length], self.bits, dv), self.value_scales[:, :, :length],
+                            self.dtype)
         return keys, values
 
     def attends_decode(self) -> bool:

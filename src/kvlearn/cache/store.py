@@ -20,6 +20,12 @@ latent widths, ``read`` returns the latents the attention expands) implements in
   what training with fake-quantized K/V attends.
 - :attr:`Store.requires_append_only`: the store's layout needs slots written in position order and never
   overwritten (KIVI's token groups); a layer refuses to join it to a policy that is not ``append_only``.
+- :meth:`Store.read_prefix` ``(length) -> (k [batch, kv_heads, length, k_dim], v [...])``: the first ``length`` slots
+  as :meth:`read` gives them (default: ``read`` sliced; a packed store dequantizes only those slots).
+- :attr:`Store.write_read_exact`: a write followed by a read gives back exactly :meth:`round_trip` of what was
+  written, whatever else the store holds (per-vector quantization: true for the plain and packed stores; not for
+  KIVI, whose token groups and full-precision window depend on the neighbours). Then a keep-all layer that attends
+  the stored form may write a chunk first and attend the store's filled prefix (``CompactLayer.writes_in_place``).
 
 :class:`PlainStore` keeps the model dtype; :class:`kvlearn.cache.packed.PackedStore` keeps packed integer codes.
 """
@@ -54,6 +60,7 @@ class Store:
 
     read_is_view = False
     requires_append_only = False
+    write_read_exact = False
 
     def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``k, v [batch, kv_heads, q, dim]`` as :meth:`read` returns them after a write (default: unchanged)."""
@@ -67,6 +74,11 @@ class Store:
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError  # pragma: no cover
+
+    def read_prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` slots as :meth:`read` gives them (module docstring)."""
+        k, v = self.read()
+        return k[:, :, :length], v[:, :, :length]
 
     def allocated_bytes(self) -> int:
         raise NotImplementedError  # pragma: no cover
@@ -96,6 +108,7 @@ class PlainStore(Store):
     """K/V in the model dtype: ``keys [batch, kv_heads, capacity, k_dim]``, ``values [..., v_dim]``."""
 
     read_is_view = True
+    write_read_exact = True
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None

@@ -101,6 +101,7 @@ class PretrainConfig:
               f"stages {self.stages} and stage_fractions {self.stage_fractions} must have the same non-zero length")
         check(abs(sum(self.stage_fractions) - 1.0) < 1e-6, f"stage_fractions {self.stage_fractions} must sum to 1")
         check(all(256 <= s <= self.context for s in self.stages), f"stages {self.stages} must lie in [256, context={self.context}]")
+        check_int("num_layers", self.num_layers, 1)
         check(self.num_heads % self.num_kv_heads == 0 and self.num_heads // self.num_kv_heads >= 2 and self.num_kv_heads >= 2,
               f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}: expected >= 2 KV heads and >= 2 query heads per KV head")
         self.dense_fraction = dense_share(self.dense_fraction, "dense_fraction")
