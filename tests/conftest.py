@@ -12,20 +12,31 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def teacher_path(tmp_path_factory):
-    """A tiny random GQA Qwen3 saved once per session (float32, 2 layers, hidden 64, 4 query heads over 2 KV heads of
-    dim 16, the testbed vocabulary, tied embeddings): the dense model the trainer tests distil from. Read only."""
+def make_teacher(tmp_path_factory):
+    """``make(layers, seed) -> folder``: a tiny random GQA Qwen3 saved to a new folder (float32, hidden 64, 4 query
+    heads over 2 KV heads of dim 16, the testbed vocabulary, tied embeddings), weights drawn after
+    ``torch.manual_seed(seed)``."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from kvlearn.testbed.tokenizer import VOCAB_SIZE
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      pad_token_id=0, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("teacher") / "qwen3"
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+    def make(layers: int = 2, seed: int = 0) -> str:
+        torch.manual_seed(seed)
+        cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                          pad_token_id=0, tie_word_embeddings=True)
+        path = tmp_path_factory.mktemp("teacher") / "qwen3"
+        Qwen3ForCausalLM(cfg).save_pretrained(path)
+        return str(path)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def teacher_path(make_teacher):
+    """A tiny random GQA Qwen3 of 2 layers saved once per session (``make_teacher``): the dense model the trainer tests
+    distil from. Read only."""
+    return make_teacher(2, 0)
 
 
 @pytest.fixture(autouse=True)

@@ -46,17 +46,9 @@ def one_line(err) -> str:
 
 
 @pytest.fixture(scope="module")
-def teacher4(tmp_path_factory):
+def teacher4(make_teacher):
     """A 4-layer tiny GQA Qwen3 with the testbed vocabulary, saved (the trainer reads a folder)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(3)
-    cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      pad_token_id=0, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("teacher4") / "qwen3"
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+    return make_teacher(4, 3)
 
 
 def test_mask_and_feasible_range_follow_share_layers():
