@@ -25,9 +25,9 @@ Architecture (:class:`KaizenSelector`):
   (``docs/DESIGN.md`` section 8, "Spending a loose target");
 - **heads**: one linear head per layer, ``logits[:, l] = W_l h + b_l`` over that layer's allowed actions of
   :func:`~kvlearn.kaizen.actions.action_space`; disallowed ones (:func:`~kvlearn.kaizen.actions.action_mask`:
-  ``share`` at layer 0, and at every layer ``share_layers`` does not list when it is given) are ``-inf``. ``W_l`` starts at zero and ``b_l`` gives the least compressed action
-  (index 0: 16 bits, no sharing) a margin ``init_margin`` over the others: at init that action is the argmax at
-  every layer, for every prompt and target.
+  ``share`` at layer 0, and at every layer ``share_layers`` does not list when it is given) are ``-inf``. ``W_l``
+  starts at zero and ``b_l`` gives the least compressed action (index 0: 16 bits, no sharing) a margin
+  ``init_margin`` over the others: at init that action is the argmax at every layer, for every prompt and target.
 
 Sampling: during training :func:`gumbel_straight_through` (temperature annealed from 2.0 to 0.1 by the trainer,
 :func:`temperature_at`): a hard one-hot forward, the Gumbel-softmax gradient backward. At evaluation the argmax of

@@ -241,9 +241,7 @@ def build_models(config: KaizenTrainConfig, device: torch.device):
     teacher.requires_grad_(False)
     student = copy.deepcopy(teacher)
     share_layers, report = resolve_share_layers(config, attach(student), device)
-    method = config.method_config(share_layers)
-    method.check_targets(Backbone.from_model(student))  # one-line error if the allowed sharing cannot reach a target
-    apply_kaizen(student, method)
+    apply_kaizen(student, config.method_config(share_layers))  # checks the targets against the allowed sharing
     student.requires_grad_(True)
     student.train()
     return teacher, student, report
