@@ -104,6 +104,10 @@ def test_bad_share_layers_are_one_line_errors(teacher4, tmp_path):
     with pytest.raises(KVLearnError) as e:
         KaizenTrainConfig(model=teacher4, out=str(tmp_path / "o"), share_layers="some", steps=1, seq_len=SEQ)
     one_line(e)
+    with pytest.raises(KVLearnError) as e:  # no depth axis: nothing to restrict
+        KaizenTrainConfig(model=teacher4, out=str(tmp_path / "o"), share_layers="auto", axes=("precision",), steps=1,
+                          seq_len=SEQ)
+    assert "depth" in one_line(e)
     with pytest.raises(KVLearnError) as e:
         allowed_share_layers([None, 0.1], threshold=-1)
     assert ">= 0" in one_line(e)

@@ -167,6 +167,9 @@ class KaizenTrainConfig:
             check(isinstance(self.share_layers, (list, tuple)),
                   f"share_layers={self.share_layers!r} is invalid: expected layer indices >= 1, 'auto' or None")
             self.share_layers = tuple(self.share_layers)
+        check(self.share_layers is None or self.axes is None or "depth" in self.axes,
+              f"share_layers={self.share_layers!r} needs the depth axis: axes={self.axes!r} has no sharing to restrict "
+              "(add depth to the axes, or leave share_layers out)")
         check_non_negative("share_threshold", self.share_threshold)
         check_int("share_rows", self.share_rows, 1)
         check(self.penalty_cost in PENALTY_COSTS,
