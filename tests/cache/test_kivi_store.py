@@ -204,3 +204,74 @@ def test_decode_through_the_kivi_kernel_equals_the_read_back(run_in_triton_inter
     """)
     out = run_in_triton_interpreter(script)
     assert out.count("kivi OK") == 2, out
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_chunked_writes_quantize_only_their_blocks_and_prefix_reads_are_the_sliced_read(bits, monkeypatch):
+    """Prefill in several multi-token chunks (row 1 behind row 0 by a padding gap): after every chunk ``read()``
+    equals the brute-force KIVI and ``read_prefix(L)`` equals ``read()[:, :, :L]`` for every L; and each chunk's key
+    quantization is handed only the blocks from the earliest row's current block to the last completed one (never
+    the whole capacity)."""
+    import kvlearn.cache.kivi as kivi_module
+    g, r, gv, cap, h, d = 4, 8, 8, 61, 2, 16
+    store = KIVIStore(bits, group_size=g, residual=r, value_group_size=gv)
+    store.allocate(2, h, cap, d, d, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(10 + bits)
+    k, v = torch.randn(2, h, cap, d, generator=gen), torch.randn(2, h, cap, d, generator=gen)
+    spans = []
+    quantize = kivi_module.kivi_quantize_keys
+    monkeypatch.setattr(kivi_module, "kivi_quantize_keys", lambda x, *a: spans.append(x.shape[2]) or quantize(x, *a))
+    n = [0, 0]
+    for chunk in (5, 11, 3, 17, 9, 6):
+        take = [chunk, chunk - 2 if n[1] == 0 else chunk]  # row 1: two padding columns in its first chunk
+        slots = torch.tensor([list(range(n[0], n[0] + take[0])),
+                              [-1] * (chunk - take[1]) + list(range(n[1], n[1] + take[1]))])
+        idx = slots.clamp(min=0)
+        ks = torch.stack([k[i][:, idx[i]] for i in range(2)])
+        vs = torch.stack([v[i][:, idx[i]] for i in range(2)])
+        before = list(n)
+        spans.clear()
+        store.write(slots[:, None].expand(2, h, chunk), ks, vs)
+        n = [n[0] + take[0], n[1] + take[1]]
+        lo, hi = min(before) // r * r, min(cap // r * r, max(n) // r * r)  # the last block any row completes
+        assert spans == ([hi - lo] if hi > lo else []), (spans, before, n)
+        keys, values = store.read()
+        for row in range(2):
+            torch.testing.assert_close(keys[row], brute_force(k[row], n[row], bits, g, r, gv, True), atol=1e-5, rtol=0)
+            torch.testing.assert_close(values[row], brute_force(v[row], n[row], bits, g, r, gv, False), atol=1e-5,
+                                       rtol=0)
+        for length in sorted({0, 1, min(n), max(n), r, r + 3, 2 * r - 1, cap - 1, cap}):
+            pk, pv = store.read_prefix(length)
+            assert pk.shape == (2, h, length, d) and pv.shape == (2, h, length, d)
+            assert torch.equal(pk, keys[:, :, :length]) and torch.equal(pv, values[:, :, :length])
+    assert n == [51, 49]
+
+
+def test_a_keep_all_kivi_prefill_reads_only_the_filled_prefix(monkeypatch):
+    """In a chunked prefill each KIVI layer attends the ``seen`` slots it filled plus the chunk (``read_prefix``),
+    never the whole store, with the logits of the path that attends every slot (the policy's ``append_only`` turned
+    off on the instance) and of decoding afterwards."""
+    model = attach(tiny_model(5))
+    ids = torch.randint(1, model.config.vocab_size, (2, 44), generator=torch.Generator().manual_seed(6))
+
+    def run(cache):
+        with torch.no_grad():
+            out = [model(input_ids=ids[:, a:b], past_key_values=cache, use_cache=True).logits
+                   for a, b in ((0, 9), (9, 22), (22, 35))]
+            out += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                    for t in range(35, 44)]
+        return torch.cat(out, dim=1)
+
+    lengths, whole = [], []
+    read_prefix, read = KIVIStore.read_prefix, KIVIStore.read
+    monkeypatch.setattr(KIVIStore, "read_prefix", lambda self, n: lengths.append(n) or read_prefix(self, n))
+    monkeypatch.setattr(KIVIStore, "read", lambda self: whole.append(1) or read(self))
+    fast = run(kivi_cache(model, 64, bits=2, group_size=4, residual=8))
+    assert sorted(set(lengths)) == [0, 9, 22] and len(lengths) == 3 * 2 and len(whole) == 9 * 2  # decode: read()
+    slow_cache = kivi_cache(model, 64, bits=2, group_size=4, residual=8)
+    for layer in slow_cache.layers:
+        layer.policy.append_only = False  # attend every slot (the empty ones masked), as before
+    lengths.clear()
+    slow = run(slow_cache)
+    assert lengths == []
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)

@@ -161,31 +161,43 @@ class KIVIStore(Store):
         self.filled = n_new
 
     def _quantize_key_blocks_multi(self, slots, k, n_old, n_new) -> None:
-        """Multi-token write: the full-precision keys of every slot (old window + new tokens), then quantize the
-        blocks that complete in this write (``n_old < (j+1) R <= n_new``)."""
+        """Multi-token write: the full-precision keys of the blocks of ``R`` slots that complete in this write
+        (``n_old < (j+1) R <= n_new``: old window + new tokens), quantized and written; only the slots from the
+        earliest row's current block to the last completed block are built (one host sync: prefill only), so a
+        chunk costs its own blocks, not the capacity."""
         b, h = slots.shape[:2]
-        r, g, cap, qs = self.residual, self.group_size, self.capacity, self.quantized_slots
-        arange = torch.arange(cap, device=k.device)
-        ring = (arange % r)[None, None, :, None].expand(b, h, cap, k.shape[-1])
-        base_old = n_old // r * r
-        old = (arange[None, :] >= base_old[:, None]) & (arange[None, :] < n_old[:, None])  # [batch, cap]
-        full = torch.where(old[:, None, :, None], torch.gather(self.key_window, 2, ring), torch.zeros_like(ring,
-                                                                                                          dtype=k.dtype))
-        scatter_slots(full, slots, k)
-        kc, ks, km = kivi_quantize_keys(full[:, :, :qs], self.bits, g)
-        block_end = (torch.arange(qs // r, device=k.device) + 1) * r  # [blocks]
+        r, g, qs = self.residual, self.group_size, self.quantized_slots
+        lo = int(n_old.min()) // r * r
+        hi = min(qs, int(n_new.max()) // r * r)
+        if hi <= lo:
+            return  # no block completes
+        arange = torch.arange(lo, hi, device=k.device)
+        ring = (arange % r)[None, None, :, None].expand(b, h, hi - lo, k.shape[-1])
+        old = (arange[None, :] >= (n_old // r * r)[:, None]) & (arange[None, :] < n_old[:, None])  # [batch, span]
+        full = torch.where(old[:, None, :, None], torch.gather(self.key_window, 2, ring),
+                           torch.zeros((), dtype=k.dtype, device=k.device))
+        scatter_slots(full, torch.where((slots >= lo) & (slots < hi), slots - lo, torch.full_like(slots, -1)), k)
+        kc, ks, km = kivi_quantize_keys(full, self.bits, g)
+        block_end = lo + (torch.arange((hi - lo) // r, device=k.device) + 1) * r  # [blocks]
         new = (n_old[:, None] < block_end) & (block_end <= n_new[:, None])  # [batch, blocks]
         slot_new = new.repeat_interleave(r, dim=1)[:, None, :, None]
         group_new = new.repeat_interleave(r // g, dim=1)[:, None, :, None]
-        self.key_codes.copy_(torch.where(slot_new, self._pack(kc), self.key_codes))
-        self.key_scale.copy_(torch.where(group_new, ks, self.key_scale))
-        self.key_min.copy_(torch.where(group_new, km, self.key_min))
+        codes, scale, minimum = (self.key_codes[:, :, lo:hi], self.key_scale[:, :, lo // g:hi // g],
+                                 self.key_min[:, :, lo // g:hi // g])
+        codes.copy_(torch.where(slot_new, self._pack(kc), codes))
+        scale.copy_(torch.where(group_new, ks, scale))
+        minimum.copy_(torch.where(group_new, km, minimum))
 
     # ----- read -----
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot in the compute dtype ``[batch, kv_heads, capacity, dim]``: dequantized, except the window's
         tokens (full precision); empty slots read as zeros (:func:`kvlearn.ops.kivi_decode.kivi_read`)."""
         return kivi_read(*self._buffers(), self.bits, self.dtype)
+
+    def read_prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` slots as :meth:`read` gives them, dequantizing only those (and the rest of their last
+        key block): a keep-all prefill attends the ``seen`` slots it filled, not the whole capacity."""
+        return kivi_read(*self._buffers(), self.bits, self.dtype, length=length)
 
     def attends_decode(self) -> bool:
         """True where the KIVI decode kernel runs (CUDA with triton, or Triton's CPU interpreter) and the head dim

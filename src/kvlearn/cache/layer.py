@@ -13,9 +13,11 @@ One forward of the model with ``q`` new tokens:
    (decoding) the token is written into its slot first and the whole store is returned (``capacity`` keys; or no
    keys at all when the store attends the step itself, :meth:`Store.attends_decode`: the packed store on the GPU,
    whose kernel reads the codes, for policies that need no attention back); for
-   ``q > 1`` the old store followed by the ``q`` new tokens is returned (``capacity + q`` keys) and the survivors are
+   ``q > 1`` the old store followed by the ``q`` new tokens is returned (``capacity + q`` keys; ``seen + q`` under
+   an append-only policy, whose slots past ``seen`` are empty: :meth:`Store.read_prefix`) and the survivors are
    written after (or, for a policy that decides after attending, in :meth:`CompactLayer.observe_attention`).
-   This is exactly what :meth:`CompactLayer.get_mask_sizes` promises.
+   :meth:`CompactLayer.get_mask_sizes` promises the upper bound; the masks are the layer's own
+   (:meth:`CompactLayer.visibility_mask`), sized to the keys returned.
 3. The attention function asks the layer for the visibility mask of the returned keys: key ``j`` is visible to a
    query at position ``p`` iff ``start_j <= p < end_j``, ``start_j`` the key's position and ``end_j`` the first query
    position at which the policy has evicted it (``dense`` forwards: every earlier key is visible). A policy that
@@ -133,17 +135,20 @@ class CompactLayer(CacheLayerMixin):
             self._visible = (self.slot_positions[..., :filled], None, -1)
         else:
             self.store_attends = False
-            stored_k, stored_v = self.store.read()
+            # an append-only policy fills slots 0..seen-1 only: attend those (KIVI's prefill), not the whole capacity
+            stored = min(self.seen, self.capacity) if self.policy.append_only and not plan.defer else self.capacity
+            stored_k, stored_v = self.store.read_prefix(stored) if stored < self.capacity else self.store.read()
             new_k, new_v = (self.store.round_trip(key_states, value_states) if self.attend_stored_form
                             else (key_states, value_states))
             keys = torch.cat([stored_k, new_k], dim=2)
             values = torch.cat([stored_v, new_v], dim=2)
-            start = torch.cat([self.slot_positions.to(torch.int64), new_pos], dim=2)
+            start = torch.cat([self.slot_positions[..., :stored].to(torch.int64), new_pos], dim=2)
             end = None
             if not (step.dense or plan.defer):
-                old_end = plan.old_end if plan.old_end is not None else torch.full_like(start[..., : self.capacity], NEVER)
+                old_end = (plan.old_end[..., :stored] if plan.old_end is not None
+                           else torch.full_like(start[..., :stored], NEVER))
                 end = torch.cat([old_end, plan.new_end], dim=2)
-            self._visible = (start, end, self.capacity)
+            self._visible = (start, end, stored)
             if plan.defer:
                 state = {n: torch.cat([self.slot_state[n], plan.new_state[n].to(self.slot_state[n].dtype)], dim=2)
                          for n in self.slot_state}

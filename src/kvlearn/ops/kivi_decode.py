@@ -75,18 +75,32 @@ def _unsigned(packed: Tensor, bits: int, n: int) -> Tensor:
 
 
 def kivi_read(key_codes, key_scale, key_min, value_codes, value_scale, value_min, key_window, value_window, filled,
-              bits: int, dtype) -> tuple[Tensor, Tensor]:
+              bits: int, dtype, length: int | None = None) -> tuple[Tensor, Tensor]:
     """Every slot of a KIVI store in ``dtype``, ``[batch, kv_heads, capacity, dim]`` keys and values (module
-    docstring: quantized slots dequantized, the window's tokens in full precision, slots past ``filled`` zeros)."""
+    docstring: quantized slots dequantized, the window's tokens in full precision, slots past ``filled`` zeros).
+    ``length``: only the first ``length`` slots (``[batch, kv_heads, length, dim]``, the same values), dequantizing
+    only the key blocks of ``R`` slots and the values that hold them."""
     dk, dv = key_window.shape[-1], value_window.shape[-1]
+    r = key_window.shape[2]
+    check(length is None or (isinstance(length, int) and length >= 0),
+          f"length={length!r} is invalid: expected None or an int >= 0")
+    if length is not None and length < value_codes.shape[2]:
+        qs = key_codes.shape[2]
+        blocks = min(qs, -(-length // r) * r)  # whole key blocks (a multiple of R, so of the key group G)
+        groups = blocks * key_scale.shape[2] // qs if qs else 0
+        keys, values = kivi_read(key_codes[:, :, :blocks], key_scale[:, :, :groups], key_min[:, :, :groups],
+                                 value_codes[:, :, :length], value_scale[:, :, :length], value_min[:, :, :length],
+                                 key_window, value_window, filled, bits, dtype)
+        return keys, values
     b, h, cap = value_codes.shape[:3]
-    r, qs = key_window.shape[2], key_codes.shape[2]
+    qs = key_codes.shape[2]
     arange = torch.arange(cap, device=filled.device)[None, :]
     n = filled[:, None]
     keys = (kivi_dequantize_keys(_unsigned(key_codes, bits, dk), key_scale, key_min, dtype) if qs > 0
             else key_window.new_zeros(b, h, 0, dk).to(dtype))  # capacity < R: every key lives in the window
     if qs < cap:
         keys = torch.cat([keys, keys.new_zeros(b, h, cap - qs, dk)], dim=2)
+    keys = keys[:, :, :cap]  # (a prefix read: its last key block may run past the prefix)
     values = kivi_dequantize_values(_unsigned(value_codes, bits, dv), value_scale, value_min, dtype)
     out = []
     for x, window, first in ((keys, key_window, n // r * r), (values, value_window, n - r)):
