@@ -23,7 +23,8 @@ chiefly the bf16 probabilities of the value product, as in flash attention). ``-
 variant replayed from a CUDA graph, so the kernels are timed without the host's Python and launch overhead (what a
 compiled / graph-captured decode loop pays), and ``fused_over_bf16_graph``. ``--graph --sweep`` adds the fused
 kernel's graph-replayed time over a launch grid: for the packed store block_c x split (:func:`launch_sweep`), to
-choose :func:`kvlearn.ops.packed_decode.default_split` by measurement; for KIVI the launches of :data:`KIVI_SWEEP`
+choose :func:`kvlearn.ops.packed_decode.default_split` by measurement (``--sweep-warps`` instead: the launches of
+:data:`PACKED_SWEEP`, tile x warps x pipeline stages x split, :func:`packed_launch_sweep`); for KIVI the launches of :data:`KIVI_SWEEP`
 (:func:`kivi_launch_sweep`: key path, tile, warps, stages, split). Every sweep entry also records its largest
 difference from ``read_then_attend`` (``sweep_max_abs_diff``); one above :data:`MAX_ABS_DIFF` is listed in
 ``sweep_wrong`` and never chosen as ``sweep_best``. KV-Kaizen's acceptance asks ``fused / bf16 <= 1`` at 131k
@@ -55,6 +56,12 @@ KIVI_SWEEP = (
     ("broadcast", 64, 4, 2, 1), ("broadcast", 64, 8, 2, 1), ("broadcast", 128, 4, 2, 1), ("broadcast", 128, 8, 2, 1),
     ("gather", 32, 4, 2, 1), ("gather", 64, 8, 2, 1),
 )
+
+# --store packed --graph --sweep-warps: (block_c, num_warps, num_stages, split as a multiple of the default split);
+# the first is the default launch. The block_c x split grid (launch_sweep) found the default fastest at 131k
+# (results/raw/packed_decode_sweep_h200_f23f460.json); this grid asks the warps and the software pipeline.
+PACKED_SWEEP = tuple((bc, w, st, f) for bc in (64, 128) for w in (4, 2, 8) for st in (2, 1, 3, 4) for f in (1, 0.5)
+                     if not (bc == 128 and f == 0.5))
 
 # a fused launch further than this from read_then_attend (largest absolute difference) is wrong, not merely rounded
 # (the kernels measured ~1e-4 at bf16 on the H200; a miscompiled launch 0.19)
@@ -160,6 +167,8 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
 
             if store_kind == "kivi":
                 extra.update(kivi_launch_sweep(make, context, hkv, iters, device, ms_graph["bf16"]))
+            elif sweep == "warps":
+                extra.update(packed_launch_sweep(make, context, hkv, iters, device, ms_graph["bf16"]))
             else:
                 extra.update(launch_sweep(lambda bc, sp: make(block_c=bc, split=sp), context, iters, device,
                                           ms_graph["bf16"]))
@@ -205,6 +214,26 @@ def launch_sweep(make, context: int, iters: int, device, bf16_ms: float) -> dict
     return _sweep_summary(times, diffs, bf16_ms)
 
 
+def packed_launch_sweep(make, context: int, kv_heads: int, iters: int, device, bf16_ms: float,
+                        variants=PACKED_SWEEP) -> dict:
+    """The packed kernel's graph-replayed time over ``variants`` (:data:`PACKED_SWEEP`: tile, warps, pipeline
+    stages, split as a multiple of the default): ``make(block_c=, split=, num_warps=, num_stages=)`` returns the
+    callable to time and the launch's largest difference from read_then_attend. ``sweep`` maps
+    ``"block_c/split/num_warps/num_stages"`` to ms (or the first line of the error of a launch that failed), the
+    rest as :func:`_sweep_summary` says (``sweep_best``: the fastest right launch)."""
+    times, diffs = {}, {}
+    for block_c, warps, stages, factor in variants:
+        split = max(block_c, int(default_split(context, kv_heads, block_c, device) * factor))
+        name = f"{block_c}/{split}/{warps}/{stages}"
+        try:
+            fn, diff = make(block_c=block_c, split=split, num_warps=warps, num_stages=stages)
+            times[name] = round(timed(fn, iters, device), 4)
+            diffs[name] = diff
+        except Exception as e:  # one launch that fails to compile or run is reported, not fatal
+            times[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return _sweep_summary(times, diffs, bf16_ms)
+
+
 def kivi_launch_sweep(make, context: int, kv_heads: int, iters: int, device, bf16_ms: float,
                       variants=KIVI_SWEEP) -> dict:
     """The KIVI kernel's graph-replayed time over ``variants`` (:data:`KIVI_SWEEP`): ``make(key_path=, block_c=,
@@ -236,6 +265,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true",
                    help="with --graph: also time the fused kernel over its launch grid (block_c x split; --store kivi: "
                         "the launches of KIVI_SWEEP), each checked against read_then_attend")
+    p.add_argument("--sweep-warps", action="store_true",
+                   help="with --graph --store packed: sweep PACKED_SWEEP (tile x warps x pipeline stages x split) "
+                        "instead of the block_c x split grid")
     p.add_argument("--store", default="packed", choices=("packed", "kivi"),
                    help="packed: PackedStore and kvlearn.ops.packed_decode; kivi: KIVIStore (G = 32, R = 128) and "
                         "kvlearn.ops.kivi_decode")
@@ -254,7 +286,8 @@ def main(argv=None) -> int:
     for c in contexts:
         for b in (int(x) for x in args.bits.split(",")):
             rows.append(row(c, b, *shape, iters=args.iters, device=device, backend=backend,
-                            graph=args.graph and device.type == "cuda", sweep=args.sweep, store_kind=args.store))
+                            graph=args.graph and device.type == "cuda",
+                            sweep="warps" if args.sweep_warps else args.sweep, store_kind=args.store))
             print(rows[-1], flush=True)
     if args.out:
         write_results(args.out, make_results("speed", rows, device=str(device)))

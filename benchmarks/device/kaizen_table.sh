@@ -24,7 +24,8 @@
 # Each selector's rows run in their own process after training, with --no-control (the first baseline part measures it).
 # BASELINE_PARTS (default '--first-factors 4,8'): the training-free part's kaizen_table.py options; several parts
 # separated by ';' run as that many processes side by side, the first measuring the control, the others with
-# --no-control (e.g. '--factors 2 --baselines static,dp_search,random --compose-factors none;--factors 16 ...').
+# --no-control (e.g. '--factors 2 --baselines static,dp_search,random --compose-factors none;--factors 16 ...');
+# 'none': no training-free part (the selectors alone get the GPU; their rows are compared with a committed control).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kaizen_table.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -41,6 +42,7 @@ run() {  # the command, or with DRY_RUN=1 its line
 }
 parts=()
 IFS=';' read -ra baseline_parts <<< "${BASELINE_PARTS:---first-factors 4,8}"
+[ "${BASELINE_PARTS:-}" = none ] && baseline_parts=()
 i=0
 for part_args in "${baseline_parts[@]}"; do
     name=baselines; [ "$i" -gt 0 ] && name=baselines$i

@@ -112,6 +112,37 @@ def test_kivi_launch_sweep_times_every_variant_and_reports_failures():
     assert r["sweep_best"].startswith("gather/64/")
 
 
+def test_packed_launch_sweep_times_tiles_warps_stages_and_splits():
+    """The packed warps sweep builds every launch of PACKED_SWEEP (the default first) with its split from the
+    default, reports a launch that fails, never names a wrong one the best, and names the fastest right one."""
+    import time
+
+    import torch
+
+    script = load_script()
+    made = []
+
+    def make(**launch):
+        made.append(launch)
+        if launch["num_warps"] == 8 and launch["num_stages"] == 4:
+            raise RuntimeError("out of resources: shared memory\nmore")
+        diff = 0.5 if (launch["num_warps"], launch["num_stages"]) == (2, 1) else 1e-4
+        fast = (launch["block_c"], launch["num_warps"], launch["num_stages"]) in ((128, 2, 1), (64, 8, 3))
+        return (lambda: time.sleep(0.0 if fast else 0.002)), diff
+
+    variants = script.PACKED_SWEEP
+    r = script.packed_launch_sweep(make, 131072, 8, iters=1, device=torch.device("cpu"), bf16_ms=1.0)
+    assert variants[0] == (64, 4, 2, 1)  # the default launch first
+    assert {v[1] for v in variants} == {2, 4, 8} and {v[2] for v in variants} == {1, 2, 3, 4}
+    assert [(m["block_c"], m["num_warps"], m["num_stages"]) for m in made] == [v[:3] for v in variants]
+    default = script.default_split(131072, 8, 64, torch.device("cpu"))
+    assert made[0]["split"] == default and made[1]["split"] == default // 2
+    failed = [k for k, v in r["sweep"].items() if isinstance(v, str)]
+    assert failed and all(k.endswith("/8/4") and "out of resources" in r["sweep"][k] for k in failed)
+    assert all(k.endswith("/2/1") for k in r["sweep_wrong"]) and r["sweep_wrong"]
+    assert r["sweep_best"].startswith("64/") and r["sweep_best"].endswith("/8/3")  # (128, 2, 1) is fast but wrong
+
+
 def test_kivi_launch_sweep_without_a_right_launch_names_no_best():
     """When every launch is further than MAX_ABS_DIFF from read_then_attend, all are wrong and none is the best."""
     import torch
@@ -141,4 +172,7 @@ def test_launch_sweep_on_cuda_agrees_with_the_default_launch():
     ref = packed_decode_attention(*args, backend="triton")
     for block_c, split in ((32, 128), (64, 256), (128, 1024), (64, 4096)):
         out = packed_decode_attention(*args, backend="triton", block_c=block_c, split=split)
+        torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
+    for block_c, warps, stages in ((64, 2, 1), (64, 8, 3), (128, 4, 4), (128, 8, 2)):  # the warps sweep's launches
+        out = packed_decode_attention(*args, backend="triton", block_c=block_c, num_warps=warps, num_stages=stages)
         torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
