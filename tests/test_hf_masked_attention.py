@@ -97,3 +97,72 @@ def test_rows_per_chunk_bound_the_float_mask_sdpa_builds():
     assert query_rows_per_chunk(1, 40, 8, 8, kv, limit, cuda=True) == limit // (40 * kv * 4) == 25
     assert query_rows_per_chunk(1, 40, 8, 1, kv, limit, cuda=False) == 25
     assert query_rows_per_chunk(2, 4, 2, 1, 10**12, 1, cuda=True) == 1  # never below one row
+
+
+@pytest.mark.parametrize("mask_rows", [Q, 1])
+@pytest.mark.parametrize("limit", [None, 3 * B * 1 * KV * 4])  # one call; 3 rows per call on the broadcast bound
+def test_one_kv_head_broadcasts_kv_and_mask_over_the_query_heads(mask_rows, limit, monkeypatch):
+    """MQA (the absorbed MLA attention): the broadcast path hands SDPA the one KV head as stride-0 views over the
+    query heads (no copy) and the shared mask unrepeated, and equals the brute-force reference and the fold."""
+    hq = 4
+    query = torch.randn(B, hq, Q, D)
+    key, value = torch.randn(B, 1, KV, D), torch.randn(B, 1, KV, DV)
+    mask = make_mask(1, mask_rows)
+    scaling = D ** -0.5
+    expected = reference(query, key, value, mask, scaling)
+    sdpa, seen = F.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((q.shape, k.shape, k.stride(1), k.data_ptr(), attn_mask.shape))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    out = masked_attention(query, key, value, mask, scaling, max_mask_bytes=limit, broadcast=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # the CPU bound counts every query head's scores (the math path): the limit that holds 3 rows on CUDA holds
+    # limit // (B * hq * KV * 4) = 0 -> 1 row per call here
+    rows = Q if limit is None else 1
+    assert [s[0][2] for s in seen] == [min(rows, Q - s) for s in range(0, Q, rows)]
+    for q_shape, k_shape, k_head_stride, ptr, m_shape in seen:
+        assert q_shape[1] == hq and k_shape[1] == hq and k_head_stride == 0 and ptr == key.data_ptr()
+        assert m_shape[1] == 1 and m_shape[2] in (1, q_shape[2])  # the mask is never repeated over the heads
+    seen.clear()
+    folded = masked_attention(query, key, value, mask, scaling, max_mask_bytes=limit)  # the CPU default folds
+    assert all(q_shape[1] == 1 and q_shape[2] % hq == 0 for q_shape, *_ in seen)
+    torch.testing.assert_close(folded, out, atol=1e-5, rtol=1e-5)
+    # per-KV-head masks or several KV heads: broadcast=True is ignored and the fold is taken (same result)
+    key2, value2 = torch.randn(B, 2, KV, D), torch.randn(B, 2, KV, DV)
+    mask2 = make_mask(2, mask_rows)
+    torch.testing.assert_close(masked_attention(query, key2, value2, mask2, scaling, broadcast=True),
+                               reference(query, key2, value2, mask2, scaling), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_per_chunk_of_the_one_kv_head_path():
+    """Hand-computed, the absorbed MLA prefill at 131,091 keys, 512 MiB, 40 query heads over one latent head on CUDA:
+    folding repeats the shared mask 40 times (25 rows per call); broadcasting it holds 40 times the rows (1023)."""
+    limit, kv = 512 * 2**20, 131_091
+    folded = query_rows_per_chunk(1, 40, 1, 1, kv, limit, cuda=True)
+    broadcast = query_rows_per_chunk(1, 40, 40, 1, kv, limit, cuda=True)
+    assert folded == limit // (40 * kv * 4) == 25
+    assert broadcast == limit // (kv * 4) == 1023
+    calls = [-(-4096 // rows) for rows in (broadcast, folded)]  # SDPA calls per 4096-token prefill chunk
+    assert calls == [5, 164]
+
+
+@pytest.mark.gpu
+def test_one_kv_head_broadcast_on_cuda_matches_the_fold_and_takes_fewer_calls():
+    """On CUDA the default broadcasts from BROADCAST_MIN_QUERIES queries; bf16 result equals the float32 fold."""
+    from kvlearn.hf import BROADCAST_MIN_QUERIES
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    hq, q, kv, d, dv = 40, 4 * BROADCAST_MIN_QUERIES, 4096, 192, 128
+    query = torch.randn(1, hq, q, d, device=dev, dtype=torch.bfloat16)
+    key = torch.randn(1, 1, kv, d, device=dev, dtype=torch.bfloat16)
+    value = torch.randn(1, 1, kv, dv, device=dev, dtype=torch.bfloat16)
+    pos = torch.arange(kv, device=dev)
+    mask = (pos[None, :] <= (kv - q + torch.arange(q, device=dev))[:, None])[None, None]  # causal, offset
+    limit = 64 * kv * 4  # 64 broadcast rows per call, 1 folded row
+    out = masked_attention(query, key, value, mask, d ** -0.5, max_mask_bytes=limit)
+    ref = masked_attention(query.float(), key.float(), value.float(), mask, d ** -0.5, max_mask_bytes=limit,
+                           broadcast=False)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -29,6 +29,7 @@ from .errors import KVLearnError, check, check_int
 
 ATTENTION_NAME = "kvlearn"
 MAX_MASK_BYTES = 512 * 2**20  # masked_attention: the largest float mask SDPA may build before the queries are chunked
+BROADCAST_MIN_QUERIES = 64  # masked_attention: from this many queries, one KV head broadcasts instead of folding (CUDA)
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 
@@ -125,7 +126,8 @@ def store_decode_attention(layer, query: torch.Tensor, mask: torch.Tensor, scali
 
 
 def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                     scaling: float | None, *, max_mask_bytes: int | None = None) -> torch.Tensor:
+                     scaling: float | None, *, max_mask_bytes: int | None = None,
+                     broadcast: bool | None = None) -> torch.Tensor:
     """SDPA of ``query [batch, q_heads, q, head_dim]`` over ``key, value [batch, kv_heads, kv, head_dim]`` (GQA, not
     expanded) under the boolean ``mask [batch, P, q, kv]`` (``P`` = 1: one mask for every head, or ``kv_heads``).
     Returns ``[batch, q, q_heads, head_dim]`` (transformers' attention output layout).
@@ -136,14 +138,28 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     rows of the mask; query rows are independent, so the result is the same. The K/V are never expanded to the query
     heads: each KV head's group of query heads is folded into the query axis (:func:`_grouped_sdpa`). Expanding them
     had copied ``g`` times the whole cache per layer and call: at 131k tokens, 40 query heads over 8 KV heads of 128,
-    2.7 GB of K/V per layer for every decode step of the read-back paths, the bf16 cache's included."""
+    2.7 GB of K/V per layer for every decode step of the read-back paths, the bf16 cache's included.
+
+    One KV head under one shared mask (MQA: the absorbed MLA attention, 40 query heads over one latent head) is the
+    exception. Folding repeats the mask over all ``q_heads`` rows of the fold, so a 512 MiB bias holds ``q_heads``
+    times fewer query rows: at 131k keys, 25 rows per SDPA call and 164 calls per 4096-token prefill chunk, against
+    1023 rows (5 calls) when the mask is not repeated. ``broadcast`` (default: on CUDA from
+    :data:`BROADCAST_MIN_QUERIES` queries) instead hands SDPA the K/V as stride-0 views over the query heads and the
+    mask unrepeated (:func:`_broadcast_sdpa`); nothing is copied. On the CPU SDPA's math path is slower with the
+    broadcast views at decode (one query), so the fold stays the default there."""
     b, hq, q, _ = query.shape
     limit = MAX_MASK_BYTES if max_mask_bytes is None else check_int("max_mask_bytes", max_mask_bytes, 1)
-    rows = query_rows_per_chunk(b, hq, key.shape[1], mask.shape[1], key.shape[2], limit, query.is_cuda)
+    one_head = key.shape[1] == 1 and hq > 1 and mask.shape[1] == 1
+    if broadcast is None:
+        broadcast = query.is_cuda and q >= BROADCAST_MIN_QUERIES
+    broadcast = broadcast and one_head
+    attend = _broadcast_sdpa if broadcast else _grouped_sdpa
+    kv_heads = hq if broadcast else key.shape[1]
+    rows = query_rows_per_chunk(b, hq, kv_heads, mask.shape[1], key.shape[2], limit, query.is_cuda)
     if q <= rows:
-        return _grouped_sdpa(query, key, value, mask, scaling)
+        return attend(query, key, value, mask, scaling)
     per_row = mask.shape[2] == q  # a mask with one row broadcasts over the queries
-    chunks = [_grouped_sdpa(query[:, :, s:s + rows], key, value, mask[:, :, s:s + rows] if per_row else mask, scaling)
+    chunks = [attend(query[:, :, s:s + rows], key, value, mask[:, :, s:s + rows] if per_row else mask, scaling)
               for s in range(0, q, rows)]
     return torch.cat(chunks, dim=1)  # [batch, q, q_heads, head_dim]
 
@@ -178,6 +194,18 @@ def _grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         p, kv = mask.shape[1], mask.shape[-1]
         mf = mask[:, :, None].expand(b, p, g, q, kv).reshape(b, p, g * q, kv)
     out = F.scaled_dot_product_attention(qf, key, value, attn_mask=mf, scale=scaling).reshape(b, hq, q, -1)
+    return out.transpose(1, 2).contiguous()
+
+
+def _broadcast_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                    scaling: float | None) -> torch.Tensor:
+    """:func:`masked_attention` of ``query [batch, q_heads, q, head_dim]`` over one KV head, ``key, value [batch, 1,
+    kv, head_dim]``, under one shared ``mask [batch, 1, q or 1, kv]``, in one SDPA call: the K/V are stride-0 views
+    over the query heads (no copy) and the mask broadcasts over them as it is -> ``[batch, q, q_heads, head_dim]``."""
+    b, hq = query.shape[:2]
+    k = key.expand(b, hq, *key.shape[2:])
+    v = value.expand(b, hq, *value.shape[2:])
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2).contiguous()
 
 
