@@ -27,33 +27,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 from kvlearn.hf import MAX_MASK_BYTES, masked_attention, query_rows_per_chunk
 from kvlearn.results import make_results, write_results
-
-
-def timed(fn, iters: int, device) -> float:
-    """Median milliseconds of ``fn()`` over ``iters`` calls after 2 warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+from packed_decode_speed import timed  # noqa: E402  (benchmarks/: median CUDA-event ms after warm-up)
 
 
 def lower_right(query, key, value, scaling):
