@@ -22,6 +22,9 @@
 # TARGETS (default '4 8'): the selectors trained, one kaizen-train each; an entry may be a comma list (a
 # budget-conditioned selector sampling its target per sequence, e.g. '1,2,4', folder kaizen-t1_2_4, label kaizen1_2_4).
 # Each selector's rows run in their own process after training, with --no-control (the first baseline part measures it).
+# SEEDS (default: one run per target with kaizen-train's default seed): a space list; each target is trained once per
+# seed (`--seed S`, folder kaizen-t<target>_s<S>, label kaizen<target>_s<S>), concurrently, so that the spread of one
+# recipe over seeds is measured in one call.
 # BASELINE_PARTS (default '--first-factors 4,8'): the training-free part's kaizen_table.py options; several parts
 # separated by ';' run as that many processes side by side, the first measuring the control, the others with
 # --no-control (e.g. '--factors 2 --baselines static,dp_search,random --compose-factors none;--factors 16 ...');
@@ -55,20 +58,26 @@ for part_args in "${baseline_parts[@]}"; do
     parts+=("$OUT/kaizen_table_$name.json")
     i=$((i + 1))
 done
-trainers=()
+runs=()  # "target tag seed-options" per selector
 for t in $TARGETS; do
-    tag=${t//,/_}
+    if [ -z "${SEEDS:-}" ]; then runs+=("$t ${t//,/_}"); continue; fi
+    for s in $SEEDS; do runs+=("$t ${t//,/_}_s$s --seed $s"); done
+done
+trainers=()
+for r in "${runs[@]}"; do
+    read -r t tag seed_args <<< "$r"
+    # shellcheck disable=SC2086
     run python3 -m kvlearn.cli kaizen-train --model "$MODEL" --out "$OUT/kaizen-t$tag" --overwrite --target "$t" \
         --minutes "$TRAIN_MINUTES" --seq-len "${SEQ_LEN:-4096}" --batch-size "${BATCH:-8}" --device cuda \
-        --save-interval 100000 ${TRAIN_ARGS:-} > "$OUT/kaizen_train_t$tag.log" 2>&1 &
+        --save-interval 100000 ${TRAIN_ARGS:-} $seed_args > "$OUT/kaizen_train_t$tag.log" 2>&1 &
     trainers+=($!)
 done
 wait "${trainers[@]}"
 tail -n 3 "$OUT"/kaizen_train_t*.log
 left=$(python3 -c "print(max(1.0, round($TOTAL_MINUTES - ($(date +%s) - $start) / 60 - 0.5, 2)))")
 echo "selectors' rows: $left minutes"
-for t in $TARGETS; do
-    tag=${t//,/_}
+for r in "${runs[@]}"; do
+    read -r t tag _ <<< "$r"
     if [ -f "$OUT/kaizen-t$tag/final/config.json" ] || [ "${DRY_RUN:-0}" = 1 ]; then
         run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} \
             --selector "kaizen$tag=$OUT/kaizen-t$tag/final" --no-control --baselines none --compose-factors none \
@@ -82,14 +91,15 @@ done
 wait
 tail -n 20 "$OUT"/kaizen_table_selector_t*.log "$OUT"/kaizen_table_baselines*.log
 if [ "${DRY_RUN:-0}" = 1 ]; then  # fake parts, so that the merge and the plot below run
-    python3 - "$OUT" $TARGETS <<'PY'
+    tags=(); for r in "${runs[@]}"; do read -r _ tag _ <<< "$r"; tags+=("$tag"); done
+    python3 - "$OUT" "${tags[@]}" <<'PY'
 import sys
 from kvlearn.results import make_results, write_results
 row = lambda m, f, **kw: {"method": m, "protocol": "bounded", "split": "eval", "budget": 4096, "context": 4096,
                           "task": "niah", "accuracy": 0.5, "n": 2, "factor": f, "compression": 1 - 1 / f, "model": "teacher", **kw}
 out, targets = sys.argv[1], sys.argv[2:]
-for t in targets:
-    tag = t.replace(",", "_")
+for tag in targets:
+    t = tag.split("_s")[0].replace("_", ",")
     write_results(f"{out}/kaizen_table_selector_t{tag}.json", make_results(
         "accuracy", [row("kaizen", float(t.split(",")[-1]), selector=f"kaizen{tag}")],
         device="cpu", command="s", commit="x"))

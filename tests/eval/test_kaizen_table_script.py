@@ -200,6 +200,29 @@ def test_device_script_splits_targets_and_baseline_parts(tmp_path):
     assert "--selector kaizen16=" in (tmp_path / "kaizen_table_selector_t16.log").read_text()
 
 
+def test_device_script_trains_each_target_once_per_seed(tmp_path):
+    """SEEDS: every target is trained once per seed (``--seed S``, folder and label suffixed ``_s<S>``), and each
+    seed's selector gets its own table process and its own rows in the merged file."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(repo / "src"),
+           "TARGETS": "8", "SEEDS": "1 2", "BASELINE_PARTS": "none"}
+    out = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for s in (1, 2):
+        train = (tmp_path / f"kaizen_train_t8_s{s}.log").read_text()
+        assert f"--out {tmp_path}/kaizen-t8_s{s} " in train and f"--seed {s}" in train and "--target 8 " in train
+        table = (tmp_path / f"kaizen_table_selector_t8_s{s}.log").read_text()
+        assert f"--selector kaizen8_s{s}={tmp_path}/kaizen-t8_s{s}/final" in table
+    assert not (tmp_path / "kaizen_train_t8.log").exists()
+    merged = json.loads((tmp_path / "kaizen_table.json").read_text())
+    assert sorted(r["selector"] for r in merged["rows"]) == ["kaizen8_s1", "kaizen8_s2"]
+
+
 def test_merge_across_runs_clears_the_runs_a_later_kaizen_table_measured(smoke, tmp_path):
     """A table cut by its guard (``--minutes 0``: every run under ``not_run``), merged across runs with a complete
     table of the same plan, leaves nothing under ``not_run``: :func:`kvlearn.results.row_run_key` names each Kaizen
