@@ -402,8 +402,8 @@ def cmd_kaizen_train(args) -> int:
     axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
     config = KaizenTrainConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                                targets=targets, axes=axes, batch_size=args.batch_size, seq_len=args.seq_len,
-                               lr=args.lr, lr_new=args.lr_new, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip,
-                               kd_topk=args.kd_topk, beta=args.beta, eta=args.eta, budget_cap=args.budget_cap,
+                               lr=args.lr, lr_schedule=args.lr_schedule, lr_new=args.lr_new,
+                               warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, kd_topk=args.kd_topk, beta=args.beta, eta=args.eta, budget_cap=args.budget_cap,
                                dense_fraction=args.dense_fraction, penalty_cost=args.penalty_cost,
                                underuse_weight=args.underuse_weight,
                                target_head=None if args.target_head is None else args.target_head == "1",
@@ -499,14 +499,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvlearn: error: {message.splitlines()[0]} (see: {self.prog} --help)\n")
 
 
-def add_trainer_options(sp, existing: str, new: str) -> None:
+def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "constant") -> None:
     """The options ``kvlearn retrofit`` and ``kvlearn kaizen-train`` share: length, batch, the two learning rates
     (``existing`` weights at a constant rate, ``new`` ones warmed up), clipping, distillation, checkpoints, plumbing."""
     sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
     sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
     sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     sp.add_argument("--seq-len", type=int, default=4096, help="tokens per training sequence (testbed examples)")
-    sp.add_argument("--lr", type=float, default=1e-5, help=f"learning rate of {existing} (constant)")
+    sp.add_argument("--lr", type=float, default=1e-5, help=f"learning rate of {existing} ({existing_schedule})")
     sp.add_argument("--lr-new", type=float, default=1e-3, help=f"peak learning rate of {new}")
     sp.add_argument("--warmup-steps", type=int, default=100, help=f"warm-up steps of the learning rate of {new}")
     sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
@@ -715,7 +715,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--share-threshold", type=float, default=None,
                     help="with --share-layers auto: the largest increase of the distillation loss (nats per "
                          "supervised token) a shared layer may cost (default 0.05)")
-    add_trainer_options(sp, "the backbone", "the selector")
+    sp.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
+                    help="the backbone's learning rate over the run: --lr throughout, or a cosine from --lr down to a "
+                         "tenth of it (no warm-up)")
+    add_trainer_options(sp, "the backbone", "the selector", "constant, or the peak of --lr-schedule cosine")
     sp.set_defaults(func=cmd_kaizen_train)
 
     sp = sub.add_parser("convert-mla", help="convert a GQA model to MLA (KV-Kaizen's rank axis), calibrated on testbed data")

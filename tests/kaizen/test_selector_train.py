@@ -223,6 +223,28 @@ def test_adaptive_multiplier_rises_while_over_budget(teacher_path, tmp_path):
     assert log[2]["beta"] > log[1]["beta"]
 
 
+def test_backbone_cosine_schedule_decays_the_backbone_rate_only(teacher_path, tmp_path):
+    """``lr_schedule="cosine"``: the backbone's rate of step s (fraction s/steps done before it) is the cosine
+    ``lr * (r + (1 - r) * (1 + cos(pi * s / steps)) / 2)`` with r = min_lr_ratio, written out by hand (the logged rate
+    is the one the step gives the backbone's parameter group); the default stays constant; a bad name is a one-line
+    error."""
+    import math
+
+    steps, lr = 4, 1e-3
+    kaizen_train(train_config(teacher_path, tmp_path / "cos", steps=steps, lr=lr, lr_schedule="cosine",
+                              save_interval=10), progress=False)
+    log = _log(tmp_path / "cos")
+    want = [lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))) for s in range(steps)]
+    assert [ln["lr"] for ln in log] == pytest.approx(want, rel=1e-12)
+    assert log[0]["lr"] == pytest.approx(lr) and log[-1]["lr"] < 0.25 * lr
+    kaizen_train(train_config(teacher_path, tmp_path / "const", steps=2, lr=lr, save_interval=10), progress=False)
+    assert [ln["lr"] for ln in _log(tmp_path / "const")] == [lr, lr]
+    with pytest.raises(KVLearnError) as e:
+        train_config(teacher_path, tmp_path / "x", lr_schedule="linear")
+    msg = one_line(e)
+    assert "'linear'" in msg and "constant, cosine" in msg
+
+
 def test_final_checkpoint_round_trips_with_identical_choices(trained):
     out, result = trained
     model = kvlearn.load(result["final"])

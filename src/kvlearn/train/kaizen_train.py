@@ -22,7 +22,8 @@ loop. ``docs/DESIGN.md`` section 8, "Training".
   straight-through) and its softmax (the penalty), and the backbone through the attention (KD).
 * **Multiplier**: after each step ``β`` is updated from the *realised* cost, the argmax configuration of each
   sequence (what evaluation runs): up while over budget, slowly down once under it, capped at ``budget_cap``.
-* **Optimiser**: AdamW, group 0 the backbone (constant ``lr``), group 1 the selector (``lr_new``, warm-up then
+* **Optimiser**: AdamW, group 0 the backbone (``lr``, constant, or with ``lr_schedule="cosine"`` a cosine over the
+  run down to ``min_lr_ratio`` of it, :func:`backbone_lr_at`), group 1 the selector (``lr_new``, warm-up then
   cosine, :func:`kvlearn.train.distill.new_lr_at`). Gradient clipping; bf16 autocast on CUDA.
 * **Output**: as :mod:`kvlearn.train.distill`: atomic ``step-<N>/`` checkpoints (model folder + ``trainer_state.pt``
   with the optimizer, the multiplier and the step), ``final/`` (loadable by :func:`kvlearn.load`, evaluable with
@@ -80,6 +81,7 @@ from ..kaizen.sharing import KaizenTrainForward
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 from . import parallel
+from .schedule import warmup_cosine
 from .distill import (FINAL, LOG_FILE, check_out_folder, check_trainer_fields, clear_run_outputs, kd_loss,
                       latest_checkpoint, load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state,
                       save_checkpoint)
@@ -87,6 +89,7 @@ from .distill import (FINAL, LOG_FILE, check_out_folder, check_trainer_fields, c
 __all__ = ["KaizenTrainConfig", "kaizen_train", "kaizen_train_step", "build_models", "step_losses", "temperature",
            "KaizenStep", "make_optimizer", "make_multiplier", "penalised_cost", "PENALTY_COSTS"]
 
+LR_SCHEDULES = ("constant", "cosine")  # the backbone's learning rate over the run (backbone_lr_at)
 PENALTY_COSTS = ("expected", "sampled")  # which cost the budget penalty reads (penalised_cost)
 
 
@@ -112,7 +115,8 @@ class KaizenTrainConfig:
     minutes: float | None = None
     batch_size: int = 8
     seq_len: int = 4096
-    lr: float = 1e-5  # backbone, constant
+    lr: float = 1e-5  # backbone: constant, or the peak of a cosine (lr_schedule)
+    lr_schedule: str = "constant"  # backbone: "constant" or "cosine" (no warm-up, down to min_lr_ratio * lr)
     lr_new: float = 1e-3  # selector: warm-up then cosine
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
@@ -172,6 +176,8 @@ class KaizenTrainConfig:
               "(add depth to the axes, or leave share_layers out)")
         check_non_negative("share_threshold", self.share_threshold)
         check_int("share_rows", self.share_rows, 1)
+        check(self.lr_schedule in LR_SCHEDULES,
+              f"lr_schedule={self.lr_schedule!r} is invalid: expected one of {', '.join(LR_SCHEDULES)}")
         check(self.penalty_cost in PENALTY_COSTS,
               f"penalty_cost={self.penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
         check_trainer_fields(self)
@@ -206,6 +212,15 @@ def penalised_cost(sel, logits: torch.Tensor, weights: torch.Tensor, penalty_cos
     check(penalty_cost == "sampled",
           f"penalty_cost={penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
     return sel.cost(weights.float())
+
+
+def backbone_lr_at(config: KaizenTrainConfig, fraction: float) -> float:
+    """The backbone's learning rate ``fraction`` of the way through the run: ``lr`` throughout (``"constant"``), or
+    a cosine from ``lr`` to ``min_lr_ratio * lr`` with no warm-up (``"cosine"``, so that the final weights are not
+    one noisy iterate of a constant high rate: the 8x selectors' spread over seeds, docs/DESIGN.md section 8)."""
+    if config.lr_schedule == "constant":
+        return config.lr
+    return warmup_cosine(config.lr, 0, fraction, 0, config.min_lr_ratio)
 
 
 def temperature(config: KaizenTrainConfig, fraction: float) -> float:
@@ -375,8 +390,8 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
     sel = selector_of(student)
     reference, shape = sel.backbone.reference_bits, (sel.backbone.num_layers, sel.num_actions)
     rows = shard_rows(config.batch_size, d.rank, d.world)
-    lr_new = new_lr_at(config, step, fraction)
-    optimizer.param_groups[0]["lr"] = config.lr
+    lr_new, lr = new_lr_at(config, step, fraction), backbone_lr_at(config, fraction)
+    optimizer.param_groups[0]["lr"] = lr
     optimizer.param_groups[1]["lr"] = lr_new
     # targets and Gumbel draws of the whole global batch (one process's sequence of draws), then our rows
     gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
@@ -404,7 +419,7 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
     return {"loss": loss, "kd": kd, "penalty": penalty, "beta": beta_used, "beta_next": multiplier.beta, "tau": tau,
             "bits": float(bits.mean()), "factor": float((reference / bits.clamp(min=1)).mean()),
             "sampled_factor": float((reference / sampled_bits.clamp(min=1)).mean()),
-            "target": float(targets.mean()), "grad_norm": parallel.scalar(grad_norm), "lr": config.lr,
+            "target": float(targets.mean()), "grad_norm": parallel.scalar(grad_norm), "lr": lr,
             "lr_new": lr_new}
 
 
