@@ -8,7 +8,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from kvlearn import KVpopConfig, apply_kvpop
 from kvlearn.cli import DEFAULT_KVPOP_MODEL, main
-from kvlearn.eval.plots import by_selector, mean_accuracy, plot_accuracy, plot_pareto
+from kvlearn.eval.plots import by_selector, mean_accuracy, plot_accuracy, plot_pareto, series_legend
 from kvlearn.kvpop.apply import kvpop_modules
 from kvlearn.lineage import write_teacher_record
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
@@ -48,6 +48,21 @@ def test_factor_pareto_draws_one_line_per_selector(tmp_path):
     assert agg[("eval", "kaizen [b]", "bounded", 4096, 4.0, "b")]["accuracy"] == 0.125
     assert agg[("eval", "static", "bounded", 4096, 4.0, None)]["accuracy"] == 0.5
     assert plot_pareto(r, tmp_path / "f.png", x="factor", reference="control").stat().st_size > 5000
+
+
+def test_selectors_of_one_method_share_a_colour_and_one_legend_entry():
+    """Every ``kaizen [..]`` series gets the kaizen colour and only the first a label counting the selectors; the
+    untrained backbone's series another colour; plain methods their own colour and their name."""
+    style = series_legend(["kaizen [a]", "untrained_backbone [a]", "static", "kaizen [b]", "untrained_backbone [b]",
+                           "kaizen [c]", "random"])
+    assert style["kaizen [a]"] == (style["kaizen [b]"][0], "kaizen (3 selectors)")
+    assert style["kaizen [b]"][1] is None and style["kaizen [c]"] == (style["kaizen [a]"][0], None)
+    assert style["untrained_backbone [a]"][1] == "untrained_backbone (2 selectors)"
+    assert style["untrained_backbone [b]"] == (style["untrained_backbone [a]"][0], None)
+    assert style["static"][1] == "static" and style["random"][1] == "random"
+    colours = [style[s][0] for s in ("kaizen [a]", "untrained_backbone [a]", "static", "random")]
+    assert len(set(colours)) == 4
+    assert series_legend(["kaizen [only]"])["kaizen [only]"][1] == "kaizen (1 selector)"
 
 
 def tiny_model(seed=0):

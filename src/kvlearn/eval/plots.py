@@ -148,12 +148,34 @@ def by_selector(agg: dict[tuple, dict]) -> dict[tuple, dict]:
     return {(k[0], k[1] if k[-1] is None else f"{k[1]} [{k[-1]}]", *k[2:]): v for k, v in agg.items()}
 
 
+def series_legend(series: list[str]) -> dict[str, tuple[str, str | None]]:
+    """Colour and legend label of each plotted series (a method, or ``"<method> [<selector>]"`` from
+    :func:`by_selector`): one colour per *method*, so that every trained selector of ``kaizen`` shares one colour and
+    every ``untrained_backbone`` series another; only a method's first series carries a legend label, which counts its
+    selectors (``"kaizen (5 selectors)"``). ``{series: (colour, label or None)}``."""
+    method_of = {s: s.split(" [", 1)[0] for s in series}
+    methods = list(dict.fromkeys(method_of.values()))
+    colour = method_colors(methods)
+    count = {m: sum(1 for s in series if method_of[s] == m and " [" in s) for m in methods}
+    out, labelled = {}, set()
+    for s in series:
+        m = method_of[s]
+        label = None
+        if m not in labelled:
+            labelled.add(m)
+            n = count[m]
+            label = m + (f" ({n} selector{'s' if n != 1 else ''})" if n else "")
+        out[s] = (colour[m], label)
+    return out
+
+
 def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy against compression",
                 x: str = "compression", reference: str = "dense") -> Path:
     """Mean accuracy over families against the compression ratio ``1 - budget/context`` (``x="factor"``: against the
     rows' realised cache reduction ``factor``, log scale, points also split by ``target``, one line per trained
-    ``selector``: :func:`by_selector`): one line (colour) per method, one marker and line style per protocol; the full cache (method ``reference``) is a
-    star at CR 0 (factor 1) and a dotted reference line. One panel per split. Points from runs cut short by a time
+    ``selector``: :func:`by_selector`, all of a method's selectors in its colour, :func:`series_legend`): one colour per
+    method, one marker and line style per protocol; the full cache (method ``reference``) is a star at CR 0 (factor 1)
+    and a dotted reference line. One panel per split, one legend for the figure. Points from runs cut short by a time
     guard are drawn hollow."""
     check(x in ("compression", "factor"), f"x={x!r} is invalid: expected 'compression' or 'factor'")
     by_factor = x == "factor"
@@ -161,30 +183,37 @@ def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy again
     origin = 1.0 if by_factor else 0.0
     splits = list(dict.fromkeys(k[0] for k in agg))
     methods = [m for m in dict.fromkeys(k[1] for k in agg) if m != reference]
-    color = method_colors(methods)
-    fig, axes = plt.subplots(1, len(splits), figsize=(6.4 * len(splits), 4.4), squeeze=False)
+    style = series_legend(methods)
+    legend: dict[str, object] = {}  # label -> handle, over every panel
+
+    def keep(handle, label):
+        if label is not None and label not in legend:
+            legend[label] = handle
+
+    fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits), 4.2), squeeze=False)
     for ax, split in zip(axes[0], splits):
-        star = f"{reference} (full cache)"
         for (sp, m, proto, *_), v in agg.items():
             if sp == split and m == reference:
                 ax.axhline(v["accuracy"], color="0.4", linestyle=":", linewidth=1)
-                ax.plot([origin], [v["accuracy"]], marker="*", markersize=14, color="0.2", linestyle="none",
-                        label=star if not ax.get_legend_handles_labels()[1].count(star) else None)
+                keep(ax.plot([origin], [v["accuracy"]], marker="*", markersize=14, color="0.2", linestyle="none")[0],
+                     f"{reference} (full cache)")
         for m in methods:
+            colour, label = style[m]
             for proto in dict.fromkeys(k[2] for k in agg if k[0] == split and k[1] == m):
                 pts = sorted((v[x], v["accuracy"], v["incomplete"]) for k, v in agg.items()
                              if k[0] == split and k[1] == m and k[2] == proto)
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                ax.plot(xs, ys, color=color[m], linestyle=LINESTYLES.get(proto, "-"), marker=MARKERS.get(proto, "^"),
-                        markersize=MARKERSIZES.get(proto, 7), markeredgecolor="black", markeredgewidth=0.6,
-                        zorder=3 if proto == "context" else 2, label=f"{m} ({proto})")
+                line = ax.plot(xs, ys, color=colour, linestyle=LINESTYLES.get(proto, "-"), marker=MARKERS.get(proto, "^"),
+                               markersize=MARKERSIZES.get(proto, 7), markeredgecolor="black", markeredgewidth=0.6,
+                               alpha=0.85, zorder=3 if proto == "context" else 2)[0]
+                keep(line, None if label is None else f"{label} [{proto}]")
                 hollow = [(x, y) for x, y, inc in pts if inc]
                 if hollow:
                     ax.plot(*zip(*hollow), linestyle="none", marker=MARKERS.get(proto, "^"),
-                            markersize=MARKERSIZES.get(proto, 7), markerfacecolor="white", color=color[m], zorder=4)
+                            markersize=MARKERSIZES.get(proto, 7), markerfacecolor="white", color=colour, zorder=4)
         if any(v["incomplete"] for k, v in agg.items() if k[0] == split):
-            ax.plot([], [], linestyle="none", marker="o", markerfacecolor="white", color="0.3",
-                    label="hollow: run cut short (incomplete)")
+            keep(ax.plot([], [], linestyle="none", marker="o", markerfacecolor="white", color="0.3")[0],
+                 "hollow: run cut short (incomplete)")
         ax.set_ylabel("accuracy, mean over task families")
         ax.set_ylim(-0.03, 1.05)
         if by_factor:
@@ -196,7 +225,8 @@ def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy again
             ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         ax.grid(alpha=0.3)
         ax.set_title(f"split: {split}", fontsize=9)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.legend(list(legend.values()), list(legend.keys()), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5),
+               frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
