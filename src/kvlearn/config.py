@@ -213,6 +213,11 @@ class KVpopConfig:
         return self.sinks + self.window + self.topk
 
 
+# DMS's training attention executions (kvlearn.dms.attention.dms_attention): auto (flex on CUDA, dense elsewhere),
+# the materialised bias, FlexAttention with the penalty in a score_mod, or as one more key channel (mask_mod only)
+DMS_TRAIN_ATTENTIONS = ("auto", "dense", "flex", "flex_channel", "dense_channel")
+
+
 @dataclass(frozen=True)
 class DMSConfig:
     """Dynamic Memory Sparsification (Łańcucki et al. 2025, arXiv 2506.05345), adapter variant (paper section 3.2).
@@ -244,10 +249,13 @@ class DMSConfig:
     target_cr: float = 4.0
     ramp_fraction: float = 0.9
     context: int | None = None
+    train_attention: str = "auto"  # the training attention's execution (kvlearn.dms.attention.dms_attention's backend)
 
     def __post_init__(self) -> None:
         import math
 
+        check(self.train_attention in DMS_TRAIN_ATTENTIONS,
+              f"train_attention={self.train_attention!r} is invalid: expected one of {', '.join(DMS_TRAIN_ATTENTIONS)}")
         check_int("sinks", self.sinks, 0)
         check_int("window", self.window, 1, hint=" (the protected window holds at least the query itself)")
         if self.budget is not None:

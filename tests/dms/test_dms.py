@@ -286,6 +286,9 @@ def one_line(err) -> str:
 
 def test_bad_input_is_one_line():
     with pytest.raises(KVLearnError) as err:
+        DMSConfig(train_attention="triton")
+    assert "train_attention='triton'" in one_line(err) and "flex_channel" in one_line(err)
+    with pytest.raises(KVLearnError) as err:
         DMSConfig(window=0)
     assert "window=0" in one_line(err) and ">= 1" in one_line(err)
     with pytest.raises(KVLearnError) as err:
@@ -331,31 +334,69 @@ def _attention_inputs(device, requires_grad=False):
     return q, k, v, z
 
 
+@pytest.mark.parametrize("backend", ["flex", "flex_channel"])
 @pytest.mark.parametrize("hard", [False, True])
-def test_flex_execution_equals_the_dense_bias_forward(hard):
+def test_flex_execution_equals_the_dense_bias_forward(hard, backend):
     from kvlearn.dms.attention import dms_attention
 
     q, k, v, z = _attention_inputs("cpu")
     with torch.no_grad():  # FlexAttention has no CPU backward
         dense = dms_attention(q, k, v, z, 3, 17, hard=hard, backend="dense")
-        flex = dms_attention(q, k, v, z, 3, 17, hard=hard, backend="flex")
+        flex = dms_attention(q, k, v, z, 3, 17, hard=hard, backend=backend)
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
     with pytest.raises(KVLearnError) as err:
         dms_attention(q, k, v, z, 3, 17, backend="triton")
     assert "backend='triton'" in one_line(err)
 
 
+def test_penalty_channel_masks_cover_each_causal_key_once():
+    """The two key copies of :func:`penalty_channel_inputs`: copy 1 holds exactly the keys :func:`dms_bias` penalises
+    (written out by hand: k >= sinks and q - k >= window, causal), copy 0 the other causal keys, none twice."""
+    from kvlearn.dms.attention import penalty_channel_inputs
+
+    T, sinks, window = 23, 3, 5
+    x = torch.zeros(1, 1, T, 4)
+    *_, mask_mod = penalty_channel_inputs(x, x, x, torch.zeros(1, 1, T), sinks, window, 0.5)
+    q, kv = torch.arange(T)[:, None], torch.arange(2 * T)[None, :]
+    mask = mask_mod(None, None, q, kv)
+    for qi in range(T):
+        for k in range(T):
+            penalised = k <= qi and k >= sinks and qi - k >= window
+            assert bool(mask[qi, T + k]) == penalised, (qi, k)
+            assert bool(mask[qi, k]) == (k <= qi and not penalised), (qi, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_penalty_channel_equals_the_dense_bias_with_gradients(dtype):
+    """The penalty as a key channel over two key copies (a dense mask here, FlexAttention's ``mask_mod`` on CUDA)
+    against the materialised bias: same output and same gradients for query, key, value and the gate logits, GQA
+    (4 query heads over 2 KV heads), T = 200 over a window of 17 and 3 sinks."""
+    from kvlearn.dms.attention import dms_attention
+
+    q, k, v, z = (x.detach().to(dtype).requires_grad_() for x in _attention_inputs("cpu"))
+    outs = [dms_attention(q, k, v, z, 3, 17, backend=b) for b in ("dense", "dense_channel")]
+    grads = [torch.autograd.grad((o * torch.linspace(-1, 1, o.shape[-1], dtype=dtype)).square().sum(), (q, k, v, z))
+             for o in outs]
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
+    f32 = dict(atol=1e-5, rtol=1e-5)  # the penalty is computed in float32 (dms_penalty), so z's gradient is float32's
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    for name, g_channel, g_dense in zip("qkvz", grads[1], grads[0]):
+        torch.testing.assert_close(g_channel, g_dense, **(f32 if name == "z" else tol), msg=name)
+    assert grads[1][3].abs().sum() > 0
+
+
 @pytest.mark.gpu
-def test_flex_execution_equals_the_dense_bias_with_gradients_on_cuda():
+@pytest.mark.parametrize("backend", ["flex", "flex_channel"])
+def test_flex_execution_equals_the_dense_bias_with_gradients_on_cuda(backend):
     from kvlearn.dms.attention import dms_attention
 
     q, k, v, z = _attention_inputs("cuda", requires_grad=True)
-    outs = [dms_attention(q, k, v, z, 3, 17, backend=b) for b in ("dense", "flex")]
+    outs = [dms_attention(q, k, v, z, 3, 17, backend=b) for b in ("dense", backend)]
     grads = [torch.autograd.grad(o.square().sum(), (q, k, v, z)) for o in outs]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
     for g_flex, g_dense in zip(grads[1], grads[0]):
         torch.testing.assert_close(g_flex, g_dense, atol=1e-3, rtol=1e-3)
-    assert grads[1][3].abs().sum() > 0  # the gate logits get gradient through the score_mod
+    assert grads[1][3].abs().sum() > 0  # the gate logits get gradient (the channel's key gradient or the score_mod)
 
 
 def test_the_harness_evaluates_a_checkpoint_with_a_wider_gate(tmp_path):

@@ -18,10 +18,15 @@ Per layer, with ``alpha [B, Hkv, T]`` the gate logits (:class:`~kvlearn.dms.gate
   ``0..T-2`` (the keys that have a decision), per batch row, averaged over layers; the one-sided hinge
   ``mean_b clamp(target - closed_b, min=0)``; ``target = 1 - 1/cr`` ramped (:meth:`kvlearn.config.DMSConfig.target_fraction`).
 
-Two executions of the bias (:func:`dms_attention`): ``"dense"`` materialises it (the CPU reference; memory
-``B * Hq * T^2`` per layer) and ``"flex"`` is FlexAttention with a causal block mask and a ``score_mod`` that adds the
-per-key penalty ``[B, Hkv, T]`` (what the reference compiles; FlexAttention has no backward on the CPU, so
-``"auto"`` picks flex on CUDA and dense elsewhere).
+Three executions of the bias (:func:`dms_attention`): ``"dense"`` materialises it (the CPU reference; memory
+``B * Hq * T^2`` per layer); ``"flex"`` (the CUDA default) is FlexAttention with a causal block mask and a
+``score_mod`` that adds the per-key penalty ``[B, Hkv, T]`` (what the reference compiles; its backward accumulates the
+penalty's gradient from every score into a captured buffer: 26.6 ms of the H200 step against 5.8 ms for
+StreamingLLM+'s mask-only backward); ``"flex_channel"`` (:func:`penalty_channel_inputs`) carries the penalty as one
+more key channel over two copies of the keys, so FlexAttention runs with a ``mask_mod`` only and the penalty's
+gradient is an ordinary key gradient (tested on the CPU, forward and, through ``"dense_channel"``, gradients; not yet
+run on a GPU, so not the default). FlexAttention has no backward on the CPU, so ``"auto"`` picks flex on CUDA and
+dense elsewhere.
 Gate inputs are detached from the backbone (ARCHITECTURE rule 5): the KD loss reaches the gates through the bias
 and the backbone through the attention; the compression loss reaches only the gates.
 """
@@ -38,14 +43,14 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from ..config import DMSConfig
+from ..config import DMS_TRAIN_ATTENTIONS, DMSConfig
 from ..errors import check
 from ..ops.flex import autocast_qkv
 
 __all__ = ["TRAIN_ATTENTION", "BACKENDS", "DMSRecord", "DMSTrainForward", "shift_left", "dms_penalty", "dms_bias",
-           "dms_attention", "logistic_noise", "compression_loss", "dms_train_attention", "use_train_attention"]
+           "penalty_channel_inputs", "dms_attention", "logistic_noise", "compression_loss", "dms_train_attention", "use_train_attention"]
 
-BACKENDS = ("auto", "dense", "flex")
+BACKENDS = DMS_TRAIN_ATTENTIONS
 
 TRAIN_ATTENTION = "dms_train"
 
@@ -87,16 +92,70 @@ def _causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
+def penalty_channel_inputs(query: Tensor, key: Tensor, value: Tensor, penalty: Tensor, sinks: int, window: int,
+                           scale: float) -> tuple[Tensor, Tensor, Tensor, Callable]:
+    """DMS attention as plain masked attention over two copies of the keys, the penalty in one extra key channel.
+
+    ``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, T, D]``, ``penalty [B, Hkv, T]`` (:func:`dms_penalty`, finite:
+    soft mode), ``scale`` the attention's (the caller must pass it: the widened head would change the default).
+    Returns ``query' [B, Hq, T, D + 1] = [query, 1]``, ``key' [B, Hkv, 2T, D + 1]`` (copy 0: ``[key, 0]``, copy 1:
+    ``[key, penalty / scale]``), ``value' [B, Hkv, 2T, D] = [value; value]`` and ``mask_mod(b, h, q, kv)``: copy 0
+    holds the keys the bias leaves alone (causal and, for ``k = kv``, a sink or inside the window, ``q - k < window``),
+    copy 1 those it penalises (``k = kv - T >= sinks`` and ``q - k >= window``). Every causal key is visible in exactly
+    one copy, with score ``scale * q.k`` in copy 0 and ``scale * q.k + penalty[k]`` in copy 1, so one softmax over the
+    ``2T`` keys is :func:`dms_bias`'s attention, and the penalty's gradient comes through the extra channel's key
+    gradient (the sum of the score gradients over the queries that penalise the key), not through a captured
+    buffer. In bf16 the channel rounds ``penalty / scale`` to 8 significant bits (a relative 0.4% of the penalty)."""
+    T = key.shape[2]
+    ones = torch.ones(*query.shape[:-1], 1, dtype=query.dtype, device=query.device)
+    query2 = torch.cat([query, ones], dim=-1)
+    channel = torch.cat([torch.zeros_like(penalty), penalty / scale], dim=-1).to(key.dtype)  # [B, Hkv, 2T]
+    key2 = torch.cat([torch.cat([key, key], dim=2), channel[..., None]], dim=-1)
+    value2 = torch.cat([value, value], dim=2)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        first = kv_idx < T
+        k = torch.where(first, kv_idx, kv_idx - T)
+        causal = k <= q_idx
+        kept = (k < sinks) | (q_idx - k < window)
+        return causal & torch.where(first, kept, ~kept)
+
+    return query2, key2, value2, mask_mod
+
+
 def dms_attention(query: Tensor, key: Tensor, value: Tensor, z: Tensor, sinks: int, window: int,
                   scale: float | None = None, hard: bool = False, backend: str = "auto") -> Tensor:
     """Causal GQA attention with DMS's delayed soft eviction: ``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, T,
     D]``, ``z [B, Hkv, T]`` (relaxed logits produced at each token); returns ``[B, Hq, T, D]``. Query head ``h`` reads
-    KV head ``h // (Hq / Hkv)`` (transformers' ``repeat_kv`` order) and its penalty."""
+    KV head ``h // (Hq / Hkv)`` (transformers' ``repeat_kv`` order) and its penalty. ``backend``: ``"dense"`` (the
+    bias materialised), ``"flex"`` (the score_mod), ``"flex_channel"`` (the penalty channel,
+    :func:`penalty_channel_inputs`; ``hard`` logits, whose penalty is ``-inf``, take the score_mod),
+    ``"dense_channel"`` (the penalty channel with a dense mask: the CPU check of the channel's gradients), ``"auto"``
+    (flex on CUDA, dense elsewhere)."""
     check(backend in BACKENDS, f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}")
     b, hq, T, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
-    if backend == "flex" or (backend == "auto" and query.device.type == "cuda"):
+    if backend == "auto":
+        backend = "flex" if query.device.type == "cuda" else "dense"
+    if backend == "flex_channel" and hard:
+        backend = "flex"
+    scale = d ** -0.5 if scale is None else scale
+    if backend in ("flex_channel", "dense_channel"):
+        q2, k2, v2, mask_mod = penalty_channel_inputs(query, key, value, dms_penalty(z, hard), sinks, window, scale)
+        if backend == "dense_channel":
+            t = torch.arange(T, device=query.device)
+            mask = mask_mod(None, None, t[:, None], torch.arange(2 * T, device=query.device)[None, :])
+            return F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, scale=scale, enable_gqa=g > 1)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from ..ops.flex import flex_attention_lse
+
+        block_mask = create_block_mask(mask_mod, None, None, T, 2 * T, device=query.device)
+        out, _ = flex_attention_lse(q2, k2, v2, block_mask=block_mask, scale=scale, enable_gqa=g > 1,
+                                    return_lse=False)
+        return out
+    if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
         from ..ops.flex import flex_attention_lse

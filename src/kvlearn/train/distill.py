@@ -250,7 +250,7 @@ def method_forward(config: RetrofitConfig, student, input_ids: torch.Tensor, ste
     from ..dms.attention import DMSTrainForward, compression_loss
 
     gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step + 7)
-    state = DMSTrainForward(config.dms, generator=gen)
+    state = DMSTrainForward(config.dms, generator=gen, backend=config.dms.train_attention)
     logits = student(input_ids=input_ids, dms_train=state, use_cache=False).logits
     target = config.dms.target_fraction(fraction)
     loss, closed = compression_loss(state.records, target)
