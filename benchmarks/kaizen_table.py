@@ -90,10 +90,12 @@ BASE_OPTIONS = {"posthoc_quant": {"axes": ["precision"]}}
 
 class Run:
     """One evaluation: row label ``method``, ``weights`` (``None``: ``--model``; else a folder), ``selector`` (a
-    kaizen-train folder whose selector goes onto ``--model``: untrained_backbone), the eval config, row extras."""
+    kaizen-train folder whose selector goes onto ``--model``: untrained_backbone), ``scorers`` (a KVpop folder whose
+    scorers go onto ``weights``: a selector composed with KVpop), the eval config, row extras."""
 
-    def __init__(self, method, config, weights=None, selector=None, label=None):
+    def __init__(self, method, config, weights=None, selector=None, label=None, scorers=None):
         self.method, self.config, self.weights, self.selector, self.label = method, config, weights, selector, label
+        self.scorers = scorers  # a KVpop folder whose scorers are grafted onto ``weights`` (load_kvpop)
 
     @property
     def group(self) -> str:  # which attention the model is attached with; a fresh model per group
@@ -167,7 +169,7 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
                 backbones[path] = Backbone.from_config(read_model_config(path))
             check_budget(config.target, backbones[path], config.method_config.axes)
 
-    def add(method, weights=None, selector=None, label=None, **kw):
+    def add(method, weights=None, selector=None, label=None, scorers=None, **kw):
         protocol = "context" if method == "kaizen+snapkv" else "bounded"
         options = {**BASE_OPTIONS.get(method, {}), **(args.method_options.get(method) or {})}
         for split in splits:
@@ -180,7 +182,7 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
                                                      target=kw.get("target")), label=label)
                 skipped[run.describe()] = str(e)
                 continue
-            runs.append(Run(method, config, weights, selector, label))
+            runs.append(Run(method, config, weights, selector, label, scorers))
 
     if not getattr(args, "no_control", False):
         add("control", weights=args.control)
@@ -199,6 +201,18 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
         budget = int(round(args.context * args.compose_rep / f))
         for m in COMPOSED:
             add(m, weights=args.kvpop if m == "kaizen+kvpop" else None, target=f, budget=budget)
+    if getattr(args, "compose_selectors", False):  # each selector's backbone and choice under eviction
+        for label, path, targets in selectors:
+            rep = targets[0]
+            for f in composed:
+                budget = int(round(args.context * rep / f))
+                for m in COMPOSED:
+                    if f <= rep:
+                        skipped[f"{m}[{label}]/F={f:g}"] = (f"total factor {f:g}x is not above the selector's "
+                                                            f"{rep:g}x: no eviction left to compose")
+                        continue
+                    add(m, weights=path, label=label, scorers=args.kvpop if m == "kaizen+kvpop" else None,
+                        target=f, budget=budget)
     return runs, skipped
 
 
@@ -277,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compose-factors", default="16,32", help="total factors of kaizen+snapkv/kvpop, or 'none'")
     ap.add_argument("--compose-rep", type=float, default=4.0,
                     help="the representation's share of a composed factor F: eviction keeps context x rep / F tokens")
+    ap.add_argument("--compose-selectors", action="store_true",
+                    help="also compose each --selector with eviction at --compose-factors: its trained backbone and its "
+                         "choice per prompt at its training target (eviction keeps context x target / F tokens), "
+                         "KVpop's scorers grafted from --kvpop (rows kaizen+snapkv / kaizen+kvpop with selector=LABEL)")
     ap.add_argument("--options", action="append", default=[], metavar="METHOD=JSON",
                     help="extra config fields of a row method, e.g. 'dp_search={\"examples\": 8}'")
     ap.add_argument("--splits", default="all", help=f"comma list of {','.join(eval_splits())} or 'all'")
@@ -313,15 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     models: dict[tuple, torch.nn.Module] = {}
 
     def model_for(run: Run):
-        key = (run.weights, run.selector, run.group)
+        key = (run.weights, run.selector, run.group, run.scorers)
         if key not in models:
             from kvlearn import load
             from kvlearn.kaizen.apply import load_selector_onto
+            from kvlearn.kvpop.apply import load_kvpop
 
             models.clear()  # one model in memory at a time
             model = load(run.weights or args.model, dtype=dtype, device=args.device)
             if run.selector is not None:
                 load_selector_onto(model, run.selector)
+            if run.scorers is not None:
+                load_kvpop(model, run.scorers)
             models[key] = model
         return models[key]
 
@@ -364,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                 r["selector"] = run.label
             if run.selector:
                 r["selector_path"] = repo_relative(run.selector)
+            if run.scorers:
+                r["scorers"] = repo_relative(run.scorers)
             if run.method == "smaller_model":  # its own dense cache, smaller than the teacher's
                 r["factor"] = r["target"] = round(smaller_factor, 6)
             r.setdefault("factor", 1.0)  # control: the dense cache

@@ -25,6 +25,9 @@
 # SEEDS (default: one run per target with kaizen-train's default seed): a space list; each target is trained once per
 # seed (`--seed S`, folder kaizen-t<target>_s<S>, label kaizen<target>_s<S>), concurrently, so that the spread of one
 # recipe over seeds is measured in one call.
+# SELECTOR_TABLE_ARGS: more kaizen_table.py options for each selector's rows, after its defaults (--baselines none
+# --compose-factors none), e.g. '--compose-selectors --compose-factors 64 --kvpop checkpoints/testbed-kvpop': the
+# selector's backbone and choice under KVpop eviction at 64x with the shipped student's scorers grafted on.
 # BASELINE_PARTS (default '--first-factors 4,8'): the training-free part's kaizen_table.py options; several parts
 # separated by ';' run as that many processes side by side, the first measuring the control, the others with
 # --no-control (e.g. '--factors 2 --baselines static,dp_search,random --compose-factors none;--factors 16 ...');
@@ -79,9 +82,11 @@ echo "selectors' rows: $left minutes"
 for r in "${runs[@]}"; do
     read -r t tag _ <<< "$r"
     if [ -f "$OUT/kaizen-t$tag/final/config.json" ] || [ "${DRY_RUN:-0}" = 1 ]; then
+        # shellcheck disable=SC2086
         run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} \
             --selector "kaizen$tag=$OUT/kaizen-t$tag/final" --no-control --baselines none --compose-factors none \
             --n-per-task "${N_PER_TASK:-100}" --minutes "$left" --out "$OUT/kaizen_table_selector_t$tag.json" \
+            ${SELECTOR_TABLE_ARGS:-} \
             > "$OUT/kaizen_table_selector_t$tag.log" 2>&1 &
         parts+=("$OUT/kaizen_table_selector_t$tag.json")
     else

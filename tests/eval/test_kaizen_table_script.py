@@ -150,6 +150,47 @@ def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(smok
                                                              "static/bounded/eval/F=4"]
 
 
+def test_compose_selectors_runs_each_selector_under_eviction_with_grafted_scorers(smoke, tmp_path):
+    """``--compose-selectors``: each selector's backbone and per-prompt choice at its training target (4x) under
+    eviction at the total factor (16x: the eviction keeps 256 x 4 / 16 = 64 tokens); kaizen+kvpop with the scorers of
+    ``--kvpop`` grafted onto the selector's backbone (load_kvpop), which the rows name; the configurations are the
+    selector's own choice at 4x (its kaizen rows'), not the static one; a factor not above the selector's target is
+    skipped with the reason."""
+    import torch
+
+    from kvlearn import load
+    from kvlearn.config import KVpopConfig
+    from kvlearn.kvpop.apply import apply_kvpop, kvpop_modules
+
+    work, data = smoke
+    kvpop_dir = tmp_path / "kvpop"
+    teacher = load(work / "teacher")
+    apply_kvpop(teacher, KVpopConfig(sinks=4, window=16, topk=44, scorer="mlp"))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in kvpop_modules(teacher)[0][0].parameters():
+            p.normal_(0, 0.5)
+    teacher.save_pretrained(kvpop_dir)
+    out = tmp_path / "composed.json"
+    selector = work / "kaizen-t4" / "final"
+    assert load_script().main(["--smoke", "--smoke-dir", str(work), "--selector", f"kaizen4={selector}",
+                               "--no-control", "--baselines", "none", "--compose-factors", "4,16",
+                               "--compose-selectors", "--kvpop", str(kvpop_dir), "--splits", "eval",
+                               "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    mine = [r for r in result["rows"] if r["method"] in ("kaizen+snapkv", "kaizen+kvpop") and r.get("selector")]
+    assert {(r["method"], r["target"], r["budget"]) for r in mine} == {("kaizen+snapkv", 16.0, 64),
+                                                                     ("kaizen+kvpop", 16.0, 64)}
+    kaizen_choice = {c for r in result["rows"] if r["method"] == "kaizen" for c in r["configurations"]}
+    for r in mine:
+        assert r["selector"] == "kaizen4" and r["model"] != "teacher" and r["factor"] >= 16.0 - 1e-9
+        assert set(r["configurations"]) == kaizen_choice
+    (scorers,) = {r["scorers"] for r in mine if r["method"] == "kaizen+kvpop"}
+    assert scorers.endswith("/kvpop") and "pytest" in scorers
+    assert not any("scorers" in r for r in mine if r["method"] == "kaizen+snapkv")
+    assert "kaizen+kvpop[kaizen4]/F=4" in result["skipped"] and "no eviction left" in result["skipped"]["kaizen+kvpop[kaizen4]/F=4"]
+
+
 def test_device_script_runs_the_baselines_beside_the_training_and_merges(tmp_path):
     """benchmarks/device/kaizen_table.sh as a dry run: the training-free rows run in their own process (no
     --selector) from the start, each selector's table after training runs in its own process with no baseline or
@@ -209,7 +250,8 @@ def test_device_script_trains_each_target_once_per_seed(tmp_path):
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(repo / "src"),
-           "TARGETS": "8", "SEEDS": "1 2", "BASELINE_PARTS": "none"}
+           "TARGETS": "8", "SEEDS": "1 2", "BASELINE_PARTS": "none",
+           "SELECTOR_TABLE_ARGS": "--compose-selectors --compose-factors 64"}
     out = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -218,6 +260,8 @@ def test_device_script_trains_each_target_once_per_seed(tmp_path):
         assert f"--out {tmp_path}/kaizen-t8_s{s} " in train and f"--seed {s}" in train and "--target 8 " in train
         table = (tmp_path / f"kaizen_table_selector_t8_s{s}.log").read_text()
         assert f"--selector kaizen8_s{s}={tmp_path}/kaizen-t8_s{s}/final" in table
+        assert "--compose-factors none --n-per-task" in table and table.rstrip().endswith(
+            "--compose-selectors --compose-factors 64")
     assert not (tmp_path / "kaizen_train_t8.log").exists()
     merged = json.loads((tmp_path / "kaizen_table.json").read_text())
     assert sorted(r["selector"] for r in merged["rows"]) == ["kaizen8_s1", "kaizen8_s2"]

@@ -209,6 +209,41 @@ def test_bad_input_is_one_line(name):
         assert len(str(err.value).splitlines()) == 1
 
 
+@pytest.mark.parametrize("name", METHODS)
+def test_a_trained_selector_chooses_the_composed_configuration(name):
+    """With a selector on the model (what ``kvlearn.load`` of a kaizen-train folder gives), the composed methods take
+    its choice for each prompt at the representation target ``total x budget / context`` (here 8x x 64/256 = 2x),
+    not the static one: a selector pushed to ``b8 share b16`` (exactly 2x) gets that configuration, the harness's
+    rows report it and the total factor 8; without a selector the static uniform 8 bits; a representation target the
+    selector's axes cannot reach is a one-line error."""
+    from kvlearn.eval.accuracy import EvalConfig, evaluate
+    from kvlearn.kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
+    from kvlearn.kaizen.compose import composed_prompt_choices
+
+    budget, context, total = 64, 256, 8.0
+    model, config, method = setup(name, budget, context, total)
+    backbone = Backbone.from_config(model.config)
+    assert composed_prompt_choices(config, model, ids_of(2, 40), None) == [KaizenConfig.static(backbone, 8)] * 2
+    apply_kaizen(model, KaizenMethodConfig(target=2.0))
+    sel = selector_of(model)
+    wanted = KaizenConfig(backbone, (LayerAction(8), S, LayerAction(16)))
+    index = {a: i for i, a in enumerate(sel.space)}
+    with torch.no_grad():
+        for layer, action in enumerate(wanted.actions):
+            sel.head_bias[layer, index[action]] = 100.0
+    assert wanted.compression(metadata=False) == 2.0 and KaizenConfig.static(backbone, 8) != wanted
+    assert composed_prompt_choices(config, model, ids_of(3, 40), None) == [wanted] * 3
+    eval_config = EvalConfig(method=name, budget=budget, context=context, target=total, tasks=("vt",), n_per_task=2,
+                             batch_size=2, chunk_size=64, protocol="context" if name == "kaizen+snapkv" else "bounded")
+    (row,) = evaluate(model, eval_config, progress=False)
+    assert row["configurations"] == {"b8 share b16": 2} and row["factor"] == pytest.approx(total)
+    narrow, narrow_config, _ = setup(name, budget, context, 64.0)  # representation 16x: past precision's 8x
+    apply_kaizen(narrow, KaizenMethodConfig(target=8.0, axes=("precision",)))
+    with pytest.raises(KVLearnError, match=r"16") as err:
+        composed_prompt_choices(narrow_config, narrow, ids_of(1, 40), None)
+    assert len(str(err.value).splitlines()) == 1
+
+
 def test_composed_cache_is_refused_on_an_mla_backbone():
     mla = Backbone(num_layers=2, kv_heads=2, head_dim=16, mla_rank=32, rope_dim=16)
     config = ComposedConfig(8.0, eviction_config("kaizen+snapkv", 64, 256))

@@ -18,9 +18,11 @@ per KV head at the context ``n`` (``--budget``, ``--context``): the kept fractio
 
 which must lie in the feasible range ``[ρ_min, ρ_max]`` of the axes (:func:`~kvlearn.kaizen.actions.feasible_range`),
 i.e. ``F ∈ [ρ_min · n / B, ρ_max · n / B]``; anything else is a one-line error naming that range
-(:func:`check_total`). The configuration is chosen at ``ρ_rep*`` (now: ``kaizen_static``'s least compressed uniform
-configuration meeting it, :func:`~kvlearn.kaizen.fixed.static_config`; the design leaves room for the learned
-selector, which would read the prompt and be conditioned on ``ρ_rep*``: only the cache changes). The realised factor
+(:func:`check_total`). The configuration is chosen at ``ρ_rep*``: by the model's trained selector when it carries one
+(a ``kvlearn kaizen-train`` folder loaded with :func:`kvlearn.load`), which reads each prompt and is conditioned on
+``ρ_rep*`` (:func:`kvlearn.kaizen.apply.select`: its argmax, or its most likely configuration within the budget), so
+the selector's budget counts the eviction's kept fraction; otherwise ``kaizen_static``'s least compressed uniform
+configuration meeting it (:func:`~kvlearn.kaizen.fixed.static_config`). The realised factor
 is ``ρ_rep · n / B`` with ``ρ_rep = C_ref / C`` of the chosen configuration (no metadata), so it is ``>= F``
 (:meth:`KaizenCache.realised_factor`); ``n / B`` is nominal: a prompt shorter than ``n`` keeps a larger fraction.
 """
@@ -33,7 +35,7 @@ from typing import Callable
 
 from ..cache import Policy
 from ..errors import KVLearnError, check
-from .actions import Backbone, KaizenConfig, check_axes, feasible_range
+from .actions import Backbone, KaizenConfig, check_axes, check_budget, feasible_range
 from .cache import KaizenCache
 from .fixed import static_config
 from .prompt import one_choice, prompt_rows
@@ -130,10 +132,27 @@ def composed_cache(config: ComposedConfig, choice: KaizenConfig, policy_of: Call
 
 
 def composed_prompt_choices(config: ComposedConfig, model, input_ids, attention_mask) -> list[KaizenConfig]:
-    """Registry ``prompt_choices``: the composed choice for every row of ``input_ids [batch, seq]`` (it does not read
-    the prompt)."""
-    choice = composed_choice(config, Backbone.from_config(model.config))
-    return [choice] * len(prompt_rows(input_ids, attention_mask))
+    """Registry ``prompt_choices``: one configuration per row of ``input_ids [batch, seq]`` at ``ρ_rep*``. With a
+    trained selector on ``model``: its choice for the row's real tokens alone (:func:`kvlearn.kaizen.apply.select`
+    conditioned on ``ρ_rep*``; a one-line error when ``ρ_rep*`` lies outside what its axes and sharing mask reach);
+    without one, :func:`composed_choice` for every row (it does not read the prompt)."""
+    from .apply import recorded_config, select
+    from .selector import SELECTOR_NAME, KaizenSelector
+
+    backbone = Backbone.from_config(model.config)
+    rows = prompt_rows(input_ids, attention_mask)
+    if not isinstance(getattr(model, SELECTOR_NAME, None), KaizenSelector):
+        return [composed_choice(config, backbone)] * len(rows)
+    composed_choice(config, backbone)  # GQA only, total target feasible for the axes (one-line errors)
+    rep = config.representation_target
+    recorded = recorded_config(model)
+    if recorded is not None:
+        try:
+            check_budget(rep, backbone, recorded.axes, share_layers=recorded.share_layers)
+        except KVLearnError as err:
+            raise KVLearnError(f"total target {config.target:g}x over eviction {config.eviction_factor:.4g}x asks the "
+                               f"model's selector for {rep:.4g}x: {err}") from None
+    return [select(model, row, None, rep)[0][0] for row in rows]
 
 
 def composed_prompt_cache(make_choice_cache, config: ComposedConfig, model, input_ids, attention_mask,
