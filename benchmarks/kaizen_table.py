@@ -78,6 +78,7 @@ from eviction_baselines import add_run_options, parse_list, print_summary, recor
 
 from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate  # noqa: E402
+from kvlearn.methods import trained_options  # noqa: E402
 from kvlearn.results import make_results, write_results  # noqa: E402
 
 BASELINES = ("static", "dp_search", "random", "kivi", "posthoc_quant")  # priority order within a factor
@@ -171,7 +172,10 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
 
     def add(method, weights=None, selector=None, label=None, scorers=None, **kw):
         protocol = "context" if method == "kaizen+snapkv" else "bounded"
-        options = {**BASE_OPTIONS.get(method, {}), **(args.method_options.get(method) or {})}
+        # a trained KVpop student is evaluated under the pattern it was trained for (its scorer, decay range and
+        # window: kvlearn.methods.trained_options, as `kvlearn eval` does); --options still override
+        trained = trained_options(method, scorers or weights) if method == "kaizen+kvpop" and (scorers or weights) else {}
+        options = {**trained, **BASE_OPTIONS.get(method, {}), **(args.method_options.get(method) or {})}
         for split in splits:
             try:
                 config = EvalConfig(method=REGISTRY[method], split=split, protocol=protocol,

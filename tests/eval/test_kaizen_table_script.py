@@ -154,8 +154,9 @@ def test_compose_selectors_runs_each_selector_under_eviction_with_grafted_scorer
     """``--compose-selectors``: each selector's backbone and per-prompt choice at its training target (4x) under
     eviction at the total factor (16x: the eviction keeps 256 x 4 / 16 = 64 tokens); kaizen+kvpop with the scorers of
     ``--kvpop`` grafted onto the selector's backbone (load_kvpop), which the rows name; the configurations are the
-    selector's own choice at 4x (its kaizen rows'), not the static one; a factor not above the selector's target is
-    skipped with the reason."""
+    selector's own choice at 4x (its kaizen rows'), not the static one; the student is evaluated under its trained
+    fields (``trained_options``: here its decay range); a factor not above the selector's target is skipped with the
+    reason."""
     import torch
 
     from kvlearn import load
@@ -165,7 +166,7 @@ def test_compose_selectors_runs_each_selector_under_eviction_with_grafted_scorer
     work, data = smoke
     kvpop_dir = tmp_path / "kvpop"
     teacher = load(work / "teacher")
-    apply_kvpop(teacher, KVpopConfig(sinks=4, window=16, topk=44, scorer="mlp"))
+    apply_kvpop(teacher, KVpopConfig(sinks=4, window=16, topk=44, scorer="mlp", decay_min=0.99, decay_max=0.9999))
     torch.manual_seed(5)
     with torch.no_grad():
         for p in kvpop_modules(teacher)[0][0].parameters():
@@ -185,6 +186,9 @@ def test_compose_selectors_runs_each_selector_under_eviction_with_grafted_scorer
     for r in mine:
         assert r["selector"] == "kaizen4" and r["model"] != "teacher" and r["factor"] >= 16.0 - 1e-9
         assert set(r["configurations"]) == kaizen_choice
+    for r in mine:  # the grafted student's trained pattern (its decay range), the smoke's window option on top
+        if r["method"] == "kaizen+kvpop":
+            assert (r["options"]["decay_min"], r["options"]["decay_max"], r["options"]["window"]) == (0.99, 0.9999, 16)
     (scorers,) = {r["scorers"] for r in mine if r["method"] == "kaizen+kvpop"}
     assert scorers.endswith("/kvpop") and "pytest" in scorers
     assert not any("scorers" in r for r in mine if r["method"] == "kaizen+snapkv")
