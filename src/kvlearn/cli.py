@@ -156,7 +156,15 @@ def cmd_eval(args) -> int:
     from .eval.plots import plot_accuracy
     from .results import make_results, write_results
 
-    config = _eval_config(args, args.method, args.budget, _tasks(args.tasks))
+    scorers = getattr(args, "kvpop_scorers", None)
+    check(scorers is None or args.method in ("kvpop", "kaizen+kvpop"),
+          f"--kvpop-scorers is for methods kvpop and kaizen+kvpop (their eviction reads KVpop's scorers), not "
+          f"--method {args.method}")
+    if scorers is not None:
+        check(os.path.isfile(os.path.join(scorers, "config.json")),
+              f"--kvpop-scorers {scorers}: no config.json there (expected a KVpop checkpoint folder, e.g. "
+              "checkpoints/testbed-kvpop)")
+    config = _eval_config(args, args.method, args.budget, _tasks(args.tasks), model=scorers)
     check_int("--threads", args.threads, 0)
     check(not args.plot or args.out, "--plot needs --out: the plot is drawn from the results file's rows")
     if args.out:
@@ -167,13 +175,18 @@ def cmd_eval(args) -> int:
     check_model_context(args.model, args.context)
     _threads(args.threads)
     model = _load(args.model, device)
+    if scorers is not None:  # a KVpop student's scorers and decays onto --model (e.g. a Kaizen-trained backbone)
+        from .kvpop.apply import load_kvpop
+
+        load_kvpop(model, scorers)
     start = time.perf_counter()
     rows = evaluate(model, config)
     wall = time.perf_counter() - start
     print(format_table(rows))
     if args.out:
+        extra = {"kvpop_scorers": display_path(scorers)} if scorers is not None else {}
         results = make_results("accuracy", rows, device=device, model=display_path(args.model), context=args.context,
-                               split=args.split, protocol=args.protocol, wall_seconds=round(wall, 1))
+                               split=args.split, protocol=args.protocol, wall_seconds=round(wall, 1), **extra)
         print(f"wrote {write_results(args.out, results)}")
         if args.plot:
             print(f"wrote {plot_accuracy(rows, args.plot)}")
@@ -574,6 +587,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kaizen and its baselines (kaizen_static, kaizen_random, kaizen_dp): target compression "
                          "factor (kaizen's default: the one it was trained for); kaizen+snapkv, kaizen+kvpop: the "
                          "total factor, representation x context/budget")
+    sp.add_argument("--kvpop-scorers", default=None, metavar="PATH",
+                    help="kvpop, kaizen+kvpop: a KVpop checkpoint whose scorers and decays go onto --model (same base "
+                         "shape), evaluated under its trained fields; e.g. a kaizen-train folder as --model with "
+                         "checkpoints/testbed-kvpop here: the trained selector's choice under the student's eviction")
     sp.add_argument("--out", default=None, help="results file (.json); nothing is written without it")
     sp.add_argument("--plot", default=None, help=f"plot file ({', '.join(PLOT_SUFFIXES)}); needs --out")
     sp.set_defaults(func=cmd_eval)

@@ -244,6 +244,46 @@ def test_a_trained_selector_chooses_the_composed_configuration(name):
     assert len(str(err.value).splitlines()) == 1
 
 
+def test_cli_composes_a_kaizen_checkpoint_with_grafted_kvpop_scorers(tmp_path, capsys):
+    """``kvlearn eval --method kaizen+kvpop --model <Kaizen checkpoint> --kvpop-scorers <KVpop checkpoint>``: the
+    Kaizen folder's backbone and selector (pushed to ``b8 share b16``: 2x), the KVpop folder's scorers (a decay range
+    the harness's default would not pick) and trained fields, at total 8x with budget 64 of 256; the file names the
+    scorers. ``--kvpop-scorers`` with another method, or a folder without config.json, is one line."""
+    import json
+
+    from kvlearn.cli import main
+    from kvlearn.kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
+
+    base = tiny(4)
+    kvpop = tiny(4)
+    apply_kvpop(kvpop, KVpopConfig(sinks=4, window=16, topk=44, scorer="mlp", decay_min=0.99, decay_max=0.9999))
+    kvpop.save_pretrained(tmp_path / "kvpop")
+    apply_kaizen(base, KaizenMethodConfig(target=2.0))
+    sel = selector_of(base)
+    backbone = Backbone.from_config(base.config)
+    wanted = KaizenConfig(backbone, (LayerAction(8), S, LayerAction(16)))
+    with torch.no_grad():
+        for layer, action in enumerate(wanted.actions):
+            sel.head_bias[layer, sel.space.index(action)] = 100.0
+    base.save_pretrained(tmp_path / "kaizen")
+    out = tmp_path / "rows.json"
+    assert main(["eval", "--method", "kaizen+kvpop", "--model", str(tmp_path / "kaizen"), "--kvpop-scorers",
+                 str(tmp_path / "kvpop"), "--budget", "64", "--target", "8", "--context", "256", "--tasks", "vt",
+                 "--n-per-task", "2", "--device", "cpu", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["configurations"] == {"b8 share b16": 2} and row["factor"] == pytest.approx(8.0)
+    assert (row["options"]["decay_min"], row["options"]["window"]) == (0.99, 16)
+    assert data["kvpop_scorers"].endswith("kvpop")
+    capsys.readouterr()
+    for argv, match in ((["--method", "kaizen+snapkv", "--kvpop-scorers", str(tmp_path / "kvpop")], "kaizen+snapkv"),
+                        (["--method", "kaizen+kvpop", "--kvpop-scorers", str(tmp_path)], "no config.json")):
+        code = main(["eval", "--model", str(tmp_path / "kaizen"), "--budget", "64", "--target", "8", "--context",
+                     "256", "--device", "cpu", *argv])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err and match in err, err
+
+
 def test_composed_cache_is_refused_on_an_mla_backbone():
     mla = Backbone(num_layers=2, kv_heads=2, head_dim=16, mla_rank=32, rope_dim=16)
     config = ComposedConfig(8.0, eviction_config("kaizen+snapkv", 64, 256))
