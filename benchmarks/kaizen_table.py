@@ -193,7 +193,8 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
     for label, path, targets in selectors:
         for t in targets:
             add("kaizen", weights=path, label=label, target=t)
-            add("untrained_backbone", selector=path, label=label, target=t)
+            if getattr(args, "untrained", True):
+                add("untrained_backbone", selector=path, label=label, target=t)
     if getattr(args, "smaller_model", None):
         add("smaller_model", weights=args.smaller_model)
     first_factors = parse_factors(args.first_factors, "--first-factors") if args.first_factors else ()
@@ -201,16 +202,17 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
     for f in first + sorted(f for f in factors if f not in first):
         for m in baselines:
             add(m, weights=args.control if m == "posthoc_quant" else None, target=f)
+    compose_methods = parse_list(getattr(args, "compose_methods", "all"), COMPOSED, "--compose-methods")
     for f in composed:
         budget = int(round(args.context * args.compose_rep / f))
-        for m in COMPOSED:
+        for m in compose_methods:
             add(m, weights=args.kvpop if m == "kaizen+kvpop" else None, target=f, budget=budget)
     if getattr(args, "compose_selectors", False):  # each selector's backbone and choice under eviction
         for label, path, targets in selectors:
             rep = targets[0]
             for f in composed:
                 budget = int(round(args.context * rep / f))
-                for m in COMPOSED:
+                for m in compose_methods:
                     if f <= rep:
                         skipped[f"{m}[{label}]/F={f:g}"] = (f"total factor {f:g}x is not above the selector's "
                                                             f"{rep:g}x: no eviction left to compose")
@@ -295,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compose-factors", default="16,32", help="total factors of kaizen+snapkv/kvpop, or 'none'")
     ap.add_argument("--compose-rep", type=float, default=4.0,
                     help="the representation's share of a composed factor F: eviction keeps context x rep / F tokens")
+    ap.add_argument("--compose-methods", default="all",
+                    help=f"comma list of {','.join(COMPOSED)} or 'all': the composed methods of --compose-factors")
+    ap.add_argument("--untrained", action=argparse.BooleanOptionalAction, default=True,
+                    help="each selector's untrained_backbone rows (its choice on --model's weights)")
     ap.add_argument("--compose-selectors", action="store_true",
                     help="also compose each --selector with eviction at --compose-factors: its trained backbone and its "
                          "choice per prompt at its training target (eviction keeps context x target / F tokens), "

@@ -26,8 +26,9 @@
 # seed (`--seed S`, folder kaizen-t<target>_s<S>, label kaizen<target>_s<S>), concurrently, so that the spread of one
 # recipe over seeds is measured in one call.
 # SELECTOR_TABLE_ARGS: more kaizen_table.py options for each selector's rows, after its defaults (--baselines none
-# --compose-factors none), e.g. '--compose-selectors --compose-factors 64 --kvpop checkpoints/testbed-kvpop': the
-# selector's backbone and choice under KVpop eviction at 64x with the shipped student's scorers grafted on.
+# --compose-factors none), e.g. '--compose-selectors --compose-factors 64 --compose-methods kaizen+kvpop --kvpop
+# checkpoints/testbed-kvpop --no-untrained': the selector's backbone and choice under KVpop eviction at 64x with the
+# shipped student's scorers grafted on (and no untrained-backbone rows, to fit the call).
 # BASELINE_PARTS (default '--first-factors 4,8'): the training-free part's kaizen_table.py options; several parts
 # separated by ';' run as that many processes side by side, the first measuring the control, the others with
 # --no-control (e.g. '--factors 2 --baselines static,dp_search,random --compose-factors none;--factors 16 ...');

@@ -178,6 +178,15 @@ def test_compose_selectors_runs_each_selector_under_eviction_with_grafted_scorer
                                "--no-control", "--baselines", "none", "--compose-factors", "4,16",
                                "--compose-selectors", "--kvpop", str(kvpop_dir), "--splits", "eval",
                                "--out", str(out)]) == 0
+    only = tmp_path / "only.json"  # --compose-methods and --no-untrained narrow the plan
+    assert load_script().main(["--smoke", "--smoke-dir", str(work), "--selector", f"kaizen4={selector}",
+                               "--no-control", "--baselines", "none", "--compose-factors", "16", "--compose-selectors",
+                               "--compose-methods", "kaizen+kvpop", "--no-untrained", "--splits", "eval",
+                               "--minutes", "0", "--out", str(only)]) == 0
+    assert json.loads(only.read_text())["not_run"] == ["kaizen[kaizen4]/bounded/eval/F=4",
+                                                       "smaller_model/bounded/eval",
+                                                       "kaizen+kvpop/bounded/eval/F=16",
+                                                       "kaizen+kvpop[kaizen4]/bounded/eval/F=16"]
     result = json.loads(out.read_text())
     mine = [r for r in result["rows"] if r["method"] in ("kaizen+snapkv", "kaizen+kvpop") and r.get("selector")]
     assert {(r["method"], r["target"], r["budget"]) for r in mine} == {("kaizen+snapkv", 16.0, 64),
