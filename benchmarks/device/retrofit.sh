@@ -5,6 +5,10 @@
 # N (examples per family, default 100), EXTRA (more retrofit options), TAG (a suffix of the run's names, so that
 # several retrofits can run side by side). Writes $OUT/retrofit_<scorer>_<budget>.log,
 # $OUT/kvpop_<scorer>_<budget>_<split>.json, and the student as $OUT/kvpop_<scorer>_<budget>.tar (bf16 weights).
+# COMPOSE_TARGET (e.g. 64, with EXTRA='--kv-bits 2' and BUDGET=512: a student retrofitted under 2-bit K/V at CR 88%):
+# evaluate the student as it serves, `kvlearn eval --method kaizen+kvpop --target COMPOSE_TARGET` (the static
+# configuration at COMPOSE_TARGET x BUDGET / 4096 under its own eviction), instead of `--method kvpop`; rows in
+# $OUT/kaizen_kvpop_<tag>_<split>.json.
 # Device time: MINUTES + ~1 minute of start-up + ~1 minute of evaluation per split.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/retrofit.sh
 set -u
@@ -21,11 +25,17 @@ python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$RUN" --overwrite --devi
     --budget "$BUDGET" --minutes "$MINUTES" --num-workers 8 ${EXTRA:-} > "$OUT/retrofit_$tag.log" 2>&1
 echo "retrofit rc=$?"; tail -n 3 "$OUT/retrofit_$tag.log"
 for split in eval heldout; do
-    python3 -m kvlearn.cli eval --model "$RUN/final" --method kvpop --budget "$BUDGET" --n-per-task "$N" \
-        --split "$split" --device cuda --out "$OUT/kvpop_${tag}_$split.json" >> "$OUT/retrofit_$tag.log" 2>&1
+    if [ -n "${COMPOSE_TARGET:-}" ]; then
+        python3 -m kvlearn.cli eval --model "$RUN/final" --method kaizen+kvpop --budget "$BUDGET" \
+            --target "$COMPOSE_TARGET" --n-per-task "$N" --split "$split" --device cuda \
+            --out "$OUT/kaizen_kvpop_${tag}_$split.json" >> "$OUT/retrofit_$tag.log" 2>&1
+    else
+        python3 -m kvlearn.cli eval --model "$RUN/final" --method kvpop --budget "$BUDGET" --n-per-task "$N" \
+            --split "$split" --device cuda --out "$OUT/kvpop_${tag}_$split.json" >> "$OUT/retrofit_$tag.log" 2>&1
+    fi
     echo "eval $split rc=$?"
 done
-grep -E "^kvpop|^method" "$OUT/retrofit_$tag.log" | tail -n 12
+grep -E "^kvpop|^kaizen|^method" "$OUT/retrofit_$tag.log" | tail -n 12
 python3 -c "
 import shutil, sys, torch, kvlearn
 src, dst = sys.argv[1], sys.argv[2]

@@ -12,6 +12,13 @@ layer, with the forward's :class:`TrainForward` passed as the attention keyword 
    target of the paper's appendix D.3, Eq. 9/34: the normaliser the sparse pass already computed is reused),
    computed without gradient.
 
+With ``kv_bits`` (a per-layer bit-width, :class:`TrainForward`), steps 4-5 read the layer's keys and values through
+the symmetric per-vector quantizer (:func:`kvlearn.ops.quant.fake_quantize`: forward the stored form, backward the
+identity), as the ``kaizen+kvpop`` cache stores and attends them at that precision; the scorer (step 1) still reads
+the full-precision keys and values, as that cache's scorer does. A student retrofitted so is served at that
+precision under its own eviction (a KVpop student that never saw quantized keys loses most where composition
+needs it: docs/DESIGN.md section 8, "Composition with eviction").
+
 Steps 1-2 run with autocast disabled (float32 scores and rankings, rule 5); the attention itself runs in the
 model's (or autocast's) dtype.
 
@@ -34,6 +41,7 @@ from ..errors import check
 from ..ops.fenwick import running_topk_cutoff
 from ..ops.flex import autocast_qkv
 from ..ops.future_target import future_attention_target
+from ..ops.quant import fake_quantize
 from .attention import sparse_retention_attention
 from .policy import static_priorities
 
@@ -66,12 +74,21 @@ class TrainForward:
     find in a module's arguments (to move their tensors), so the layers would fill copies of ``records`` and the
     trainer would see only some of them."""
 
-    def __init__(self, config: KVpopConfig) -> None:
+    def __init__(self, config: KVpopConfig, kv_bits: tuple[int, ...] | None = None) -> None:
         self.config = config
+        self.kv_bits = None if kv_bits is None else tuple(kv_bits)  # per layer: the attended K/V's precision
         self.records: dict[int, LayerRecord] = {}
 
+    def bits_of(self, layer_idx: int) -> int:
+        """The bit-width layer ``layer_idx`` attends its keys and values at (16: unquantized)."""
+        if self.kv_bits is None:
+            return 16
+        check(0 <= layer_idx < len(self.kv_bits),
+              f"kv_bits lists {len(self.kv_bits)} layers, but layer {layer_idx} ran: expected one bit-width per layer")
+        return self.kv_bits[layer_idx]
+
     def __repr__(self) -> str:
-        return f"TrainForward(layers recorded={sorted(self.records)})"
+        return f"TrainForward(kv_bits={self.kv_bits}, layers recorded={sorted(self.records)})"
 
 
 def kvpop_train_attention(
@@ -104,6 +121,9 @@ def kvpop_train_attention(
         log_gamma = kv.decay()  # [Hkv]
         priorities = static_priorities(raw, log_gamma)
     ranks, cutoffs = running_topk_cutoff(priorities.detach(), cfg.sinks, cfg.window, cfg.topk)
+    bits = kvpop_train.bits_of(module.layer_idx)
+    if bits < 16:  # the stored form the cache attends at this precision; straight-through gradients
+        key, value = fake_quantize(key, bits), fake_quantize(value, bits)
     out, lse = sparse_retention_attention(query, key, value, ranks, cutoffs, cfg.sinks, cfg.window, scale=scaling,
                                           return_lse=True, topk=cfg.topk)
     with torch.no_grad():

@@ -67,6 +67,7 @@ from ..kvpop.apply import apply_kvpop, model_budget_config
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import BoundaryDecisions, boundary_decisions, sample_query_positions, stacked_teacher_policy
 from ..kvpop.train_attention import TrainForward, use_train_attention
+from ..ops.quant import BITS as KV_BITS
 from ..testbed.data import IGNORE_INDEX, TestbedStream, dense_share, shard_rows
 from ..hf import copy_tokenizer_files
 from ..lineage import write_teacher_record
@@ -104,6 +105,7 @@ class RetrofitConfig:
     streaming: StreamingConfig | None = None
     dms: DMSConfig | None = None
     compression_weight: float = 1.0  # dms: weight of the compression hinge
+    kv_bits: int | tuple[int, ...] | None = None  # kvpop: attend K/V quantized to these bits (one, or one per layer)
     # length of the run: ``steps``, or a wall-clock budget in ``minutes`` (then the schedule follows elapsed time)
     steps: int | None = 1000
     minutes: float | None = None
@@ -148,6 +150,14 @@ class RetrofitConfig:
         else:
             check(isinstance(self.dms, DMSConfig), f"method 'dms' needs dms=DMSConfig(...), got {self.dms!r}")
             budget = self.dms.sinks + self.dms.window if self.dms.budget is None else self.dms.budget
+        if self.kv_bits is not None:
+            check(self.method == "kvpop", f"kv_bits={self.kv_bits!r} is for method 'kvpop' (a student served under "
+                                          f"kaizen+kvpop at that precision), not {self.method!r}")
+            bits = (self.kv_bits,) if isinstance(self.kv_bits, int) else tuple(self.kv_bits)
+            check(len(bits) > 0 and all(isinstance(b, int) and not isinstance(b, bool) and b in KV_BITS
+                                        for b in bits),
+                  f"kv_bits={self.kv_bits!r} is invalid: expected bit-widths in {{2, 4, 8, 16}}, one or one per layer")
+            self.kv_bits = bits[0] if isinstance(self.kv_bits, int) else bits
         check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
@@ -221,6 +231,7 @@ def build_models(config: RetrofitConfig, device: torch.device):
     teacher.requires_grad_(False)
     student = copy.deepcopy(teacher)
     if config.method == "kvpop":
+        layer_kv_bits(config, student.config.num_hidden_layers)  # one-line error for a list of another length
         apply_kvpop(student, config.kvpop)
         use_train_attention(student)
     elif config.method == "streaming_plus":
@@ -257,9 +268,23 @@ def method_forward(config: RetrofitConfig, student, input_ids: torch.Tensor, ste
     return logits, loss, {"compression": float(loss.detach()), "closed_fraction": closed, "target_fraction": target}
 
 
-def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig):
-    """``(logits [B, T, V], TrainForward)``: one student forward under its running top-k retention."""
-    state = TrainForward(kvpop)
+def layer_kv_bits(config: RetrofitConfig, num_layers: int) -> tuple[int, ...] | None:
+    """``config.kv_bits`` as one bit-width per decoder layer (``None``: unquantized); one-line error for a list of
+    another length."""
+    if config.kv_bits is None:
+        return None
+    if isinstance(config.kv_bits, int):
+        return (config.kv_bits,) * num_layers
+    check(len(config.kv_bits) == num_layers,
+          f"kv_bits lists {len(config.kv_bits)} bit-widths for a model of {num_layers} layers: expected one, or one "
+          "per layer")
+    return tuple(config.kv_bits)
+
+
+def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig, kv_bits: tuple[int, ...] | None = None):
+    """``(logits [B, T, V], TrainForward)``: one student forward under its running top-k retention, attending keys
+    and values at ``kv_bits`` (per layer; ``None``: unquantized)."""
+    state = TrainForward(kvpop, kv_bits)
     logits = student(input_ids=input_ids, kvpop_train=state, use_cache=False).logits
     return logits, state
 
@@ -529,8 +554,8 @@ def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
     method_config = {"kvpop": config.kvpop, "streaming_plus": config.streaming, "dms": config.dms}[config.method]
     expected = {"method": config.method, _config_field(config.method): asdict(method_config), "steps": config.steps,
                 "minutes": config.minutes, "seq_len": config.seq_len, "batch_size": config.batch_size,
-                "seed": config.seed}
-    trainer = read_trainer_state(path, expected, defaults={"method": "kvpop"})
+                "seed": config.seed, "kv_bits": config.kv_bits}
+    trainer = read_trainer_state(path, expected, defaults={"method": "kvpop", "kv_bits": None})
     load_student_weights(path, student)
     return trainer
 
@@ -568,7 +593,9 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
         with torch.no_grad():
             teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
         if config.method == "kvpop":
-            logits, state = student_forward(student, input_ids, kv)
+            layers = getattr(getattr(student, "config", None), "num_hidden_layers", None)
+            bits = layer_kv_bits(config, layers) if config.kv_bits is not None else None
+            logits, state = student_forward(student, input_ids, kv, bits)
         else:
             logits, extra_loss, extra_log = method_forward(config, student, input_ids, step, fraction)
     # float32; under data parallelism each loss is this process's share of the global-batch value

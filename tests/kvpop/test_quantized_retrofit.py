@@ -1,0 +1,106 @@
+"""The KVpop retrofit under quantized keys and values (``RetrofitConfig.kv_bits``, ``kvlearn retrofit --kv-bits``):
+the training attention attends the stored form a ``kaizen+kvpop`` cache holds at that precision, so a student
+retrofitted so decodes through that cache as it trained (rule 4), its scorers reading full-precision keys as the
+cache's scorers do; the trainer runs it and refuses bad bit-widths in one line. Tiny random GQA Qwen3 (3 layers,
+2 KV heads, 2 query heads per KV head, head_dim 128), float32."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kaizen"))
+from test_compose import eviction_config, ids_of, run, tiny, with_kvpop  # noqa: E402
+
+from kvlearn import KVLearnError  # noqa: E402
+from kvlearn.kaizen import sharing  # noqa: E402
+from kvlearn.kaizen.actions import Backbone, KaizenConfig, LayerAction  # noqa: E402
+from kvlearn.kaizen.compose import ComposedConfig  # noqa: E402
+from kvlearn.kvpop.train_attention import TrainForward, use_train_attention  # noqa: E402
+from kvlearn.methods import get_method  # noqa: E402
+
+
+def training_logits(model, config, ids, kv_bits):
+    """The full-sequence training forward under the running top-k, attending K/V at ``kv_bits`` per layer."""
+    use_train_attention(model)
+    state = TrainForward(config, kv_bits)
+    with torch.no_grad():
+        logits = model(input_ids=ids, kvpop_train=state, use_cache=False).logits
+    sharing.attach(model)  # back to the cache's attention
+    return logits, state
+
+
+@pytest.mark.parametrize("bits,dtype,tol", [((4, 4, 4), torch.float32, 1e-4), ((4, 4, 4), torch.float64, 1e-10),
+                                            ((8, 2, 4), torch.float64, 1e-10)], ids=["b4-f32", "b4-f64", "b8-b2-b4-f64"])
+def test_quantized_training_forward_equals_decoding_through_the_composed_cache(bits, dtype, tol):
+    """Rule 4 for a student retrofitted under quantized K/V: the logits of the training forward (running top-k of the
+    scorers on full-precision keys, attention over fake-quantized K/V) equal prefill (chunks of 16) + token-by-token
+    decoding through the ``kaizen+kvpop`` cache of the same precisions (packed stores, KVpop's policy), for a
+    sequence 2.5x the budget. Mixed precisions with 8 bits are checked in float64: in float32 the one-matmul and the
+    token-by-token keys differ in their last bits, and at 8 bits (steps of absmax / 127) such a difference sometimes
+    crosses a rounding boundary of the quantizer, one code apart (1e-3 in the logits of 1.6% of the positions)."""
+    budget, context, n, prompt = 40, 256, 100, 36
+    model = tiny(11).to(dtype)
+    evict = eviction_config("kaizen+kvpop", budget, context)
+    backbone = Backbone.from_config(model.config)
+    choice = KaizenConfig(backbone, tuple(LayerAction(b) for b in bits))
+    config = ComposedConfig(choice.compression(metadata=False) * context / budget, evict)
+    method = get_method("kaizen+kvpop")
+    method.prepare(model, config)
+    with_kvpop(model, evict)
+    ids = ids_of(2, n)
+    want, _ = training_logits(model, evict, ids, bits)
+    cache = method.make_choice_cache(config, model, choice, 0)
+    got = run(model, cache, ids, prompt, dense=False)
+    torch.testing.assert_close(got, want[:, prompt - 1:], atol=tol, rtol=tol)
+    plain, _ = training_logits(model, evict, ids, None)
+    assert (plain[:, prompt - 1:] - want[:, prompt - 1:]).abs().max() > 1e-3  # the quantization is visible
+
+
+def test_quantized_attention_keeps_the_scorers_on_full_precision_keys_and_passes_gradients():
+    """Layer 0's scores, ranks and cutoffs are those of the unquantized forward (its scorer reads the same
+    full-precision keys); the backbone still gets gradients through the quantized attention (straight-through)."""
+    model = tiny(12)
+    evict = eviction_config("kaizen+kvpop", 40, 256)
+    get_method("kaizen+kvpop").prepare(model, ComposedConfig(6.4, evict))
+    with_kvpop(model, evict)
+    ids = ids_of(2, 90)
+    _, quant = training_logits(model, evict, ids, (2, 2, 2))
+    _, plain = training_logits(model, evict, ids, None)
+    for field in ("priorities", "ranks", "cutoffs"):
+        torch.testing.assert_close(getattr(quant.records[0], field), getattr(plain.records[0], field))
+    use_train_attention(model)
+    model.zero_grad()
+    model(input_ids=ids, kvpop_train=TrainForward(evict, (2, 2, 2)), use_cache=False).logits.square().mean().backward()
+    assert float(model.model.layers[0].self_attn.k_proj.weight.grad.abs().sum()) > 0
+    sharing.attach(model)
+
+
+def test_retrofit_under_kv_bits_runs_and_bad_bits_are_one_line(tmp_path):
+    """``kvlearn retrofit --kv-bits 4`` trains 2 steps and records the bits for a resume; a resume with other bits,
+    bits outside {2, 4, 8, 16}, a per-layer list of the wrong length and --kv-bits with another method are one line."""
+    from kvlearn.cli import main
+    from kvlearn.train.distill import RetrofitConfig, retrofit
+
+    teacher = tmp_path / "teacher"
+    tiny(13).save_pretrained(teacher)
+    common = dict(model=str(teacher), steps=2, batch_size=2, seq_len=128, save_interval=1, warmup_steps=0,
+                  kvpop=eviction_config("kaizen+kvpop", 40, None), kv_bits=4)
+    result = retrofit(RetrofitConfig(out=str(tmp_path / "run"), **common), progress=False)
+    assert result["step"] == 2 and torch.load(Path(result["final"]) / "trainer_state.pt",
+                                              weights_only=False)["config"]["kv_bits"] == 4
+    with pytest.raises(KVLearnError, match="kv_bits=4 but this run has kv_bits=2"):
+        retrofit(RetrofitConfig(out=str(tmp_path / "run"), resume=True, **{**common, "kv_bits": 2}),
+                 progress=False)
+    for bad, match in ((3, r"kv_bits=3 is invalid: expected bit-widths in \{2, 4, 8, 16\}"),
+                       ((4, 4), "kv_bits lists 2 bit-widths for a model of 3 layers")):
+        with pytest.raises(KVLearnError, match=match) as err:
+            retrofit(RetrofitConfig(out=str(tmp_path / f"bad{bad}"), **{**common, "kv_bits": bad}), progress=False)
+        assert len(str(err.value).splitlines()) == 1
+    code = main(["retrofit", "--model", str(teacher), "--out", str(tmp_path / "cli"), "--method", "dms",
+                 "--budget", "40", "--window", "8", "--kv-bits", "4", "--steps", "1", "--seq-len", "128"])
+    assert code == 2
+    code = main(["retrofit", "--model", str(teacher), "--out", str(tmp_path / "cli"), "--kv-bits", "four",
+                 "--budget", "40", "--window", "8", "--steps", "1", "--seq-len", "128"])
+    assert code == 2
