@@ -343,10 +343,10 @@ def cmd_retrofit(args) -> int:
         method_kw["compression_weight"] = args.compression_weight
     if args.kv_bits is not None:
         try:
-            bits = tuple(int(b) for b in args.kv_bits.split(","))
+            bits = tuple(b.strip() if b.strip() == "share" else int(b) for b in args.kv_bits.split(","))
         except ValueError:
             raise KVLearnError(f"--kv-bits {args.kv_bits!r}: expected a bit-width (2, 4, 8 or 16) or a comma list of "
-                               "one per layer") from None
+                               "one per layer, where a later layer may be 'share'") from None
         method_kw["kv_bits"] = bits[0] if len(bits) == 1 else bits
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
@@ -666,8 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "u itself (immediate; the paper's readout ablation) (default: KVpopConfig's, delayed)")
     sp.add_argument("--kv-bits", default=None,
                     help="kvpop: attend keys and values quantized to these bits (2, 4, 8; one, or a comma list of one "
-                         "per layer) with straight-through gradients, the scorers reading them in full precision, so "
-                         "that the student serves under kaizen+kvpop at that precision (default: unquantized)")
+                         "per layer, where a later layer may be 'share': it reads the nearest earlier layer's keys and "
+                         "values under that layer's retention) with straight-through gradients, the scorers reading "
+                         "them in full precision, so that the student serves under kaizen+kvpop in that configuration "
+                         "(default: unquantized)")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
                          "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "

@@ -32,19 +32,22 @@ def training_logits(model, config, ids, kv_bits):
 
 
 @pytest.mark.parametrize("bits,dtype,tol", [((4, 4, 4), torch.float32, 1e-4), ((4, 4, 4), torch.float64, 1e-10),
-                                            ((8, 2, 4), torch.float64, 1e-10)], ids=["b4-f32", "b4-f64", "b8-b2-b4-f64"])
+                                            ((8, 2, 4), torch.float64, 1e-10), ((4, "share", 2), torch.float32, 1e-4),
+                                            ((8, "share", "share"), torch.float64, 1e-10)],
+                         ids=["b4-f32", "b4-f64", "b8-b2-b4-f64", "b4-share-b2-f32", "b8-share-share-f64"])
 def test_quantized_training_forward_equals_decoding_through_the_composed_cache(bits, dtype, tol):
     """Rule 4 for a student retrofitted under quantized K/V: the logits of the training forward (running top-k of the
     scorers on full-precision keys, attention over fake-quantized K/V) equal prefill (chunks of 16) + token-by-token
     decoding through the ``kaizen+kvpop`` cache of the same precisions (packed stores, KVpop's policy), for a
-    sequence 2.5x the budget. Mixed precisions with 8 bits are checked in float64: in float32 the one-matmul and the
+    sequence 2.5x the budget; a ``"share"`` layer attends its anchor's quantized K/V under the anchor's retention, as
+    the cache's sharing layer reads its anchor's evicted store. Mixed precisions with 8 bits are checked in float64: in float32 the one-matmul and the
     token-by-token keys differ in their last bits, and at 8 bits (steps of absmax / 127) such a difference sometimes
     crosses a rounding boundary of the quantizer, one code apart (1e-3 in the logits of 1.6% of the positions)."""
     budget, context, n, prompt = 40, 256, 100, 36
     model = tiny(11).to(dtype)
     evict = eviction_config("kaizen+kvpop", budget, context)
     backbone = Backbone.from_config(model.config)
-    choice = KaizenConfig(backbone, tuple(LayerAction(b) for b in bits))
+    choice = KaizenConfig(backbone, tuple(LayerAction.shared() if b == "share" else LayerAction(b) for b in bits))
     config = ComposedConfig(choice.compression(metadata=False) * context / budget, evict)
     method = get_method("kaizen+kvpop")
     method.prepare(model, config)
@@ -54,8 +57,10 @@ def test_quantized_training_forward_equals_decoding_through_the_composed_cache(b
     cache = method.make_choice_cache(config, model, choice, 0)
     got = run(model, cache, ids, prompt, dense=False)
     torch.testing.assert_close(got, want[:, prompt - 1:], atol=tol, rtol=tol)
-    plain, _ = training_logits(model, evict, ids, None)
+    plain, state = training_logits(model, evict, ids, None)
     assert (plain[:, prompt - 1:] - want[:, prompt - 1:]).abs().max() > 1e-3  # the quantization is visible
+    _, quantized = training_logits(model, evict, ids, bits)
+    assert sorted(quantized.records) == [l for l, b in enumerate(bits) if b != "share"]  # sharing layers score nothing
 
 
 def test_quantized_attention_keeps_the_scorers_on_full_precision_keys_and_passes_gradients():
@@ -77,6 +82,36 @@ def test_quantized_attention_keeps_the_scorers_on_full_precision_keys_and_passes
     sharing.attach(model)
 
 
+def test_a_student_retrofitted_under_a_configuration_serves_under_it(tmp_path, capsys):
+    """``kvlearn retrofit --kv-bits 4,share,2`` records ``b4 share b2`` (8x) in the student's config.json;
+    ``kvlearn eval --method kaizen+kvpop`` on it takes that configuration (not the static one) at a total target its
+    8x meets (8 x 256 / 40 = 51.2), and a total target that needs more from the representation is one line naming the
+    recorded configuration."""
+    import json
+
+    from kvlearn.cli import main
+
+    teacher = tmp_path / "teacher"
+    tiny(14).save_pretrained(teacher)
+    out = tmp_path / "student"
+    assert main(["retrofit", "--model", str(teacher), "--out", str(out), "--kv-bits", "4,share,2", "--budget", "40",
+                 "--sinks", "2", "--window", "8", "--steps", "2", "--batch-size", "2", "--seq-len", "128",
+                 "--device", "cpu"]) == 0
+    assert json.loads((out / "final" / "config.json").read_text())["kvpop_kv_configuration"] == "b4 share b2"
+    rows = tmp_path / "rows.json"
+    assert main(["eval", "--model", str(out / "final"), "--method", "kaizen+kvpop", "--budget", "40", "--sinks", "2",
+                 "--target", "51.2", "--context", "256", "--tasks", "vt", "--n-per-task", "2", "--device", "cpu",
+                 "--out", str(rows)]) == 0
+    (row,) = json.loads(rows.read_text())["rows"]
+    assert row["configurations"] == {"b4 share b2": 2} and row["factor"] == pytest.approx(51.2)
+    capsys.readouterr()
+    code = main(["eval", "--model", str(out / "final"), "--method", "kaizen+kvpop", "--budget", "40", "--sinks", "2",
+                 "--target", "64", "--context", "256", "--tasks", "vt", "--n-per-task", "1", "--device", "cpu"])
+    err = capsys.readouterr().err  # the progress bars, then one error line (no traceback)
+    (line,) = [ln for ln in err.splitlines() if "kvlearn: error:" in ln]
+    assert code == 2 and "Traceback" not in err and "retrofitted under 'b4 share b2' (8x): ask for at most 51.2x" in line
+
+
 def test_retrofit_under_kv_bits_runs_and_bad_bits_are_one_line(tmp_path):
     """``kvlearn retrofit --kv-bits 4`` trains 2 steps and records the bits for a resume; a resume with other bits,
     bits outside {2, 4, 8, 16}, a per-layer list of the wrong length and --kv-bits with another method are one line."""
@@ -94,6 +129,7 @@ def test_retrofit_under_kv_bits_runs_and_bad_bits_are_one_line(tmp_path):
         retrofit(RetrofitConfig(out=str(tmp_path / "run"), resume=True, **{**common, "kv_bits": 2}),
                  progress=False)
     for bad, match in ((3, r"kv_bits=3 is invalid: expected bit-widths in \{2, 4, 8, 16\}"),
+                       (("share", 4, 4), r"kv_bits=\('share', 4, 4\) is invalid"),
                        ((4, 4), "kv_bits lists 2 bit-widths for a model of 3 layers")):
         with pytest.raises(KVLearnError, match=match) as err:
             retrofit(RetrofitConfig(out=str(tmp_path / f"bad{bad}"), **{**common, "kv_bits": bad}), progress=False)

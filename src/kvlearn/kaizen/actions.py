@@ -291,6 +291,22 @@ class KaizenConfig:
 
     # ----- constructors -----
     @classmethod
+    def parse(cls, backbone: Backbone, text: str) -> "KaizenConfig":
+        """The configuration ``str`` writes (``"b4 b4 share b8"``: ``b<bits>`` or ``b<bits>/d<rank>`` or ``share`` per
+        layer, space-separated); one-line error for any other word or a wrong number of layers."""
+        check(isinstance(text, str), f"configuration {text!r} is invalid: expected a string like 'b4 share b8'")
+        actions = []
+        for word in text.split():
+            if word == "share":
+                actions.append(LayerAction.shared())
+                continue
+            bits, _, rank = word.partition("/d")
+            check(bits.startswith("b") and bits[1:].isdigit() and (not rank or rank.isdigit()),
+                  f"configuration {text!r}: {word!r} is invalid: expected b<bits>, b<bits>/d<rank> or share per layer")
+            actions.append(LayerAction(int(bits[1:]), int(rank) if rank else None))
+        return cls(backbone, tuple(actions))
+
+    @classmethod
     def static(cls, backbone: Backbone, bits: int = 16, rank: int | None = None) -> "KaizenConfig":
         """The uniform configuration: every layer at ``bits`` (and latent width ``rank``)."""
         return cls(backbone, (LayerAction(bits=bits, rank=rank),) * backbone.num_layers)

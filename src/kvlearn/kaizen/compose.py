@@ -135,12 +135,26 @@ def composed_prompt_choices(config: ComposedConfig, model, input_ids, attention_
     """Registry ``prompt_choices``: one configuration per row of ``input_ids [batch, seq]`` at ``ρ_rep*``. With a
     trained selector on ``model``: its choice for the row's real tokens alone (:func:`kvlearn.kaizen.apply.select`
     conditioned on ``ρ_rep*``; a one-line error when ``ρ_rep*`` lies outside what its axes and sharing mask reach);
-    without one, :func:`composed_choice` for every row (it does not read the prompt)."""
+    else, for a KVpop student retrofitted under a configuration (``kvlearn retrofit --kv-bits``, recorded as
+    ``model.config.kvpop_kv_configuration``), that configuration for every row (a one-line error when it compresses
+    less than ``ρ_rep*``); else :func:`composed_choice` for every row (it does not read the prompt)."""
     from .apply import recorded_config, select
     from .selector import SELECTOR_NAME, KaizenSelector
 
+    from ..kvpop.apply import KV_CONFIGURATION_KEY
+
     backbone = Backbone.from_config(model.config)
     rows = prompt_rows(input_ids, attention_mask)
+    trained = getattr(model.config, KV_CONFIGURATION_KEY, None)
+    if not isinstance(getattr(model, SELECTOR_NAME, None), KaizenSelector) and trained is not None:
+        choice = KaizenConfig.parse(backbone, trained)  # a KVpop student retrofitted under this configuration
+        composed_choice(config, backbone)  # GQA only, total target feasible (one-line errors)
+        rep, got = config.representation_target, choice.compression(metadata=False)
+        check(got >= rep * (1 - 1e-9),
+              f"total target {config.target:g}x over eviction {config.eviction_factor:.4g}x needs {rep:.4g}x from the "
+              f"representation, but this model was retrofitted under {trained!r} ({got:.4g}x): ask for at most "
+              f"{got * config.eviction_factor:.4g}x, or keep fewer tokens")
+        return [choice] * len(rows)
     if not isinstance(getattr(model, SELECTOR_NAME, None), KaizenSelector):
         return [composed_choice(config, backbone)] * len(rows)
     composed_choice(config, backbone)  # GQA only, total target feasible for the axes (one-line errors)

@@ -36,6 +36,9 @@ __all__ = ["KVpopModules", "apply_kvpop", "kvpop_modules", "has_kvpop", "make_kv
            "state_budget_config", "load_kvpop", "recorded_config", "config_from_budget"]
 
 CONFIG_KEY = "kvpop"  # the entry of model.config
+# the entry of model.config naming the KV-Kaizen configuration a student was retrofitted under (kvlearn retrofit
+# --kv-bits, e.g. "b4 b4 share b4"): kaizen+kvpop serves it under that configuration (kvlearn.kaizen.compose)
+KV_CONFIGURATION_KEY = "kvpop_kv_configuration"
 # fields a trained checkpoint fixes for its evaluation (kvlearn.methods.trained_options); the budget's top-k is free
 TRAINED_FIELDS = ("scorer", "delayed_readout", "mlstm_skip", "decay_min", "decay_max", "window")
 

@@ -12,12 +12,15 @@ layer, with the forward's :class:`TrainForward` passed as the attention keyword 
    target of the paper's appendix D.3, Eq. 9/34: the normaliser the sparse pass already computed is reused),
    computed without gradient.
 
-With ``kv_bits`` (a per-layer bit-width, :class:`TrainForward`), steps 4-5 read the layer's keys and values through
+With ``kv_bits`` (per layer a bit-width or ``"share"``, :class:`TrainForward`), steps 4-5 read the layer's keys and values through
 the symmetric per-vector quantizer (:func:`kvlearn.ops.quant.fake_quantize`: forward the stored form, backward the
 identity), as the ``kaizen+kvpop`` cache stores and attends them at that precision; the scorer (step 1) still reads
 the full-precision keys and values, as that cache's scorer does. A student retrofitted so is served at that
 precision under its own eviction (a KVpop student that never saw quantized keys loses most where composition
-needs it: docs/DESIGN.md section 8, "Composition with eviction").
+needs it: docs/DESIGN.md section 8, "Composition with eviction"). A ``"share"`` layer keeps no cache: it runs no
+scorer, records nothing, and attends its own queries over its anchor's (the nearest earlier own layer's) quantized
+keys and values under the anchor's ranks and cutoffs, as a sharing layer of that cache reads its anchor's evicted
+store; the anchor's tensors carry the sharing layer's gradient back to the anchor's projections.
 
 Steps 1-2 run with autocast disabled (float32 scores and rankings, rule 5); the attention itself runs in the
 model's (or autocast's) dtype.
@@ -48,6 +51,7 @@ from .policy import static_priorities
 __all__ = ["TRAIN_ATTENTION", "LayerRecord", "TrainForward", "kvpop_train_attention", "use_train_attention"]
 
 TRAIN_ATTENTION = "kvpop_train"
+SHARE = "share"  # a kv_bits entry: the layer reads its anchor's keys and values (no cache of its own)
 
 
 @dataclass
@@ -74,18 +78,31 @@ class TrainForward:
     find in a module's arguments (to move their tensors), so the layers would fill copies of ``records`` and the
     trainer would see only some of them."""
 
-    def __init__(self, config: KVpopConfig, kv_bits: tuple[int, ...] | None = None) -> None:
+    def __init__(self, config: KVpopConfig, kv_bits: tuple[int | str, ...] | None = None) -> None:
         self.config = config
-        self.kv_bits = None if kv_bits is None else tuple(kv_bits)  # per layer: the attended K/V's precision
+        self.kv_bits = None if kv_bits is None else tuple(kv_bits)  # per layer: the attended K/V's precision or "share"
+        check(self.kv_bits is None or (len(self.kv_bits) > 0 and self.kv_bits[0] != SHARE),
+              f"kv_bits={self.kv_bits!r}: layer 0 cannot share (it has no earlier anchor)")
         self.records: dict[int, LayerRecord] = {}
+        self.anchors: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # layer -> (key, value, ranks, cutoffs)
 
-    def bits_of(self, layer_idx: int) -> int:
-        """The bit-width layer ``layer_idx`` attends its keys and values at (16: unquantized)."""
+    def bits_of(self, layer_idx: int) -> int | str:
+        """The bit-width layer ``layer_idx`` attends its keys and values at (16: unquantized), or ``"share"``."""
         if self.kv_bits is None:
             return 16
         check(0 <= layer_idx < len(self.kv_bits),
-              f"kv_bits lists {len(self.kv_bits)} layers, but layer {layer_idx} ran: expected one bit-width per layer")
+              f"kv_bits lists {len(self.kv_bits)} layers, but layer {layer_idx} ran: expected one entry per layer")
         return self.kv_bits[layer_idx]
+
+    def anchor_of(self, layer_idx: int) -> int:
+        """The nearest layer at or before ``layer_idx`` that keeps its own cache."""
+        while self.bits_of(layer_idx) == SHARE:
+            layer_idx -= 1
+        return layer_idx
+
+    def keeps_anchor(self, layer_idx: int) -> bool:
+        """Whether a later layer shares ``layer_idx``'s keys and values (so this forward keeps them)."""
+        return self.kv_bits is not None and layer_idx + 1 < len(self.kv_bits) and self.kv_bits[layer_idx + 1] == SHARE
 
     def __repr__(self) -> str:
         return f"TrainForward(kv_bits={self.kv_bits}, layers recorded={sorted(self.records)})"
@@ -116,6 +133,14 @@ def kvpop_train_attention(
     kv = getattr(module, "kvpop", None)
     check(kv is not None, "the KVpop training attention needs KVpop modules: call apply_kvpop(model, config) first")
     cfg = kvpop_train.config
+    if kvpop_train.bits_of(module.layer_idx) == SHARE:  # the anchor's stored K/V under the anchor's retention
+        anchor = kvpop_train.anchor_of(module.layer_idx)
+        check(anchor in kvpop_train.anchors,
+              f"layer {module.layer_idx} shares layer {anchor}'s cache, which did not run first in this forward")
+        a_key, a_value, a_ranks, a_cutoffs = kvpop_train.anchors[anchor]
+        out, _ = sparse_retention_attention(query, a_key, a_value, a_ranks, a_cutoffs, cfg.sinks, cfg.window,
+                                            scale=scaling, return_lse=False, topk=cfg.topk)
+        return out.transpose(1, 2).contiguous(), None
     with torch.autocast(device_type=key.device.type, enabled=False):  # rule 5: scores and rankings in float32
         raw = kv.scorer(key.detach(), value.detach())  # [B, Hkv, T]; detached: no gradient into the backbone
         log_gamma = kv.decay()  # [Hkv]
@@ -124,6 +149,8 @@ def kvpop_train_attention(
     bits = kvpop_train.bits_of(module.layer_idx)
     if bits < 16:  # the stored form the cache attends at this precision; straight-through gradients
         key, value = fake_quantize(key, bits), fake_quantize(value, bits)
+    if kvpop_train.keeps_anchor(module.layer_idx):
+        kvpop_train.anchors[module.layer_idx] = (key, value, ranks, cutoffs)
     out, lse = sparse_retention_attention(query, key, value, ranks, cutoffs, cfg.sinks, cfg.window, scale=scaling,
                                           return_lse=True, topk=cfg.topk)
     with torch.no_grad():

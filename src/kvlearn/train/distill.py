@@ -66,7 +66,7 @@ from ..errors import check, check_int, check_non_negative, check_positive
 from ..kvpop.apply import apply_kvpop, model_budget_config
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import BoundaryDecisions, boundary_decisions, sample_query_positions, stacked_teacher_policy
-from ..kvpop.train_attention import TrainForward, use_train_attention
+from ..kvpop.train_attention import SHARE, TrainForward, use_train_attention
 from ..ops.quant import BITS as KV_BITS
 from ..testbed.data import IGNORE_INDEX, TestbedStream, dense_share, shard_rows
 from ..hf import copy_tokenizer_files
@@ -105,7 +105,7 @@ class RetrofitConfig:
     streaming: StreamingConfig | None = None
     dms: DMSConfig | None = None
     compression_weight: float = 1.0  # dms: weight of the compression hinge
-    kv_bits: int | tuple[int, ...] | None = None  # kvpop: attend K/V quantized to these bits (one, or one per layer)
+    kv_bits: int | tuple[int | str, ...] | None = None  # kvpop: attend K/V at these bits (one, or per layer; "share")
     # length of the run: ``steps``, or a wall-clock budget in ``minutes`` (then the schedule follows elapsed time)
     steps: int | None = 1000
     minutes: float | None = None
@@ -153,11 +153,13 @@ class RetrofitConfig:
         if self.kv_bits is not None:
             check(self.method == "kvpop", f"kv_bits={self.kv_bits!r} is for method 'kvpop' (a student served under "
                                           f"kaizen+kvpop at that precision), not {self.method!r}")
-            bits = (self.kv_bits,) if isinstance(self.kv_bits, int) else tuple(self.kv_bits)
-            check(len(bits) > 0 and all(isinstance(b, int) and not isinstance(b, bool) and b in KV_BITS
-                                        for b in bits),
-                  f"kv_bits={self.kv_bits!r} is invalid: expected bit-widths in {{2, 4, 8, 16}}, one or one per layer")
-            self.kv_bits = bits[0] if isinstance(self.kv_bits, int) else bits
+            single = isinstance(self.kv_bits, int)
+            bits = (self.kv_bits,) if single else tuple(self.kv_bits)
+            check(len(bits) > 0 and all(b == SHARE or (isinstance(b, int) and not isinstance(b, bool) and b in KV_BITS)
+                                        for b in bits) and (single or bits[0] != SHARE),
+                  f"kv_bits={self.kv_bits!r} is invalid: expected bit-widths in {{2, 4, 8, 16}} (one, or one per layer, "
+                  "where a later layer may be 'share': it reads the nearest earlier layer's keys and values)")
+            self.kv_bits = bits[0] if single else bits
         check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
@@ -231,8 +233,14 @@ def build_models(config: RetrofitConfig, device: torch.device):
     teacher.requires_grad_(False)
     student = copy.deepcopy(teacher)
     if config.method == "kvpop":
-        layer_kv_bits(config, student.config.num_hidden_layers)  # one-line error for a list of another length
+        bits = layer_kv_bits(config, student.config.num_hidden_layers)  # one-line error for a list of another length
         apply_kvpop(student, config.kvpop)
+        if bits is not None:  # recorded in config.json: kaizen+kvpop serves the student under it
+            from ..kaizen.actions import Backbone, KaizenConfig
+            from ..kvpop.apply import KV_CONFIGURATION_KEY
+
+            text = " ".join("share" if b == SHARE else f"b{b}" for b in bits)
+            setattr(student.config, KV_CONFIGURATION_KEY, str(KaizenConfig.parse(Backbone.from_config(student.config), text)))
         use_train_attention(student)
     elif config.method == "streaming_plus":
         from ..eviction import streaming_plus
@@ -268,9 +276,9 @@ def method_forward(config: RetrofitConfig, student, input_ids: torch.Tensor, ste
     return logits, loss, {"compression": float(loss.detach()), "closed_fraction": closed, "target_fraction": target}
 
 
-def layer_kv_bits(config: RetrofitConfig, num_layers: int) -> tuple[int, ...] | None:
-    """``config.kv_bits`` as one bit-width per decoder layer (``None``: unquantized); one-line error for a list of
-    another length."""
+def layer_kv_bits(config: RetrofitConfig, num_layers: int) -> tuple[int | str, ...] | None:
+    """``config.kv_bits`` as one entry per decoder layer, a bit-width or ``"share"`` (``None``: unquantized);
+    one-line error for a list of another length."""
     if config.kv_bits is None:
         return None
     if isinstance(config.kv_bits, int):
