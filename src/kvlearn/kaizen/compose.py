@@ -40,7 +40,7 @@ from .cache import KaizenCache
 from .fixed import static_config
 from .prompt import one_choice, prompt_rows
 
-__all__ = ["ComposedConfig", "total_range", "check_total", "composed_choice", "composed_cache",
+__all__ = ["ComposedConfig", "total_range", "check_total", "composed_choice", "composed_cache", "model_chooser",
            "composed_prompt_choices", "composed_prompt_cache", "refuse_make_cache", "need_budget_and_target"]
 
 
@@ -131,42 +131,53 @@ def composed_cache(config: ComposedConfig, choice: KaizenConfig, policy_of: Call
     return cache
 
 
-def composed_prompt_choices(config: ComposedConfig, model, input_ids, attention_mask) -> list[KaizenConfig]:
-    """Registry ``prompt_choices``: one configuration per row of ``input_ids [batch, seq]`` at ``ρ_rep*``. With a
-    trained selector on ``model``: its choice for the row's real tokens alone (:func:`kvlearn.kaizen.apply.select`
-    conditioned on ``ρ_rep*``; a one-line error when ``ρ_rep*`` lies outside what its axes and sharing mask reach);
-    else, for a KVpop student retrofitted under a configuration (``kvlearn retrofit --kv-bits``, recorded as
-    ``model.config.kvpop_kv_configuration``), that configuration for every row (a one-line error when it compresses
-    less than ``ρ_rep*``); else :func:`composed_choice` for every row (it does not read the prompt)."""
-    from .apply import recorded_config, select
+def model_chooser(config: ComposedConfig, model) -> tuple[str, KaizenConfig | None]:
+    """Who chooses the composed configuration of ``model``, checked now (one-line errors, before any prompt): ``("selector",
+    None)`` for a trained selector on the model (``ρ_rep*`` must lie in what its axes and sharing mask reach),
+    ``("trained", choice)`` for a KVpop student retrofitted under a configuration (``kvlearn retrofit --kv-bits``,
+    recorded as ``model.config.kvpop_kv_configuration``; it must compress at least ``ρ_rep*``), else ``("static",
+    choice)`` (:func:`composed_choice`). The total target must be feasible on the backbone (:func:`check_total`) and
+    the backbone GQA in every case."""
+    from ..kvpop.apply import KV_CONFIGURATION_KEY
+    from .apply import recorded_config
     from .selector import SELECTOR_NAME, KaizenSelector
 
-    from ..kvpop.apply import KV_CONFIGURATION_KEY
-
     backbone = Backbone.from_config(model.config)
-    rows = prompt_rows(input_ids, attention_mask)
+    static = composed_choice(config, backbone)  # GQA only, total target feasible for the axes (one-line errors)
+    rep, ef = config.representation_target, config.eviction_factor
+    if isinstance(getattr(model, SELECTOR_NAME, None), KaizenSelector):
+        recorded = recorded_config(model)
+        if recorded is not None:
+            try:
+                check_budget(rep, backbone, recorded.axes, share_layers=recorded.share_layers)
+            except KVLearnError as err:
+                raise KVLearnError(f"total target {config.target:g}x over eviction {ef:.4g}x asks the model's selector "
+                                   f"for {rep:.4g}x: {err}") from None
+        return "selector", None
     trained = getattr(model.config, KV_CONFIGURATION_KEY, None)
-    if not isinstance(getattr(model, SELECTOR_NAME, None), KaizenSelector) and trained is not None:
-        choice = KaizenConfig.parse(backbone, trained)  # a KVpop student retrofitted under this configuration
-        composed_choice(config, backbone)  # GQA only, total target feasible (one-line errors)
-        rep, got = config.representation_target, choice.compression(metadata=False)
+    if trained is not None:
+        choice = KaizenConfig.parse(backbone, trained)
+        got = choice.compression(metadata=False)
         check(got >= rep * (1 - 1e-9),
-              f"total target {config.target:g}x over eviction {config.eviction_factor:.4g}x needs {rep:.4g}x from the "
-              f"representation, but this model was retrofitted under {trained!r} ({got:.4g}x): ask for at most "
-              f"{got * config.eviction_factor:.4g}x, or keep fewer tokens")
-        return [choice] * len(rows)
-    if not isinstance(getattr(model, SELECTOR_NAME, None), KaizenSelector):
-        return [composed_choice(config, backbone)] * len(rows)
-    composed_choice(config, backbone)  # GQA only, total target feasible for the axes (one-line errors)
-    rep = config.representation_target
-    recorded = recorded_config(model)
-    if recorded is not None:
-        try:
-            check_budget(rep, backbone, recorded.axes, share_layers=recorded.share_layers)
-        except KVLearnError as err:
-            raise KVLearnError(f"total target {config.target:g}x over eviction {config.eviction_factor:.4g}x asks the "
-                               f"model's selector for {rep:.4g}x: {err}") from None
-    return [select(model, row, None, rep)[0][0] for row in rows]
+              f"total target {config.target:g}x over eviction {ef:.4g}x needs {rep:.4g}x from the representation, but "
+              f"this model was retrofitted under {trained!r} ({got:.4g}x): ask for at most {got * ef:.4g}x, or keep "
+              "fewer tokens")
+        return "trained", choice
+    return "static", static
+
+
+def composed_prompt_choices(config: ComposedConfig, model, input_ids, attention_mask) -> list[KaizenConfig]:
+    """Registry ``prompt_choices``: one configuration per row of ``input_ids [batch, seq]`` at ``ρ_rep*``
+    (:func:`model_chooser`): the model's selector's choice for the row's real tokens alone
+    (:func:`kvlearn.kaizen.apply.select` conditioned on ``ρ_rep*``), else the configuration a KVpop student was
+    retrofitted under, else :func:`composed_choice`, the same for every row."""
+    from .apply import select
+
+    rows = prompt_rows(input_ids, attention_mask)
+    who, choice = model_chooser(config, model)
+    if who == "selector":
+        return [select(model, row, None, config.representation_target)[0][0] for row in rows]
+    return [choice] * len(rows)
 
 
 def composed_prompt_cache(make_choice_cache, config: ComposedConfig, model, input_ids, attention_mask,

@@ -15,9 +15,8 @@ from __future__ import annotations
 from ..kvpop.apply import TRAINED_FIELDS, apply_kvpop, make_kvpop_cache
 from ..kvpop.apply import config_from_budget as kvpop_config_from_budget
 from . import sharing
-from .actions import Backbone
 from .cache import KaizenCache
-from .compose import (ComposedConfig, check_total, composed_cache, composed_prompt_cache, composed_prompt_choices,
+from .compose import (ComposedConfig, composed_cache, composed_prompt_cache, composed_prompt_choices, model_chooser,
                       need_budget_and_target, refuse_make_cache)
 
 NAME = "kaizen+kvpop"
@@ -37,7 +36,7 @@ __all__ = ["CONFIG", "CONFIG_KEY", "SUMMARY", "PROTOCOLS", "TOKEN_BUDGET", "TRAI
 
 def apply(model, config: ComposedConfig):
     """Check the total target (one line), add (or keep) the KVpop modules, then attach the Kaizen attention."""
-    check_total(config, Backbone.from_config(model.config))
+    model_chooser(config, model)  # the total target, and what the model's selector or recorded configuration gives
     apply_kvpop(model, config.eviction)
     return sharing.attach(model)
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from ..eviction.snapkv import SnapKVConfig, SnapKVPolicy
 from . import sharing
-from .actions import Backbone
 from .cache import KaizenCache
-from .compose import (ComposedConfig, check_total, composed_cache, composed_prompt_cache, composed_prompt_choices,
+from .compose import (ComposedConfig, composed_cache, composed_prompt_cache, composed_prompt_choices, model_chooser,
                       need_budget_and_target, refuse_make_cache)
 
 NAME = "kaizen+snapkv"
@@ -28,7 +27,7 @@ prompt_choices = composed_prompt_choices
 
 def apply(model, config: ComposedConfig):
     """Check the total target on the model's backbone (one line) and attach the Kaizen attention."""
-    check_total(config, Backbone.from_config(model.config))
+    model_chooser(config, model)  # the total target, and what the model's selector or recorded configuration gives
     return sharing.attach(model)
 
 

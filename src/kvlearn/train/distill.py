@@ -240,7 +240,8 @@ def build_models(config: RetrofitConfig, device: torch.device):
             from ..kvpop.apply import KV_CONFIGURATION_KEY
 
             text = " ".join("share" if b == SHARE else f"b{b}" for b in bits)
-            setattr(student.config, KV_CONFIGURATION_KEY, str(KaizenConfig.parse(Backbone.from_config(student.config), text)))
+            choice = KaizenConfig.parse(Backbone.from_config(student.config), text)  # checks layer 0, the bits
+            setattr(student.config, KV_CONFIGURATION_KEY, str(choice))
         use_train_attention(student)
     elif config.method == "streaming_plus":
         from ..eviction import streaming_plus
@@ -289,7 +290,8 @@ def layer_kv_bits(config: RetrofitConfig, num_layers: int) -> tuple[int | str, .
     return tuple(config.kv_bits)
 
 
-def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig, kv_bits: tuple[int, ...] | None = None):
+def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig,
+                    kv_bits: tuple[int | str, ...] | None = None):
     """``(logits [B, T, V], TrainForward)``: one student forward under its running top-k retention, attending keys
     and values at ``kv_bits`` (per layer; ``None``: unquantized)."""
     state = TrainForward(kvpop, kv_bits)
