@@ -43,8 +43,11 @@ The baselines (static .. posthoc_quant) and the compositions run on ``--model``'
 paper fine-tunes its static and random configurations under the recipe; that is not done here). On the same
 weights ``posthoc_quant`` picks the configuration ``static`` picks whenever precision alone reaches the factor (at
 ties ``static`` prefers less sharing), so those rows repeat ``static``'s; it runs on ``--control`` when given.
-``kaizen+kvpop`` uses ``--kvpop PATH`` (a KVpop retrofit, under its trained scorer) or the teacher with untrained,
-zero-initialised scorers. Factors a method cannot reach (KIVI at 16x, precision alone past 8x) are listed under
+``kaizen+kvpop`` uses ``--kvpop PATH`` (a KVpop retrofit, under its trained scorer and trained fields: window,
+decay range) or the teacher with untrained, zero-initialised scorers. ``--compose-selectors`` adds, per selector, the
+composed rows on its trained backbone with its own per-prompt choice at its training target (``selector`` = LABEL;
+the eviction keeps ``context x target / F`` tokens; ``kaizen+kvpop`` with the ``--kvpop`` scorers grafted on, the
+rows' ``scorers``); ``--compose-methods`` and ``--no-untrained`` narrow the plan. Factors a method cannot reach (KIVI at 16x, precision alone past 8x) are listed under
 ``skipped`` with the reason. Protocol ``bounded`` for all but ``kaizen+snapkv`` (``context``, SnapKV's).
 
 Runs go in priority order (the control, unless ``--no-control``: a part run beside one that measures it; the selectors and their untrained-backbone rows; the baselines at the
