@@ -210,9 +210,9 @@ def test_readout_and_state_in_budget_options_reach_training_and_the_checkpoint(t
     seen = []
     original = distill.student_forward
 
-    def spy(student, input_ids, kvpop):
+    def spy(student, input_ids, kvpop, *rest):
         seen.append(kvpop.topk)
-        return original(student, input_ids, kvpop)
+        return original(student, input_ids, kvpop, *rest)
 
     monkeypatch.setattr(distill, "student_forward", spy)
     assert cli_retrofit(teacher_path, tmp_path / "a", "kvpop", "--scorer", "mlstm", "--readout", "immediate",
