@@ -366,6 +366,20 @@ def test_penalty_channel_masks_cover_each_causal_key_once():
             assert bool(mask[qi, k]) == (k <= qi and not penalised), (qi, k)
 
 
+def test_channel_block_mask_is_built_once_per_shape():
+    """The channel's BlockMask is cached per (T, sinks, window, device): the same object for the same shape, another
+    one for another window, and its blocks are those where the mask_mod keeps a cell."""
+    from kvlearn.dms.attention import channel_block_mask, channel_mask_mod
+
+    a = channel_block_mask(200, 3, 17, "cpu")
+    assert channel_block_mask(200, 3, 17, "cpu") is a and channel_block_mask(200, 3, 18, "cpu") is not a
+    dense = channel_mask_mod(200, 3, 17)(None, None, torch.arange(256)[:, None], torch.arange(512)[None, :])
+    dense[200:] = False  # padding rows and columns of the last blocks
+    dense[:, 400:] = False
+    blocks = dense.reshape(2, 128, 4, 128).any(dim=3).any(dim=1)  # a 128 x 128 block is visited iff any cell is kept
+    assert a.shape[-2:] == (200, 400) and torch.equal(a.to_dense()[0, 0].bool(), blocks)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_penalty_channel_equals_the_dense_bias_with_gradients(dtype):
     """The penalty as a key channel over two key copies (a dense mask here, FlexAttention's ``mask_mod`` on CUDA)

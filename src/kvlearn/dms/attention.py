@@ -33,6 +33,7 @@ and the backbone through the attention; the compression loss reaches only the ga
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,7 +49,7 @@ from ..errors import check
 from ..ops.flex import autocast_qkv
 
 __all__ = ["TRAIN_ATTENTION", "BACKENDS", "DMSRecord", "DMSTrainForward", "shift_left", "dms_penalty", "dms_bias",
-           "penalty_channel_inputs", "dms_attention", "logistic_noise", "compression_loss", "dms_train_attention", "use_train_attention"]
+           "penalty_channel_inputs", "channel_mask_mod", "channel_block_mask", "dms_attention", "logistic_noise", "compression_loss", "dms_train_attention", "use_train_attention"]
 
 BACKENDS = DMS_TRAIN_ATTENTIONS
 
@@ -113,6 +114,13 @@ def penalty_channel_inputs(query: Tensor, key: Tensor, value: Tensor, penalty: T
     key2 = torch.cat([torch.cat([key, key], dim=2), channel[..., None]], dim=-1)
     value2 = torch.cat([value, value], dim=2)
 
+    return query2, key2, value2, channel_mask_mod(T, sinks, window)
+
+
+def channel_mask_mod(T: int, sinks: int, window: int) -> Callable:
+    """``mask_mod(b, h, q, kv)`` over the ``2T`` keys of :func:`penalty_channel_inputs`: copy 0 (``kv < T``) the
+    causal keys the bias leaves alone, copy 1 the ones it penalises."""
+
     def mask_mod(b, h, q_idx, kv_idx):
         first = kv_idx < T
         k = torch.where(first, kv_idx, kv_idx - T)
@@ -120,7 +128,16 @@ def penalty_channel_inputs(query: Tensor, key: Tensor, value: Tensor, penalty: T
         kept = (k < sinks) | (q_idx - k < window)
         return causal & torch.where(first, kept, ~kept)
 
-    return query2, key2, value2, mask_mod
+    return mask_mod
+
+
+@functools.lru_cache(maxsize=8)
+def channel_block_mask(T: int, sinks: int, window: int, device: str):
+    """The BlockMask of :func:`channel_mask_mod` (batch- and head-independent), built once per ``(T, sinks, window,
+    device)`` instead of once per layer and step."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(channel_mask_mod(T, sinks, window), None, None, T, 2 * T, device=device)
 
 
 def dms_attention(query: Tensor, key: Tensor, value: Tensor, z: Tensor, sinks: int, window: int,
@@ -147,11 +164,9 @@ def dms_attention(query: Tensor, key: Tensor, value: Tensor, z: Tensor, sinks: i
             t = torch.arange(T, device=query.device)
             mask = mask_mod(None, None, t[:, None], torch.arange(2 * T, device=query.device)[None, :])
             return F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, scale=scale, enable_gqa=g > 1)
-        from torch.nn.attention.flex_attention import create_block_mask
-
         from ..ops.flex import flex_attention_lse
 
-        block_mask = create_block_mask(mask_mod, None, None, T, 2 * T, device=query.device)
+        block_mask = channel_block_mask(T, sinks, window, str(query.device))
         out, _ = flex_attention_lse(q2, k2, v2, block_mask=block_mask, scale=scale, enable_gqa=g > 1,
                                     return_lse=False)
         return out
