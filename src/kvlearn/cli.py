@@ -413,6 +413,17 @@ def parse_share_layers(text: str):
                            "indices >= 1, e.g. 6,7") from None
 
 
+def _kaizen_family_weights(text: str | None):
+    """``kaizen-train --family-weights 'a,b,c,d'`` -> a tuple of floats (``None`` when not given)."""
+    if text is None:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise KVLearnError(f"--family-weights {text!r}: expected a comma list of 4 numbers (trace,niah,vt,recall), "
+                           "e.g. 2,1,1,1") from None
+
+
 def cmd_kaizen_train(args) -> int:
     from .train.kaizen_train import KaizenTrainConfig, kaizen_train
 
@@ -428,6 +439,7 @@ def cmd_kaizen_train(args) -> int:
                                underuse_weight=args.underuse_weight,
                                target_head=None if args.target_head is None else args.target_head == "1",
                                share_layers=parse_share_layers(args.share_layers),
+                               family_weights=_kaizen_family_weights(args.family_weights),
                                **({} if args.share_threshold is None else {"share_threshold": args.share_threshold}),
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
@@ -745,6 +757,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--share-threshold", type=float, default=None,
                     help="with --share-layers auto: the largest increase of the distillation loss (nats per "
                          "supervised token) a shared layer may cost (default 0.05)")
+    sp.add_argument("--family-weights", default=None,
+                    help="sampling weights of the training rows' families, trace,niah,vt,recall (e.g. 2,1,1,1: twice "
+                         "the trace rows; default: uniform)")
     sp.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
                     help="the backbone's learning rate over the run: --lr throughout, or a cosine from --lr down to a "
                          "tenth of it (no warm-up)")

@@ -245,6 +245,39 @@ def test_backbone_cosine_schedule_decays_the_backbone_rate_only(teacher_path, tm
     assert "'linear'" in msg and "constant, cosine" in msg
 
 
+def test_family_weights_reach_the_training_stream(teacher_path, tmp_path, monkeypatch, capsys):
+    """``family_weights`` (``--family-weights``): the run's stream is built with them (trace only here, and the
+    stream's row builder then gives trace rows only), the resume check covers them, and bad weights are one line in
+    the config and on the command line."""
+    import kvlearn.train.kaizen_train as kt
+    from kvlearn.cli import main
+    from kvlearn.testbed.data import TestbedStream, batch_examples
+
+    seen = []
+
+    class Spy(TestbedStream):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("weights"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(kt, "TestbedStream", Spy)
+    kaizen_train(train_config(teacher_path, tmp_path / "w", steps=1, save_interval=10, family_weights=(1, 0, 0, 0)),
+                 progress=False)
+    assert seen == [(1.0, 0.0, 0.0, 0.0)]
+    rows = batch_examples(8, SEQ, 0, weights=seen[0], dense=0.0)  # what such a stream's batches hold
+    assert {ex.family for ex in rows} == {"trace"}
+    assert "family_weights" in kt.RESUME_FIELDS and kt.RESUME_DEFAULTS["family_weights"] is None
+    for bad in ((1, 1, 1), (0, 0, 0, 0), (1, -1, 1, 1)):
+        with pytest.raises(KVLearnError) as e:
+            train_config(teacher_path, tmp_path / "x", family_weights=bad)
+        assert "trace, niah, vt, recall" in one_line(e)
+    capsys.readouterr()
+    code = main(["kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "c"), "--family-weights", "a,b",
+                 "--steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "--family-weights 'a,b'" in err
+
+
 def test_final_checkpoint_round_trips_with_identical_choices(trained):
     out, result = trained
     model = kvlearn.load(result["final"])

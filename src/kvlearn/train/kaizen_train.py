@@ -130,6 +130,7 @@ class KaizenTrainConfig:
     delta: float = 0.1
     budget_cap: float = 1e4
     dense_fraction: float = 0.75
+    family_weights: tuple[float, ...] | None = None  # sampling weights of (trace, niah, vt, recall); None: uniform
     penalty_cost: str = "expected"  # the cost the budget penalty reads: "expected" (softmax) or "sampled" (Gumbel)
     underuse_weight: float = 0.0  # weight of the penalty on compressing more than asked (budget conditioning)
     target_head: bool | None = None  # the selector's direct target term (None: when there are several targets)
@@ -176,6 +177,15 @@ class KaizenTrainConfig:
               "(add depth to the axes, or leave share_layers out)")
         check_non_negative("share_threshold", self.share_threshold)
         check_int("share_rows", self.share_rows, 1)
+        if self.family_weights is not None:
+            from ..testbed.tasks import FAMILIES
+
+            w = tuple(self.family_weights)
+            check(len(w) == len(FAMILIES) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+                                                  for x in w) and sum(w) > 0,
+                  f"family_weights={self.family_weights!r} is invalid: expected {len(FAMILIES)} non-negative numbers "
+                  f"with a positive sum, one per family ({', '.join(FAMILIES)})")
+            self.family_weights = tuple(float(x) for x in w)
         check(self.lr_schedule in LR_SCHEDULES,
               f"lr_schedule={self.lr_schedule!r} is invalid: expected one of {', '.join(LR_SCHEDULES)}")
         check(self.penalty_cost in PENALTY_COSTS,
@@ -424,8 +434,9 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
 
 
 RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed",
-                 "share_layers", "share_threshold")
-RESUME_DEFAULTS = {"share_layers": None, "share_threshold": DEFAULT_THRESHOLD}  # checkpoints from before the fields
+                 "share_layers", "share_threshold", "family_weights")
+RESUME_DEFAULTS = {"share_layers": None, "share_threshold": DEFAULT_THRESHOLD,  # checkpoints from before the fields
+                   "family_weights": None}
 
 
 def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
@@ -475,7 +486,7 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
         lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
         log_path.write_text("".join(ln + "\n" for ln in lines))
     stream = TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,
-                           dense=config.dense_fraction, start_batch=step, rows=rows)
+                           weights=config.family_weights, dense=config.dense_fraction, start_batch=step, rows=rows)
     batches = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                pin_memory=device.type == "cuda"))
     from tqdm import tqdm
