@@ -175,9 +175,9 @@ def plan_runs(args, selectors) -> tuple[list[Run], dict[str, str]]:
 
     def add(method, weights=None, selector=None, label=None, scorers=None, **kw):
         protocol = "context" if method == "kaizen+snapkv" else "bounded"
-        # a trained KVpop student is evaluated under the pattern it was trained for (its scorer, decay range and
-        # window: kvlearn.methods.trained_options, as `kvlearn eval` does); --options still override
-        trained = trained_options(method, scorers or weights) if method == "kaizen+kvpop" and (scorers or weights) else {}
+        # a trained checkpoint is evaluated under the pattern it was trained for (a KVpop student's scorer, decay
+        # range and window: kvlearn.methods.trained_options, as `kvlearn eval` does); --options still override
+        trained = trained_options(REGISTRY[method], scorers or weights or args.model)
         options = {**trained, **BASE_OPTIONS.get(method, {}), **(args.method_options.get(method) or {})}
         for split in splits:
             try:

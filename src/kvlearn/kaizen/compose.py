@@ -35,10 +35,13 @@ from typing import Callable
 
 from ..cache import Policy
 from ..errors import KVLearnError, check
+from ..kvpop.apply import KV_CONFIGURATION_KEY
 from .actions import Backbone, KaizenConfig, check_axes, check_budget, feasible_range
+from .apply import recorded_config, select
 from .cache import KaizenCache
 from .fixed import static_config
 from .prompt import one_choice, prompt_rows
+from .selector import SELECTOR_NAME, KaizenSelector
 
 __all__ = ["ComposedConfig", "total_range", "check_total", "composed_choice", "composed_cache", "model_chooser",
            "composed_prompt_choices", "composed_prompt_cache", "refuse_make_cache", "need_budget_and_target"]
@@ -138,10 +141,6 @@ def model_chooser(config: ComposedConfig, model) -> tuple[str, KaizenConfig | No
     recorded as ``model.config.kvpop_kv_configuration``; it must compress at least ``ρ_rep*``), else ``("static",
     choice)`` (:func:`composed_choice`). The total target must be feasible on the backbone (:func:`check_total`) and
     the backbone GQA in every case."""
-    from ..kvpop.apply import KV_CONFIGURATION_KEY
-    from .apply import recorded_config
-    from .selector import SELECTOR_NAME, KaizenSelector
-
     backbone = Backbone.from_config(model.config)
     static = composed_choice(config, backbone)  # GQA only, total target feasible for the axes (one-line errors)
     rep, ef = config.representation_target, config.eviction_factor
@@ -171,8 +170,6 @@ def composed_prompt_choices(config: ComposedConfig, model, input_ids, attention_
     (:func:`model_chooser`): the model's selector's choice for the row's real tokens alone
     (:func:`kvlearn.kaizen.apply.select` conditioned on ``ρ_rep*``), else the configuration a KVpop student was
     retrofitted under, else :func:`composed_choice`, the same for every row."""
-    from .apply import select
-
     rows = prompt_rows(input_ids, attention_mask)
     who, choice = model_chooser(config, model)
     if who == "selector":

@@ -35,7 +35,9 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_mixture(families, weights) -> tuple[tuple[str, ...], list[float]]:
+def check_mixture(families, weights) -> tuple[tuple[str, ...], list[float]]:
+    """``(families, weights)`` of a training mixture, validated: a non-empty subset of the testbed's families and one
+    non-negative number per family with a positive sum (``None``: uniform); one-line errors naming the families."""
     families = tuple(families) if not isinstance(families, str) else (families,)
     check(
         len(families) > 0 and all(f in FAMILIES for f in families),
@@ -43,12 +45,12 @@ def _check_mixture(families, weights) -> tuple[tuple[str, ...], list[float]]:
     )
     if weights is None:
         return families, [1.0] * len(families)
-    weights = [float(w) for w in weights]
-    check(
-        len(weights) == len(families) and all(w >= 0 for w in weights) and sum(weights) > 0,
-        f"weights={weights!r} is invalid: expected {len(families)} non-negative numbers with a positive sum",
-    )
-    return families, weights
+    ok = isinstance(weights, (list, tuple)) and all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                    for w in weights)
+    check(ok and len(weights) == len(families) and all(w >= 0 for w in weights) and sum(weights) > 0,
+          f"weights={weights!r} is invalid: expected {len(families)} non-negative numbers with a positive sum, one per "
+          f"family ({', '.join(families)})")
+    return families, [float(w) for w in weights]
 
 
 def dense_share(dense, name: str = "dense") -> float:
@@ -89,7 +91,7 @@ def batch_examples(
     needles (:func:`kvlearn.testbed.tasks.generate`); 0 gives the rows of 1880c5c, the shipped teacher's data."""
     check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
     check(_is_int(seed) and seed >= 0, f"seed={seed!r} is invalid: expected an integer >= 0")
-    families, weights = _check_mixture(families, weights)
+    families, weights = check_mixture(families, weights)
     share = dense_share(dense)
     multivalue_share = check_multivalue_share(multivalue_share)
     styles = check_haystack_subset(styles, TRAIN_STYLES, "styles")
@@ -254,7 +256,7 @@ class TestbedStream(IterableDataset):
         check(_is_int(seed) and seed >= 0, f"seed={seed!r} is invalid: expected an integer >= 0")
         check(_is_int(start_batch) and start_batch >= 0, f"start_batch={start_batch!r} is invalid: expected an integer >= 0")
         check(_is_int(batch_size) and 1 <= batch_size <= MAX_BATCH, f"batch_size={batch_size!r} is invalid: expected an integer in [1, {MAX_BATCH}]")
-        self.families, self.weights = _check_mixture(families, weights)
+        self.families, self.weights = check_mixture(families, weights)
         dense_share(dense)
         self.styles = check_haystack_subset(styles, TRAIN_STYLES, "styles")
         self.regimes = check_haystack_subset(regimes, TRAIN_REGIMES, "regimes")

@@ -603,8 +603,7 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
         with torch.no_grad():
             teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
         if config.method == "kvpop":
-            layers = getattr(getattr(student, "config", None), "num_hidden_layers", None)
-            bits = layer_kv_bits(config, layers) if config.kv_bits is not None else None
+            bits = layer_kv_bits(config, student.config.num_hidden_layers)
             logits, state = student_forward(student, input_ids, kv, bits)
         else:
             logits, extra_loss, extra_log = method_forward(config, student, input_ids, step, fraction)
