@@ -34,10 +34,11 @@ tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing me
   ``ratio_to_reference_variant``: the ratio to ``distill_dense+foreach_adamw``, the setting of the runs before);
 - ``bf16_mlstm_matmuls``: ``retrofit_kvpop_mlstm`` with ``KVpopConfig.mlstm_matmul_dtype="bfloat16"`` (bf16
   operands of the mLSTM chunk matmuls);
-- ``dms_penalty_channel``: ``retrofit_dms`` with ``DMSConfig.train_attention="flex_channel"`` (on the CPU
-  ``"dense_channel"``, the same inputs under a dense mask: FlexAttention has no CPU backward; the penalty as one
-  more key channel over two key copies, FlexAttention with a mask only, instead of the score_mod whose backward
-  accumulates the penalty's gradient into a captured buffer).
+- ``dms_score_mod``: ``retrofit_dms`` with ``DMSConfig.train_attention="flex"``, the penalty as a FlexAttention
+  score_mod whose backward accumulates its gradient into a captured buffer (the CUDA default before 7fce8b6's
+  measurement; the default ``"auto"`` is now the penalty as one more key channel, ``"flex_channel"``). On the CPU,
+  where FlexAttention has no backward, the variant runs ``"dense_channel"`` (the channel's inputs under a dense
+  mask) against the default's dense bias.
 
 ``--profile DIR``: after the timing, one more step of every method under ``torch.profiler`` (CUDA kernels on the GPU,
 CPU ops on the CPU), written as ``DIR/<method>.txt``: the operators sorted by their own device time (CPU time on the
@@ -78,7 +79,7 @@ DEFAULT_METHODS = METHODS[:3]
 ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
 # --variants: name -> the methods it makes extra rows of
 VARIANTS = {"foreach_adamw": METHODS, "bf16_mlstm_matmuls": ("retrofit_kvpop_mlstm",),
-            "dms_penalty_channel": ("retrofit_dms",)}
+            "dms_score_mod": ("retrofit_dms",)}
 # the defaults by model source: --model (None), --shape qwen3-0.6b, --smoke (tiny)
 DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), values))
             for source, values in ((None, (4096, 8, 1024, 256, 3, 10)), ("qwen3-0.6b", (8192, 1, 1024, 256, 3, 10)),
@@ -87,12 +88,12 @@ DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warm
 
 def method_config(name: str, args, model: str, out: str, device: str, variant: str | None = None) -> RetrofitConfig:
     """The retrofit config of method ``name`` (``distill_dense`` reads only its KD, clipping and ``lr`` fields)
-    under ``variant`` (``bf16_mlstm_matmuls`` and ``dms_penalty_channel`` change the config; ``foreach_adamw`` the
+    under ``variant`` (``bf16_mlstm_matmuls`` and ``dms_score_mod`` change the config; ``foreach_adamw`` the
     optimizer only)."""
     s, w, b = args.sinks, args.window, args.budget
     if name == "retrofit_dms":
-        channel = "flex_channel" if str(device).startswith("cuda") else "dense_channel"  # no flex backward on CPU
-        attention = channel if variant == "dms_penalty_channel" else "auto"
+        score_mod = "flex" if str(device).startswith("cuda") else "dense_channel"  # no flex backward on CPU
+        attention = score_mod if variant == "dms_score_mod" else "auto"
         kw = dict(method="dms", dms=DMSConfig(sinks=s, window=w, budget=b, target_cr=args.seq_len / b,
                                               train_attention=attention))
     elif name == "retrofit_streaming_plus":

@@ -26,6 +26,7 @@ def test_output_and_temporary_folders_become_variables(monkeypatch, tmp_path):
     assert command_line() == ("python benchmarks/kvpop_ops.py --quick --out=$OUT/kvpop_ops.json "
                               "--model $TMPDIR/testbed-teacher")
     assert portable_path(str(out)) == "$OUT"
+    assert portable_path(f"kaizen8_s1={out}/kaizen-t8_s1/final") == "kaizen8_s1=$OUT/kaizen-t8_s1/final"  # LABEL=PATH
     # the model folder an accuracy file records goes through the same rewrite as its command
     from kvlearn.cli import display_path
 

@@ -50,8 +50,9 @@ def repo_root() -> Path:
 def portable_path(arg: str) -> str:
     """``arg`` without this machine's absolute paths: a path inside the repository relative to its root, one under
     ``$OUT`` (the device scripts' output folder) or the temporary folder as ``$OUT/...`` / ``$TMPDIR/...``;
-    anything else, ``--name=PATH`` included, with only its path part rewritten. Relative paths are left as typed."""
-    if arg.startswith("-") and "=" in arg:
+    anything else, ``--name=PATH`` and ``LABEL=PATH`` (``--selector kaizen8=PATH``) included, with only its path part
+    rewritten. Relative paths are left as typed."""
+    if "=" in arg and not os.path.isabs(arg):  # --name=PATH, or a LABEL=PATH value (--selector kaizen8=PATH)
         name, value = arg.split("=", 1)
         return f"{name}={portable_path(value)}"
     if not os.path.isabs(arg):

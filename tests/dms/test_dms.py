@@ -334,6 +334,18 @@ def _attention_inputs(device, requires_grad=False):
     return q, k, v, z
 
 
+def test_auto_backend_is_the_penalty_channel_on_cuda_and_dense_elsewhere():
+    from kvlearn.dms.attention import resolve_backend
+
+    assert resolve_backend("auto", "cuda", hard=False) == "flex_channel"  # 1.57x vs the score_mod's 2.21x (H200)
+    assert resolve_backend("auto", "cuda", hard=True) == "flex"  # a -inf penalty cannot ride in a key channel
+    assert resolve_backend("auto", "cpu", hard=False) == "dense"  # no FlexAttention backward on the CPU
+    assert resolve_backend("flex", "cuda", hard=False) == "flex"  # an explicit choice stays
+    with pytest.raises(KVLearnError) as err:
+        resolve_backend("triton", "cuda", hard=False)
+    assert "backend='triton'" in one_line(err) and "flex_channel" in one_line(err)
+
+
 @pytest.mark.parametrize("backend", ["flex", "flex_channel"])
 @pytest.mark.parametrize("hard", [False, True])
 def test_flex_execution_equals_the_dense_bias_forward(hard, backend):

@@ -104,16 +104,17 @@ def test_no_cuda_is_one_line(capsys):
     assert err.count("\n") == 1 and "CUDA is not available" in err
 
 
-def test_smoke_dms_penalty_channel_variant(tmp_path):
-    """``--variants dms_penalty_channel``: a ``retrofit_dms+dms_penalty_channel`` row whose DMS config runs the penalty
-    channel (``dense_channel`` on the CPU, where FlexAttention has no backward) beside the default DMS row."""
+def test_smoke_dms_score_mod_variant(tmp_path):
+    """``--variants dms_score_mod``: a ``retrofit_dms+dms_score_mod`` row whose DMS config names its execution
+    (``flex`` on CUDA; ``dense_channel`` on the CPU, where FlexAttention has no backward) beside the default DMS row
+    (``auto``: the penalty channel on CUDA)."""
     script = load_benchmark("retrofit_step_speed")
     out = tmp_path / "dms.json"
-    assert script.main(["--smoke", "--methods", "retrofit_dms", "--variants", "dms_penalty_channel",
+    assert script.main(["--smoke", "--methods", "retrofit_dms", "--variants", "dms_score_mod",
                         "--out", str(out)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["distill_dense", "retrofit_dms", "retrofit_dms+dms_penalty_channel"]
+    assert list(rows) == ["distill_dense", "retrofit_dms", "retrofit_dms+dms_score_mod"]
     assert rows["retrofit_dms"]["dms"]["train_attention"] == "auto"
-    assert rows["retrofit_dms+dms_penalty_channel"]["dms"]["train_attention"] == "dense_channel"
+    assert rows["retrofit_dms+dms_score_mod"]["dms"]["train_attention"] == "dense_channel"
     assert all("error" not in r for r in rows.values())
 

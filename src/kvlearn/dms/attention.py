@@ -19,14 +19,16 @@ Per layer, with ``alpha [B, Hkv, T]`` the gate logits (:class:`~kvlearn.dms.gate
   ``mean_b clamp(target - closed_b, min=0)``; ``target = 1 - 1/cr`` ramped (:meth:`kvlearn.config.DMSConfig.target_fraction`).
 
 Three executions of the bias (:func:`dms_attention`): ``"dense"`` materialises it (the CPU reference; memory
-``B * Hq * T^2`` per layer); ``"flex"`` (the CUDA default) is FlexAttention with a causal block mask and a
+``B * Hq * T^2`` per layer); ``"flex"`` is FlexAttention with a causal block mask and a
 ``score_mod`` that adds the per-key penalty ``[B, Hkv, T]`` (what the reference compiles; its backward accumulates the
 penalty's gradient from every score into a captured buffer: 26.6 ms of the H200 step against 5.8 ms for
-StreamingLLM+'s mask-only backward); ``"flex_channel"`` (:func:`penalty_channel_inputs`) carries the penalty as one
-more key channel over two copies of the keys, so FlexAttention runs with a ``mask_mod`` only and the penalty's
-gradient is an ordinary key gradient (tested on the CPU, forward and, through ``"dense_channel"``, gradients; not yet
-run on a GPU, so not the default). FlexAttention has no backward on the CPU, so ``"auto"`` picks flex on CUDA and
-dense elsewhere.
+StreamingLLM+'s mask-only backward); ``"flex_channel"`` (:func:`penalty_channel_inputs`, the CUDA default) carries the
+penalty as one more key channel over two copies of the keys, so FlexAttention runs with a ``mask_mod`` only and the
+penalty's gradient is an ordinary key gradient (equal to the dense bias on the CPU in float64, forward and, through
+``"dense_channel"``, gradients, and on the H200 forward and gradients; the DMS retrofit step there is 1.57x a
+distillation step with it against 2.21x with the score_mod, in one run:
+``results/raw/retrofit_step_speed_dms_channel_h200_7fce8b6.json``). FlexAttention has no backward on the CPU, so
+``"auto"`` picks flex_channel on CUDA (the score_mod for ``hard`` logits) and dense elsewhere.
 Gate inputs are detached from the backbone (ARCHITECTURE rule 5): the KD loss reaches the gates through the bias
 and the backbone through the attention; the compression loss reaches only the gates.
 """
@@ -49,7 +51,7 @@ from ..errors import check
 from ..ops.flex import autocast_qkv
 
 __all__ = ["TRAIN_ATTENTION", "BACKENDS", "DMSRecord", "DMSTrainForward", "shift_left", "dms_penalty", "dms_bias",
-           "penalty_channel_inputs", "channel_mask_mod", "channel_block_mask", "dms_attention", "logistic_noise", "compression_loss", "dms_train_attention", "use_train_attention"]
+           "penalty_channel_inputs", "channel_mask_mod", "resolve_backend", "channel_block_mask", "dms_attention", "logistic_noise", "compression_loss", "dms_train_attention", "use_train_attention"]
 
 BACKENDS = DMS_TRAIN_ATTENTIONS
 
@@ -140,6 +142,18 @@ def channel_block_mask(T: int, sinks: int, window: int, device: str):
     return create_block_mask(channel_mask_mod(T, sinks, window), None, None, T, 2 * T, device=device)
 
 
+def resolve_backend(backend: str, device_type: str, hard: bool) -> str:
+    """The execution :func:`dms_attention` runs for ``backend`` on a ``device_type`` (``"cuda"``, ``"cpu"``, ...):
+    ``"auto"`` is ``"flex_channel"`` on CUDA and ``"dense"`` elsewhere (FlexAttention has no CPU backward); hard
+    logits (penalty ``-inf``, which a key channel cannot carry) take the score_mod where the channel was asked."""
+    check(backend in BACKENDS, f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = "flex_channel" if device_type == "cuda" else "dense"
+    if backend == "flex_channel" and hard:
+        backend = "flex"
+    return backend
+
+
 def dms_attention(query: Tensor, key: Tensor, value: Tensor, z: Tensor, sinks: int, window: int,
                   scale: float | None = None, hard: bool = False, backend: str = "auto") -> Tensor:
     """Causal GQA attention with DMS's delayed soft eviction: ``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, T,
@@ -148,15 +162,12 @@ def dms_attention(query: Tensor, key: Tensor, value: Tensor, z: Tensor, sinks: i
     bias materialised), ``"flex"`` (the score_mod), ``"flex_channel"`` (the penalty channel,
     :func:`penalty_channel_inputs`; ``hard`` logits, whose penalty is ``-inf``, take the score_mod),
     ``"dense_channel"`` (the penalty channel with a dense mask: the CPU check of the channel's gradients), ``"auto"``
-    (flex on CUDA, dense elsewhere)."""
+    (flex_channel on CUDA, dense elsewhere)."""
     check(backend in BACKENDS, f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}")
     b, hq, T, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
-    if backend == "auto":
-        backend = "flex" if query.device.type == "cuda" else "dense"
-    if backend == "flex_channel" and hard:
-        backend = "flex"
+    backend = resolve_backend(backend, query.device.type, hard)
     scale = d ** -0.5 if scale is None else scale
     if backend in ("flex_channel", "dense_channel"):
         q2, k2, v2, mask_mod = penalty_channel_inputs(query, key, value, dms_penalty(z, hard), sinks, window, scale)
