@@ -50,19 +50,38 @@ def test_factor_pareto_draws_one_line_per_selector(tmp_path):
     assert plot_pareto(r, tmp_path / "f.png", x="factor", reference="control").stat().st_size > 5000
 
 
+def test_factor_pareto_draws_a_series_label_as_its_own_line(tmp_path, monkeypatch):
+    """Rows of one method and factor from two students (a ``series`` label on one of them) are two points, not
+    their average: the plot draws what :func:`by_selector` of the rows with ``series`` as their selector gives."""
+    import kvlearn.eval.plots as plots
+
+    base = dict(protocol="bounded", split="eval", budget=512, compression=0.97, context=4096, n=4, factor=32.0,
+                target=32.0, method="kaizen+kvpop")
+    r = [dict(base, method="control", task="vt", accuracy=1.0, factor=1.0, target=None, compression=0.0, budget=4096),
+         dict(base, task="vt", accuracy=0.2), dict(base, task="vt", accuracy=1.0, series="retrofit_b4")]
+    seen = {}
+    real = plots.by_selector
+    monkeypatch.setattr(plots, "by_selector", lambda agg: seen.setdefault("agg", real(agg)))
+    plot_pareto(r, tmp_path / "s.png", x="factor", reference="control")
+    assert seen["agg"][("eval", "kaizen+kvpop", "bounded", 512, 32.0, None)]["accuracy"] == 0.2
+    assert seen["agg"][("eval", "kaizen+kvpop [retrofit_b4]", "bounded", 512, 32.0, "retrofit_b4")]["accuracy"] == 1.0
+
+
 def test_selectors_of_one_method_share_a_colour_and_one_legend_entry():
     """Every ``kaizen [..]`` series gets the kaizen colour and only the first a label counting the selectors; the
     untrained backbone's series another colour; plain methods their own colour and their name."""
     style = series_legend(["kaizen [a]", "untrained_backbone [a]", "static", "kaizen [b]", "untrained_backbone [b]",
                            "kaizen [c]", "random"])
-    assert style["kaizen [a]"] == (style["kaizen [b]"][0], "kaizen (3 selectors)")
+    assert style["kaizen [a]"] == (style["kaizen [b]"][0], "kaizen (3 lines)")
     assert style["kaizen [b]"][1] is None and style["kaizen [c]"] == (style["kaizen [a]"][0], None)
-    assert style["untrained_backbone [a]"][1] == "untrained_backbone (2 selectors)"
+    assert style["untrained_backbone [a]"][1] == "untrained_backbone (2 lines)"
     assert style["untrained_backbone [b]"] == (style["untrained_backbone [a]"][0], None)
     assert style["static"][1] == "static" and style["random"][1] == "random"
     colours = [style[s][0] for s in ("kaizen [a]", "untrained_backbone [a]", "static", "random")]
     assert len(set(colours)) == 4
-    assert series_legend(["kaizen [only]"])["kaizen [only]"][1] == "kaizen (1 selector)"
+    assert series_legend(["kaizen [only]"])["kaizen [only]"][1] == "kaizen"
+    style = series_legend(["kaizen+kvpop", "kaizen+kvpop [retrofit_b4]"])  # a plain series and a labelled one
+    assert style["kaizen+kvpop"][1] == "kaizen+kvpop (2 lines)" and style["kaizen+kvpop [retrofit_b4]"][1] is None
 
 
 def tiny_model(seed=0):

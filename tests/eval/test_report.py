@@ -5,6 +5,13 @@ import json
 from kvlearn.eval.report import build
 
 
+def write_accuracy(path, rows):
+    """An accuracy results file of ``rows`` (context 4096) at ``path``."""
+    data = {"schema": "kvlearn.results.v1", "kind": "accuracy", "command": "x", "commit": "abc", "date": "d",
+            "device": "cpu", "context": 4096, "rows": rows}
+    path.write_text(json.dumps(data))
+
+
 def test_ops_section_rows_notes_and_provenance(tmp_path):
     data = {
         "schema": "kvlearn.results.v1", "kind": "ops", "command": "python benchmarks/kvpop_ops.py --quick",
@@ -34,9 +41,7 @@ def test_accuracy_section_ratios_to_dense_per_split_with_and_without_bookkeeping
         {**row, "method": "h2o", "split": "heldout", "budget": 1024, "compression": 0.75, "kv_bytes": 530,
          "store_bytes": 500},
     ]
-    data = {"schema": "kvlearn.results.v1", "kind": "accuracy", "command": "x", "commit": "abc", "date": "d",
-            "device": "cpu", "context": 4096, "rows": rows}
-    (tmp_path / "t.json").write_text(json.dumps(data))
+    write_accuracy(tmp_path / "t.json", rows)
     text = build(tmp_path)
     # the heldout h2o row is compared with the heldout dense row: 530 / 2000 in all, 500 / 2000 keys/values alone
     assert "| h2o | bounded | heldout | 1024 | 75% | vt | 1.000 | 1.00 | 10 | 530 | 0.265 | 0.250 |" in text
@@ -58,9 +63,7 @@ def test_accuracy_relative_to_a_full_cache_row_labelled_teacher_and_the_plot(tmp
         {**row, "method": "kvpop_mlp", "registry_method": "kvpop", "budget": 512, "compression": 0.875,
          "task": "trace", "accuracy": 0.1, "kv_bytes": 125},
     ]
-    data = {"schema": "kvlearn.results.v1", "kind": "accuracy", "command": "x", "commit": "abc", "date": "d",
-            "device": "cpu", "context": 4096, "rows": rows}
-    (tmp_path / "kvpop_table.json").write_text(json.dumps(data))
+    write_accuracy(tmp_path / "kvpop_table.json", rows)
     (tmp_path / "kvpop_table.png").write_bytes(b"png")
     text = build(tmp_path)
     assert "| kvpop_mlp | bounded | eval | 512 | 88% | vt | 0.450 | 0.50 | 10 | 125 | 0.125 |" in text
@@ -113,9 +116,25 @@ def test_per_variant_rows_name_their_split(tmp_path):
     row = dict(method="dense", protocol="bounded", compression=0.0, n=4, task="niah", budget=4096, kv_bytes=1, accuracy=0.5)
     rows = [{**row, "split": "eval", "variants": {"single": {"accuracy": 1.0, "n": 2}, "multivalue": {"accuracy": 0.0, "n": 2}}},
             {**row, "split": "heldout", "variants": {"single": {"accuracy": 0.5, "n": 2}, "multivalue": {"accuracy": 0.5, "n": 2}}}]
-    data = {"schema": "kvlearn.results.v1", "kind": "accuracy", "command": "x", "commit": "abc", "date": "d",
-            "device": "cpu", "context": 4096, "rows": rows}
-    (tmp_path / "t.json").write_text(json.dumps(data))
+    write_accuracy(tmp_path / "t.json", rows)
     text = build(tmp_path)
     assert "| dense | eval | niah | multivalue | 0.000 | 2 |" in text
     assert "| dense | heldout | niah | multivalue | 0.500 | 2 |" in text
+
+
+def test_accuracy_section_names_each_rows_selector_or_series(tmp_path):
+    """Rows of two selectors and a retrofitted student at one factor are told apart by a ``series`` column (the
+    ``selector``, else the ``series`` label); a file without either keeps the plain columns (tests above)."""
+    row = dict(protocol="bounded", split="eval", n=10, task="vt", variants={}, kv_bytes=100)
+    rows = [{**row, "method": "control", "registry_method": "dense", "budget": 4096, "compression": 0.0,
+             "accuracy": 1.0, "kv_bytes": 1000},
+            {**row, "method": "kaizen", "selector": "kaizen8_s0", "budget": 4096, "compression": 0.875, "accuracy": 0.9},
+            {**row, "method": "kaizen", "selector": "kaizen8_s1", "budget": 4096, "compression": 0.875, "accuracy": 0.8},
+            {**row, "method": "kaizen+kvpop", "series": "retrofit_b4", "budget": 512, "compression": 0.96875,
+             "accuracy": 0.5}]
+    write_accuracy(tmp_path / "kaizen_table.json", rows)
+    text = build(tmp_path)
+    assert "| method | series | protocol |" in text
+    assert "| control |  | bounded | eval | 4096 | 0% | vt | 1.000 | 1.00 |" in text
+    assert "| kaizen | kaizen8_s1 | bounded | eval | 4096 | 88% | vt | 0.800 | 0.80 | 10 | 100 | 0.100 |" in text
+    assert "| kaizen+kvpop | retrofit_b4 | bounded | eval | 512 | 97% | vt | 0.500 | 0.50 |" in text

@@ -152,11 +152,11 @@ def series_legend(series: list[str]) -> dict[str, tuple[str, str | None]]:
     """Colour and legend label of each plotted series (a method, or ``"<method> [<selector>]"`` from
     :func:`by_selector`): one colour per *method*, so that every trained selector of ``kaizen`` shares one colour and
     every ``untrained_backbone`` series another; only a method's first series carries a legend label, which counts its
-    selectors (``"kaizen (5 selectors)"``). ``{series: (colour, label or None)}``."""
+    lines where it has more than one (``"kaizen (5 lines)"``: selectors, or students with a ``series`` label). ``{series: (colour, label or None)}``."""
     method_of = {s: s.split(" [", 1)[0] for s in series}
     methods = list(dict.fromkeys(method_of.values()))
     colour = method_colors(methods)
-    count = {m: sum(1 for s in series if method_of[s] == m and " [" in s) for m in methods}
+    count = {m: sum(1 for s in series if method_of[s] == m) for m in methods}
     out, labelled = {}, set()
     for s in series:
         m = method_of[s]
@@ -164,7 +164,7 @@ def series_legend(series: list[str]) -> dict[str, tuple[str, str | None]]:
         if m not in labelled:
             labelled.add(m)
             n = count[m]
-            label = m + (f" ({n} selector{'s' if n != 1 else ''})" if n else "")
+            label = m + (f" ({n} lines)" if n > 1 else "")
         out[s] = (colour[m], label)
     return out
 
@@ -173,12 +173,15 @@ def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy again
                 x: str = "compression", reference: str = "dense") -> Path:
     """Mean accuracy over families against the compression ratio ``1 - budget/context`` (``x="factor"``: against the
     rows' realised cache reduction ``factor``, log scale, points also split by ``target``, one line per trained
-    ``selector``: :func:`by_selector`, all of a method's selectors in its colour, :func:`series_legend`): one colour per
+    ``selector`` or per ``series`` label of the rows (a row with both: its selector): :func:`by_selector`, all of a
+    method's lines in its colour, :func:`series_legend`): one colour per
     method, one marker and line style per protocol; the full cache (method ``reference``) is a star at CR 0 (factor 1)
     and a dotted reference line. One panel per split, one legend for the figure. Points from runs cut short by a time
     guard are drawn hollow."""
     check(x in ("compression", "factor"), f"x={x!r} is invalid: expected 'compression' or 'factor'")
     by_factor = x == "factor"
+    if by_factor:  # a row's ``series`` (e.g. a student retrofitted under its configuration) is a line of its own too
+        rows = [dict(r, selector=r.get("selector") or r.get("series")) for r in rows]
     agg = by_selector(mean_accuracy(rows, ("target", "selector"))) if by_factor else mean_accuracy(rows)
     origin = 1.0 if by_factor else 0.0
     splits = list(dict.fromkeys(k[0] for k in agg))

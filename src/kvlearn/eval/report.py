@@ -36,14 +36,16 @@ def _provenance(name: str, data: dict) -> str:
 
 def accuracy_section(name: str, data: dict) -> str:
     """The rows of an accuracy file, each next to the full-cache row of its task and split (the row whose cache
-    method is ``dense``, whatever its label, e.g. ``teacher``): accuracy relative to it and bytes relative to it."""
+    method is ``dense``, whatever its label, e.g. ``teacher``): accuracy relative to it and bytes relative to it. A
+    ``series`` column names each row's trained ``selector`` or its ``series`` label where any row has one."""
     rows = data["rows"]
     out = [f"## Accuracy: {name.removesuffix('.json')} (context {data.get('context')})", "", _provenance(name, data), ""]
     has_store = any("store_bytes" in r for r in rows)  # keys/values alone, without slot positions and scores
+    has_series = any(r.get("selector") or r.get("series") for r in rows)  # which selector or student a row is
     extra = " K/V only / dense |" if has_store else ""
-    out.append("| method | protocol | split | budget | CR | task | accuracy | accuracy / dense | n | "
-               f"kv_bytes (mean per example) | kv_bytes / dense |{extra}")
-    out.append("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"
+    out.append("| method |" + (" series |" if has_series else "") + " protocol | split | budget | CR | task | accuracy | "
+               f"accuracy / dense | n | kv_bytes (mean per example) | kv_bytes / dense |{extra}")
+    out.append("| --- |" + (" --- |" if has_series else "") + " --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"
                + (" ---: |" if has_store else ""))
     key = lambda r: (r["task"], r.get("split", "eval"))  # noqa: E731
     dense = {key(r): r for r in rows if r.get("registry_method", r["method"]) == "dense"}
@@ -56,7 +58,8 @@ def accuracy_section(name: str, data: dict) -> str:
             store = f" {r['store_bytes'] / d['store_bytes']:.3f} |" if d and "store_bytes" in r and "store_bytes" in d else " |"
         mark = " (incomplete)" if r.get("incomplete") else ""
         out.append(
-            f"| {r['method']} | {r.get('protocol', 'bounded')} | {r.get('split', 'eval')} | {r['budget']} | "
+            f"| {r['method']} |" + (f" {r.get('selector') or r.get('series') or ''} |" if has_series else "")
+            + f" {r.get('protocol', 'bounded')} | {r.get('split', 'eval')} | {r['budget']} | "
             f"{r['compression']:.0%} | {r['task']} | {r['accuracy']:.3f} | {relative} | {r['n']}{mark} | "
             f"{r['kv_bytes']:,} | {ratio} |"
             + store
