@@ -40,6 +40,12 @@ tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing me
   where FlexAttention has no backward, the variant runs ``"dense_channel"`` (the channel's inputs under a dense
   mask) against the default's dense bias.
 
+``--sync-sites`` (CUDA only): after the timing, one more step of every method with CUDA's sync debug mode at
+``"warn"``: each row gets ``host_syncs_per_step`` (the operations that made the host wait for the GPU, the step's
+read-back of its logged values at the end included) and ``host_sync_sites`` (``file:line`` of the Python frames that
+issued them, most frequent first), so that a sync in the middle of a step, which leaves the GPU idle while the host
+issues what follows, is found by where it is.
+
 ``--profile DIR``: after the timing, one more step of every method under ``torch.profiler`` (CUDA kernels on the GPU,
 CPU ops on the CPU), written as ``DIR/<method>.txt``: the operators sorted by their own device time (CPU time on the
 CPU), the 40 largest, and the step's total. It says where a retrofit step's time over the distillation step goes.
@@ -52,6 +58,8 @@ import json
 import math
 import sys
 import time
+import warnings
+from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -161,6 +169,9 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--variants", default="",
                     help=f"comma list of extra rows: {', '.join(VARIANTS)} (default none; see the module docstring)")
+    ap.add_argument("--sync-sites", action="store_true",
+                    help="after the timing, count the host syncs of one step of every method and where they are "
+                         "issued (CUDA only)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timing, profile one step of every method into DIR/<method>.txt")
     args = ap.parse_args(argv)
@@ -179,6 +190,8 @@ def parse(argv) -> argparse.Namespace:
     check_int("--batch-size", args.batch_size, 1)
     check(args.budget > args.sinks + args.window,
           f"--budget={args.budget} is invalid: expected > sinks + window = {args.sinks + args.window} (a top-k >= 1)")
+    check(not args.sync_sites or str(args.device).startswith("cuda"),
+          f"--sync-sites needs a CUDA device (CUDA's sync debug mode), not --device={args.device}")
     check(args.seq_len > args.budget, f"--seq-len={args.seq_len} is invalid for --budget={args.budget}: expected a "
           "sequence longer than the budget (else nothing is evicted)")
     return args
@@ -220,6 +233,10 @@ def run(args, tmp: Path, command: str) -> int:
 
     measure(timed, args.warmup, args.steps, args.steps_per_round, device, save)
     results = save(partial=False)
+    if args.sync_sites:
+        for t in timed:
+            t.fields.update(sync_sites(t.call))
+        results = save(partial=False)
     if args.profile:
         profile_steps(timed, Path(args.profile), device)
     for row in results["rows"]:
@@ -228,6 +245,25 @@ def run(args, tmp: Path, command: str) -> int:
               + (f"  ERROR {row['error']}" if "error" in row else ""))
     print(json.dumps(results["summary"]))
     return 0
+
+
+SYNC_MESSAGE = "synchronizing CUDA operation"  # torch's warning under set_sync_debug_mode("warn")
+
+
+def sync_sites(call, set_mode=None, top: int = 10) -> dict:
+    """One ``call()`` with CUDA's sync debug mode at ``"warn"`` (``set_mode``: ``torch.cuda.set_sync_debug_mode``
+    unless given), back to ``"default"`` after: ``{"host_syncs_per_step": n, "host_sync_sites": {"file:line": count}}``,
+    the ``top`` most frequent sites (repository-relative paths) of the Python frames whose operation synchronized."""
+    set_mode = torch.cuda.set_sync_debug_mode if set_mode is None else set_mode
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        set_mode("warn")
+        try:
+            call()
+        finally:
+            set_mode("default")
+    sites = Counter(f"{portable_path(w.filename)}:{w.lineno}" for w in caught if SYNC_MESSAGE in str(w.message))
+    return {"host_syncs_per_step": sum(sites.values()), "host_sync_sites": dict(sites.most_common(top))}
 
 
 def profile_file_stem(name: str) -> str:

@@ -88,6 +88,7 @@ def test_smoke_variants_are_extra_rows(tmp_path):
     (["--smoke", "--steps", "0"], "--steps=0 is invalid"),
     (["--smoke", "--seq-len", "64", "--budget", "32"], "--seq-len=64 is invalid"),
     (["--model", "no/such/folder", "--device", "cpu"], "does not exist"),
+    (["--smoke", "--sync-sites"], "--sync-sites needs a CUDA device (CUDA's sync debug mode), not --device=cpu"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
     script = load_benchmark("retrofit_step_speed")
@@ -118,3 +119,32 @@ def test_smoke_dms_score_mod_variant(tmp_path):
     assert rows["retrofit_dms+dms_score_mod"]["dms"]["train_attention"] == "dense_channel"
     assert all("error" not in r for r in rows.values())
 
+
+
+def test_sync_sites_counts_the_sync_warnings_by_where_they_were_issued():
+    """``sync_sites``: the debug mode is set to warn around the call and reset after (also when it raises); only
+    torch's sync warnings count, grouped by the issuing line, most frequent first (by hand: 2 at one line, 1 at
+    another; an unrelated warning is not counted)."""
+    import warnings
+
+    script = load_benchmark("retrofit_step_speed")
+    modes = []
+
+    def step():
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation")  # line A, twice
+        warnings.warn("called a synchronizing CUDA operation")  # line B
+        warnings.warn("something else")
+
+    info = script.sync_sites(step, set_mode=modes.append)
+    assert modes == ["warn", "default"] and info["host_syncs_per_step"] == 3
+    (site_a, n_a), (site_b, n_b) = info["host_sync_sites"].items()
+    assert (n_a, n_b) == (2, 1) and site_a.startswith("tests/train/test_retrofit_step_speed_script.py:")
+    assert int(site_b.rsplit(":", 1)[1]) == int(site_a.rsplit(":", 1)[1]) + 1
+
+    def broken():
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError):
+        script.sync_sites(broken, set_mode=modes.append)
+    assert modes[-2:] == ["warn", "default"]
