@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Retrofit KVpop onto the testbed teacher on the GPU (`kvlearn retrofit`), then evaluate the student through its
 # cache at the same budget on both splits (`kvlearn eval --method kvpop`), next to the teacher's streaming rows.
-# SCORER (default mlp), BUDGET (default 1024), MINUTES (default 8), MODEL (default checkpoints/testbed-teacher),
+# SCORER (default mlp), BUDGET (default 1024), MINUTES (default 8; STEPS=<n> trains n steps instead, so that two
+# retrofits run side by side, e.g. one with --kv-bits and its full-precision control, see the same data and steps),
+# MODEL (default checkpoints/testbed-teacher),
 # N (examples per family, default 100), EXTRA (more retrofit options), TAG (a suffix of the run's names, so that
 # several retrofits can run side by side). Writes $OUT/retrofit_<scorer>_<budget>.log,
 # $OUT/kvpop_<scorer>_<budget>_<split>.json, and the student as $OUT/kvpop_<scorer>_<budget>.tar (bf16 weights).
@@ -21,10 +23,11 @@ SCORER=${SCORER:-mlp}; BUDGET=${BUDGET:-1024}; MINUTES=${MINUTES:-8}; N=${N:-100
 MODEL=${MODEL:-checkpoints/testbed-teacher}
 tag=${SCORER}_${BUDGET}${TAG:+_$TAG}
 RUN=/tmp/retrofit_$tag
+length=(--minutes "$MINUTES"); [ -n "${STEPS:-}" ] && length=(--steps "$STEPS")
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 # shellcheck disable=SC2086
 python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$RUN" --overwrite --device cuda --scorer "$SCORER" \
-    --budget "$BUDGET" --minutes "$MINUTES" --num-workers 8 ${EXTRA:-} > "$OUT/retrofit_$tag.log" 2>&1
+    --budget "$BUDGET" "${length[@]}" --num-workers 8 ${EXTRA:-} > "$OUT/retrofit_$tag.log" 2>&1
 echo "retrofit rc=$?"; tail -n 3 "$OUT/retrofit_$tag.log"
 for split in eval heldout; do
     if [ -n "${COMPOSE_TARGET:-}" ]; then
