@@ -162,8 +162,7 @@ def dms_attention(query: Tensor, key: Tensor, value: Tensor, z: Tensor, sinks: i
     bias materialised), ``"flex"`` (the score_mod), ``"flex_channel"`` (the penalty channel,
     :func:`penalty_channel_inputs`; ``hard`` logits, whose penalty is ``-inf``, take the score_mod),
     ``"dense_channel"`` (the penalty channel with a dense mask: the CPU check of the channel's gradients), ``"auto"``
-    (flex_channel on CUDA, dense elsewhere)."""
-    check(backend in BACKENDS, f"backend={backend!r} is invalid: expected one of {', '.join(BACKENDS)}")
+    (flex_channel on CUDA, dense elsewhere); an unknown ``backend`` is a one-line error (:func:`resolve_backend`)."""
     b, hq, T, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv

@@ -152,7 +152,8 @@ def series_legend(series: list[str]) -> dict[str, tuple[str, str | None]]:
     """Colour and legend label of each plotted series (a method, or ``"<method> [<selector>]"`` from
     :func:`by_selector`): one colour per *method*, so that every trained selector of ``kaizen`` shares one colour and
     every ``untrained_backbone`` series another; only a method's first series carries a legend label, which counts its
-    lines where it has more than one (``"kaizen (5 lines)"``: selectors, or students with a ``series`` label). ``{series: (colour, label or None)}``."""
+    lines where it has more than one (``"kaizen (5 lines)"``: selectors, or students with a ``series`` label).
+    ``{series: (colour, label or None)}``."""
     method_of = {s: s.split(" [", 1)[0] for s in series}
     methods = list(dict.fromkeys(method_of.values()))
     colour = method_colors(methods)
