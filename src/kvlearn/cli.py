@@ -437,7 +437,7 @@ def cmd_kaizen_train(args) -> int:
                                warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, kd_topk=args.kd_topk,
                                beta=args.beta, eta=args.eta, budget_cap=args.budget_cap,
                                dense_fraction=args.dense_fraction, penalty_cost=args.penalty_cost,
-                               underuse_weight=args.underuse_weight,
+                               underuse_weight=args.underuse_weight, budget_scope=args.budget_scope,
                                target_head=None if args.target_head is None else args.target_head == "1",
                                share_layers=parse_share_layers(args.share_layers),
                                family_weights=_kaizen_family_weights(args.family_weights),
@@ -748,6 +748,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--underuse-weight", type=float, default=0.0,
                     help="weight of a penalty on compressing more than the target asks (w * relu(1 - cost / target)); "
                          "> 0 makes a budget-conditioned selector (--target 1,2,4) spend a loose target")
+    sp.add_argument("--budget-scope", default="sequence", choices=("sequence", "batch"),
+                    help="what the budget penalty holds to the target: every sequence (default) or the batch's mean "
+                         "ratio of cost to target (one budget over the prompts: one prompt may get more bits, "
+                         "another fewer)")
     sp.add_argument("--target-head", default=None, choices=("0", "1"),
                     help="the selector's direct target term T_l log2(target) (default: on when --target lists several)")
     sp.add_argument("--share-layers", default="all",

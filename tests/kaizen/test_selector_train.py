@@ -278,6 +278,24 @@ def test_family_weights_reach_the_training_stream(teacher_path, tmp_path, monkey
     assert code == 2 and "\n" not in err and "--family-weights 'a,b'" in err
 
 
+def test_budget_scope_reaches_the_training_step_and_the_command_line(teacher_path, tmp_path, monkeypatch):
+    """``--budget-scope batch`` becomes the config's ``budget_scope``, every training step's penalty is built with it
+    (a spy on ``budget_terms``), and a resume must keep it (a resume field, ``sequence`` for older checkpoints)."""
+    import kvlearn.train.kaizen_train as kt
+
+    scopes, configs = [], []
+    real = kt.budget_terms
+    monkeypatch.setattr(kt, "budget_terms", lambda *a: scopes.append(a[-1]) or real(*a))
+    kaizen_train(train_config(teacher_path, tmp_path / "b", steps=2, save_interval=10, budget_scope="batch"),
+                 progress=False)
+    assert scopes == ["batch", "batch"]
+    assert "budget_scope" in kt.RESUME_FIELDS and kt.RESUME_DEFAULTS["budget_scope"] == "sequence"
+    monkeypatch.setattr(kt, "kaizen_train", lambda config: configs.append(config) or {"step": 0, "final": "f"})
+    assert main(["kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "c"), "--budget-scope", "batch",
+                 "--steps", "1", "--seq-len", str(SEQ)]) == 0
+    assert configs and configs[0].budget_scope == "batch"
+
+
 def test_final_checkpoint_round_trips_with_identical_choices(trained):
     out, result = trained
     model = kvlearn.load(result["final"])
@@ -569,6 +587,35 @@ def test_underuse_penalty_pushes_a_cheaper_than_target_choice_back_up():
     assert float(zero) == 0.0 and not zero.requires_grad
     with pytest.raises(ValueError, match="underuse_weight"):
         KaizenTrainConfig(model="unused", underuse_weight=-1.0)
+
+
+def test_batch_budget_scope_holds_the_mean_ratio_where_sequence_scope_holds_each_row():
+    """``budget_terms`` by hand: two rows at 1.5 and 0.5 times their targets (costs 24 and 4 bits per token against
+    16 and 8). Sequence scope: ``β mean relu(r - 1) = β · 0.25`` and the under-use term
+    ``w · 0.25``; batch scope: the mean ratio is 1.0, so both hinges are 0, and the gradient is 0 too. A batch over
+    budget on average (costs 24 and 12: mean ratio 1.5) is charged ``β · 0.5`` and pushes both rows down by the same
+    ``β / (2 C*_i)``, the cheap row included. An unknown scope is a one-line error (function and config)."""
+    from kvlearn.kaizen.budget import BudgetMultiplier
+    from kvlearn.train.kaizen_train import KaizenTrainConfig, budget_terms
+
+    beta, w = BudgetMultiplier(beta=4.0), 2.0
+    target = torch.tensor([16.0, 8.0])
+    cost = torch.tensor([24.0, 4.0], requires_grad=True)  # ratios 1.5 and 0.5
+    seq = budget_terms(cost, target, beta, w, "sequence")
+    torch.testing.assert_close(seq, torch.tensor(4.0 * 0.25 + 2.0 * 0.25))
+    batch = budget_terms(cost, target, beta, w, "batch")
+    assert float(batch) == 0.0
+    batch.backward()
+    assert float(cost.grad.abs().max()) == 0.0
+    over = torch.tensor([24.0, 12.0], requires_grad=True)  # ratios 1.5 and 1.5
+    charged = budget_terms(over, target, beta, w, "batch")
+    torch.testing.assert_close(charged, torch.tensor(4.0 * 0.5))
+    charged.backward()
+    torch.testing.assert_close(over.grad, 4.0 / (2 * target))
+    with pytest.raises(KVLearnError, match="scope='row' is invalid"):
+        budget_terms(cost, target, beta, w, "row")
+    with pytest.raises(ValueError, match="budget_scope='row' is invalid: expected one of sequence, batch"):
+        KaizenTrainConfig(model="unused", budget_scope="row")
 
 
 def test_direct_target_term_gets_a_gradient_where_film_gets_none():

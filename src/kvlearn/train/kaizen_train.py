@@ -18,7 +18,8 @@ loop. ``docs/DESIGN.md`` section 8, "Training".
   expected cost in bits per token without metadata, or with ``penalty_cost="sampled"`` the one-hots' cost:
   :func:`penalised_cost`; ``C* = C_ref / ρ*``), plus with ``underuse_weight`` w > 0 the under-use term
   ``w · mean relu(1 - Ĉ / C*)`` (:func:`underuse_penalty`: a loose target is a budget to spend, what a
-  budget-conditioned selector needs). Gradients reach the selector through the weights (KD:
+  budget-conditioned selector needs); with ``budget_scope="batch"`` both hinges hold the batch's mean ratio
+  ``mean Ĉ / C*`` instead of each sequence's (:func:`budget_terms`). Gradients reach the selector through the weights (KD:
   straight-through) and its softmax (the penalty), and the backbone through the attention (KD).
 * **Multiplier**: after each step ``β`` is updated from the *realised* cost, the argmax configuration of each
   sequence (what evaluation runs): up while over budget, slowly down once under it, capped at ``budget_cap``.
@@ -91,6 +92,7 @@ __all__ = ["KaizenTrainConfig", "kaizen_train", "kaizen_train_step", "build_mode
 
 LR_SCHEDULES = ("constant", "cosine")  # the backbone's learning rate over the run (backbone_lr_at)
 PENALTY_COSTS = ("expected", "sampled")  # which cost the budget penalty reads (penalised_cost)
+BUDGET_SCOPES = ("sequence", "batch")  # what the budget hinges hold to the target (budget_terms)
 
 
 def default_out() -> str:
@@ -133,6 +135,7 @@ class KaizenTrainConfig:
     family_weights: tuple[float, ...] | None = None  # sampling weights of (trace, niah, vt, recall); None: uniform
     penalty_cost: str = "expected"  # the cost the budget penalty reads: "expected" (softmax) or "sampled" (Gumbel)
     underuse_weight: float = 0.0  # weight of the penalty on compressing more than asked (budget conditioning)
+    budget_scope: str = "sequence"  # the hinges hold each sequence to its target, or the batch's mean (budget_terms)
     target_head: bool | None = None  # the selector's direct target term (None: when there are several targets)
     share_layers: tuple[int, ...] | str | None = None  # layers that may share: None all, "auto" the sensitivity pass
     share_threshold: float = DEFAULT_THRESHOLD  # "auto": nats per token a sharing may cost
@@ -183,6 +186,8 @@ class KaizenTrainConfig:
               f"lr_schedule={self.lr_schedule!r} is invalid: expected one of {', '.join(LR_SCHEDULES)}")
         check(self.penalty_cost in PENALTY_COSTS,
               f"penalty_cost={self.penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
+        check(self.budget_scope in BUDGET_SCOPES,
+              f"budget_scope={self.budget_scope!r} is invalid: expected one of {', '.join(BUDGET_SCOPES)}")
         check_trainer_fields(self)
         from ..hf import read_model_config
 
@@ -293,10 +298,26 @@ def underuse_penalty(cost: torch.Tensor, target_bits: torch.Tensor, weight: floa
     return weight * torch.relu(1 - cost / target_bits.to(cost.dtype)).mean()
 
 
+def budget_terms(penalised: torch.Tensor, target_bits: torch.Tensor, multiplier: BudgetMultiplier,
+                 underuse_weight: float, scope: str = "sequence") -> torch.Tensor:
+    """The budget penalty plus the under-use term on ``penalised`` (``Ĉ [batch]``, bits per token) against
+    ``target_bits`` (``C* [batch]``). ``scope="sequence"``: each sequence's ratio ``r = Ĉ / C*`` is hinged alone,
+    ``β · mean relu(r - 1) + w · mean relu(1 - r)``, so every prompt is held to its target. ``scope="batch"``: the
+    hinges hold the batch's mean ratio, ``β · relu(mean r - 1) + w · relu(1 - mean r)``: one budget in bits per
+    token over the prompts (the paper's wording), which lets the selector give one prompt more bits than its target
+    and another fewer; under data parallelism the mean is this process's rows'. Differentiable in ``penalised``."""
+    check(scope in BUDGET_SCOPES, f"scope={scope!r} is invalid: expected one of {', '.join(BUDGET_SCOPES)}")
+    if scope == "sequence":
+        return multiplier.penalty(penalised, target_bits) + underuse_penalty(penalised, target_bits, underuse_weight)
+    ratio = (penalised / target_bits.to(penalised.dtype)).mean()
+    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+    return multiplier.penalty(ratio, one) + underuse_penalty(ratio, one, underuse_weight)
+
+
 def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tensor, tau: float,
                 multiplier: BudgetMultiplier, kd_topk: int, generator: torch.Generator | None = None, *,
                 uniforms: torch.Tensor | None = None, reduce_sum=None, world: int = 1,
-                penalty_cost: str = "expected", underuse_weight: float = 0.0) -> dict:
+                penalty_cost: str = "expected", underuse_weight: float = 0.0, budget_scope: str = "sequence") -> dict:
     """One training forward: ``{"loss", "kd", "penalty"}`` (differentiable) and detached ``bits`` (realised, argmax,
     ``[batch]``), ``sampled_bits [batch]``, ``target_bits [batch]``, ``logits`` (the selector's).
 
@@ -306,7 +327,8 @@ def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tenso
     ``penalty`` are this process's shares of the global-batch values (module docstring, "Processes").
     ``penalty_cost``: which cost the penalty reads (:func:`penalised_cost`); ``sampled_bits`` is the sample's cost
     either way. ``underuse_weight`` ``w``: the penalty also holds ``w · mean relu(1 - Ĉ / C*)`` (the same cost
-    ``Ĉ``), so that a sequence compressed more than its target asks is pushed back up (:func:`underuse_penalty`)."""
+    ``Ĉ``), so that a sequence compressed more than its target asks is pushed back up (:func:`underuse_penalty`).
+    ``budget_scope``: each sequence held to its target, or the batch's mean (:func:`budget_terms`)."""
     sel = selector_of(student)
     # the selector reads what it reads at evaluation, the prompt: supervised tokens (answers) are masked out
     logits = sel(input_ids, labels == IGNORE_INDEX, targets)  # [B, L, A]
@@ -323,7 +345,7 @@ def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tenso
     target_bits = sel.target_bits(targets).to(cost.device)
     # a mean over rows: every process holds as many
     penalised = penalised_cost(sel, logits, weights, penalty_cost)
-    penalty = (multiplier.penalty(penalised, target_bits) + underuse_penalty(penalised, target_bits, underuse_weight)) / world
+    penalty = budget_terms(penalised, target_bits, multiplier, underuse_weight, budget_scope) / world
     with torch.no_grad():
         hard = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         bits = sel.cost(hard)
@@ -339,7 +361,7 @@ class KaizenStep(torch.nn.Module):
     arguments): the multiplier is an attribute, read at call time."""
 
     def __init__(self, student, multiplier: BudgetMultiplier, kd_topk: int, world: int = 1,
-                 penalty_cost: str = "expected", underuse_weight: float = 0.0):
+                 penalty_cost: str = "expected", underuse_weight: float = 0.0, budget_scope: str = "sequence"):
         super().__init__()
         self.student = student
         self.multiplier = multiplier
@@ -347,12 +369,14 @@ class KaizenStep(torch.nn.Module):
         self.world = world
         self.penalty_cost = penalty_cost
         self.underuse_weight = underuse_weight
+        self.budget_scope = budget_scope
 
     def forward(self, teacher_logits, input_ids, labels, targets, tau: float, uniforms) -> dict:
         return step_losses(self.student, teacher_logits, input_ids, labels, targets, tau, self.multiplier,
                            self.kd_topk, uniforms=uniforms, world=self.world,
                            reduce_sum=parallel.all_reduce_sum if self.world > 1 else None,
-                           penalty_cost=self.penalty_cost, underuse_weight=self.underuse_weight)
+                           penalty_cost=self.penalty_cost, underuse_weight=self.underuse_weight,
+                           budget_scope=self.budget_scope)
 
 
 def make_optimizer(config: KaizenTrainConfig, student) -> torch.optim.AdamW:
@@ -427,9 +451,9 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
 
 
 RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed",
-                 "share_layers", "share_threshold", "family_weights")
+                 "share_layers", "share_threshold", "family_weights", "budget_scope")
 RESUME_DEFAULTS = {"share_layers": None, "share_threshold": DEFAULT_THRESHOLD,  # checkpoints from before the fields
-                   "family_weights": None}
+                   "family_weights": None, "budget_scope": "sequence"}
 
 
 def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
@@ -467,7 +491,7 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
         step = int(trainer_state["step"])
         multiplier.load_state_dict(trainer_state["multiplier"])
     joint = KaizenStep(student, multiplier, config.kd_topk, d.world, penalty_cost=config.penalty_cost,
-                       underuse_weight=config.underuse_weight)
+                       underuse_weight=config.underuse_weight, budget_scope=config.budget_scope)
     if d.world > 1:
         parallel.shard_model(teacher)
         parallel.shard_model(student, root=joint)
