@@ -678,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop, --scorer mlstm: score token u from the state at u + window (delayed, the paper's) or at "
                          "u itself (immediate; the paper's readout ablation) (default: KVpopConfig's, delayed)")
     sp.add_argument("--kv-bits", default=None,
-                    help="kvpop: attend keys and values quantized to these bits (2, 4, 8; one, or a comma list of one "
+                    help="kvpop: attend keys and values quantized to these bits (2, 4, 8 or 16; one, or a comma list of one "
                          "per layer, where a later layer may be 'share': it reads the nearest earlier layer's keys and "
                          "values under that layer's retention) with straight-through gradients, the scorers reading "
                          "them in full precision, so that the student serves under kaizen+kvpop in that configuration "

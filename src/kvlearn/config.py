@@ -213,8 +213,9 @@ class KVpopConfig:
         return self.sinks + self.window + self.topk
 
 
-# DMS's training attention executions (kvlearn.dms.attention.dms_attention): auto (flex on CUDA, dense elsewhere),
-# the materialised bias, FlexAttention with the penalty in a score_mod, or as one more key channel (mask_mod only)
+# DMS's training attention executions (kvlearn.dms.attention.dms_attention): auto (flex_channel on CUDA, dense
+# elsewhere), the materialised bias, FlexAttention with the penalty in a score_mod, or as one more key channel
+# (mask_mod only), and that channel under a dense mask (the CPU check of its gradients)
 DMS_TRAIN_ATTENTIONS = ("auto", "dense", "flex", "flex_channel", "dense_channel")
 
 
