@@ -49,6 +49,10 @@ issues what follows, is found by where it is.
 ``--profile DIR``: after the timing, one more step of every method under ``torch.profiler`` (CUDA kernels on the GPU,
 CPU ops on the CPU), written as ``DIR/<method>.txt``: the operators sorted by their own device time (CPU time on the
 CPU), the 40 largest, and the step's total. It says where a retrofit step's time over the distillation step goes.
+
+``--host-profile DIR``: three more steps of every method under :mod:`cProfile` (``DIR/<method>.host.txt``): where the
+host's time goes, for a step whose wall time exceeds its device time (launch-bound: the GPU idles while Python issues
+the next kernels).
 """
 
 from __future__ import annotations
@@ -174,6 +178,9 @@ def parse(argv) -> argparse.Namespace:
                          "issued (CUDA only)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timing, profile one step of every method into DIR/<method>.txt")
+    ap.add_argument("--host-profile", default=None, metavar="DIR",
+                    help="after the timing, three steps of every method under cProfile into DIR/<method>.host.txt "
+                         "(where the host's Python time goes)")
     args = ap.parse_args(argv)
     resolve_source(args, DEFAULTS, "retrofit_step_speed", REPO)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -239,6 +246,8 @@ def run(args, tmp: Path, command: str) -> int:
         results = save(partial=False)
     if args.profile:
         profile_steps(timed, Path(args.profile), device)
+    if args.host_profile:
+        host_profile_steps(timed, Path(args.host_profile), device)
     for row in results["rows"]:
         ms, ratio = row.get("ms", math.nan), row.get("ratio_to_distill_dense") or math.nan
         print(f"{row['name']:<42} {ms:>10.2f} ms  x{ratio:.3f}  peak {row.get('peak_memory_gib', 0):.2f} GiB"
@@ -294,6 +303,36 @@ def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 4
         (folder / f"{profile_file_stem(t.name)}.txt").write_text(f"# {t.name}: one step under the profiler, {wall_ms:.1f} ms wall "
                                               f"(profiler overhead included); sorted by {key}\n{table}\n")
         print(f"profile of {t.name}: {folder / (profile_file_stem(t.name) + '.txt')}")
+
+
+def host_profile_steps(timed: list, folder: Path, device: torch.device, steps: int = 3, rows: int = 45) -> None:
+    """``steps`` steps of each method under :mod:`cProfile` into ``folder/<name>.host.txt``: the functions by their
+    own time, then by cumulative time, ``rows`` each. A step that launches its kernels faster than the GPU runs them
+    spends its waiting in the read-back at its end (the ``.cpu()`` of the logged values); a launch-bound step spends
+    it in the Python and dispatch of the functions listed, which says which part to fuse or compile."""
+    import cProfile
+    import io
+    import pstats
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for t in timed:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        t0 = time.perf_counter()
+        profiler.enable()
+        for _ in range(steps):
+            t.call()
+        profiler.disable()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        text = io.StringIO()
+        for order in ("tottime", "cumulative"):
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats(order).print_stats(rows)
+        path = folder / f"{profile_file_stem(t.name)}.host.txt"
+        path.write_text(f"# {t.name}: {steps} steps under cProfile, {wall_ms:.1f} ms wall a step (cProfile overhead "
+                        f"included)\n{text.getvalue()}")
+        print(f"host profile of {t.name}: {path}")
 
 
 def summarize(rows: list[dict]) -> dict:

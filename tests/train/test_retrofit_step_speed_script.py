@@ -14,10 +14,15 @@ ALL = "retrofit_kvpop_mlp,retrofit_kvpop_mlstm,retrofit_dms,retrofit_streaming_p
 def test_smoke_writes_every_row_and_the_summary(tmp_path, capsys):
     script = load_benchmark("retrofit_step_speed")
     out = tmp_path / "speed.json"
-    assert script.main(["--smoke", "--methods", ALL, "--out", str(out), "--profile", str(tmp_path / "prof")]) == 0
+    assert script.main(["--smoke", "--methods", ALL, "--out", str(out), "--profile", str(tmp_path / "prof"),
+                        "--host-profile", str(tmp_path / "host")]) == 0
     for name in ["distill_dense", *ALL.split(",")]:  # one profiled step per method, its operators by self time
         text = (tmp_path / "prof" / f"{name}.txt").read_text()
         assert text.startswith(f"# {name}: one step under the profiler") and "aten::" in text and "Self CPU" in text
+        # and three steps under cProfile: the Python functions by own and cumulative time, the step's own among them
+        host = (tmp_path / "host" / f"{name}.host.txt").read_text()
+        assert host.startswith(f"# {name}: 3 steps under cProfile") and "Ordered by: internal time" in host
+        assert "Ordered by: cumulative time" in host and "distill.py" in host
     # a variant row's profile gets a file name the device tool returns (no "+")
     assert script.profile_file_stem("retrofit_kvpop_mlstm+bf16_mlstm_matmuls") == "retrofit_kvpop_mlstm__bf16_mlstm_matmuls"
     data = json.loads(out.read_text())
