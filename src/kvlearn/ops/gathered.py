@@ -107,13 +107,20 @@ def gathered_block_mask(
     query_heads_per_kv: int,
     intervals: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockMask:
-    """``BlockMask`` for FlexAttention on the gathered layout, built directly with ``BlockMask.from_kv_blocks``.
+    """``BlockMask`` for FlexAttention on the gathered layout, its key-major and query-major tables built directly.
 
     Shape ``[batch * num_blocks, kv_heads * G, block_size, capacity]`` (one query block per kernel batch entry,
     query head ``h`` reads KV head ``h // G``): full tiles are the ``num_full // block_size`` leading ones (every
     slot visible to every query: the mask_mod is skipped), partial tiles follow up to
     ``ceil(num_used / block_size)``, nothing beyond. The ``mask_mod`` (visible iff ``rel_pos <= q_idx < rel_end``)
     closes over ``intervals``: :func:`relative_intervals` of ``layout``, computed here when None.
+
+    With one query block per entry, the query-major tables the backward reads (``q_num_blocks``, ``q_indices`` and
+    their full twins) are closed forms: key tile ``j`` is read by query block 0 iff it lies in its range. They are
+    built here with a few tensor operations instead of ``BlockMask.from_kv_blocks``' general transpose (a vmapped
+    dense scatter whose host time was ~3 ms of every layer's training forward on the H200,
+    ``benchmarks/retrofit_step_speed.py --host-profile``); ``tests/ops/test_gathered.py`` checks both give the same
+    tables.
     """
     _check_layout(layout)
     G = check_int("query_heads_per_kv", query_heads_per_kv, 1)
@@ -123,22 +130,29 @@ def gathered_block_mask(
     n_kv = C // BS
     full = layout.num_full // BS  # [B, H, nQ]
     total = ((layout.num_used + BS - 1) // BS).clamp(max=n_kv)
-    cols = torch.arange(n_kv, device=full.device, dtype=torch.int32)
-    part_idx = (cols + full[..., None]).clamp(max=n_kv - 1)  # entries past the count are never read
-    full_idx = cols.expand(B, H, nQ, n_kv)
 
-    def per_query_head(x):  # [B, H, nQ, ...] -> [B * nQ, H * G, 1, ...]
+    def per_query_head(x):  # [B, H, nQ, ...] -> [B * nQ, H * G, ...]
         x = x.transpose(1, 2).reshape(B * nQ, H, *x.shape[3:]).repeat_interleave(G, dim=1)
-        return x.unsqueeze(2).contiguous().to(torch.int32)
+        return x.contiguous().to(torch.int32)
 
-    return BlockMask.from_kv_blocks(
-        per_query_head(total - full),
-        per_query_head(part_idx),
-        per_query_head(full),
-        per_query_head(full_idx),
-        BLOCK_SIZE=BS,
-        mask_mod=_make_gathered_mask_mod(rel_pos, rel_end, G),
-        seq_lengths=(BS, C),
+    full, total = per_query_head(full), per_query_head(total)  # [B * nQ, H * G]
+    cols = torch.arange(n_kv, device=full.device, dtype=torch.int32)
+    # key-major: the full tiles 0 .. full - 1, the partial tiles full .. total - 1 (entries past a count are never
+    # read; they are clamped into range)
+    kv_num = (total - full).unsqueeze(-1)  # [B * nQ, H * G, 1]
+    kv_idx = (cols + full[..., None]).clamp(max=n_kv - 1).unsqueeze(2).contiguous()  # [B * nQ, H * G, 1, n_kv]
+    full_kv_num = full.unsqueeze(-1).contiguous()
+    full_kv_idx = cols.expand(B * nQ, H * G, 1, n_kv).contiguous()
+    # query-major: key tile j is read (by the one query block, index 0) iff it lies in the range
+    q_num = ((cols >= full[..., None]) & (cols < total[..., None])).to(torch.int32)  # [B * nQ, H * G, n_kv]
+    full_q_num = (cols < full[..., None]).to(torch.int32)
+    q_idx = torch.zeros_like(q_num).unsqueeze(-1)  # [B * nQ, H * G, n_kv, 1]
+    return BlockMask(
+        (BS, C),
+        kv_num.contiguous(), kv_idx, full_kv_num, full_kv_idx,
+        q_num, q_idx, full_q_num, q_idx.clone(),
+        (BS, BS),
+        _make_gathered_mask_mod(rel_pos, rel_end, G),
     )
 
 

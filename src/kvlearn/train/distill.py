@@ -365,7 +365,9 @@ def distill_losses(state: TrainForward, query_positions: torch.Tensor, reduce_su
     layers = len(records)
     b, h, _ = records[0].priorities.shape
     teacher = stacked_teacher_policy([r.target for r in records], [r.log_gamma for r in records], s, w, k)
-    queries = query_positions.to(teacher.ranks.device)  # one host-to-device copy a step
+    # one host-to-device copy a step, non_blocking: from pageable memory CUDA stages the bytes at once and the host
+    # does not wait for the stream (a blocking copy here made the host wait for the whole forward, mid-step)
+    queries = query_positions.to(teacher.ranks.device, non_blocking=True)
     dec = boundary_decisions(teacher, queries, s, w, k)  # [layers * b, h, n]
 
     def along_heads(x: torch.Tensor) -> torch.Tensor:  # [layers * b, h, ...] (layer-major) -> [b, layers * h, ...]
@@ -624,9 +626,11 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
     grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    totals = _global_sums([loss.detach(), kd.detach(), *shares.values()], d)
-    averaged = (_global_sums([torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device)
-                                            for v in means.values()])], d)[0] / d.world) if means else []
+    # the logged values in one read-back (one host sync): losses summed, metrics averaged over the processes
+    summed = [loss.detach(), kd.detach(), *shares.values()]
+    logged = torch.stack([torch.as_tensor(v, device=device).float().reshape(()) for v in (*summed, *means.values())])
+    logged = _global_sums([logged], d)[0]
+    totals, averaged = logged[:len(summed)], logged[len(summed):] / d.world
     return {**{k: float(v) for k, v in zip(["loss", "kd", *shares], totals)},
             **{k: float(v) for k, v in zip(means, averaged)},
             "grad_norm": parallel.scalar(grad_norm), "lr": config.lr, "lr_new": lr_new, "lr_decay": lr_decay}
