@@ -48,7 +48,8 @@ issues what follows, is found by where it is.
 
 ``--profile DIR``: after the timing, one more step of every method under ``torch.profiler`` (CUDA kernels on the GPU,
 CPU ops on the CPU), written as ``DIR/<method>.txt``: the operators sorted by their own device time (CPU time on the
-CPU), the 40 largest, and the step's total. It says where a retrofit step's time over the distillation step goes.
+CPU), the 40 largest, and the step's total, and the step's timeline as ``DIR/<method>.trace.json.gz`` (Chrome trace
+format: where the GPU idles between kernels). It says where a retrofit step's time over the distillation step goes.
 
 ``--host-profile DIR``: three more steps of every method under :mod:`cProfile` (``DIR/<method>.host.txt``): where the
 host's time goes, for a step whose wall time exceeds its device time (launch-bound: the GPU idles while Python issues
@@ -58,8 +59,10 @@ the next kernels).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
+import shutil
 import sys
 import time
 import warnings
@@ -300,6 +303,11 @@ def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 4
                 torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
         table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90)
+        trace = folder / f"{profile_file_stem(t.name)}.trace.json"
+        prof.export_chrome_trace(str(trace))  # the timeline (chrome://tracing, Perfetto): where the GPU idles
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
         (folder / f"{profile_file_stem(t.name)}.txt").write_text(f"# {t.name}: one step under the profiler, {wall_ms:.1f} ms wall "
                                               f"(profiler overhead included); sorted by {key}\n{table}\n")
         print(f"profile of {t.name}: {folder / (profile_file_stem(t.name) + '.txt')}")

@@ -6,7 +6,9 @@
 #   1. the committed testbed teacher, seq 4096, batch 8 (the real retrofit) -> $OUT/retrofit_step_speed_h200.json
 #   2. a random Qwen3-0.6B-shaped model (testbed vocabulary), seq 8192, batch 1 -> $OUT/retrofit_step_speed_0p6b_h200.json
 # stdout in $OUT/retrofit_step_speed.log and $OUT/retrofit_step_speed_0p6b.log; run 1 also profiles one step of each
-# method ($OUT/profile/<method>.txt: the CUDA kernels by self time) and counts each step's host syncs by the line that
+# method (profile/<method>.txt: the CUDA kernels by self time; profile/<method>.trace.json.gz: its timeline;
+# profile/<method>.host.txt: three steps under cProfile, --host-profile), all in $OUT/profile.tgz (the device tool
+# returns at most 8 files), and counts each step's host syncs by the line that
 # issued them (--sync-sites: the rows' host_syncs_per_step, host_sync_sites); each run under `timeout 200` (the
 # file is rewritten after every timed round, so a time-out keeps what it measured, marked "partial").
 # METHODS adds rows, e.g. METHODS=retrofit_kvpop_mlp,retrofit_kvpop_mlstm,retrofit_dms,retrofit_streaming_plus.
@@ -18,8 +20,10 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)') triton $(python3 -c 'import triton; print(triton.__version__)' 2>/dev/null || echo none)"
 timeout 200 python3 benchmarks/retrofit_step_speed.py ${METHODS:+--methods "$METHODS"} --sync-sites --profile "$OUT/profile" \
+    --host-profile "$OUT/profile" \
     --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
 echo "teacher rc=$?"
+tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -r "$OUT/profile"
 grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 12
 timeout 200 python3 benchmarks/retrofit_step_speed.py --shape qwen3-0.6b ${METHODS:+--methods "$METHODS"} \
     --out "$OUT/retrofit_step_speed_0p6b_h200.json" > "$OUT/retrofit_step_speed_0p6b.log" 2>&1

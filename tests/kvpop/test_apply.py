@@ -345,7 +345,7 @@ def test_kvlearn_eval_takes_an_mlstm_checkpoints_learned_fields(tmp_path, capsys
     model.save_pretrained(tmp_path)
     options = trained_options("kvpop", tmp_path)
     assert options == {"scorer": "mlstm", "delayed_readout": True, "mlstm_skip": True, "decay_min": config.decay_min,
-                       "decay_max": config.decay_max, "window": 32}
+                       "decay_max": config.decay_max, "window": 32, "state_in_budget": False}
     assert trained_options("kvpop", tmp_path / "nope") == {} and trained_options("streaming", tmp_path) == {}
     out = tmp_path / "rows.json"
     code = main(["eval", "--model", str(tmp_path), "--method", "kvpop", "--budget", "48", "--context", "256",
@@ -354,6 +354,39 @@ def test_kvlearn_eval_takes_an_mlstm_checkpoints_learned_fields(tmp_path, capsys
     assert code == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["method"] == "kvpop" and row["options"]["scorer"] == "mlstm" and row["n"] == 1
+
+
+def test_kvlearn_eval_serves_a_state_in_budget_student_with_its_state_counted(tmp_path, capsys):
+    """An mLSTM student trained with its recurrent state counted in the budget (``state_in_budget``, Table 1's
+    rule) is evaluated so by ``kvlearn eval``: its top-k gives up ``ceil(state bytes / token bytes)`` slots, so the
+    stored keys and values are smaller than the same weights' without the flag by exactly those slots in every
+    layer and KV head (the budget's other tokens are all filled: the context is longer than the budget)."""
+    from kvlearn.cli import main
+    from kvlearn.kvpop.apply import state_budget_config
+    from kvlearn.methods import trained_options
+
+    model, _, _ = mlstm_harness_model(True)
+    store = {}
+    for flag in (True, False):
+        folder = tmp_path / f"state_{int(flag)}"
+        model.save_pretrained(folder)
+        record = json.loads((folder / "config.json").read_text())
+        record["kvpop"]["state_in_budget"] = flag  # as `kvlearn retrofit --state-in-budget` records it
+        (folder / "config.json").write_text(json.dumps(record))
+        assert trained_options("kvpop", folder)["state_in_budget"] is flag
+        out = tmp_path / f"rows_{int(flag)}.json"
+        assert main(["eval", "--model", str(folder), "--method", "kvpop", "--budget", "200", "--context", "256",
+                     "--tasks", "vt", "--n-per-task", "1", "--batch-size", "1", "--chunk-size", "64", "--device",
+                     "cpu", "--out", str(out)]) == 0
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["options"]["state_in_budget"] is flag
+        store[flag] = row["store_bytes"]
+    scorers, _ = kvpop_modules(model)
+    token_bytes = 2 * 64 * 4  # one token's float32 key and value (head_dim 64) in one KV head
+    full = KVpopConfig(sinks=4, window=32, topk=164, scorer="mlstm", state_in_budget=True)
+    slots = full.topk - state_budget_config(full, scorers[0], token_bytes).topk
+    assert slots >= 1
+    assert store[False] - store[True] == slots * token_bytes * 2 * 2  # 2 layers, 2 KV heads
 
 
 def test_kvlearn_eval_window_option(tmp_path, capsys):

@@ -24,7 +24,8 @@ def test_shipped_student_records_its_kvpop_config():
     assert (saved["sinks"], saved["window"], saved["topk"]) == (4, 256, 764)  # budget 1024
     assert saved["scorer"] == "mlp" and saved["target_reduction"] == "peak"
     assert trained_options("kvpop", STUDENT) == {"scorer": "mlp", "delayed_readout": True, "mlstm_skip": True, "decay_min": 0.999,
-                                                 "decay_max": 0.999999, "window": 256}  # mlstm_skip: unused by the MLP scorer
+                                                 "decay_max": 0.999999, "window": 256,
+                                                 "state_in_budget": False}  # mlstm_skip: unused by the MLP scorer
 
 
 def kvpop_logits(model, ids, budget):

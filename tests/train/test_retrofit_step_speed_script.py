@@ -2,6 +2,7 @@
 batch and writes the results file (provenance, one row per method with its parameters, steps and exact config, the
 ratios and the acceptance); bad input is a one-line error, never a traceback."""
 
+import gzip
 import json
 
 import pytest
@@ -19,6 +20,8 @@ def test_smoke_writes_every_row_and_the_summary(tmp_path, capsys):
     for name in ["distill_dense", *ALL.split(",")]:  # one profiled step per method, its operators by self time
         text = (tmp_path / "prof" / f"{name}.txt").read_text()
         assert text.startswith(f"# {name}: one step under the profiler") and "aten::" in text and "Self CPU" in text
+        with gzip.open(tmp_path / "prof" / f"{name}.trace.json.gz", "rt") as f:  # the step's timeline
+            assert any(e.get("name", "").startswith("aten::") for e in json.load(f)["traceEvents"])
         # and three steps under cProfile: the Python functions by own and cumulative time, the step's own among them
         host = (tmp_path / "host" / f"{name}.host.txt").read_text()
         assert host.startswith(f"# {name}: 3 steps under cProfile") and "Ordered by: internal time" in host

@@ -39,8 +39,11 @@ CONFIG_KEY = "kvpop"  # the entry of model.config
 # the entry of model.config naming the KV-Kaizen configuration a student was retrofitted under (kvlearn retrofit
 # --kv-bits, e.g. "b4 b4 share b4"): kaizen+kvpop serves it under that configuration (kvlearn.kaizen.compose)
 KV_CONFIGURATION_KEY = "kvpop_kv_configuration"
-# fields a trained checkpoint fixes for its evaluation (kvlearn.methods.trained_options); the budget's top-k is free
-TRAINED_FIELDS = ("scorer", "delayed_readout", "mlstm_skip", "decay_min", "decay_max", "window")
+# fields a trained checkpoint fixes for its evaluation (kvlearn.methods.trained_options); the budget's top-k is free.
+# state_in_budget: an mLSTM student trained with its recurrent state counted in the budget (fewer top-k slots) is
+# served so, its cache within the same bytes as a stateless scorer's (before 2026-12-04 `kvlearn eval` served such a
+# student with the full top-k plus its state: more bytes than its budget)
+TRAINED_FIELDS = ("scorer", "delayed_readout", "mlstm_skip", "decay_min", "decay_max", "window", "state_in_budget")
 
 # ----------------------------------------------------------------------------------------------------------------
 # model structure
