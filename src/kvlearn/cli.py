@@ -354,6 +354,7 @@ def cmd_retrofit(args) -> int:
                             lr_new=args.lr_new, lr_decay=args.lr_decay, warmup_steps=args.warmup_steps,
                             grad_clip=args.grad_clip, kd_topk=args.kd_topk, boundary_weight=args.boundary_weight,
                             dense_fraction=args.dense_fraction,
+                            family_weights=_kaizen_family_weights(args.family_weights),
                             save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                             num_workers=args.num_workers, method=args.method, **method_kw, **length)
     _threads(args.threads)
@@ -414,7 +415,7 @@ def parse_share_layers(text: str):
 
 
 def _kaizen_family_weights(text: str | None):
-    """``kaizen-train --family-weights 'a,b,c,d'`` -> a tuple of floats (``None`` when not given)."""
+    """``kaizen-train`` / ``retrofit --family-weights 'a,b,c,d'`` -> a tuple of floats (``None`` when not given)."""
     if text is None:
         return None
     try:
@@ -547,6 +548,9 @@ def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "c
     sp.add_argument("--dense-fraction", type=float, default=0.75,
                     help="share of training rows in the dense format (in-context Q/A pairs); the rest are in the "
                          "evaluation format, one supervised answer each")
+    sp.add_argument("--family-weights", default=None,
+                    help="sampling weights of the training rows' families, trace,niah,vt,recall (e.g. 2,1,1,1: twice "
+                         "the trace rows; default: uniform)")
     sp.add_argument("--save-interval", type=int, default=200, help="steps between checkpoints")
     sp.add_argument("--seed", type=int, default=0, help="random seed (data and sampling)")
     sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
@@ -762,9 +766,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--share-threshold", type=float, default=None,
                     help="with --share-layers auto: the largest increase of the distillation loss (nats per "
                          "supervised token) a shared layer may cost (default 0.05)")
-    sp.add_argument("--family-weights", default=None,
-                    help="sampling weights of the training rows' families, trace,niah,vt,recall (e.g. 2,1,1,1: twice "
-                         "the trace rows; default: uniform)")
     sp.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
                     help="the backbone's learning rate over the run: --lr throughout, or a cosine from --lr down to a "
                          "tenth of it (no warm-up)")

@@ -532,3 +532,53 @@ def test_dense_fraction_flag_reaches_both_trainers(teacher_path, tmp_path, monke
     assert cli.main([*kaizen, "--dense-fraction", "1.5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "dense_fraction=1.5 is invalid: expected True, False or a share of dense rows in [0, 1]" in err
+
+
+def test_family_weights_draw_the_retrofits_batches(teacher_path, tmp_path, monkeypatch, capsys):
+    """``family_weights`` (``kvlearn retrofit --family-weights``) set the family mixture of the retrofit's training
+    stream: with all weight on vt, the batches the loop trains on are the testbed's vt-only batches of the same seeds
+    (and not the uniform ones); a resume with other weights, weights of the wrong length and negative weights are
+    one-line errors naming the values; the flag reaches the config."""
+    from kvlearn import cli
+    from kvlearn.testbed.data import batch_examples
+    from kvlearn.testbed.tasks import FAMILIES
+    from kvlearn.train import distill as distill_module
+
+    weights = (0.0, 0.0, 1.0, 0.0)  # trace, niah, vt, recall
+    seen = []
+    real_step = distill_module.train_step
+
+    def recording_step(config, teacher, student, optimizer, input_ids, *rest, **kw):
+        seen.append(input_ids.clone())
+        return real_step(config, teacher, student, optimizer, input_ids, *rest, **kw)
+
+    monkeypatch.setattr(distill_module, "train_step", recording_step)
+    config = make_config(teacher_path, tmp_path / "w", steps=2, family_weights=list(weights))
+    assert config.family_weights == weights  # a tuple of floats
+    retrofit(config, progress=False)
+    assert len(seen) == 2
+    for b, ids in enumerate(seen):
+        seed = (config.seed << 40) | b  # the stream's batch seed
+        want, _ = training_batch(2, SEQ, seed, FAMILIES, list(weights), config.dense_fraction)
+        uniform, _ = training_batch(2, SEQ, seed, FAMILIES, None, config.dense_fraction)
+        assert torch.equal(ids, want) and not torch.equal(ids, uniform)
+        assert {e.family for e in batch_examples(2, SEQ, seed, FAMILIES, list(weights), config.dense_fraction)} == {"vt"}
+    # a resume must keep the mixture it was trained with
+    retrofit(make_config(teacher_path, tmp_path / "r", steps=4, family_weights=weights), stop_after=3, progress=False)
+    with pytest.raises(KVLearnError) as err:
+        retrofit(make_config(teacher_path, tmp_path / "r", steps=4, resume=True), progress=False)
+    assert "family_weights" in one_line(err) and "resume with the same settings" in one_line(err)
+    for bad in ((1.0, 1.0), (1.0, -1.0, 1.0, 1.0)):
+        with pytest.raises(KVLearnError) as err:
+            make_config(teacher_path, tmp_path / "x", family_weights=bad)
+        assert "weights=" in one_line(err) and "non-negative numbers with a positive sum" in one_line(err)
+    got = []
+    monkeypatch.setattr(distill_module, "retrofit", lambda c: got.append(c) or {"final": "f", "step": 0})
+    common = ["retrofit", "--model", teacher_path, "--seq-len", "128", "--device", "cpu", "--out", str(tmp_path / "c"),
+              "--budget", "52", "--window", "16"]
+    assert cli.main(common) == 0 and got[-1].family_weights is None
+    assert cli.main([*common, "--family-weights", "2,1,1,1"]) == 0 and got[-1].family_weights == (2.0, 1.0, 1.0, 1.0)
+    capsys.readouterr()
+    assert cli.main([*common, "--family-weights", "2,x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--family-weights '2,x'" in err

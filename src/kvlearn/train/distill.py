@@ -68,12 +68,12 @@ from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import BoundaryDecisions, boundary_decisions, sample_query_positions, stacked_teacher_policy
 from ..kvpop.train_attention import SHARE, TrainForward, use_train_attention
 from ..ops.quant import BITS as KV_BITS
-from ..testbed.data import IGNORE_INDEX, TestbedStream, dense_share, shard_rows
+from ..testbed.data import IGNORE_INDEX, TestbedStream, check_mixture, dense_share, shard_rows
 from ..hf import copy_tokenizer_files
 from ..lineage import write_teacher_record
 from . import parallel
 from .schedule import warmup_cosine
-from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
+from ..testbed.tasks import FAMILIES, MAX_LENGTH, MIN_LENGTH
 
 METHODS = ("kvpop", "streaming_plus", "dms")
 NEW_MODULES = {"kvpop": ".kvpop.", "streaming_plus": None, "dms": ".dms."}  # parameter-name marker of the new weights
@@ -126,6 +126,7 @@ class RetrofitConfig:
     queries_per_step: int = 64  # boundary-loss query positions per step (appendix B.6)
     late_fraction: float = 0.5
     dense_fraction: float = 0.75  # testbed rows with in-context Q/A pairs
+    family_weights: tuple[float, ...] | None = None  # sampling weights of (trace, niah, vt, recall); None: uniform
     save_interval: int = 200
     seed: int = 0
     device: str = "cpu"
@@ -178,6 +179,8 @@ class RetrofitConfig:
             check_non_negative(name, getattr(self, name))
         check(0 <= self.late_fraction <= 1, f"late_fraction={self.late_fraction!r} is invalid: expected a number in [0, 1]")
         check_int("queries_per_step", self.queries_per_step, 1)
+        if self.family_weights is not None:  # the stream's own check (one line naming the families)
+            self.family_weights = tuple(check_mixture(FAMILIES, tuple(self.family_weights))[1])
         check_trainer_fields(self)
         check_out_folder(self)
 
@@ -566,8 +569,8 @@ def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
     method_config = {"kvpop": config.kvpop, "streaming_plus": config.streaming, "dms": config.dms}[config.method]
     expected = {"method": config.method, _config_field(config.method): asdict(method_config), "steps": config.steps,
                 "minutes": config.minutes, "seq_len": config.seq_len, "batch_size": config.batch_size,
-                "seed": config.seed, "kv_bits": config.kv_bits}
-    trainer = read_trainer_state(path, expected, defaults={"method": "kvpop", "kv_bits": None})
+                "seed": config.seed, "kv_bits": config.kv_bits, "family_weights": config.family_weights}
+    trainer = read_trainer_state(path, expected, defaults={"method": "kvpop", "kv_bits": None, "family_weights": None})
     load_student_weights(path, student)
     return trainer
 
@@ -699,7 +702,7 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
         log_path.write_text("".join(ln + "\n" for ln in lines))
 
     stream = TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,
-                           dense=config.dense_fraction, start_batch=step, rows=rows)
+                           weights=config.family_weights, dense=config.dense_fraction, start_batch=step, rows=rows)
     batches = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
                                                pin_memory=device.type == "cuda"))
     from tqdm import tqdm
