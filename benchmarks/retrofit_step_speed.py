@@ -48,7 +48,9 @@ issues what follows, is found by where it is.
 
 ``--profile DIR``: after the timing, one more step of every method under ``torch.profiler`` (CUDA kernels on the GPU,
 CPU ops on the CPU), written as ``DIR/<method>.txt``: the operators sorted by their own device time (CPU time on the
-CPU), the 40 largest, and the step's total, and the step's timeline as ``DIR/<method>.trace.json.gz`` (Chrome trace
+CPU), the 40 largest, and the step's total (on CUDA also the row's ``device_busy_ms``, the kernels' summed time, and
+``device_busy_ratio`` against the distillation step's: the ratio where the GPU, not the host, bounds the step), and
+the step's timeline as ``DIR/<method>.trace.json.gz`` (Chrome trace
 format: where the GPU idles between kernels). It says where a retrofit step's time over the distillation step goes.
 
 ``--host-profile DIR``: three more steps of every method under :mod:`cProfile` (``DIR/<method>.host.txt``): where the
@@ -248,7 +250,9 @@ def run(args, tmp: Path, command: str) -> int:
             t.fields.update(sync_sites(t.call))
         results = save(partial=False)
     if args.profile:
-        profile_steps(timed, Path(args.profile), device)
+        for t, busy in zip(timed, profile_steps(timed, Path(args.profile), device)):
+            t.fields["device_busy_ms"] = busy
+        results = save(partial=False)
     if args.host_profile:
         host_profile_steps(timed, Path(args.host_profile), device)
     for row in results["rows"]:
@@ -283,16 +287,27 @@ def profile_file_stem(name: str) -> str:
     return name.replace("+", "__")
 
 
-def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 40) -> None:
+def device_busy_ms(events) -> float:
+    """The summed self time (ms) of a profile's device events (``key_averages()``: the kernels, as the table's
+    "Self CUDA time total" footer sums them): the time the GPU was busy, 0 without device events."""
+    device_types = {"CUDA", "PrivateUse1", "XPU", "MTIA"}
+    return sum(e.self_device_time_total for e in events
+               if e.device_type.name in device_types and not getattr(e, "is_user_annotation", False)) / 1e3
+
+
+def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 40) -> list[float | None]:
     """One step of each method under ``torch.profiler`` into ``folder/<name>.txt`` (:func:`profile_file_stem`): the
     step's wall time, then the
-    ``rows`` operators with the most self device time (self CPU time on the CPU)."""
+    ``rows`` operators with the most self device time (self CPU time on the CPU). Returns each step's device busy time
+    in ms (:func:`device_busy_ms`; None on the CPU), which ``summarize`` turns into ``device_busy_ratio``: the ratio a
+    step would approach where the GPU, not the host, bounds it (a larger model)."""
     from torch.profiler import ProfilerActivity, profile
 
     folder.mkdir(parents=True, exist_ok=True)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    busy = []
     for t in timed:
         if cuda:
             torch.cuda.synchronize()
@@ -302,7 +317,9 @@ def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 4
             if cuda:
                 torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
-        table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=90)
+        averages = prof.key_averages()
+        busy.append(device_busy_ms(averages) if cuda else None)
+        table = averages.table(sort_by=key, row_limit=rows, max_name_column_width=90)
         trace = folder / f"{profile_file_stem(t.name)}.trace.json"
         prof.export_chrome_trace(str(trace))  # the timeline (chrome://tracing, Perfetto): where the GPU idles
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
@@ -311,6 +328,7 @@ def profile_steps(timed: list, folder: Path, device: torch.device, rows: int = 4
         (folder / f"{profile_file_stem(t.name)}.txt").write_text(f"# {t.name}: one step under the profiler, {wall_ms:.1f} ms wall "
                                               f"(profiler overhead included); sorted by {key}\n{table}\n")
         print(f"profile of {t.name}: {folder / (profile_file_stem(t.name) + '.txt')}")
+    return busy
 
 
 def host_profile_steps(timed: list, folder: Path, device: torch.device, steps: int = 3, rows: int = 45) -> None:
@@ -361,8 +379,15 @@ def summarize(rows: list[dict]) -> dict:
                                    **{k: r[k] for k in ("ratio_to_reference_variant",) if k in r}}
     ratios = {f"{n}_over_{REFERENCE}": (ms[n] / ref if n in ms and ref else None) for n in METHODS[1:]
               if n in {r["name"] for r in rows} or n in DEFAULT_METHODS}
+    busy = {r["name"]: r["device_busy_ms"] for r in rows if r.get("device_busy_ms")}
+    for r in rows:  # --profile on CUDA: the same ratio on the GPU's busy time of one profiled step
+        if r["name"] in busy and busy.get(REFERENCE):
+            r["device_busy_ratio"] = busy[r["name"]] / busy[REFERENCE]
+    device_ratios = {n: r["device_busy_ratio"] for n, r in ((r["name"], r) for r in rows)
+                     if "device_busy_ratio" in r and n != REFERENCE}
     judged = ratios[f"{ACCEPTANCE_METHOD}_over_{REFERENCE}"]
     return {f"{REFERENCE}_ms": ref, **ratios, **({"variants": variants} if variants else {}),
+            **({"device_busy_ratio": device_ratios} if device_ratios else {}),
             "acceptance_method": ACCEPTANCE_METHOD,
             "acceptance": {"retrofit_step_le_1p5x_distill_step": None if judged is None else judged <= 1.5}}
 

@@ -156,3 +156,26 @@ def test_sync_sites_counts_the_sync_warnings_by_where_they_were_issued():
     with pytest.raises(RuntimeError):
         script.sync_sites(broken, set_mode=modes.append)
     assert modes[-2:] == ["warn", "default"]
+
+
+def test_device_busy_ratio_by_hand():
+    """``--profile`` on CUDA: each row's ``device_busy_ms`` (the summed self time of the device events, user
+    annotations and CPU events left out) and its ratio to the distillation step's, row by row and in the summary."""
+    from types import SimpleNamespace as NS
+
+    script = load_benchmark("retrofit_step_speed")
+
+    def event(kind, us, annotation=False):
+        return NS(device_type=NS(name=kind), self_device_time_total=us, is_user_annotation=annotation)
+
+    events = [event("CUDA", 1500.0), event("CUDA", 500.0), event("CPU", 9000.0), event("CUDA", 7000.0, True)]
+    assert script.device_busy_ms(events) == 2.0
+    rows = [{"name": "distill_dense", "ms": 50.0, "device_busy_ms": 40.0},
+            {"name": "retrofit_kvpop_mlp", "ms": 100.0, "device_busy_ms": 50.0},
+            {"name": "retrofit_kvpop_mlstm", "ms": 120.0}]  # not profiled: no device ratio
+    summary = script.summarize(rows)
+    assert rows[1]["device_busy_ratio"] == 1.25 and rows[0]["device_busy_ratio"] == 1.0
+    assert "device_busy_ratio" not in rows[2]
+    assert summary["device_busy_ratio"] == {"retrofit_kvpop_mlp": 1.25}
+    assert summary["retrofit_kvpop_mlp_over_distill_dense"] == 2.0
+    assert "device_busy_ratio" not in script.summarize([{"name": "distill_dense", "ms": 50.0}])
