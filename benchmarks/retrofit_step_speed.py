@@ -291,7 +291,10 @@ def device_busy_ms(events) -> float:
     """The summed self time (ms) of a profile's device events (``key_averages()``: the kernels, as the table's
     "Self CUDA time total" footer sums them): the time the GPU was busy, 0 without device events."""
     device_types = {"CUDA", "PrivateUse1", "XPU", "MTIA"}
-    return sum(e.self_device_time_total for e in events
+    def self_us(e) -> float:  # self_cuda_time_total: the name before torch's device-generic one
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    return sum(self_us(e) for e in events
                if e.device_type.name in device_types and not getattr(e, "is_user_annotation", False)) / 1e3
 
 
@@ -383,8 +386,8 @@ def summarize(rows: list[dict]) -> dict:
     for r in rows:  # --profile on CUDA: the same ratio on the GPU's busy time of one profiled step
         if r["name"] in busy and busy.get(REFERENCE):
             r["device_busy_ratio"] = busy[r["name"]] / busy[REFERENCE]
-    device_ratios = {n: r["device_busy_ratio"] for n, r in ((r["name"], r) for r in rows)
-                     if "device_busy_ratio" in r and n != REFERENCE}
+    device_ratios = {r["name"]: r["device_busy_ratio"] for r in rows
+                     if "device_busy_ratio" in r and r["name"] != REFERENCE}
     judged = ratios[f"{ACCEPTANCE_METHOD}_over_{REFERENCE}"]
     return {f"{REFERENCE}_ms": ref, **ratios, **({"variants": variants} if variants else {}),
             **({"device_busy_ratio": device_ratios} if device_ratios else {}),

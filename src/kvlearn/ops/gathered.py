@@ -118,7 +118,7 @@ def gathered_block_mask(
     With one query block per entry, the query-major tables the backward reads (``q_num_blocks``, ``q_indices`` and
     their full twins) are closed forms: key tile ``j`` is read by query block 0 iff it lies in its range. They are
     built here with a few tensor operations instead of ``BlockMask.from_kv_blocks``' general transpose (a vmapped
-    dense scatter whose host time was ~3 ms of every layer's training forward on the H200,
+    dense scatter whose host time was 2-4 ms of every layer's training forward,
     ``benchmarks/retrofit_step_speed.py --host-profile``); ``tests/ops/test_gathered.py`` checks both give the same
     tables.
     """
