@@ -117,7 +117,8 @@ def tile_types(bm):
 @pytest.mark.parametrize(
     "seed,B,Hkv,G,T,sinks,window,topk,block_size",
     [(0, 2, 2, 2, 100, 3, 8, 12, 16), (1, 1, 2, 3, 77, 0, 1, 5, 8), (2, 2, 1, 2, 64, 2, 100, 3, 16),
-     (3, 1, 2, 2, 90, 1, 4, 0, 16), (4, 1, 2, 2, 50, 2, 3, 200, 16), (5, 1, 2, 1, 129, 4, 8, 16, 32)],
+     (3, 1, 2, 2, 90, 1, 4, 0, 16), (4, 1, 2, 2, 50, 2, 3, 200, 16), (5, 1, 2, 1, 129, 4, 8, 16, 32),
+     (6, 2, 2, 2, 300, 4, 16, 40, 16)],
 )
 def test_gathered_block_mask_equals_create_block_mask(seed, B, Hkv, G, T, sinks, window, topk, block_size):
     ranks, cutoffs = random_inputs(seed, B, Hkv, T, sinks, window, topk, ties=seed % 2 == 0)
@@ -134,6 +135,17 @@ def test_gathered_block_mask_equals_create_block_mask(seed, B, Hkv, G, T, sinks,
     vis = (lay.key_pos[:, :, :, None, :] <= q) & (q < lay.key_end[:, :, :, None, :])  # [B, Hkv, nQ, BS, C]
     want = vis.transpose(1, 2).reshape(B * nQ, Hkv, block_size, C).repeat_interleave(G, dim=1)
     assert torch.equal(mask, want)
+    # the directly built query-major tables (the backward's) equal torch's general transpose of the key-major ones
+    general = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                       BLOCK_SIZE=block_size, mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices"):
+        got, ref_table = getattr(bm, name), getattr(general, name)
+        assert got.dtype == ref_table.dtype == torch.int32 and got.is_contiguous(), name
+        assert torch.equal(got, ref_table), name
+    assert bm.BLOCK_SIZE == general.BLOCK_SIZE and bm.seq_lengths == general.seq_lengths
+    if seed == 6:  # the long case has both kinds of tile
+        assert bool((bm.full_kv_num_blocks > 0).any()) and bool((bm.kv_num_blocks > 0).any())
 
 
 def test_gathered_bad_inputs_raise():
@@ -151,27 +163,3 @@ def test_gathered_bad_inputs_raise():
         gathered_block_mask(lay, 0)
     with pytest.raises(KVLearnError, match="seq_len=0"):
         gathered_capacity(0, 1, 2, 3)
-
-
-@pytest.mark.parametrize(
-    "seed,B,Hkv,G,T,sinks,window,topk,block_size",
-    [(0, 2, 2, 2, 100, 3, 8, 12, 16), (1, 1, 2, 3, 77, 0, 1, 5, 8), (2, 2, 1, 2, 64, 2, 100, 3, 16),
-     (3, 1, 2, 2, 90, 1, 4, 0, 16), (4, 1, 2, 2, 50, 2, 3, 200, 16), (6, 2, 2, 2, 300, 4, 16, 40, 16)],
-)
-def test_gathered_block_mask_tables_equal_from_kv_blocks(seed, B, Hkv, G, T, sinks, window, topk, block_size):
-    """The directly built query-major tables (the backward's) equal torch's general transpose of the key-major ones."""
-    ranks, cutoffs = random_inputs(seed, B, Hkv, T, sinks, window, topk, ties=seed % 2 == 1)
-    lay = gathered_layout(ranks, cutoffs, sinks, window, topk=topk, block_size=block_size)
-    bm = gathered_block_mask(lay, G)
-    ref = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-                                   BLOCK_SIZE=block_size, mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths)
-    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-             "full_q_num_blocks", "full_q_indices")
-    for name in names:
-        got, want = getattr(bm, name), getattr(ref, name)
-        assert got.dtype == want.dtype == torch.int32 and got.shape == want.shape, name
-        assert got.is_contiguous(), name
-        assert torch.equal(got, want), name
-    assert bm.BLOCK_SIZE == ref.BLOCK_SIZE and bm.seq_lengths == ref.seq_lengths
-    if seed == 6:  # the long case has both kinds of tile
-        assert bool((bm.full_kv_num_blocks > 0).any()) and bool((bm.kv_num_blocks > 0).any())
