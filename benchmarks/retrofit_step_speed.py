@@ -51,7 +51,8 @@ CPU ops on the CPU), written as ``DIR/<method>.txt``: the operators sorted by th
 CPU), the 40 largest, and the step's total (on CUDA also the row's ``device_busy_ms``, the kernels' summed time, and
 ``device_busy_ratio`` against the distillation step's: the ratio where the GPU, not the host, bounds the step), and
 the step's timeline as ``DIR/<method>.trace.json.gz`` (Chrome trace
-format: where the GPU idles between kernels). It says where a retrofit step's time over the distillation step goes.
+format: where the GPU idles between kernels; ``benchmarks/step_timeline_gaps.py`` charges each gap to the host operator
+that launched the kernel after it). It says where a retrofit step's time over the distillation step goes.
 
 ``--host-profile DIR``: three more steps of every method under :mod:`cProfile` (``DIR/<method>.host.txt``): where the
 host's time goes, for a step whose wall time exceeds its device time (launch-bound: the GPU idles while Python issues

@@ -8,7 +8,8 @@
 # stdout in $OUT/retrofit_step_speed.log and $OUT/retrofit_step_speed_0p6b.log; run 1 also profiles one step of each
 # method (profile/<method>.txt: the CUDA kernels by self time; profile/<method>.trace.json.gz: its timeline;
 # profile/<method>.host.txt: three steps under cProfile, --host-profile), all in $OUT/profile.tgz (the device tool
-# returns at most 8 files), and counts each step's host syncs by the line that
+# returns at most 8 files; each timeline's idle gaps printed by benchmarks/step_timeline_gaps.py), and counts each
+# step's host syncs by the line that
 # issued them (--sync-sites: the rows' host_syncs_per_step, host_sync_sites); each run under `timeout 200` (the
 # file is rewritten after every timed round, so a time-out keeps what it measured, marked "partial").
 # METHODS adds rows, e.g. METHODS=retrofit_kvpop_mlp,retrofit_kvpop_mlstm,retrofit_dms,retrofit_streaming_plus.
@@ -23,6 +24,9 @@ timeout 200 python3 benchmarks/retrofit_step_speed.py ${METHODS:+--methods "$MET
     --host-profile "$OUT/profile" \
     --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
 echo "teacher rc=$?"
+for trace in "$OUT"/profile/*.trace.json.gz; do  # where each step's GPU idles, by the host operator that was late
+    [ -e "$trace" ] && echo "== $(basename "$trace")" && python3 benchmarks/step_timeline_gaps.py "$trace" --top 8
+done
 tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -r "$OUT/profile"
 grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 12
 timeout 200 python3 benchmarks/retrofit_step_speed.py --shape qwen3-0.6b ${METHODS:+--methods "$METHODS"} \
