@@ -354,7 +354,7 @@ def cmd_retrofit(args) -> int:
                             lr_new=args.lr_new, lr_decay=args.lr_decay, warmup_steps=args.warmup_steps,
                             grad_clip=args.grad_clip, kd_topk=args.kd_topk, boundary_weight=args.boundary_weight,
                             dense_fraction=args.dense_fraction,
-                            family_weights=_kaizen_family_weights(args.family_weights),
+                            family_weights=_mixture_weights(args.family_weights),
                             save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                             num_workers=args.num_workers, method=args.method, **method_kw, **length)
     _threads(args.threads)
@@ -414,7 +414,7 @@ def parse_share_layers(text: str):
                            "indices >= 1, e.g. 6,7") from None
 
 
-def _kaizen_family_weights(text: str | None):
+def _mixture_weights(text: str | None):
     """``kaizen-train`` / ``retrofit --family-weights 'a,b,c,d'`` -> a tuple of floats (``None`` when not given)."""
     if text is None:
         return None
@@ -441,7 +441,7 @@ def cmd_kaizen_train(args) -> int:
                                underuse_weight=args.underuse_weight, budget_scope=args.budget_scope,
                                target_head=None if args.target_head is None else args.target_head == "1",
                                share_layers=parse_share_layers(args.share_layers),
-                               family_weights=_kaizen_family_weights(args.family_weights),
+                               family_weights=_mixture_weights(args.family_weights),
                                **({} if args.share_threshold is None else {"share_threshold": args.share_threshold}),
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)

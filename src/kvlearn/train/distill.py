@@ -179,8 +179,6 @@ class RetrofitConfig:
             check_non_negative(name, getattr(self, name))
         check(0 <= self.late_fraction <= 1, f"late_fraction={self.late_fraction!r} is invalid: expected a number in [0, 1]")
         check_int("queries_per_step", self.queries_per_step, 1)
-        if self.family_weights is not None:  # the stream's own check (one line naming the families)
-            self.family_weights = tuple(check_mixture(FAMILIES, tuple(self.family_weights))[1])
         check_trainer_fields(self)
         check_out_folder(self)
 
@@ -201,10 +199,13 @@ def check_out_folder(config) -> None:
 
 def check_trainer_fields(config) -> None:
     """The checks every distillation trainer's config shares (retrofit, kaizen-train): schedule and loop integers,
-    the share of dense-format rows (``dense_fraction``, made a float in [0, 1]), the device, and the model folder
-    against ``seq_len``; one-line errors."""
+    the share of dense-format rows (``dense_fraction``, made a float in [0, 1]), the family mixture
+    (``family_weights``: None, or one weight per testbed family, made a tuple of floats by the stream's own check),
+    the device, and the model folder against ``seq_len``; one-line errors."""
     check(0 <= config.min_lr_ratio <= 1, f"min_lr_ratio={config.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
     config.dense_fraction = dense_share(config.dense_fraction, "dense_fraction")
+    if config.family_weights is not None:
+        config.family_weights = tuple(check_mixture(FAMILIES, tuple(config.family_weights))[1])
     for name, low in (("warmup_steps", 0), ("kd_topk", 1), ("save_interval", 1), ("seed", 0), ("num_workers", 0)):
         check_int(name, getattr(config, name), low)
     check(config.device == "cpu" or config.device.startswith("cuda"),

@@ -79,8 +79,8 @@ from ..kaizen.budget import BudgetMultiplier
 from ..kaizen.share_sensitivity import DEFAULT_THRESHOLD, allowed_share_layers, calibration_rows, share_increases
 from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight_through
 from ..kaizen.sharing import KaizenTrainForward
-from ..testbed.data import IGNORE_INDEX, TestbedStream, check_mixture, shard_rows
-from ..testbed.tasks import FAMILIES, MAX_LENGTH, MIN_LENGTH
+from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
+from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 from . import parallel
 from .schedule import warmup_cosine
 from .distill import (FINAL, LOG_FILE, check_out_folder, check_trainer_fields, clear_run_outputs, kd_loss,
@@ -180,8 +180,6 @@ class KaizenTrainConfig:
               "(add depth to the axes, or leave share_layers out)")
         check_non_negative("share_threshold", self.share_threshold)
         check_int("share_rows", self.share_rows, 1)
-        if self.family_weights is not None:  # the stream's own check (one line naming the families)
-            self.family_weights = tuple(check_mixture(FAMILIES, tuple(self.family_weights))[1])
         check(self.lr_schedule in LR_SCHEDULES,
               f"lr_schedule={self.lr_schedule!r} is invalid: expected one of {', '.join(LR_SCHEDULES)}")
         check(self.penalty_cost in PENALTY_COSTS,
