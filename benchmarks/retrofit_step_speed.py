@@ -34,6 +34,8 @@ tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing me
   ``ratio_to_reference_variant``: the ratio to ``distill_dense+foreach_adamw``, the setting of the runs before);
 - ``bf16_mlstm_matmuls``: ``retrofit_kvpop_mlstm`` with ``KVpopConfig.mlstm_matmul_dtype="bfloat16"`` (bf16
   operands of the mLSTM chunk matmuls);
+- ``mlstm_cudagraphs``: ``retrofit_kvpop_mlstm`` with ``KVpopConfig.mlstm_compile_mode="reduce-overhead"`` (the
+  compiled mLSTM scorer's forward and backward replayed as CUDA graphs; on the CPU the scorer runs eagerly either way);
 - ``dms_score_mod``: ``retrofit_dms`` with ``DMSConfig.train_attention="flex"``, the penalty as a FlexAttention
   score_mod whose backward accumulates its gradient into a captured buffer (the CUDA default before 7fce8b6's
   measurement; the default ``"auto"`` is now the penalty as one more key channel, ``"flex_channel"``). On the CPU,
@@ -97,7 +99,7 @@ DEFAULT_METHODS = METHODS[:3]
 ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
 # --variants: name -> the methods it makes extra rows of
 VARIANTS = {"foreach_adamw": METHODS, "bf16_mlstm_matmuls": ("retrofit_kvpop_mlstm",),
-            "dms_score_mod": ("retrofit_dms",)}
+            "mlstm_cudagraphs": ("retrofit_kvpop_mlstm",), "dms_score_mod": ("retrofit_dms",)}
 # the defaults by model source: --model (None), --shape qwen3-0.6b, --smoke (tiny)
 DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), values))
             for source, values in ((None, (4096, 8, 1024, 256, 3, 10)), ("qwen3-0.6b", (8192, 1, 1024, 256, 3, 10)),
@@ -106,7 +108,7 @@ DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warm
 
 def method_config(name: str, args, model: str, out: str, device: str, variant: str | None = None) -> RetrofitConfig:
     """The retrofit config of method ``name`` (``distill_dense`` reads only its KD, clipping and ``lr`` fields)
-    under ``variant`` (``bf16_mlstm_matmuls`` and ``dms_score_mod`` change the config; ``foreach_adamw`` the
+    under ``variant`` (``bf16_mlstm_matmuls``, ``mlstm_cudagraphs`` and ``dms_score_mod`` change the config; ``foreach_adamw`` the
     optimizer only)."""
     s, w, b = args.sinks, args.window, args.budget
     if name == "retrofit_dms":
@@ -120,6 +122,8 @@ def method_config(name: str, args, model: str, out: str, device: str, variant: s
         kv = KVpopConfig(sinks=s, window=w, topk=b - s - w, scorer="mlstm" if name == "retrofit_kvpop_mlstm" else "mlp")
         if variant == "bf16_mlstm_matmuls":
             kv = replace(kv, mlstm_matmul_dtype="bfloat16")
+        elif variant == "mlstm_cudagraphs":
+            kv = replace(kv, mlstm_compile_mode="reduce-overhead")
         kw = dict(kvpop=kv)
     return RetrofitConfig(model=model, out=out, batch_size=args.batch_size, seq_len=args.seq_len, device=device,
                           seed=args.seed, **kw)

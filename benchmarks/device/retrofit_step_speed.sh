@@ -12,7 +12,8 @@
 # step's host syncs by the line that
 # issued them (--sync-sites: the rows' host_syncs_per_step, host_sync_sites); each run under `timeout 200` (the
 # file is rewritten after every timed round, so a time-out keeps what it measured, marked "partial").
-# METHODS adds rows, e.g. METHODS=retrofit_kvpop_mlp,retrofit_kvpop_mlstm,retrofit_dms,retrofit_streaming_plus.
+# METHODS adds rows, e.g. METHODS=retrofit_kvpop_mlp,retrofit_kvpop_mlstm,retrofit_dms,retrofit_streaming_plus;
+# VARIANTS adds variant rows to both runs (retrofit_step_speed.py --variants), e.g. VARIANTS=mlstm_cudagraphs.
 # Expected device time: about 3 minutes on one H200 (compiles included: flex attention and the mLSTM scorer).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/retrofit_step_speed.sh
 set -u
@@ -20,7 +21,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)') triton $(python3 -c 'import triton; print(triton.__version__)' 2>/dev/null || echo none)"
-timeout 200 python3 benchmarks/retrofit_step_speed.py ${METHODS:+--methods "$METHODS"} --sync-sites --profile "$OUT/profile" \
+timeout 200 python3 benchmarks/retrofit_step_speed.py ${METHODS:+--methods "$METHODS"} ${VARIANTS:+--variants "$VARIANTS"} --sync-sites --profile "$OUT/profile" \
     --host-profile "$OUT/profile" \
     --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
 echo "teacher rc=$?"
@@ -29,7 +30,7 @@ for trace in "$OUT"/profile/*.trace.json.gz; do  # where each step's GPU idles, 
 done
 tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -r "$OUT/profile"
 grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 12
-timeout 200 python3 benchmarks/retrofit_step_speed.py --shape qwen3-0.6b ${METHODS:+--methods "$METHODS"} \
+timeout 200 python3 benchmarks/retrofit_step_speed.py --shape qwen3-0.6b ${METHODS:+--methods "$METHODS"} ${VARIANTS:+--variants "$VARIANTS"} \
     --out "$OUT/retrofit_step_speed_0p6b_h200.json" > "$OUT/retrofit_step_speed_0p6b.log" 2>&1
 echo "qwen3-0.6b shape rc=$?"
 grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed_0p6b.log" | tail -n 12

@@ -320,7 +320,9 @@ def cmd_retrofit(args) -> int:
           f"--method {args.method!r} is unknown: expected one of {', '.join(RETROFIT_METHODS)}")
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
     mlstm_only = [f"{flag} {value}" for flag, value in (("--mlstm-skip", args.mlstm_skip), ("--readout", args.readout),
-                                                      ("--state-in-budget", args.state_in_budget)) if value is not None]
+                                                      ("--state-in-budget", args.state_in_budget),
+                                                      ("--mlstm-compile-mode", args.mlstm_compile_mode))
+                  if value is not None]
     check(not mlstm_only or (args.method == "kvpop" and args.scorer == "mlstm"),
           f"{', '.join(mlstm_only)}: options of the mLSTM scorer, given with --method {args.method} --scorer "
           f"{args.scorer}: expected --method kvpop --scorer mlstm")
@@ -365,13 +367,14 @@ def cmd_retrofit(args) -> int:
 
 
 def _target_options(args) -> dict:
-    """The KVpop target, mLSTM-skip, readout and state-in-budget options given on the retrofit command line (the
+    """The KVpop target, mLSTM-skip, readout, state-in-budget and compile-mode options given on the retrofit command line (the
     rest keep KVpopConfig's defaults)."""
     given = {"target_aggregation": args.target_aggregation, "target_reduction": args.target_reduction,
              "target_count_normalize": None if args.target_count_normalize is None else args.target_count_normalize == "1",
              "mlstm_skip": None if args.mlstm_skip is None else args.mlstm_skip == "1",
              "delayed_readout": None if args.readout is None else args.readout == "delayed",
-             "state_in_budget": None if args.state_in_budget is None else args.state_in_budget == "1"}
+             "state_in_budget": None if args.state_in_budget is None else args.state_in_budget == "1",
+             "mlstm_compile_mode": args.mlstm_compile_mode}
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -691,6 +694,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
                          "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "
                          "KVpopConfig's, 0)")
+    sp.add_argument("--mlstm-compile-mode", default=None, choices=("default", "reduce-overhead"),
+                    help="kvpop, --scorer mlstm, CUDA: how the compiled scorer's training forward and backward launch: "
+                         "kernel by kernel (default) or replayed as CUDA graphs (reduce-overhead; docs/DESIGN.md "
+                         "section 5, 'Launch overhead') (default: KVpopConfig's, default)")
     sp.add_argument("--decay-init", type=float, default=None,
                     help="kvpop: every head's initial decay gamma, in (0.999, 0.999999) (default: the log-midpoint, 0.9995)")
     sp.add_argument("--lr-decay", type=float, default=1e-2,

@@ -104,6 +104,8 @@ class KVpopConfig:
     ``context`` (optional) is the evaluation context; when given, the budget must be below it (else nothing is
     compressed). ``mlstm_matmul_dtype`` (``"float32"`` default, ``"tf32"``, ``"bfloat16"``) is the operand precision
     of the mLSTM scorer's chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`); not a learned field.
+    ``mlstm_compile_mode`` (``"default"``, ``"reduce-overhead"``: CUDA graphs) is how the mLSTM scorer's compiled
+    training forward is launched (:class:`kvlearn.kvpop.scorers.MLSTMScorer` ``compile_mode``); not a learned field.
     ``mlstm_skip`` (default True): the mLSTM scorer's skip connection from the scored token to the score (the
     paper's appendix E.5 variant; :class:`kvlearn.kvpop.scorers.MLSTMScorer` ``skip``; ``docs/DESIGN.md`` section 5, "The skip connection"); a
     learned field. Records written before it existed were built without it: read them with :meth:`from_record`.
@@ -126,6 +128,7 @@ class KVpopConfig:
     mlstm_skip: bool = True
     state_in_budget: bool = False
     mlstm_matmul_dtype: str = "float32"
+    mlstm_compile_mode: str = "default"
     target_eps: float = 1e-6
     target_aggregation: str = "max"
     target_count_normalize: bool = True
@@ -143,6 +146,7 @@ class KVpopConfig:
     # existed: mlstm_skip came with its default True, so an older record means the scorer without the skip
     RECORD_DEFAULTS = {"mlstm_skip": False}
     MATMUL_DTYPES = ("float32", "tf32", "bfloat16")  # = kvlearn.ops.mlstm.MATMUL_DTYPES
+    COMPILE_MODES = ("default", "reduce-overhead")  # = kvlearn.kvpop.scorers.COMPILE_MODES
     AGGREGATIONS = ("max", "mean")
     REDUCTIONS = ("mass", "peak")  # = kvlearn.ops.future_target.REDUCTIONS
 
@@ -179,6 +183,11 @@ class KVpopConfig:
               f"state_in_budget={self.state_in_budget!r} is invalid: expected True or False")
         check(isinstance(self.mlstm_matmul_dtype, str) and self.mlstm_matmul_dtype in self.MATMUL_DTYPES,
               f"mlstm_matmul_dtype={self.mlstm_matmul_dtype!r} is unknown: expected one of {', '.join(self.MATMUL_DTYPES)}")
+        check(isinstance(self.mlstm_compile_mode, str) and self.mlstm_compile_mode in self.COMPILE_MODES,
+              f"mlstm_compile_mode={self.mlstm_compile_mode!r} is unknown: expected one of {', '.join(self.COMPILE_MODES)}")
+        check(self.mlstm_compile_mode == "default" or self.mlstm_matmul_dtype != "tf32",
+              f"mlstm_compile_mode={self.mlstm_compile_mode!r} with mlstm_matmul_dtype='tf32' is not supported: "
+              "expected mlstm_compile_mode='default', or mlstm_matmul_dtype 'float32' or 'bfloat16'")
         check(
             self.target_aggregation in self.AGGREGATIONS,
             f"target_aggregation={self.target_aggregation!r} is unknown: expected one of {', '.join(self.AGGREGATIONS)}",

@@ -453,7 +453,7 @@ def test_scorer_with_compile_runs_the_compiled_function(monkeypatch):
     eager = _mlstm(window=4, seed=13, chunk_size=8, compile=False)
     k, v = _kv(14, t=30)
     r = s(k, v)
-    assert "aot_eager" in scorers_mod._COMPILED
+    assert ("aot_eager", "default") in scorers_mod._COMPILED
     torch.testing.assert_close(r, eager(k, v), rtol=1e-5, atol=1e-5)
     r.square().sum().backward()
     eager(k, v).square().sum().backward()
@@ -509,6 +509,56 @@ def test_compiled_scorer_on_cuda_equals_eager(chunk, skip):
         assert ((a.grad - b.grad).abs().max() / b.grad.abs().max()).item() < 1e-4, name
 
 
+def test_compile_mode_is_validated_and_reaches_the_scorer():
+    """``compile_mode`` / ``KVpopConfig.mlstm_compile_mode``: one of ``COMPILE_MODES``, not with TF32 matmuls; the
+    config's value is the built scorer's; on the CPU (no compiled path) both modes give the eager scores."""
+    from kvlearn.config import KVpopConfig
+    from kvlearn.kvpop.modules import KVpopModules
+
+    with pytest.raises(KVLearnError, match="compile_mode='max' is unknown: expected one of default, reduce-overhead"):
+        MLSTMScorer(2, 8, window=5, compile_mode="max")
+    with pytest.raises(KVLearnError, match="with matmul_dtype='tf32' is not supported"):
+        MLSTMScorer(2, 8, window=5, compile_mode="reduce-overhead", matmul_dtype="tf32")
+    with pytest.raises(KVLearnError, match="mlstm_compile_mode='graphs' is unknown"):
+        KVpopConfig(mlstm_compile_mode="graphs")
+    with pytest.raises(KVLearnError, match="mlstm_compile_mode='reduce-overhead' with mlstm_matmul_dtype='tf32'"):
+        KVpopConfig(mlstm_compile_mode="reduce-overhead", mlstm_matmul_dtype="tf32")
+    mods = KVpopModules(KVpopConfig(window=5, topk=8, mlstm_compile_mode="reduce-overhead"), 2, 8)
+    assert mods.scorer.compile_mode == "reduce-overhead"
+    plain = MLSTMScorer(2, 8, window=5, skip=True)
+    plain.load_state_dict(mods.scorer.state_dict())
+    k, v = _kv(3, t=30)
+    torch.testing.assert_close(mods.scorer(k, v), plain(k, v), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_cudagraph_scorer_on_cuda_equals_default_compile_over_updates():
+    """``compile_mode="reduce-overhead"`` (CUDA graphs, static buffers reused on every replay) against the default
+    compile, through four training iterations: each call's scores and every parameter's gradient equal, and the
+    parameters updated in place between calls (what the optimizer does), so a replay that read stale weights or
+    returned a buffer the next replay overwrote would differ from the reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    ref = _mlstm(h=4, d=32, window=64, seed=29, chunk_size=64, skip=True).cuda()
+    graphs = MLSTMScorer(4, 32, window=64, chunk_size=64, skip=True, compile_mode="reduce-overhead").cuda()
+    graphs.load_state_dict(ref.state_dict())
+    for it in range(4):
+        k, v = (x.cuda() for x in _kv(40 + it, b=2, h=4, t=1024, d=32, dtype=torch.bfloat16))
+        outs = []
+        for s in (ref, graphs):
+            r = s(k, v)
+            (r.square().mean() + r[..., :100].mean()).backward()
+            outs.append((r.detach().clone(), [p.grad.clone() for p in s.parameters()]))
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+        for (name, _), a, b in zip(ref.named_parameters(), outs[1][1], outs[0][1]):
+            assert ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item() < 1e-4, (it, name)
+        with torch.no_grad():
+            for s in (ref, graphs):
+                for p in s.parameters():
+                    p.sub_(0.05 * p.grad.sign())
+                    p.grad = None
+
+
 # matmul_dtype of the mLSTM chunk matmuls (bounds measured in tests/ops/test_mlstm.py)
 
 
@@ -560,8 +610,8 @@ def test_scorer_tf32_scope_covers_compiled_forward_and_backward(monkeypatch):
 
     real = scorers_mod._compiled_scores
 
-    def spied(backend="inductor"):
-        fn = real(backend)
+    def spied(backend="inductor", mode="default"):
+        fn = real(backend, mode)
 
         def run(*a):
             out = fn(*a)

@@ -234,4 +234,18 @@ def test_mlstm_options_with_another_scorer_are_one_line(teacher_path, tmp_path, 
         "--scorer mlp: expected --method kvpop --scorer mlstm" in err, err
     assert cli_retrofit(teacher_path, tmp_path / "b", "dms", "--state-in-budget", "1") == 2
     assert "--state-in-budget 1: options of the mLSTM scorer, given with --method dms" in capsys.readouterr().err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert cli_retrofit(teacher_path, tmp_path / "c", "kvpop", "--mlstm-compile-mode", "reduce-overhead") == 2
+    assert "--mlstm-compile-mode reduce-overhead: options of the mLSTM scorer, given with --method kvpop --scorer mlp" \
+        in capsys.readouterr().err
+    assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_mlstm_compile_mode_reaches_the_saved_config_and_the_scorer(teacher_path, tmp_path):
+    """``--mlstm-compile-mode reduce-overhead`` is saved with the checkpoint and built into the loaded scorer (on the
+    CPU the scorer runs eagerly whatever the mode, so the run itself is the default's)."""
+    assert cli_retrofit(teacher_path, tmp_path / "a", "kvpop", "--scorer", "mlstm", "--mlstm-compile-mode",
+                        "reduce-overhead") == 0
+    saved = json.loads((tmp_path / "a" / "final" / "config.json").read_text())["kvpop"]
+    assert saved["mlstm_compile_mode"] == "reduce-overhead"
+    scorer = kvlearn.kvpop.apply.kvpop_modules(kvlearn.load(tmp_path / "a" / "final"))[0][0]
+    assert scorer.compile_mode == "reduce-overhead"

@@ -56,17 +56,22 @@ def test_smoke_writes_every_row_and_the_summary(tmp_path, capsys):
 
 def test_smoke_variants_are_extra_rows(tmp_path):
     """``--variants``: after the default rows, ``<method>+foreach_adamw`` of every method (AdamW not fused: on the
-    CPU neither is any row) and ``retrofit_kvpop_mlstm+bf16_mlstm_matmuls`` (the config's bf16 mLSTM operands);
+    CPU neither is any row), ``retrofit_kvpop_mlstm+bf16_mlstm_matmuls`` (the config's bf16 mLSTM operands) and
+    ``retrofit_kvpop_mlstm+mlstm_cudagraphs`` (the config's CUDA-graph compile mode);
     every variant row's ratio to the default reference, and to the reference's own variant where it has one."""
     script = load_benchmark("retrofit_step_speed")
     out = tmp_path / "variants.json"
-    assert script.main(["--smoke", "--variants", "foreach_adamw,bf16_mlstm_matmuls,foreach_adamw",
+    assert script.main(["--smoke", "--variants", "foreach_adamw,bf16_mlstm_matmuls,foreach_adamw,mlstm_cudagraphs",
                         "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["variants"] == ["foreach_adamw", "bf16_mlstm_matmuls"]
+    assert data["variants"] == ["foreach_adamw", "bf16_mlstm_matmuls", "mlstm_cudagraphs"]
     rows = {r["name"]: r for r in data["rows"]}
     base = ["distill_dense", "retrofit_kvpop_mlp", "retrofit_kvpop_mlstm"]
-    assert list(rows) == [*base, *(f"{m}+foreach_adamw" for m in base), "retrofit_kvpop_mlstm+bf16_mlstm_matmuls"]
+    assert list(rows) == [*base, *(f"{m}+foreach_adamw" for m in base), "retrofit_kvpop_mlstm+bf16_mlstm_matmuls",
+                          "retrofit_kvpop_mlstm+mlstm_cudagraphs"]
+    graphs = rows["retrofit_kvpop_mlstm+mlstm_cudagraphs"]["kvpop"]
+    assert graphs["mlstm_compile_mode"] == "reduce-overhead" and graphs["mlstm_matmul_dtype"] == "float32"
+    assert rows["retrofit_kvpop_mlstm"]["kvpop"]["mlstm_compile_mode"] == "default"
     ref = rows["distill_dense"]["ms"]
     for name, r in rows.items():
         assert "error" not in r and r["steps_timed"] == 2 and r["adamw_fused"] is False, name

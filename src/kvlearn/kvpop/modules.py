@@ -29,7 +29,7 @@ class KVpopModules(nn.Module):
         else:
             self.scorer = MLSTMScorer(num_kv_heads, head_dim, window=config.window,
                                       delayed_readout=config.delayed_readout, matmul_dtype=config.mlstm_matmul_dtype,
-                                      skip=config.mlstm_skip)
+                                      skip=config.mlstm_skip, compile_mode=config.mlstm_compile_mode)
         self.decay = LearnedDecay(num_kv_heads, config.decay_min, config.decay_max, config.decay_init)
         self.scorer_kind = config.scorer
 

@@ -386,19 +386,24 @@ def mlstm_continue_scores(
     return scores, past_scores, state
 
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple[str, str], Callable] = {}
+# torch.compile modes MLSTMScorer(compile_mode=...) takes: "default" (kernels fused, launched one by one) or
+# "reduce-overhead" (the same kernels replayed as CUDA graphs: one launch per compiled forward / backward)
+COMPILE_MODES = ("default", "reduce-overhead")
 _COMPILE_DEVICES = ("cuda",)  # device types on which MLSTMScorer(compile=True) runs the compiled function
 _COMPILE_BACKEND = "inductor"
 
 
-def _compiled_scores(backend: str = "inductor") -> Callable:
-    """``torch.compile(mlstm_scores, dynamic=False)``, created on first use (one per backend).
+def _compiled_scores(backend: str = "inductor", mode: str = "default") -> Callable:
+    """``torch.compile(mlstm_scores, dynamic=False, mode=mode)``, created on first use (one per backend and mode).
 
     ``dynamic=False``: one graph per input shape (sequence length, chunk count) and per set of Python constants
-    (readout delay, chunk size, ...); a training run with a fixed sequence length compiles once."""
-    fn = _COMPILED.get(backend)
+    (readout delay, chunk size, ...); a training run with a fixed sequence length compiles once. ``mode`` is one of
+    :data:`COMPILE_MODES` (``"reduce-overhead"``: CUDA graphs, ``docs/DESIGN.md`` section 5, "Launch overhead")."""
+    fn = _COMPILED.get((backend, mode))
     if fn is None:
-        fn = _COMPILED[backend] = torch.compile(mlstm_scores, dynamic=False, backend=backend)
+        fn = _COMPILED[(backend, mode)] = torch.compile(mlstm_scores, dynamic=False, backend=backend,
+                                                        **({} if mode == "default" else {"mode": mode}))
     return fn
 
 
@@ -471,7 +476,9 @@ class MLSTMScorer(KVScorer):
     ``torch.compile(dynamic=False)`` when the inputs are on CUDA and autograd is on (training; the first call per
     input shape compiles); without autograd (``no_grad``/``inference_mode``), on other devices and with
     ``compile=False`` it runs eagerly. Both run the same code (same results to float32 rounding); ``step`` is
-    always eager.
+    always eager. ``compile_mode`` (:data:`COMPILE_MODES`): ``"default"`` launches the compiled kernels one by one,
+    ``"reduce-overhead"`` replays them as CUDA graphs (torch's cudagraph trees; not with ``matmul_dtype="tf32"``):
+    the training step is launch-bound, and the compiled scorer is most of the launches KVpop adds.
 
     ``matmul_dtype`` (``"float32"`` default, ``"tf32"``, ``"bfloat16"``): operand precision of the mLSTM's chunk
     matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`; gates and stabiliser stay float32). With ``"tf32"`` on the
@@ -494,6 +501,7 @@ class MLSTMScorer(KVScorer):
         compile: bool = True,
         matmul_dtype: str = "float32",
         skip: bool = False,
+        compile_mode: str = "default",
         skip_hidden: int | None = None,
     ) -> None:
         super().__init__(num_kv_heads, head_dim)
@@ -508,6 +516,12 @@ class MLSTMScorer(KVScorer):
         check(isinstance(compile, bool), f"compile={compile!r} is invalid: expected True or False")
         check(isinstance(skip, bool), f"skip={skip!r} is invalid: expected True or False")
         check_matmul_dtype(matmul_dtype)
+        check(compile_mode in COMPILE_MODES,
+              f"compile_mode={compile_mode!r} is unknown: expected one of {', '.join(COMPILE_MODES)}")
+        check(compile_mode == "default" or matmul_dtype != "tf32",
+              f"compile_mode={compile_mode!r} with matmul_dtype='tf32' is not supported (the TF32 scope runs the "
+              "compiled backward inside its own autograd.Function): expected compile_mode='default', or matmul_dtype "
+              "'float32' or 'bfloat16'")
         value_dim = head_dim // 2 if value_dim is None else value_dim
         check_int("value_dim", value_dim, 1)
         check(
@@ -523,6 +537,7 @@ class MLSTMScorer(KVScorer):
         self.use_norm = use_norm
         self.chunk_size = chunk_size
         self.compile = compile
+        self.compile_mode = compile_mode
         self.matmul_dtype = matmul_dtype
         self.value_dim = value_dim
         self.gate_softcap = None if gate_softcap is None else float(gate_softcap)
@@ -560,7 +575,7 @@ class MLSTMScorer(KVScorer):
         return (
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, window={self.window}, "
             f"delayed_readout={self.delayed_readout}, use_norm={self.use_norm}, value_dim={self.value_dim}, "
-            f"gate_softcap={self.gate_softcap}, chunk_size={self.chunk_size}, compile={self.compile}, "
+            f"gate_softcap={self.gate_softcap}, chunk_size={self.chunk_size}, compile={self.compile}, compile_mode={self.compile_mode!r}, "
             f"matmul_dtype={self.matmul_dtype!r}, skip={self.skip}"
         )
 
@@ -589,7 +604,7 @@ class MLSTMScorer(KVScorer):
         # and backward); eager without autograd (prefill of prompts of many lengths: one compile per length would
         # cost more than it saves) and on other devices
         use_compiled = self.compile and torch.is_grad_enabled() and key.device.type in _COMPILE_DEVICES
-        fn = _compiled_scores(_COMPILE_BACKEND) if use_compiled else mlstm_scores
+        fn = _compiled_scores(_COMPILE_BACKEND, self.compile_mode) if use_compiled else mlstm_scores
         consts = (self.readout_delay, self.chunk_size, self.gate_softcap, self.eps, self.norm_eps, self.matmul_dtype)
         if use_compiled and self.matmul_dtype == "tf32":  # the TF32 scope around the compiled forward and backward
             scores, c, n, m = _TF32Scope.apply(lambda k, v, val, *p: fn(k, v, val, p, *consts), key, value, valid,
