@@ -352,7 +352,8 @@ def cmd_retrofit(args) -> int:
         method_kw["kv_bits"] = bits[0] if len(bits) == 1 else bits
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
-                            kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                            kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len,
+                            **({"lr": args.lr} if args.lr is not None else {}),
                             lr_new=args.lr_new, lr_decay=args.lr_decay, warmup_steps=args.warmup_steps,
                             grad_clip=args.grad_clip, kd_topk=args.kd_topk, boundary_weight=args.boundary_weight,
                             dense_fraction=args.dense_fraction,
@@ -437,7 +438,8 @@ def cmd_kaizen_train(args) -> int:
     axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
     config = KaizenTrainConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                                targets=targets, axes=axes, batch_size=args.batch_size, seq_len=args.seq_len,
-                               lr=args.lr, lr_schedule=args.lr_schedule, lr_new=args.lr_new,
+                               **({"lr": args.lr} if args.lr is not None else {}),
+                               lr_schedule=args.lr_schedule, lr_new=args.lr_new,
                                warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, kd_topk=args.kd_topk,
                                beta=args.beta, eta=args.eta, budget_cap=args.budget_cap,
                                dense_fraction=args.dense_fraction, penalty_cost=args.penalty_cost,
@@ -536,14 +538,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvlearn: error: {message.splitlines()[0]} (see: {self.prog} --help)\n")
 
 
-def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "constant") -> None:
+def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "constant", lr_default: str = "") -> None:
     """The options ``kvlearn retrofit`` and ``kvlearn kaizen-train`` share: length, batch, the two learning rates
-    (``existing`` weights at a constant rate, ``new`` ones warmed up), clipping, distillation, checkpoints, plumbing."""
+    (``existing`` weights at a constant rate, ``new`` ones warmed up), clipping, distillation, checkpoints, plumbing.
+    ``--lr`` defaults to None: the trainer's config holds the default (``lr_default`` names it in the help)."""
     sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
     sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
     sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     sp.add_argument("--seq-len", type=int, default=4096, help="tokens per training sequence (testbed examples)")
-    sp.add_argument("--lr", type=float, default=1e-5, help=f"learning rate of {existing} ({existing_schedule})")
+    sp.add_argument("--lr", type=float, default=None,
+                    help=f"learning rate of {existing} ({existing_schedule}; default: {lr_default})")
     sp.add_argument("--lr-new", type=float, default=1e-3, help=f"peak learning rate of {new}")
     sp.add_argument("--warmup-steps", type=int, default=100, help=f"warm-up steps of the learning rate of {new}")
     sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
@@ -717,7 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sinks", type=int, default=4, help="first tokens always kept")
     sp.add_argument("--window", type=int, default=256,
                     help="protected recent window of kvpop and dms (the KVpop paper's 256; streaming_plus: budget - sinks)")
-    add_trainer_options(sp, "the existing weights", "the new weights (KVpop, DMS gates)")
+    add_trainer_options(sp, "the existing weights", "the new weights (KVpop, DMS gates)",
+                        lr_default="RetrofitConfig's, 1e-4")
     sp.add_argument("--boundary-weight", type=float, default=1.0, help="weight of the boundary loss")
     sp.set_defaults(func=cmd_retrofit)
 
@@ -776,7 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
                     help="the backbone's learning rate over the run: --lr throughout, or a cosine from --lr down to a "
                          "tenth of it (no warm-up)")
-    add_trainer_options(sp, "the backbone", "the selector", "constant, or the peak of --lr-schedule cosine")
+    add_trainer_options(sp, "the backbone", "the selector", "constant, or the peak of --lr-schedule cosine",
+                        lr_default="KaizenTrainConfig's, 1e-5")
     sp.set_defaults(func=cmd_kaizen_train)
 
     sp = sub.add_parser("convert-mla", help="convert a GQA model to MLA (KV-Kaizen's rank axis), calibrated on testbed data")

@@ -249,3 +249,17 @@ def test_mlstm_compile_mode_reaches_the_saved_config_and_the_scorer(teacher_path
     assert saved["mlstm_compile_mode"] == "reduce-overhead"
     scorer = kvlearn.kvpop.apply.kvpop_modules(kvlearn.load(tmp_path / "a" / "final"))[0][0]
     assert scorer.compile_mode == "reduce-overhead"
+
+
+def test_lr_default_is_the_configs(teacher_path, tmp_path):
+    """Without ``--lr`` the run takes ``RetrofitConfig.lr`` (1e-4: the rate of Table 1's students), recorded in the
+    checkpoint's trainer state; ``--lr`` overrides it."""
+    from kvlearn.train.distill import STATE_FILE, RetrofitConfig
+
+    base = ["retrofit", "--model", teacher_path, "--method", "kvpop", "--budget", "48", "--window", "16", "--steps", "1",
+            "--batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu", "--save-interval", "1"]
+    assert RetrofitConfig.lr == 1e-4
+    for out, extra, want in (("a", [], 1e-4), ("b", ["--lr", "3e-5"], 3e-5)):
+        assert main([*base, "--out", str(tmp_path / out), *extra]) == 0
+        state = torch.load(tmp_path / out / "step-1" / STATE_FILE, map_location="cpu", weights_only=False)
+        assert state["config"]["lr"] == want
