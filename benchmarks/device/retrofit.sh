@@ -11,6 +11,10 @@
 # evaluate the student as it serves, `kvlearn eval --method kaizen+kvpop --target COMPOSE_TARGET` (the static
 # configuration at COMPOSE_TARGET x BUDGET / 4096 under its own eviction), instead of `--method kvpop`; rows in
 # $OUT/kaizen_kvpop_<tag>_<split>.json.
+# DECOMPOSE=1 (with COMPOSE_TARGET): the same student also under each part alone, on the eval split, so that the
+# composed rows are read against baselines of the same checkpoint: `dense` (its backbone), `kvpop --budget BUDGET`
+# (the eviction alone) and `kaizen_static --target COMPOSE_TARGET x BUDGET / 4096` (the representation alone); rows
+# in $OUT/decompose_<tag>_<method>.json (about 40 s each on the H200).
 # The evaluations run at the tables' batch 64 and prefill chunk 512 (kvpop_table.py, kaizen_table.py): at kvlearn
 # eval's defaults (8, 256) one split of the composed cache took 179 s on the H200 (7fce8b6), at 64 / 512 38 s.
 # Device time: MINUTES + ~1 minute of start-up + ~40 s of evaluation per split.
@@ -40,7 +44,16 @@ for split in eval heldout; do
     fi
     echo "eval $split rc=$?"
 done
-grep -E "^kvpop|^kaizen|^method" "$OUT/retrofit_$tag.log" | tail -n 12
+if [ -n "${COMPOSE_TARGET:-}" ] && [ "${DECOMPOSE:-0}" = 1 ]; then
+    rep=$(python3 -c "print(round($COMPOSE_TARGET * $BUDGET / 4096, 6))")
+    for part in "dense" "kvpop --budget $BUDGET" "kaizen_static --target $rep"; do
+        # shellcheck disable=SC2086
+        python3 -m kvlearn.cli eval --model "$RUN/final" --method $part --n-per-task "$N" --split eval --device cuda \
+            --batch-size 64 --chunk-size 512 --out "$OUT/decompose_${tag}_${part%% *}.json" >> "$OUT/retrofit_$tag.log" 2>&1
+        echo "decompose ${part%% *} rc=$?"
+    done
+fi
+grep -E "^kvpop|^kaizen|^dense|^method" "$OUT/retrofit_$tag.log" | tail -n 16
 python3 -c "
 import shutil, sys, torch, kvlearn
 src, dst = sys.argv[1], sys.argv[2]
