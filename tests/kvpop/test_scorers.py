@@ -515,6 +515,7 @@ def test_compile_mode_is_validated_and_reaches_the_scorer():
     from kvlearn.config import KVpopConfig
     from kvlearn.kvpop.modules import KVpopModules
 
+    assert KVpopConfig.COMPILE_MODES == scorers_mod.COMPILE_MODES  # the config's copy (config.py imports no scorer)
     with pytest.raises(KVLearnError, match="compile_mode='max' is unknown: expected one of default, reduce-overhead"):
         MLSTMScorer(2, 8, window=5, compile_mode="max")
     with pytest.raises(KVLearnError, match="with matmul_dtype='tf32' is not supported"):
