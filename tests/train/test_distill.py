@@ -582,3 +582,18 @@ def test_family_weights_draw_the_retrofits_batches(teacher_path, tmp_path, monke
     assert cli.main([*common, "--family-weights", "2,x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--family-weights '2,x'" in err
+
+
+def test_cuda_graph_scorer_under_several_processes_is_one_line(teacher_path, tmp_path, monkeypatch):
+    """``mlstm_compile_mode="reduce-overhead"`` is refused under FSDP (a world of 2 processes), before any output is
+    written, with a message naming the mode and the fix; one process, or the MLP scorer, takes it."""
+    from kvlearn.train import parallel
+
+    monkeypatch.setattr(parallel, "init_distributed", lambda device: parallel.DistInfo(0, 2, 0))
+    kv = KVpopConfig(**{**KV, "scorer": "mlstm", "mlstm_compile_mode": "reduce-overhead"})
+    with pytest.raises(KVLearnError) as err:
+        retrofit(make_config(teacher_path, tmp_path / "a", kvpop=kv))
+    assert "mlstm_compile_mode='reduce-overhead' with 2 processes (FSDP) is not supported" in one_line(err)
+    assert "expected mlstm_compile_mode='default'" in one_line(err) and not (tmp_path / "a").exists()
+    monkeypatch.setattr(parallel, "init_distributed", lambda device: parallel.DistInfo(0, 1, 0))
+    assert retrofit(make_config(teacher_path, tmp_path / "b", kvpop=kv, steps=1), progress=False)["step"] == 1

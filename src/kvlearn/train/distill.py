@@ -679,6 +679,11 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
     """Run the distillation; returns ``{"step", "final", "log"}`` (``final``: the final checkpoint folder, None when
     ``stop_after`` ended the run early: that simulates a killed run, for tests)."""
     d = parallel.init_distributed(config.device)
+    graphs = config.method == "kvpop" and config.kvpop.scorer == "mlstm" and config.kvpop.mlstm_compile_mode != "default"
+    check(d.world == 1 or not graphs,
+          f"mlstm_compile_mode={config.kvpop.mlstm_compile_mode!r} with {d.world} processes (FSDP) is not supported: "
+          "the scorer's CUDA graphs were measured on one process only; expected mlstm_compile_mode='default' "
+          "(--mlstm-compile-mode default) under torchrun")
     device = torch.device(f"cuda:{d.local_rank}" if d.world > 1 and config.device.startswith("cuda") else config.device)
     rows = shard_rows(config.batch_size, d.rank, d.world)  # one-line error unless batch_size % world == 0
     torch.manual_seed(config.seed)
