@@ -25,6 +25,9 @@
 # EXTRA_PARTS: more table processes beside the students' (ablations on the same students), ';'-separated
 # 'name|kvpop_table.py options', where {student} is that student's checkpoint folder, e.g.
 # 'mlstm_fullk|--student kvpop_fullk=kvpop:{kvpop} --state-in-budget 0 --baselines none --no-teacher'.
+# Table 1 of record (results/kvpop_table.json, CR 75% / 88%, session 22): RETROFIT_STEPS=1300 RETROFIT_ARGS='--lr 1e-4'
+# BASELINES=0 SPLIT_PARTS=1 TABLE_MINUTES=3 TABLE_ARGS='--budgets 1024,512', two students a call (STUDENTS='kvpop_mlp=kvpop
+# kvpop=kvpop', then 'streaming_plus=streaming_plus dms=dms'); the training-free rows come from eviction_baselines.sh.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_table.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
