@@ -64,6 +64,38 @@ def test_quantized_training_forward_equals_decoding_through_the_composed_cache(b
     assert sorted(quantized.records) == [l for l, b in enumerate(bits) if b != "share"]  # sharing layers score nothing
 
 
+@pytest.mark.parametrize("bits", [(4, 4, 4), (4, "share", 2)], ids=["b4", "b4-share-b2"])
+def test_mlstm_student_under_quantized_kv_decodes_as_it_trains_at_every_prefill_chunk(bits):
+    """Rule 4 for the mLSTM scorer with its delayed readout, float64: the composed cache reads a token back from its
+    (quantized) store when the token leaves the window, so the training forward's readout reads the stored form too
+    (``read_key``), and the cache reads a prefill chunk's own tokens in that form as well. The training forward's
+    logits equal prefill + decoding through the ``kaizen+kvpop`` cache at prefill chunks of 4, 16 and 64 (before,
+    the readout read full-precision tokens within a chunk and stored ones across chunks: the logits moved by ~0.2
+    with the chunk size and differed from training by as much)."""
+    from kvlearn.cache.prefill import prefill
+    from kvlearn.config import KVpopConfig
+
+    budget, context, n, prompt = 40, 256, 100, 60
+    model = tiny(11).to(torch.float64)
+    evict = KVpopConfig(sinks=2, window=8, topk=budget - 10, context=context, scorer="mlstm")
+    backbone = Backbone.from_config(model.config)
+    choice = KaizenConfig(backbone, tuple(LayerAction.shared() if b == "share" else LayerAction(b) for b in bits))
+    config = ComposedConfig(choice.compression(metadata=False) * context / budget, evict)
+    method = get_method("kaizen+kvpop")
+    method.prepare(model, config)
+    with_kvpop(model, evict)
+    ids = ids_of(2, n)
+    want, _ = training_logits(model, evict, ids, bits)
+    for chunk in (4, 16, 64):
+        cache = method.make_choice_cache(config, model, choice, 0)
+        with torch.no_grad():
+            got = [prefill(model, cache, ids[:, :prompt], chunk_size=chunk, dense=False)[:, None]]
+            got += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                    for t in range(prompt, n)]
+        torch.testing.assert_close(torch.cat(got, dim=1), want[:, prompt - 1:], atol=1e-10, rtol=1e-10,
+                                   msg=f"prefill chunk {chunk}")
+
+
 def test_quantized_attention_keeps_the_scorers_on_full_precision_keys_and_passes_gradients():
     """Layer 0's scores, ranks and cutoffs are those of the unquantized forward (its scorer reads the same
     full-precision keys); the backbone still gets gradients through the quantized attention (straight-through)."""

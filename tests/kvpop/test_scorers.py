@@ -509,6 +509,44 @@ def test_compiled_scorer_on_cuda_equals_eager(chunk, skip):
         assert ((a.grad - b.grad).abs().max() / b.grad.abs().max()).item() < 1e-4, name
 
 
+def test_readout_inputs_are_the_delayed_readouts_and_chunking_keeps_them():
+    """``read_key, read_value``: the delayed readout (query features and skip path) reads them, the memory is written
+    from ``key, value``. Against a hand-built reference: the scores equal those of a scorer whose every input is the
+    read form, except that the memory comes from the written form, which is checked by the state (equal to the
+    plain run's) and by the scores moving; chunked ``continue_prefill`` with the chunks' read forms equals the full
+    run; bad read inputs are one line."""
+    s = _mlstm(window=5, seed=31, chunk_size=8, skip=True)
+    k, v = _kv(32, t=60)
+    rk, rv = k.round(decimals=1), v.round(decimals=1)  # a coarser "stored form" of the same tokens
+    plain, st_plain = s._run(k, v)
+    read, st_read = s._run(k, v, None, rk, rv)
+    for a, b in zip(st_plain, st_read):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the memory is written from key/value alone
+    assert (read - plain).abs().max() > 1e-3
+    # reference: the readout of u at u + w is the plain readout of h_{u+w} with u's query features from the read form
+    w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_w, a, b, sw1, sb1, sw2 = s.score_params()
+    q_read = scorers_mod._project(scorers_mod._cat_kv(rk, rv), w_q, w_k, w_v, w_i, b_i, w_f, b_f, s.gate_softcap)[0]
+    for u in (0, 7, 30, 54):
+        _, st = s._run(k[:, :, :u + 6], v[:, :, :u + 6])  # the memory after token u + w
+        h = scorers_mod.mlstm_readout_unchecked(q_read[:, :, u:u + 1], *st, s.eps)
+        want = scorers_mod._score_head(h, a, b, norm_w, s.norm_eps)[..., 0] + scorers_mod._skip_score(
+            scorers_mod._cat_kv(rk, rv)[:, :, u], sw1, sb1, sw2)
+        torch.testing.assert_close(read[:, :, u], want, rtol=1e-5, atol=1e-5)
+    # chunked: the past tokens read back in their read form, the chunk's given
+    scores, past, state = s.continue_prefill(k[:, :, :23], v[:, :, :23], read_key=rk[:, :, :23], read_value=rv[:, :, :23])
+    scores2, past2, _ = s.continue_prefill(k[:, :, 23:], v[:, :, 23:], None, state, rk[:, :, 18:23], rv[:, :, 18:23],
+                                           rk[:, :, 23:], rv[:, :, 23:])
+    torch.testing.assert_close(past2, read[:, :, 18:23], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores2[:, :, :-5], read[:, :, 23:-5], rtol=1e-5, atol=1e-5)
+    with pytest.raises(KVLearnError, match="only one of read_key/read_value given"):
+        s(k, v, read_key=rk)
+    with pytest.raises(KVLearnError, match=r"read_key.shape=\(2, 2, 59, 8\) is invalid: expected the key's"):
+        s(k, v, read_key=rk[:, :, 1:], read_value=rv[:, :, 1:])
+    immediate = _mlstm(window=5, seed=31, chunk_size=8, delayed_readout=False)
+    with pytest.raises(KVLearnError, match="read_key/read_value given with delayed_readout=False"):
+        immediate(k, v, read_key=rk, read_value=rv)
+
+
 def test_compile_mode_is_validated_and_reaches_the_scorer():
     """``compile_mode`` / ``KVpopConfig.mlstm_compile_mode``: one of ``COMPILE_MODES``, not with TF32 matmuls; the
     config's value is the built scorer's; on the CPU (no compiled path) both modes give the eager scores."""

@@ -77,8 +77,11 @@ class KVpopPolicy(ScoredPolicy):
             past_key = past_value = None
             if self.delay > 0 and layer.seen > 0:
                 past_key, past_value, want, match = self._window_tokens(layer, step, valid)
+            # the delayed readout reads every token in its stored form: the past ones from the store, the chunk's
+            # as the store will hold them (so prefill chunking changes nothing; mlstm_scores, read_key)
+            read = layer.store.round_trip(key_states, value_states) if self.delay > 0 else (None, None)
             raw, past_raw, self.scorer_state = self.scorer.continue_prefill(
-                key_states, value_states, valid, self.scorer_state, past_key, past_value)
+                key_states, value_states, valid, self.scorer_state, past_key, past_value, *read)
             if past_key is not None:  # re-score the window tokens in their slots (each slot holds one position)
                 new = self._static(past_raw, want)  # [b, h, w]
                 hit = match.any(dim=2)  # [b, h, C]

@@ -281,6 +281,8 @@ def mlstm_scores(
     eps: float,
     norm_eps: float,
     matmul_dtype: str = "float32",
+    read_key: Tensor | None = None,
+    read_value: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The MLSTMScorer forward as one pure function (what ``torch.compile`` compiles; no validation).
 
@@ -290,10 +292,17 @@ def mlstm_scores(
     ``params = (w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight or None, a, b, skip_w1, skip_b1, skip_w2)`` (the last three
     None without the skip path); ``delay`` is the readout delay;
     ``matmul_dtype`` the operand precision of the mLSTM chunk matmuls (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`).
+    ``read_key, read_value`` (delayed readout; None: ``key, value``): the form of each token the *readout* reads (its
+    query features and skip path), where the memory is written from ``key, value``: a cache whose store quantizes
+    reads the delayed token back in its stored form (``Store.round_trip``), so a retrofit under quantized keys trains
+    the readout on that form (:mod:`kvlearn.kvpop.train_attention`).
     """
     w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b, skip_w1, skip_b1, skip_w2 = params
     x = _cat_kv(key, value)
     q, k, v, ig, fg = _project(x, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)
+    if delay > 0 and read_key is not None:  # the readout's query features and skip path from the stored form
+        x = _cat_kv(read_key, read_value)
+        q = _project(x, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)[0]
     if valid is not None:  # padding neither writes (input gate -> 0) nor decays (forget gate -> 1) the memory
         keep = valid[:, None, :].to(torch.bool)
         ig = torch.where(keep, ig, -1e4)
@@ -325,6 +334,8 @@ def mlstm_continue_scores(
     eps: float,
     norm_eps: float,
     matmul_dtype: str = "float32",
+    read_key: Tensor | None = None,
+    read_value: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, MLSTMState]:
     """Continue a sequence from ``state`` by the forward's tokens ``key, value [B,H,T,D]`` (validated).
 
@@ -339,12 +350,16 @@ def mlstm_continue_scores(
 
     Returns ``scores [B,H,T]`` of the forward's tokens (column order), ``past_scores [B,H,w]`` of the past tokens
     (final for ``j < n_real``, provisional after; None without the delayed readout) and the state after the
-    forward's last real token.
+    forward's last real token. ``read_key, read_value``: as in :func:`mlstm_scores`, the forward's tokens as the
+    readout reads them (``past_key, past_value`` are already read back from the store).
     """
     w_q, w_k, w_v, w_i, b_i, w_f, b_f, norm_weight, a, b, skip_w1, skip_b1, skip_w2 = params
     bsz, heads, t, _ = key.shape
     x = _cat_kv(key, value)
     q, k, v, ig, fg = _project(x, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)
+    if delay > 0 and read_key is not None:
+        x = _cat_kv(read_key, read_value)
+        q = _project(x, w_q, w_k, w_v, w_i, b_i, w_f, b_f, softcap)[0]
     if valid is None:
         valid = torch.ones(bsz, t, dtype=torch.bool, device=key.device)
     valid = valid.to(torch.bool)
@@ -594,8 +609,21 @@ class MLSTMScorer(KVScorer):
         return _score_head(h, self.a, self.b, self.norm_weight, self.norm_eps)
 
     # -- full sequence --------------------------------------------------------------------------------------
-    def _run(self, key: Tensor, value: Tensor, valid: Tensor | None = None) -> tuple[Tensor, MLSTMState]:
+    def _check_read(self, key: Tensor, read_key: Tensor | None, read_value: Tensor | None) -> None:
+        """``read_key, read_value`` (both or neither) shaped as ``key``: the readout's form of the same tokens."""
+        if read_key is None and read_value is None:
+            return
+        check(read_key is not None and read_value is not None, "only one of read_key/read_value given: expected both")
+        check(self.readout_delay > 0, "read_key/read_value given with delayed_readout=False: expected None (the "
+                                      "immediate readout reads each token as it arrives)")
+        self._check_kv(read_key, read_value, names=("read_key", "read_value"))
+        check(read_key.shape == key.shape, f"read_key.shape={tuple(read_key.shape)} is invalid: expected the key's "
+                                           f"{tuple(key.shape)} (the same tokens in the form the readout reads)")
+
+    def _run(self, key: Tensor, value: Tensor, valid: Tensor | None = None, read_key: Tensor | None = None,
+             read_value: Tensor | None = None) -> tuple[Tensor, MLSTMState]:
         self._check_kv(key, value)
+        self._check_read(key, read_key, read_value)
         if valid is not None:
             check(isinstance(valid, Tensor) and tuple(valid.shape) == (key.shape[0], key.shape[2]),
                   f"valid shape {tuple(getattr(valid, 'shape', ()))} is invalid: expected [batch, seq] = "
@@ -607,15 +635,18 @@ class MLSTMScorer(KVScorer):
         fn = _compiled_scores(_COMPILE_BACKEND, self.compile_mode) if use_compiled else mlstm_scores
         consts = (self.readout_delay, self.chunk_size, self.gate_softcap, self.eps, self.norm_eps, self.matmul_dtype)
         if use_compiled and self.matmul_dtype == "tf32":  # the TF32 scope around the compiled forward and backward
-            scores, c, n, m = _TF32Scope.apply(lambda k, v, val, *p: fn(k, v, val, p, *consts), key, value, valid,
-                                               *self.score_params())
+            scores, c, n, m = _TF32Scope.apply(lambda k, v, val, rk, rv, *p: fn(k, v, val, p, *consts, rk, rv), key,
+                                               value, valid, read_key, read_value, *self.score_params())
         else:
-            scores, c, n, m = fn(key, value, valid, self.score_params(), *consts)
+            scores, c, n, m = fn(key, value, valid, self.score_params(), *consts, read_key, read_value)
         return scores, MLSTMState(c, n, m)
 
-    def forward(self, key: Tensor, value: Tensor) -> Tensor:
-        """Scores ``[B, H, T]`` float32; with the delayed readout the last ``window`` are provisional."""
-        return self._run(key, value)[0]
+    def forward(self, key: Tensor, value: Tensor, read_key: Tensor | None = None,
+                read_value: Tensor | None = None) -> Tensor:
+        """Scores ``[B, H, T]`` float32; with the delayed readout the last ``window`` are provisional.
+        ``read_key, read_value`` (optional, shaped as ``key``): the tokens as the delayed readout reads them (their
+        stored form, :func:`mlstm_scores`); the memory is written from ``key, value``."""
+        return self._run(key, value, None, read_key, read_value)[0]
 
     def prefill(
         self, key: Tensor, value: Tensor, valid: Tensor | None = None, state: MLSTMState | None = None
@@ -644,6 +675,8 @@ class MLSTMScorer(KVScorer):
         state: MLSTMState | None = None,
         past_key: Tensor | None = None,
         past_value: Tensor | None = None,
+        read_key: Tensor | None = None,
+        read_value: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, MLSTMState]:
         """Continue a sequence by a chunk (chunked prefill): ``(scores [B,H,T], past_scores [B,H,w] | None, state)``.
 
@@ -654,6 +687,8 @@ class MLSTMScorer(KVScorer):
             state: the memory after the earlier tokens (``None``: empty).
             past_key, past_value: delayed readout only: ``[B, H, w, D]`` the ``w = window`` real tokens before the
                 chunk, oldest first (rows of zeros where a row has fewer earlier tokens; ``None``: none at all).
+            read_key, read_value: optional ``[B, H, T, D]``, the chunk's tokens as the delayed readout reads them
+                (the store's form, as ``past_key`` is; ``None``: ``key, value``).
 
         Returns:
             ``scores``: the chunk's scores (the last ``w`` real tokens' provisional, as in :meth:`prefill`);
@@ -663,6 +698,7 @@ class MLSTMScorer(KVScorer):
             from ``state`` (chunk boundaries change nothing but float32 rounding).
         """
         self._check_kv(key, value)
+        self._check_read(key, read_key, read_value)
         b, t = key.shape[0], key.shape[2]
         if valid is not None:
             check(isinstance(valid, Tensor) and tuple(valid.shape) == (b, t),
@@ -680,7 +716,7 @@ class MLSTMScorer(KVScorer):
                   f"with batch={b}, window={self.readout_delay}")
         return mlstm_continue_scores(key, value, valid, state, past_key, past_value, self.score_params(),
                                      self.readout_delay, self.chunk_size, self.gate_softcap, self.eps, self.norm_eps,
-                                     self.matmul_dtype)
+                                     self.matmul_dtype, read_key, read_value)
 
     # -- decoding -------------------------------------------------------------------------------------------
     @property

@@ -14,8 +14,9 @@ layer, with the forward's :class:`TrainForward` passed as the attention keyword 
 
 With ``kv_bits`` (per layer a bit-width or ``"share"``, :class:`TrainForward`), steps 4-5 read the layer's keys and values through
 the symmetric per-vector quantizer (:func:`kvlearn.ops.quant.fake_quantize`: forward the stored form, backward the
-identity), as the ``kaizen+kvpop`` cache stores and attends them at that precision; the scorer (step 1) still reads
-the full-precision keys and values, as that cache's scorer does. A student retrofitted so is served at that
+identity), as the ``kaizen+kvpop`` cache stores and attends them at that precision; the scorer (step 1) still writes
+its memory from (and a stateless scorer scores) the full-precision keys and values, as that cache's scorer does, while
+a delayed mLSTM readout reads each token in its stored form (``read_key``), as the cache reads it back from the store. A student retrofitted so is served at that
 precision under its own eviction (a KVpop student that never saw quantized keys loses most where composition
 needs it: docs/DESIGN.md section 8, "Composition with eviction"). A ``"share"`` layer keeps no cache: it runs no
 scorer, records nothing, and attends its own queries over its anchor's (the nearest earlier own layer's) quantized
@@ -141,14 +142,18 @@ def kvpop_train_attention(
         out, _ = sparse_retention_attention(query, a_key, a_value, a_ranks, a_cutoffs, cfg.sinks, cfg.window,
                                             scale=scaling, return_lse=False, topk=cfg.topk)
         return out.transpose(1, 2).contiguous(), None
+    bits = kvpop_train.bits_of(module.layer_idx)
+    stored = (fake_quantize(key, bits), fake_quantize(value, bits)) if bits < 16 else None
+    # a delayed stateful readout reads each token back from the store: at this precision, its stored form
+    read = {} if stored is None or getattr(kv.scorer, "readout_delay", 0) == 0 else \
+        {"read_key": stored[0].detach(), "read_value": stored[1].detach()}
     with torch.autocast(device_type=key.device.type, enabled=False):  # rule 5: scores and rankings in float32
-        raw = kv.scorer(key.detach(), value.detach())  # [B, Hkv, T]; detached: no gradient into the backbone
+        raw = kv.scorer(key.detach(), value.detach(), **read)  # [B, Hkv, T]; detached: no gradient into the backbone
         log_gamma = kv.decay()  # [Hkv]
         priorities = static_priorities(raw, log_gamma)
     ranks, cutoffs = running_topk_cutoff(priorities.detach(), cfg.sinks, cfg.window, cfg.topk)
-    bits = kvpop_train.bits_of(module.layer_idx)
-    if bits < 16:  # the stored form the cache attends at this precision; straight-through gradients
-        key, value = fake_quantize(key, bits), fake_quantize(value, bits)
+    if stored is not None:  # the stored form the cache attends at this precision; straight-through gradients
+        key, value = stored
     if kvpop_train.keeps_anchor(module.layer_idx):
         kvpop_train.anchors[module.layer_idx] = (key, value, ranks, cutoffs)
     out, lse = sparse_retention_attention(query, key, value, ranks, cutoffs, cfg.sinks, cfg.window, scale=scaling,
