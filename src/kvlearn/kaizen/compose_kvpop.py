@@ -7,8 +7,9 @@ Each own layer runs a :class:`~kvlearn.kvpop.cache.KVpopPolicy` (that layer's sc
 anchor's scorer decides for the group (the sharing layers' scorers are unused). The scorer reads the keys and values
 the layer receives (full precision), except the delayed mLSTM readout, which reads every token in its stored form:
 the window's tokens back from the store, a prefill chunk's own tokens through ``Store.round_trip`` (so the chunk size
-changes nothing; the retrofit under ``--kv-bits`` trains the readout on the same form). A trained KVpop checkpoint fixes the scorer fields (``TRAINED_FIELDS``, read from
-``config.json["kvpop"]``). Protocols: ``bounded`` and ``context``.
+changes nothing; the retrofit under ``--kv-bits`` trains the readout on the same form). A trained KVpop checkpoint
+fixes the scorer fields (``TRAINED_FIELDS``, read from ``config.json["kvpop"]``). Protocols: ``bounded`` and
+``context``.
 """
 
 from __future__ import annotations
