@@ -692,7 +692,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop: attend keys and values quantized to these bits (2, 4, 8 or 16; one, or a comma list of one "
                          "per layer, where a later layer may be 'share': it reads the nearest earlier layer's keys and "
                          "values under that layer's retention) with straight-through gradients, the scorers reading "
-                         "them in full precision, so that the student serves under kaizen+kvpop in that configuration "
+                         "them in full precision (a delayed mLSTM readout: their stored form, as the cache), so that the student serves under kaizen+kvpop in that configuration "
                          "(default: unquantized)")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
