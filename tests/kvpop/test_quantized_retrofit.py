@@ -31,6 +31,19 @@ def training_logits(model, config, ids, kv_bits):
     return logits, state
 
 
+def composed_student(bits, evict, dtype, n=100):
+    """A tiny model under ``evict`` (KVpop, random scorers) in the ``kaizen+kvpop`` configuration ``bits`` (per layer
+    a width or ``"share"``): ``(model, evict, new_cache, ids [2, n])``, ``new_cache()`` a fresh composed cache."""
+    model = tiny(11).to(dtype)
+    backbone = Backbone.from_config(model.config)
+    choice = KaizenConfig(backbone, tuple(LayerAction.shared() if b == "share" else LayerAction(b) for b in bits))
+    config = ComposedConfig(choice.compression(metadata=False) * evict.context / evict.budget, evict)
+    method = get_method("kaizen+kvpop")
+    method.prepare(model, config)
+    with_kvpop(model, evict)
+    return model, evict, lambda: method.make_choice_cache(config, model, choice, 0), ids_of(2, n)
+
+
 @pytest.mark.parametrize("bits,dtype,tol", [((4, 4, 4), torch.float32, 1e-4), ((4, 4, 4), torch.float64, 1e-10),
                                             ((8, 2, 4), torch.float64, 1e-10), ((4, "share", 2), torch.float32, 1e-4),
                                             ((8, "share", "share"), torch.float64, 1e-10)],
@@ -44,19 +57,10 @@ def test_quantized_training_forward_equals_decoding_through_the_composed_cache(b
     in float32 the one-matmul and the token-by-token keys differ in their last bits, and at 8 bits (steps of
     absmax / 127) such a difference sometimes crosses a rounding boundary of the quantizer, one code apart, which
     moves a few logits past 1e-4."""
-    budget, context, n, prompt = 40, 256, 100, 36
-    model = tiny(11).to(dtype)
-    evict = eviction_config("kaizen+kvpop", budget, context)
-    backbone = Backbone.from_config(model.config)
-    choice = KaizenConfig(backbone, tuple(LayerAction.shared() if b == "share" else LayerAction(b) for b in bits))
-    config = ComposedConfig(choice.compression(metadata=False) * context / budget, evict)
-    method = get_method("kaizen+kvpop")
-    method.prepare(model, config)
-    with_kvpop(model, evict)
-    ids = ids_of(2, n)
+    prompt = 36
+    model, evict, new_cache, ids = composed_student(bits, eviction_config("kaizen+kvpop", 40, 256), dtype)
     want, _ = training_logits(model, evict, ids, bits)
-    cache = method.make_choice_cache(config, model, choice, 0)
-    got = run(model, cache, ids, prompt, dense=False)
+    got = run(model, new_cache(), ids, prompt, dense=False)
     torch.testing.assert_close(got, want[:, prompt - 1:], atol=tol, rtol=tol)
     plain, state = training_logits(model, evict, ids, None)
     assert (plain[:, prompt - 1:] - want[:, prompt - 1:]).abs().max() > 1e-3  # the quantization is visible
@@ -75,23 +79,16 @@ def test_mlstm_student_under_quantized_kv_decodes_as_it_trains_at_every_prefill_
     from kvlearn.cache.prefill import prefill
     from kvlearn.config import KVpopConfig
 
-    budget, context, n, prompt = 40, 256, 100, 60
-    model = tiny(11).to(torch.float64)
-    evict = KVpopConfig(sinks=2, window=8, topk=budget - 10, context=context, scorer="mlstm")
-    backbone = Backbone.from_config(model.config)
-    choice = KaizenConfig(backbone, tuple(LayerAction.shared() if b == "share" else LayerAction(b) for b in bits))
-    config = ComposedConfig(choice.compression(metadata=False) * context / budget, evict)
-    method = get_method("kaizen+kvpop")
-    method.prepare(model, config)
-    with_kvpop(model, evict)
-    ids = ids_of(2, n)
+    prompt = 60
+    evict = KVpopConfig(sinks=2, window=8, topk=30, context=256, scorer="mlstm")
+    model, evict, new_cache, ids = composed_student(bits, evict, torch.float64)
     want, _ = training_logits(model, evict, ids, bits)
     for chunk in (4, 16, 64):
-        cache = method.make_choice_cache(config, model, choice, 0)
+        cache = new_cache()
         with torch.no_grad():
             got = [prefill(model, cache, ids[:, :prompt], chunk_size=chunk, dense=False)[:, None]]
             got += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
-                    for t in range(prompt, n)]
+                    for t in range(prompt, ids.shape[1])]
         torch.testing.assert_close(torch.cat(got, dim=1), want[:, prompt - 1:], atol=1e-10, rtol=1e-10,
                                    msg=f"prefill chunk {chunk}")
 
