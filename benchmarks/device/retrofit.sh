@@ -17,6 +17,8 @@
 # in $OUT/decompose_<tag>_<method>.json (about 40 s each on the H200).
 # The evaluations run at the tables' batch 64 and prefill chunk 512 (kvpop_table.py, kaizen_table.py): at kvlearn
 # eval's defaults (8, 256) one split of the composed cache took 179 s on the H200 (7fce8b6), at 64 / 512 38 s.
+# STUDENT=<folder>: no retrofit; that trained student is evaluated as above (with COMPOSE_TARGET / DECOMPOSE), and no
+# tar is written (e.g. STUDENT=checkpoints/testbed-kvpop, the shipped student).
 # Device time: MINUTES + ~1 minute of start-up + ~40 s of evaluation per split.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/retrofit.sh
 set -u
@@ -29,10 +31,14 @@ tag=${SCORER}_${BUDGET}${TAG:+_$TAG}
 RUN=/tmp/retrofit_$tag
 length=(--minutes "$MINUTES"); [ -n "${STEPS:-}" ] && length=(--steps "$STEPS")
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
-# shellcheck disable=SC2086
-python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$RUN" --overwrite --device cuda --scorer "$SCORER" \
-    --budget "$BUDGET" "${length[@]}" --num-workers 8 ${EXTRA:-} > "$OUT/retrofit_$tag.log" 2>&1
-echo "retrofit rc=$?"; tail -n 3 "$OUT/retrofit_$tag.log"
+if [ -n "${STUDENT:-}" ]; then  # evaluate a trained student: its folder stands for the run's final checkpoint
+    mkdir -p "$RUN" && ln -sfn "$(realpath "$STUDENT")" "$RUN/final" && : > "$OUT/retrofit_$tag.log"
+else
+    # shellcheck disable=SC2086
+    python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$RUN" --overwrite --device cuda --scorer "$SCORER" \
+        --budget "$BUDGET" "${length[@]}" --num-workers 8 ${EXTRA:-} > "$OUT/retrofit_$tag.log" 2>&1
+    echo "retrofit rc=$?"; tail -n 3 "$OUT/retrofit_$tag.log"
+fi
 for split in eval heldout; do
     if [ -n "${COMPOSE_TARGET:-}" ]; then
         python3 -m kvlearn.cli eval --model "$RUN/final" --method kaizen+kvpop --budget "$BUDGET" \
@@ -54,6 +60,7 @@ if [ -n "${COMPOSE_TARGET:-}" ] && [ "${DECOMPOSE:-0}" = 1 ]; then
     done
 fi
 grep -E "^kvpop|^kaizen|^dense|^method" "$OUT/retrofit_$tag.log" | tail -n 16
+[ -n "${STUDENT:-}" ] && exit 0  # a trained student: nothing to export
 python3 -c "
 import shutil, sys, torch, kvlearn
 src, dst = sys.argv[1], sys.argv[2]
