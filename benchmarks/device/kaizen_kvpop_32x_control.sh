@@ -9,6 +9,7 @@
 #     and one under --kv-bits 4 (TAG b4), files under $OUT/fp and $OUT/b4;
 #   - the shipped student (checkpoints/testbed-kvpop: Table 1's MLP student, trained at budget 512 in full precision),
 #     not retrained (STUDENT=), files under $OUT/shipped.
+# PARTS (default "fp b4 shipped") runs some of them; with several GPUs the parts go round robin over them.
 # Device files: at most 8 come back, so each folder is tarred ($OUT/fp.tgz, $OUT/b4.tgz, $OUT/shipped.tgz).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kaizen_kvpop_32x_control.sh
 set -u
@@ -17,16 +18,24 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 TARGET=${TARGET:-32}; STEPS=${STEPS:-1300}; N=${N:-100}
 echo "commit=${KVLEARN_COMMIT:-?} target=$TARGET steps=$STEPS"
 EXTRA_COMMON='--lr 1e-4 --decay-init 0.99999 --target-reduction peak'
-OUT="$OUT/fp" STEPS=$STEPS BUDGET=512 COMPOSE_TARGET=$TARGET DECOMPOSE=1 TAG=fp EXTRA="$EXTRA_COMMON" N=$N \
-    bash benchmarks/device/retrofit.sh > "$OUT/fp.log" 2>&1 &
-OUT="$OUT/b4" STEPS=$STEPS BUDGET=512 COMPOSE_TARGET=$TARGET DECOMPOSE=1 TAG=b4 EXTRA="$EXTRA_COMMON --kv-bits 4" N=$N \
-    bash benchmarks/device/retrofit.sh > "$OUT/b4.log" 2>&1 &
-# beside them, the shipped student composed and decomposed (no training; the GPU has room: the runs are launch-bound)
-OUT="$OUT/shipped" STUDENT=checkpoints/testbed-kvpop BUDGET=512 COMPOSE_TARGET=$TARGET DECOMPOSE=1 TAG=shipped N=$N \
-    bash benchmarks/device/retrofit.sh > "$OUT/shipped.log" 2>&1 &
+PARTS=${PARTS:-fp b4 shipped}
+gpus=$(python3 -c 'import torch; print(max(torch.cuda.device_count(), 1))')
+i=0
+for part in $PARTS; do  # each part on the next GPU (round robin): on two GPUs fp and shipped share cuda:0, b4 has cuda:1
+    gpu=$((i % gpus)); i=$((i + 1))
+    case $part in
+        fp) env=(STEPS="$STEPS" EXTRA="$EXTRA_COMMON") ;;
+        b4) env=(STEPS="$STEPS" EXTRA="$EXTRA_COMMON --kv-bits 4") ;;
+        # no training: the shipped student (the GPU has room beside a retrofit: the runs are launch-bound)
+        shipped) env=(STUDENT=checkpoints/testbed-kvpop) ;;
+        *) echo "unknown part $part: expected fp, b4 or shipped"; exit 1 ;;
+    esac
+    env "${env[@]}" CUDA_VISIBLE_DEVICES=$gpu OUT="$OUT/$part" BUDGET=512 COMPOSE_TARGET=$TARGET DECOMPOSE=1 TAG=$part \
+        N=$N bash benchmarks/device/retrofit.sh > "$OUT/$part.log" 2>&1 &
+done
 wait
-tail -n 20 "$OUT/shipped.log" "$OUT/fp.log" "$OUT/b4.log"
-for d in shipped fp b4; do  # thin the retrofit logs' progress lines, then one archive per folder
+for d in $PARTS; do tail -n 20 "$OUT/$d.log"; done
+for d in $PARTS; do  # thin the retrofit logs' progress lines, then one archive per folder
     for f in "$OUT/$d"/*.log; do [ -f "$f" ] && tr '\r' '\n' < "$f" | awk '!/step\/s|it\/s/ || NR % 100 == 0' > "$f.t" && mv "$f.t" "$f"; done
     rm -f "$OUT/$d"/*.tar
     tar czf "$OUT/$d.tgz" -C "$OUT" "$d" && rm -r "${OUT:?}/$d"

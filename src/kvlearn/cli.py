@@ -362,8 +362,9 @@ def cmd_retrofit(args) -> int:
                             num_workers=args.num_workers, method=args.method, **method_kw, **length)
     _threads(args.threads)
     result = retrofit(config)
-    print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model {result['final']} "
-          f"--method {args.method} --budget {args.budget}")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
+        print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model "
+              f"{result['final']} --method {args.method} --budget {args.budget}")
     return 0
 
 
