@@ -17,6 +17,8 @@
 # in $OUT/decompose_<tag>_<method>.json (about 40 s each on the H200).
 # The evaluations run at the tables' batch 64 and prefill chunk 512 (kvpop_table.py, kaizen_table.py): at kvlearn
 # eval's defaults (8, 256) one split of the composed cache took 179 s on the H200 (7fce8b6), at 64 / 512 38 s.
+# PARALLEL_EVALS=1: the evaluations run at once (side by side on the GPU, each its own process; they are
+# launch-bound, so together they take little longer than one).
 # STUDENT=<folder>: no retrofit; that trained student is evaluated as above (with COMPOSE_TARGET / DECOMPOSE), and no
 # tar is written (e.g. STUDENT=checkpoints/testbed-kvpop, the shipped student).
 # Device time: MINUTES + ~1 minute of start-up + ~40 s of evaluation per split.
@@ -39,26 +41,34 @@ else
         --budget "$BUDGET" "${length[@]}" --num-workers 8 ${EXTRA:-} > "$OUT/retrofit_$tag.log" 2>&1
     echo "retrofit rc=$?"; tail -n 3 "$OUT/retrofit_$tag.log"
 fi
+run_eval() {  # name, then kvlearn eval's arguments; in the background with PARALLEL_EVALS=1 (each its own log)
+    local name=$1; shift
+    if [ "${PARALLEL_EVALS:-0}" = 1 ]; then
+        { python3 -m kvlearn.cli eval "$@" > "$OUT/eval_$name.log" 2>&1; echo "$name rc=$?"; } &
+    else
+        python3 -m kvlearn.cli eval "$@" >> "$OUT/retrofit_$tag.log" 2>&1; echo "$name rc=$?"
+    fi
+}
+COMMON=(--n-per-task "$N" --device cuda --batch-size 64 --chunk-size 512)
 for split in eval heldout; do
     if [ -n "${COMPOSE_TARGET:-}" ]; then
-        python3 -m kvlearn.cli eval --model "$RUN/final" --method kaizen+kvpop --budget "$BUDGET" \
-            --target "$COMPOSE_TARGET" --n-per-task "$N" --split "$split" --device cuda --batch-size 64 --chunk-size 512 \
-            --out "$OUT/kaizen_kvpop_${tag}_$split.json" >> "$OUT/retrofit_$tag.log" 2>&1
+        run_eval "$split" --model "$RUN/final" --method kaizen+kvpop --budget "$BUDGET" --target "$COMPOSE_TARGET" \
+            --split "$split" "${COMMON[@]}" --out "$OUT/kaizen_kvpop_${tag}_$split.json"
     else
-        python3 -m kvlearn.cli eval --model "$RUN/final" --method kvpop --budget "$BUDGET" --n-per-task "$N" \
-            --split "$split" --device cuda --batch-size 64 --chunk-size 512 --out "$OUT/kvpop_${tag}_$split.json" >> "$OUT/retrofit_$tag.log" 2>&1
+        run_eval "$split" --model "$RUN/final" --method kvpop --budget "$BUDGET" --split "$split" "${COMMON[@]}" \
+            --out "$OUT/kvpop_${tag}_$split.json"
     fi
-    echo "eval $split rc=$?"
 done
 if [ -n "${COMPOSE_TARGET:-}" ] && [ "${DECOMPOSE:-0}" = 1 ]; then
     rep=$(python3 -c "print(round($COMPOSE_TARGET * $BUDGET / 4096, 6))")
     for part in "dense" "kvpop --budget $BUDGET" "kaizen_static --target $rep"; do
         # shellcheck disable=SC2086
-        python3 -m kvlearn.cli eval --model "$RUN/final" --method $part --n-per-task "$N" --split eval --device cuda \
-            --batch-size 64 --chunk-size 512 --out "$OUT/decompose_${tag}_${part%% *}.json" >> "$OUT/retrofit_$tag.log" 2>&1
-        echo "decompose ${part%% *} rc=$?"
+        run_eval "decompose_${part%% *}" --model "$RUN/final" --method $part --split eval "${COMMON[@]}" \
+            --out "$OUT/decompose_${tag}_${part%% *}.json"
     done
 fi
+wait
+[ "${PARALLEL_EVALS:-0}" = 1 ] && cat "$OUT"/eval_*.log >> "$OUT/retrofit_$tag.log" && rm -f "$OUT"/eval_*.log
 grep -E "^kvpop|^kaizen|^dense|^method" "$OUT/retrofit_$tag.log" | tail -n 16
 [ -n "${STUDENT:-}" ] && exit 0  # a trained student: nothing to export
 python3 -c "
