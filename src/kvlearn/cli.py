@@ -350,6 +350,8 @@ def cmd_retrofit(args) -> int:
             raise KVLearnError(f"--kv-bits {args.kv_bits!r}: expected a bit-width (2, 4, 8 or 16) or a comma list of "
                                "one per layer, where a later layer may be 'share'") from None
         method_kw["kv_bits"] = bits[0] if len(bits) == 1 else bits
+    if args.init_student is not None:
+        method_kw["init_student"] = args.init_student
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -695,6 +697,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "values under that layer's retention) with straight-through gradients, the scorers reading "
                          "them in full precision (a delayed mLSTM readout: their stored form, as the cache), so that the student serves under kaizen+kvpop in that configuration "
                          "(default: unquantized)")
+    sp.add_argument("--init-student", default=None, metavar="FOLDER",
+                    help="kvpop: start from this trained KVpop student (the final/ folder of a retrofit with the same "
+                         "teacher and scorer) instead of fresh scorers on the teacher's weights; --model stays the "
+                         "teacher. E.g. a full-precision student refined under --kv-bits 4 (default: none)")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
                          "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "

@@ -106,6 +106,9 @@ class RetrofitConfig:
     dms: DMSConfig | None = None
     compression_weight: float = 1.0  # dms: weight of the compression hinge
     kv_bits: int | tuple[int | str, ...] | None = None  # kvpop: attend K/V at these bits (one, or per layer; "share")
+    # kvpop: start the student from this trained KVpop student's weights (backbone, scorers, decays) instead of the
+    # teacher's plus fresh scorers, e.g. a full-precision student refined under ``kv_bits``; the teacher stays ``model``
+    init_student: str | None = None
     # length of the run: ``steps``, or a wall-clock budget in ``minutes`` (then the schedule follows elapsed time)
     steps: int | None = 1000
     minutes: float | None = None
@@ -163,6 +166,12 @@ class RetrofitConfig:
                   f"kv_bits={self.kv_bits!r} is invalid: expected bit-widths in {{2, 4, 8, 16}} (one, or one per layer, "
                   "where a later layer may be 'share': it reads the nearest earlier layer's keys and values)")
             self.kv_bits = bits[0] if single else bits
+        if self.init_student is not None:
+            check(self.method == "kvpop", f"init_student={self.init_student!r} is for method 'kvpop' (a trained KVpop "
+                                          f"student to continue from), not {self.method!r}")
+            check(Path(self.init_student, "config.json").is_file(),
+                  f"init_student={self.init_student!r} is not a model folder (no config.json): expected the final/ "
+                  "folder of a kvlearn retrofit")
         check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
@@ -241,6 +250,8 @@ def build_models(config: RetrofitConfig, device: torch.device):
     if config.method == "kvpop":
         bits = layer_kv_bits(config, student.config.num_hidden_layers)  # one-line error for a list of another length
         apply_kvpop(student, config.kvpop)
+        if config.init_student is not None:
+            init_from_student(student, config.init_student)
         if bits is not None:  # recorded in config.json: kaizen+kvpop serves the student under it
             from ..kaizen.actions import Backbone, KaizenConfig
             from ..kvpop.apply import KV_CONFIGURATION_KEY
@@ -263,6 +274,35 @@ def build_models(config: RetrofitConfig, device: torch.device):
     student.requires_grad_(True)
     student.train()
     return teacher, student
+
+
+def init_from_student(student, path: str) -> None:
+    """Copy a trained KVpop student's weights (backbone, scorers, decays) into ``student`` (the teacher's copy with
+    KVpop applied under the run's config), in place. The run's config decides the pattern (window, top-k, bits), so a
+    student trained at one budget may be refined at another; the weights must fit exactly: a folder without KVpop,
+    another scorer or another backbone shape is a one-line error."""
+    from ..checkpoint import load as load_model
+    from ..kvpop.apply import recorded_config
+
+    trained = load_model(path, dtype=torch.float32)
+    recorded = recorded_config(trained)
+    check(recorded is not None, f"init_student={path!r} has no KVpop modules (its config.json records no kvpop): "
+                                "expected the final/ folder of a kvlearn retrofit with method kvpop")
+    ours = recorded_config(student)
+    check(recorded.scorer == ours.scorer, f"init_student={path!r} has scorer {recorded.scorer!r}, this run "
+                                          f"{ours.scorer!r}: expected the same scorer (--scorer {recorded.scorer})")
+    state, target = trained.state_dict(), student.state_dict()
+    missing = sorted(set(target) - set(state))
+    extra = sorted(set(state) - set(target))
+    misfit = sorted(k for k in set(state) & set(target) if state[k].shape != target[k].shape)
+    check(not (missing or extra or misfit),
+          f"init_student={path!r} does not fit this run's student: "
+          + "; ".join(f"{what} {keys[0]}" + (f" (+{len(keys) - 1} more)" if len(keys) > 1 else "")
+                      for what, keys in (("missing", missing), ("unexpected", extra), ("other shape", misfit)) if keys)
+          + " (expected a student retrofitted from the same teacher with the same scorer settings)")
+    with torch.no_grad():
+        for k, v in target.items():
+            v.copy_(state[k].to(v.dtype))
 
 
 def method_forward(config: RetrofitConfig, student, input_ids: torch.Tensor, step: int, fraction: float):
