@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue #10 item 2 on several GPUs (kind nvidia-h200-x2): the retrofit under FSDP2 with NCCL against the same
 # retrofit on one GPU.
-#   1. the GPU test: tests/train/test_distill_fsdp.py -m gpu (tiny random GQA Qwen3, 3 steps, cuda:0 against
-#      cuda:0 + cuda:1) -> $OUT/fsdp_nccl_test.log;
+#   1. the GPU tests: tests/train/test_{distill,kaizen_train}_fsdp.py -m gpu (tiny random GQA Qwen3, 3 steps,
+#      cuda:0 against cuda:0 + cuda:1; the retrofit's passed at df90aa3, kaizen-train's is not yet run)
+#      -> $OUT/fsdp_nccl_test.log;
 #   2. the real retrofit (the shipped student's recipe: KVpop-MLP at budget 512, lr 1e-4, peak target) for STEPS
 #      steps (default 400) on cuda:0, then the same under `torchrun --nproc_per_node WORLD` (default 2), same
 #      global batch and data; each student evaluated at its budget on the eval split (n = N, default 100), the two
@@ -20,7 +21,7 @@ STEPS=${STEPS:-400}; WORLD=${WORLD:-2}; N=${N:-100}; BUDGET=512
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "commit=${KVLEARN_COMMIT:-?} gpus=$gpus $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 [ "$gpus" -ge "$WORLD" ] || { echo "needs $WORLD GPUs, found $gpus"; exit 1; }
-timeout 300 python3 -m pytest -q -s -m gpu tests/train/test_distill_fsdp.py -p no:cacheprovider > "$OUT/fsdp_nccl_test.log" 2>&1
+timeout 300 python3 -m pytest -q -s -m gpu tests/train/test_distill_fsdp.py tests/train/test_kaizen_train_fsdp.py -p no:cacheprovider > "$OUT/fsdp_nccl_test.log" 2>&1
 echo "nccl test rc=$?"; grep -E "passed|failed|w2 - w1|Error" "$OUT/fsdp_nccl_test.log" | tail -n 5
 ARGS=(retrofit --model checkpoints/testbed-teacher --overwrite --device cuda --scorer mlp --budget "$BUDGET"
       --steps "$STEPS" --num-workers 8 --lr 1e-4 --decay-init 0.99999 --target-reduction peak)
