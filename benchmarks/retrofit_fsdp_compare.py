@@ -21,19 +21,20 @@ Rows (``kind: retrofit_fsdp``), one per run (``processes`` 1 and ``world``):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from kvlearn.results import make_results, portable_path, read_results, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script train_log_summary
+from train_log_summary import read_log as read_train_log  # noqa: E402
+
+from kvlearn.errors import KVLearnError  # noqa: E402
+from kvlearn.results import make_results, portable_path, read_results, write_results  # noqa: E402
 
 
 def read_log(run: Path) -> list[dict]:
-    path = run / "train_log.jsonl"
-    if not path.is_file():
-        sys.exit(f"error: {path} does not exist: expected a kvlearn retrofit output folder")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of the run folder's ``train_log.jsonl`` (:func:`train_log_summary.read_log`: its one-line errors)."""
+    return read_train_log(run / "train_log.jsonl")
 
 
 def step_ms(log: list[dict], skip: int) -> float:
@@ -93,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.world < 2:
         sys.exit(f"error: --world {args.world} is invalid: the sharded run has >= 2 processes")
-    one, sharded = read_log(Path(args.one)), read_log(Path(args.sharded))
+    try:
+        one, sharded = read_log(Path(args.one)), read_log(Path(args.sharded))
+    except KVLearnError as err:
+        sys.exit(f"error: {err}")
     if [r["step"] for r in one] != [r["step"] for r in sharded]:
         sys.exit(f"error: the runs logged different steps ({len(one)} and {len(sharded)} lines): "
                  "expected the same --steps")
