@@ -223,6 +223,25 @@ def test_cli_errors_and_run(teacher_path, tmp_path, capsys):
     assert kvlearn.load(tmp_path / "o" / "final").config.kvpop["topk"] == 32
 
 
+def test_cli_default_window_is_256_from_budget_512_and_half_the_budget_below(teacher_path, tmp_path, capsys):
+    """Without ``--window`` the retrofit keeps the KVpop paper's 256 at budgets >= 512 (unchanged) and half the budget
+    below, so a small budget trains instead of failing on a window larger than itself; ``--window`` still wins, and a
+    window that leaves no long-range slot is still one line naming it."""
+    from kvlearn.cli import default_window
+
+    assert [default_window(b) for b in (4096, 1024, 512, 511, 256, 48, 2)] == [256, 256, 256, 255, 128, 24, 1]
+    common = ["--model", teacher_path, "--seq-len", "128", "--steps", "1", "--batch-size", "1", "--device", "cpu"]
+    assert main(["retrofit", *common, "--out", str(tmp_path / "a"), "--budget", "48"]) == 0
+    saved = kvlearn.load(tmp_path / "a" / "final").config.kvpop
+    assert (saved["sinks"], saved["window"], saved["topk"]) == (4, 24, 20)
+    assert main(["retrofit", *common, "--out", str(tmp_path / "b"), "--budget", "48", "--window", "8"]) == 0
+    assert kvlearn.load(tmp_path / "b" / "final").config.kvpop["window"] == 8
+    capsys.readouterr()
+    assert main(["retrofit", *common, "--out", str(tmp_path / "c"), "--budget", "48", "--window", "44"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "window=44" in err and "--budget=48" in err
+
+
 def test_kd_loss_by_hand():
     torch.manual_seed(1)
     s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
