@@ -109,7 +109,7 @@ def test_bad_input_is_one_line(teacher_path, tmp_path, capsys):
         assert expect in str(err.value) and "\n" not in str(err.value)
     for args, expect in ((["--method", "bogus"], "invalid choice: 'bogus'"),
                          (["--method", "streaming_plus", "--budget", "4"], "--budget=4 is invalid"),
-                         (["--method", "dms", "--budget", "20"], "--budget=20 is invalid")):
+                         (["--method", "dms", "--budget", "20", "--window", "16"], "--budget=20 is invalid")):
         argv = ["retrofit", "--model", teacher_path, "--out", str(tmp_path / "y"), "--seq-len", str(SEQ),
                 "--device", "cpu", "--steps", "1", *args]
         try:
