@@ -13,7 +13,9 @@
 # $OUT/kaizen_kvpop_<tag>_<split>.json.
 # DECOMPOSE=1 (with COMPOSE_TARGET): the same student also under each part alone, on the eval split, so that the
 # composed rows are read against baselines of the same checkpoint: `dense` (its backbone), `kvpop --budget BUDGET`
-# (the eviction alone) and `kaizen_static --target COMPOSE_TARGET x BUDGET / 4096` (the representation alone); rows
+# (the eviction alone) and the representation alone: `kaizen_static --configuration C` for a student retrofitted under
+# a configuration C (`--kv-bits`, recorded in its config.json), else `kaizen_static --target COMPOSE_TARGET x BUDGET /
+# 4096` (the uniform choice at that factor; before session 24 it was always this one); rows
 # in $OUT/decompose_<tag>_<method>.json (about 40 s each on the H200).
 # The evaluations run at the tables' batch 64 and prefill chunk 512 (kvpop_table.py, kaizen_table.py): at kvlearn
 # eval's defaults (8, 256) one split of the composed cache took 179 s on the H200 (7fce8b6), at 64 / 512 38 s.
@@ -61,11 +63,18 @@ for split in eval heldout; do
 done
 if [ -n "${COMPOSE_TARGET:-}" ] && [ "${DECOMPOSE:-0}" = 1 ]; then
     rep=$(python3 -c "print(round($COMPOSE_TARGET * $BUDGET / 4096, 6))")
-    for part in "dense" "kvpop --budget $BUDGET" "kaizen_static --target $rep"; do
+    for part in "dense" "kvpop --budget $BUDGET"; do
         # shellcheck disable=SC2086
         run_eval "decompose_${part%% *}" --model "$RUN/final" --method $part --split eval "${COMMON[@]}" \
             --out "$OUT/decompose_${tag}_${part%% *}.json"
     done
+    # the representation alone: the configuration the student was retrofitted under (--kv-bits, recorded in its
+    # config.json), else kaizen_static's uniform choice at the representation's factor
+    trained=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('kvpop_kv_configuration') or '')" \
+        "$RUN/final/config.json")
+    representation=(--target "$rep"); [ -n "$trained" ] && representation=(--configuration "$trained")
+    run_eval decompose_kaizen_static --model "$RUN/final" --method kaizen_static "${representation[@]}" --split eval \
+        "${COMMON[@]}" --out "$OUT/decompose_${tag}_kaizen_static.json"
 fi
 wait
 [ "${PARALLEL_EVALS:-0}" = 1 ] && cat "$OUT"/eval_*.log >> "$OUT/retrofit_$tag.log" && rm -f "$OUT"/eval_*.log

@@ -146,6 +146,11 @@ def _eval_config(args, method: str, budget, tasks, model: str | None = None):
               f"--window {window} is invalid for this checkpoint: its delayed mLSTM readout is tied to the window it "
               f"was trained with ({options.get('window')})")
         options["window"] = window
+    configuration = getattr(args, "configuration", None)
+    if configuration is not None:
+        check(method == "kaizen_static", f"--configuration is for --method kaizen_static (one given per-layer "
+                                         f"configuration), not --method {method}")
+        options["configuration"] = configuration
     return EvalConfig(method=method, budget=budget, sinks=args.sinks, tasks=tasks, n_per_task=args.n_per_task,
                       context=args.context, batch_size=args.batch_size, split=args.split, protocol=args.protocol,
                       chunk_size=args.chunk_size, target=getattr(args, "target", None), options=options or None)
@@ -629,6 +634,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kaizen and its baselines (kaizen_static, kaizen_random, kaizen_dp): target compression "
                          "factor (kaizen's default: the one it was trained for); kaizen+snapkv, kaizen+kvpop: the "
                          "total factor, representation x context/budget")
+    sp.add_argument("--configuration", default=None, metavar="ACTIONS",
+                    help="kaizen_static: one per-layer configuration instead of the uniform choice, e.g. 'b4 b4 share "
+                         "b4' (b<bits> or share per layer, layer 0 never shares); --target then defaults to its "
+                         "compression and may not exceed it")
     sp.add_argument("--kvpop-scorers", default=None, metavar="PATH",
                     help="kvpop, kaizen+kvpop: a KVpop checkpoint whose scorers and decays go onto --model (same base "
                          "shape), evaluated under its trained fields; e.g. a kaizen-train folder as --model with "

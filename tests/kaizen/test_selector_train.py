@@ -444,6 +444,49 @@ def test_baselines_through_the_harness(teacher_path, name):
         assert row["factor"] == 4.0
 
 
+
+def test_static_with_a_given_configuration(make_teacher, tmp_path, capsys):
+    """``kvlearn eval --method kaizen_static --configuration 'b4 share b2'`` serves exactly that configuration (the
+    one a KVpop student was retrofitted under, say) for every prompt: the row records it, its realised factor is the
+    cost model's by hand (3 layers x 16 bits over 4 + 0 + 2 = 8x) and the target defaults to it; a uniform
+    configuration given so is the static choice at its factor; a target above the configuration's compression, a bad
+    word, layer 0 sharing, another layer count and the flag on another method are one-line errors."""
+    from kvlearn.kaizen import dp_method, random_method, static_method
+    from kvlearn.kaizen.fixed import FixedConfig, static_config
+
+    path = make_teacher(3, 1)
+    rows = tmp_path / "rows.json"
+    args = ["eval", "--method", "kaizen_static", "--model", path, "--context", "256", "--tasks", "vt",
+            "--n-per-task", "2", "--batch-size", "2", "--device", "cpu"]
+    assert main([*args, "--configuration", "b4 share b2", "--out", str(rows)]) == 0
+    (row,) = json.loads(rows.read_text())["rows"]
+    assert row["configurations"] == {"b4 share b2": 2}
+    assert row["factor"] == pytest.approx(16 * 3 / (4 + 2)) and row["target"] == pytest.approx(8.0)
+    assert main([*args, "--configuration", "b4 share b2", "--target", "6", "--out", str(rows)]) == 0
+    (row,) = json.loads(rows.read_text())["rows"]
+    assert row["target"] == 6.0 and row["factor"] == pytest.approx(8.0)
+    bb = Backbone(num_layers=3, kv_heads=2, head_dim=16)
+    assert static_method.configuration(bb, FixedConfig(target=None, configuration="b4 b4 b4")) == static_config(bb, 4.0)
+    capsys.readouterr()
+    for extra, expect in ((["--configuration", "b4 share b2", "--target", "10"], "compresses 8x, below target=10"),
+                          (["--configuration", "b4 b5x b2"], "'b5x' is invalid"),
+                          (["--configuration", "share b4 b4"], "layer 0 cannot share"),
+                          (["--configuration", "b4 b4"], "2 actions given for a backbone of 3 layers"),
+                          (["--configuration", "b4 b4 b4", "--method", "kaizen_random"], "is for --method kaizen_static")):
+        code = main([*args, *extra])
+        err = capsys.readouterr().err  # progress bars (loading the weights), then one error line
+        lines = [ln for ln in err.splitlines() if "kvlearn: error:" in ln]
+        assert code == 2 and len(lines) == 1 and expect in lines[0] and "Traceback" not in err, err
+    for build, expect in ((lambda: FixedConfig(target=None), "target=None is invalid without a configuration"),
+                          (lambda: FixedConfig(configuration="  "), "configuration='  ' is invalid"),
+                          (lambda: dp_method.DPConfig(configuration="b4 b4 b4"), "kaizen_dp searches its configuration"),
+                          (lambda: random_method.apply(kvlearn.load(path), FixedConfig(configuration="b4 b4 b4")),
+                           "kaizen_random draws its configuration")):
+        with pytest.raises(KVLearnError) as e:
+            build()
+        assert expect in one_line(e)
+
+
 def test_cli_run_with_several_targets_then_eval(teacher_path, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["kaizen-train", "--model", teacher_path, "--out", str(out), "--target", "2,8", "--steps", "3",

@@ -1,8 +1,8 @@
-"""Registry entry ``kaizen_static``: the least compressed uniform precision/sharing configuration meeting the target
-(:mod:`kvlearn.kaizen.fixed`)."""
+"""Registry entry ``kaizen_static``: the least compressed uniform precision/sharing configuration meeting the target,
+or one given configuration (``FixedConfig.configuration``, ``kvlearn eval --configuration``) (:mod:`kvlearn.kaizen.fixed`)."""
 
 from .fixed import (FixedConfig, apply, config_from_budget, fixed_choice_cache, fixed_prompt_cache,
-                    fixed_prompt_choices, make_cache, static_config)
+                    fixed_prompt_choices, given_config, make_cache, static_config)
 
 CONFIG = FixedConfig
 SUMMARY = ("KV-Kaizen static baseline: one uniform configuration (b bits, an anchor every g layers) meeting "
@@ -12,7 +12,10 @@ TOKEN_BUDGET = False
 
 
 def configuration(backbone, config: FixedConfig):
-    """The one configuration of every prompt (:func:`kvlearn.kaizen.fixed.static_config`)."""
+    """The one configuration of every prompt: ``config.configuration`` when given
+    (:func:`kvlearn.kaizen.fixed.given_config`), else :func:`kvlearn.kaizen.fixed.static_config`."""
+    if config.configuration is not None:
+        return given_config(backbone, config)
     return static_config(backbone, config.target, config.axes)
 
 
