@@ -444,7 +444,6 @@ def test_baselines_through_the_harness(teacher_path, name):
         assert row["factor"] == 4.0
 
 
-
 def test_static_with_a_given_configuration(make_teacher, tmp_path, capsys):
     """``kvlearn eval --method kaizen_static --configuration 'b4 share b2'`` serves exactly that configuration (the
     one a KVpop student was retrofitted under, say) for every prompt: the row records it, its realised factor is the
