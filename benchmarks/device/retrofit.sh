@@ -24,6 +24,9 @@
 # STUDENT=<folder>: no retrofit; that trained student is evaluated as above (with COMPOSE_TARGET / DECOMPOSE), and no
 # tar is written (e.g. STUDENT=checkpoints/testbed-kvpop, the shipped student).
 # Device time: MINUTES + ~1 minute of start-up + ~40 s of evaluation per split.
+# DEVICE (default cuda), CONTEXT (default 4096), EVAL_ARGS (more options for every evaluation), WORK_DIR (default
+# /tmp: the run and the exported student) let the same script run as a CPU smoke test on a tiny model
+# (tests/eval/test_retrofit_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/retrofit.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -32,14 +35,15 @@ mkdir -p "$OUT"
 SCORER=${SCORER:-mlp}; BUDGET=${BUDGET:-1024}; MINUTES=${MINUTES:-8}; N=${N:-100}
 MODEL=${MODEL:-checkpoints/testbed-teacher}
 tag=${SCORER}_${BUDGET}${TAG:+_$TAG}
-RUN=/tmp/retrofit_$tag
+RUN=${WORK_DIR:-/tmp}/retrofit_$tag
+DEVICE=${DEVICE:-cuda}; CONTEXT=${CONTEXT:-4096}
 length=(--minutes "$MINUTES"); [ -n "${STEPS:-}" ] && length=(--steps "$STEPS")
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 if [ -n "${STUDENT:-}" ]; then  # evaluate a trained student: its folder stands for the run's final checkpoint
     mkdir -p "$RUN" && ln -sfn "$(realpath "$STUDENT")" "$RUN/final" && : > "$OUT/retrofit_$tag.log"
 else
     # shellcheck disable=SC2086
-    python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$RUN" --overwrite --device cuda --scorer "$SCORER" \
+    python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$RUN" --overwrite --device "$DEVICE" --scorer "$SCORER" \
         --budget "$BUDGET" "${length[@]}" --num-workers 8 ${EXTRA:-} > "$OUT/retrofit_$tag.log" 2>&1
     echo "retrofit rc=$?"; tail -n 3 "$OUT/retrofit_$tag.log"
 fi
@@ -51,7 +55,8 @@ run_eval() {  # name, then kvlearn eval's arguments; in the background with PARA
         python3 -m kvlearn.cli eval "$@" >> "$OUT/retrofit_$tag.log" 2>&1; echo "$name rc=$?"
     fi
 }
-COMMON=(--n-per-task "$N" --device cuda --batch-size 64 --chunk-size 512)
+# shellcheck disable=SC2206
+COMMON=(--n-per-task "$N" --device "$DEVICE" --context "$CONTEXT" --batch-size 64 --chunk-size 512 ${EVAL_ARGS:-})
 for split in eval heldout; do
     if [ -n "${COMPOSE_TARGET:-}" ]; then
         run_eval "$split" --model "$RUN/final" --method kaizen+kvpop --budget "$BUDGET" --target "$COMPOSE_TARGET" \
@@ -62,7 +67,7 @@ for split in eval heldout; do
     fi
 done
 if [ -n "${COMPOSE_TARGET:-}" ] && [ "${DECOMPOSE:-0}" = 1 ]; then
-    rep=$(python3 -c "print(round($COMPOSE_TARGET * $BUDGET / 4096, 6))")
+    rep=$(python3 -c "print(round($COMPOSE_TARGET * $BUDGET / $CONTEXT, 6))")
     for part in "dense" "kvpop --budget $BUDGET"; do
         # shellcheck disable=SC2086
         run_eval "decompose_${part%% *}" --model "$RUN/final" --method $part --split eval "${COMMON[@]}" \
@@ -81,9 +86,10 @@ wait
 grep -E "^kvpop|^kaizen|^dense|^method" "$OUT/retrofit_$tag.log" | tail -n 16
 [ -n "${STUDENT:-}" ] && exit 0  # a trained student: nothing to export
 python3 -c "
-import shutil, sys, torch, kvlearn
+import os, shutil, sys, torch, kvlearn
 src, dst = sys.argv[1], sys.argv[2]
 kvlearn.load(src, dtype=torch.bfloat16).save_pretrained(dst)
 for f in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'teacher.json'):  # teacher.json: kvlearn.lineage
-    shutil.copy2(f'{src}/{f}', dst)
-" "$RUN/final" "/tmp/kvpop-$tag" && tar -C /tmp -cf "$OUT/kvpop_$tag.tar" "kvpop-$tag"
+    if f == 'teacher.json' or os.path.exists(f'{src}/{f}'):  # a teacher saved without a tokenizer has none to copy
+        shutil.copy2(f'{src}/{f}', dst)
+" "$RUN/final" "${WORK_DIR:-/tmp}/kvpop-$tag" && tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/kvpop_$tag.tar" "kvpop-$tag"
