@@ -449,9 +449,11 @@ def test_static_with_a_given_configuration(make_teacher, tmp_path, capsys):
     one a KVpop student was retrofitted under, say) for every prompt: the row records it, its realised factor is the
     cost model's by hand (3 layers x 16 bits over 4 + 0 + 2 = 8x) and the target defaults to it; a uniform
     configuration given so is the static choice at its factor; a target above the configuration's compression, a bad
-    word, layer 0 sharing, another layer count and the flag on another method are one-line errors."""
-    from kvlearn.kaizen import dp_method, random_method, static_method
-    from kvlearn.kaizen.fixed import FixedConfig, static_config
+    word, layer 0 sharing, another layer count and the field on another method are one-line errors."""
+    from kvlearn.kaizen import static_method
+    from kvlearn.kaizen.fixed import static_config
+    from kvlearn.kaizen.static_method import StaticConfig
+    from kvlearn.methods import make_config
 
     path = make_teacher(3, 1)
     rows = tmp_path / "rows.json"
@@ -465,7 +467,7 @@ def test_static_with_a_given_configuration(make_teacher, tmp_path, capsys):
     (row,) = json.loads(rows.read_text())["rows"]
     assert row["target"] == 6.0 and row["factor"] == pytest.approx(8.0)
     bb = Backbone(num_layers=3, kv_heads=2, head_dim=16)
-    assert static_method.configuration(bb, FixedConfig(target=None, configuration="b4 b4 b4")) == static_config(bb, 4.0)
+    assert static_method.configuration(bb, StaticConfig(target=None, configuration="b4 b4 b4")) == static_config(bb, 4.0)
     capsys.readouterr()
     for extra, expect in ((["--configuration", "b4 share b2", "--target", "10"], "compresses 8x, below target=10"),
                           (["--configuration", "b4 b5x b2"], "'b5x' is invalid"),
@@ -476,11 +478,12 @@ def test_static_with_a_given_configuration(make_teacher, tmp_path, capsys):
         err = capsys.readouterr().err  # progress bars (loading the weights), then one error line
         lines = [ln for ln in err.splitlines() if "kvlearn: error:" in ln]
         assert code == 2 and len(lines) == 1 and expect in lines[0] and "Traceback" not in err, err
-    for build, expect in ((lambda: FixedConfig(target=None), "target=None is invalid without a configuration"),
-                          (lambda: FixedConfig(configuration="  "), "configuration='  ' is invalid"),
-                          (lambda: dp_method.DPConfig(configuration="b4 b4 b4"), "kaizen_dp searches its configuration"),
-                          (lambda: random_method.apply(kvlearn.load(path), FixedConfig(configuration="b4 b4 b4")),
-                           "kaizen_random draws its configuration")):
+    for build, expect in ((lambda: StaticConfig(target=None), "target=None is invalid without a configuration"),
+                          (lambda: StaticConfig(configuration="  "), "configuration='  ' is invalid"),
+                          (lambda: make_config("kaizen_dp", target=4.0, configuration="b4 b4 b4"),
+                           "unexpected keyword argument 'configuration'"),
+                          (lambda: make_config("kaizen_random", target=4.0, configuration="b4 b4 b4"),
+                           "unexpected keyword argument 'configuration'")):
         with pytest.raises(KVLearnError) as e:
             build()
         assert expect in one_line(e)

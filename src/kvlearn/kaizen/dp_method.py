@@ -38,8 +38,6 @@ class DPConfig(FixedConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.configuration is None, f"kaizen_dp searches its configuration: configuration="
-                                          f"{self.configuration!r} is for kaizen_static")
         check_int("examples", self.examples, 1, 4096)
         check_int("length", self.length, MIN_LENGTH, MAX_LENGTH, hint=" (testbed calibration rows)")
         check_int("batch_size", self.batch_size, 1)

@@ -31,39 +31,21 @@ from .prompt import choice_cache, one_choice, prompt_capacity, prompt_rows
 @dataclass(frozen=True)
 class FixedConfig:
     """``target``: the compression factor (default 4.0); ``axes``: the enabled axes (``None``: precision + depth);
-    ``seed``: the random configuration's seed (random only); ``configuration`` (static only): one explicit per-layer
-    configuration in :meth:`KaizenConfig.parse`'s form (``"b4 b4 share b4"``, e.g. the one a KVpop student was
-    retrofitted under) instead of the uniform choice; ``target`` may then be ``None`` (the configuration's own
-    compression) and otherwise must not exceed it."""
+    ``seed``: the random configuration's seed (random only)."""
 
-    target: float | None = 4.0
+    target: float = 4.0
     axes: tuple[str, ...] | None = None
     seed: int = 0
-    configuration: str | None = None
 
     def __post_init__(self) -> None:
-        check(self.configuration is None or (isinstance(self.configuration, str) and self.configuration.split()),
-              f"configuration={self.configuration!r} is invalid: expected per-layer actions like 'b4 b4 share b2'")
-        check(self.target is not None or self.configuration is not None,
-              "target=None is invalid without a configuration: expected a compression factor > 0")
-        if self.target is not None:
-            ok = (isinstance(self.target, (int, float)) and not isinstance(self.target, bool)
-                  and math.isfinite(self.target))
-            check(ok and self.target > 0, f"target={self.target!r} is invalid: expected a compression factor > 0")
+        self.check_target()
         if self.axes is not None:
             object.__setattr__(self, "axes", tuple(self.axes))
         check_int("seed", self.seed, 0)
 
-
-def given_config(backbone: Backbone, config: FixedConfig) -> KaizenConfig:
-    """``config.configuration`` parsed on ``backbone`` (one-line errors: a bad word, another number of layers, layer 0
-    sharing), checked to compress (no metadata) at least ``config.target`` when one is given."""
-    choice = KaizenConfig.parse(backbone, config.configuration)
-    got = choice.compression(metadata=False)
-    if config.target is not None:
-        check(got >= config.target * (1 - 1e-9), f"configuration {config.configuration!r} compresses {got:.4g}x, below "
-                                                 f"target={config.target:g}: expected a target <= its compression (or none)")
-    return choice
+    def check_target(self) -> None:
+        ok = isinstance(self.target, (int, float)) and not isinstance(self.target, bool) and math.isfinite(self.target)
+        check(ok and self.target > 0, f"target={self.target!r} is invalid: expected a compression factor > 0")
 
 
 def static_config(backbone: Backbone, target: float, axes=None) -> KaizenConfig:
@@ -94,10 +76,8 @@ def fixed_prompt_choices(config_fn, config: FixedConfig, model, input_ids, atten
 
 
 def fixed_choice_cache(config: FixedConfig, model, choice: KaizenConfig, capacity: int) -> KaizenCache:
-    """Registry ``make_choice_cache``: the :class:`KaizenCache` of ``choice``, recording ``config.target`` (without
-    one, an explicit configuration's own compression)."""
-    target = choice.compression(metadata=False) if config.target is None else config.target
-    return choice_cache(choice, capacity, target)
+    """Registry ``make_choice_cache``: the :class:`KaizenCache` of ``choice``, recording ``config.target``."""
+    return choice_cache(choice, capacity, config.target)
 
 
 def fixed_prompt_cache(config_fn, config: FixedConfig, model, input_ids, attention_mask, max_new_tokens: int):
@@ -111,10 +91,7 @@ def apply(model, config: FixedConfig):
     from . import sharing
 
     bb = Backbone.from_config(model.config)
-    if config.configuration is not None:
-        given_config(bb, config)
-    else:
-        check_budget(config.target, bb, config.axes)
+    check_budget(config.target, bb, config.axes)
     return sharing.attach(model)
 
 
@@ -127,6 +104,4 @@ def config_from_budget(budget=None, sinks: int = 4, context: int | None = None, 
                        **extra) -> FixedConfig:
     check(budget is None, f"this KV-Kaizen method keeps every token: it takes --target (a compression factor), not "
                           f"--budget (got budget={budget!r})")
-    if target is None and extra.get("configuration") is not None:
-        return FixedConfig(target=None, **extra)  # the configuration's own compression
     return FixedConfig(**({"target": target} if target is not None else {}), **extra)

@@ -1,10 +1,8 @@
 """Registry entry ``kaizen_random``: a seeded random per-layer configuration meeting the target
 (:meth:`kvlearn.kaizen.actions.KaizenConfig.random`, :mod:`kvlearn.kaizen.fixed`)."""
 
-from ..errors import check
 from .actions import KaizenConfig
-from .fixed import apply as fixed_apply
-from .fixed import (FixedConfig, config_from_budget, fixed_choice_cache, fixed_prompt_cache,
+from .fixed import (FixedConfig, apply, config_from_budget, fixed_choice_cache, fixed_prompt_cache,
                     fixed_prompt_choices, make_cache)
 
 CONFIG = FixedConfig
@@ -16,18 +14,7 @@ TOKEN_BUDGET = False
 
 def configuration(backbone, config: FixedConfig):
     """The one configuration of every prompt (:meth:`KaizenConfig.random`, seeded)."""
-    _no_given_configuration(config)
     return KaizenConfig.random(backbone, config.target, config.axes, config.seed)
-
-
-def _no_given_configuration(config: FixedConfig) -> None:
-    check(config.configuration is None, f"kaizen_random draws its configuration: configuration="
-                                        f"{config.configuration!r} is for kaizen_static")
-
-
-def apply(model, config: FixedConfig):
-    _no_given_configuration(config)
-    return fixed_apply(model, config)
 
 
 make_choice_cache = fixed_choice_cache
