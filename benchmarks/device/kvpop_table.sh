@@ -28,6 +28,8 @@
 # Table 1 of record (results/kvpop_table.json, CR 75% / 88%, session 22): RETROFIT_STEPS=1300 RETROFIT_ARGS='--lr 1e-4'
 # BASELINES=0 SPLIT_PARTS=1 TABLE_MINUTES=3 TABLE_ARGS='--budgets 1024,512', two students a call (STUDENTS='kvpop_mlp=kvpop
 # kvpop=kvpop', then 'streaming_plus=streaming_plus dms=dms'); the training-free rows come from eviction_baselines.sh.
+# CR 94% (session 25): BUDGET=256 RETROFIT_STEPS=1300 RETROFIT_ARGS='--lr 1e-4 --window 128' TABLE_ARGS='--budgets 256'
+# BASELINES=0 SPLIT_PARTS=1 EXPORT_STUDENTS=0, the students in pairs as above.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_table.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -318,7 +318,7 @@ RETROFIT_METHODS = ("kvpop", "streaming_plus", "dms")
 
 
 def cmd_retrofit(args) -> int:
-    from .config import DMSConfig, KVpopConfig, StreamingConfig
+    from .config import DMSConfig, KVpopConfig, StreamingConfig, retrofit_window
     from .train.distill import RetrofitConfig, retrofit
 
     check(args.method in RETROFIT_METHODS,
@@ -338,7 +338,7 @@ def cmd_retrofit(args) -> int:
         method_kw["streaming"] = StreamingConfig(budget=args.budget, sinks=args.sinks)
         kvpop = KVpopConfig(scorer=args.scorer)
     else:
-        window = default_window(args.budget) if args.window is None else args.window
+        window = retrofit_window(args.budget) if args.window is None else args.window
         check_int("--budget", args.budget, args.sinks + window + 1,
                   hint=f" ({args.method} needs sinks={args.sinks} + window={window} and at least one long-range slot)")
         kvpop = (KVpopConfig(sinks=args.sinks, window=window, topk=args.budget - args.sinks - window,
@@ -386,13 +386,6 @@ def _target_options(args) -> dict:
              "state_in_budget": None if args.state_in_budget is None else args.state_in_budget == "1",
              "mlstm_compile_mode": args.mlstm_compile_mode}
     return {k: v for k, v in given.items() if v is not None}
-
-
-def default_window(budget: int) -> int:
-    """``kvlearn retrofit``'s protected window for KVpop and DMS at ``budget`` when ``--window`` is not given: the
-    KVpop paper's 256 from budget 512 up, half the budget below (at 256, KVpop-MLP kept 0.66 of the teacher with a
-    window of 128 against 0.56 with 64: docs/DESIGN.md section 4, "CR 94% at the same recipe")."""
-    return 256 if budget >= 512 else max(1, budget // 2)
 
 
 def cmd_reproduce(args) -> int:

@@ -227,9 +227,9 @@ def test_cli_default_window_is_256_from_budget_512_and_half_the_budget_below(tea
     """Without ``--window`` the retrofit keeps the KVpop paper's 256 at budgets >= 512 (unchanged) and half the budget
     below, so a small budget trains instead of failing on a window larger than itself; ``--window`` still wins, and a
     window that leaves no long-range slot is still one line naming it."""
-    from kvlearn.cli import default_window
+    from kvlearn.config import retrofit_window
 
-    assert [default_window(b) for b in (4096, 1024, 512, 511, 256, 48, 2)] == [256, 256, 256, 255, 128, 24, 1]
+    assert [retrofit_window(b) for b in (4096, 1024, 512, 511, 256, 48, 2)] == [256, 256, 256, 255, 128, 24, 1]
     common = ["--model", teacher_path, "--seq-len", "128", "--steps", "1", "--batch-size", "1", "--device", "cpu"]
     assert main(["retrofit", *common, "--out", str(tmp_path / "a"), "--budget", "48"]) == 0
     saved = kvlearn.load(tmp_path / "a" / "final").config.kvpop

@@ -22,18 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..config import retrofit_window
 from ..errors import check, check_int
 from ..results import merge_results, portable_path, read_results, repo_root, write_results
 
 TABLE1_STUDENTS = "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
 CHAIN = Path("benchmarks") / "device" / "kvpop_table.sh"
 EVAL_MINUTES = 4.0  # the table's share of a budget's run after the retrofits (n = 100, both splits, 6 parts)
-
-
-def window_for(budget: int) -> int:
-    """The protected window of the KVpop and DMS students at ``budget`` (the measured recipes: 256 at 512 and 1024,
-    64 at 256, where 256 would leave no long-range slot)."""
-    return 256 if budget >= 512 else 64
 
 
 @dataclass
@@ -83,7 +78,7 @@ def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
         "TOTAL_MINUTES": str(round(config.minutes + EVAL_MINUTES, 2)),
         "N_PER_TASK": str(config.n_per_task),
         "DEVICE": config.device,
-        "RETROFIT_ARGS": f"--window {window_for(budget)} {config.retrofit_args}".strip(),
+        "RETROFIT_ARGS": f"--window {retrofit_window(budget)} {config.retrofit_args}".strip(),
         "TABLE_ARGS": f"--budgets {budget} {config.table_args}".strip(),
     }
 
