@@ -13,7 +13,9 @@ cosine to 0.1, gradient clip 1). Two simplifications keep it cheap on a CPU: the
 The backbone is frozen, so the target does not move: this isolates what the scorer can learn from what the
 backbone adapts to.
 
-Reported per arm, at a few checkpoints of training, on the eval examples:
+Reported per arm, at a few checkpoints of training, on the examples of the first of ``--splits`` (default eval;
+every further split, e.g. ``heldout``, the haystack styles and depth regimes training never sees, is reported the
+same way under its own key):
 
 - ``boundary`` / ``accuracy``: the boundary loss and agreement over every valid decision (all query positions);
 - ``needles``: at the answer query (the last prompt token), the share of the needed prompt tokens older than the
@@ -159,7 +161,16 @@ def evaluate(mods, eval_data, cfg) -> dict:
     return out
 
 
-def train_arm(spec: str, train_data, eval_data, cfg, args) -> dict:
+def evaluate_splits(mods, eval_sets: dict, cfg) -> dict:
+    """:func:`evaluate` on the first split's examples, and on each further split's under its name."""
+    (first, data), *rest = eval_sets.items()
+    out = evaluate(mods, data, cfg)
+    for split, more in rest:
+        out[split] = evaluate(mods, more, cfg)
+    return out
+
+
+def train_arm(spec: str, train_data, eval_sets: dict, cfg, args) -> dict:
     name, opts = parse_arm(spec)
     torch.manual_seed(args.seed)
     layers = len(train_data[0])
@@ -177,7 +188,7 @@ def train_arm(spec: str, train_data, eval_data, cfg, args) -> dict:
     train_loss = []
     for step in range(args.steps + 1):
         if step in checkpoints:
-            ev = evaluate(mods, eval_data, cfg)
+            ev = evaluate_splits(mods, eval_sets, cfg)
             ev.update(step=step, train_boundary=round(sum(train_loss[-50:]) / max(1, len(train_loss[-50:])), 4),
                       seconds=round(time.time() - t0, 1))
             history.append(ev)
@@ -220,7 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decay-init", type=float, default=0.99999)
     ap.add_argument("--reduction", default="peak")
     ap.add_argument("--train-rows", type=int, default=48)
-    ap.add_argument("--eval-n", type=int, default=4, help="eval examples per family (niah, vt, recall)")
+    ap.add_argument("--eval-n", type=int, default=4, help="evaluation examples per family (niah, vt, recall) and split")
+    ap.add_argument("--splits", nargs="+", default=["eval"], choices=("eval", "heldout"),
+                    help="evaluation splits (the first one's metrics at the top level, each further one under its name)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--queries", type=int, default=64)
@@ -256,6 +269,7 @@ def check_arm(spec: str) -> None:
 def run(args) -> int:
     for spec in args.scorers:
         check_arm(spec)
+    check(len(set(args.splits)) == len(args.splits), f"--splits {' '.join(args.splits)}: a split is named twice")
     check(args.steps >= 1 and args.train_rows >= 1 and args.eval_n >= 1,
           f"--steps {args.steps}, --train-rows {args.train_rows}, --eval-n {args.eval_n}: expected each >= 1")
     torch.set_num_threads(args.threads)
@@ -276,19 +290,22 @@ def run(args) -> int:
         for r in range(ids.shape[0]):
             train_data.append(add_teacher([(k[r:r + 1], v[r:r + 1], t[r:r + 1]) for k, v, t in per_layer], cfg,
                                           layers))
-    eval_data = []
-    for fam in ("niah", "vt", "recall"):
-        for i in range(args.eval_n):
-            ex = generate(fam, example_seed(fam, "eval", i), args.length)
-            plen = len(ex.prompt_ids)
-            needed = torch.tensor([p for p in needed_positions(ex) if p < plen - args.window and p >= args.sinks], dtype=torch.long)
-            ids = torch.tensor([ex.prompt_ids + ex.answer_ids])
-            eval_data.append((fam, add_teacher(collect(model, ids, args.window, args.reduction), cfg, layers),
-                              needed, plen - 1))
-    print(f"collected {len(train_data)} train rows, {len(eval_data)} eval examples in {time.time() - t0:.0f}s",
-          flush=True)
+    eval_sets = {}
+    for split in args.splits:
+        eval_data = eval_sets.setdefault(split, [])
+        for fam in ("niah", "vt", "recall"):
+            for i in range(args.eval_n):
+                ex = generate(fam, example_seed(fam, split, i), args.length)
+                plen = len(ex.prompt_ids)
+                needed = torch.tensor([p for p in needed_positions(ex) if p < plen - args.window and p >= args.sinks],
+                                      dtype=torch.long)
+                ids = torch.tensor([ex.prompt_ids + ex.answer_ids])
+                eval_data.append((fam, add_teacher(collect(model, ids, args.window, args.reduction), cfg, layers),
+                                  needed, plen - 1))
+    print(f"collected {len(train_data)} train rows, {sum(map(len, eval_sets.values()))} evaluation examples "
+          f"({', '.join(args.splits)}) in {time.time() - t0:.0f}s", flush=True)
 
-    results = [train_arm(spec, train_data, eval_data, cfg, args) for spec in args.scorers]
+    results = [train_arm(spec, train_data, eval_sets, cfg, args) for spec in args.scorers]
     for r in results:
         print(json.dumps({"arm": r["arm"], "final": r["history"][-1], "grads": r["first_step_grad_norms_layer0"]}))
     if args.out:

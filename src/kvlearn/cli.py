@@ -398,7 +398,7 @@ def cmd_reproduce(args) -> int:
     config = ReproduceConfig(out=args.out, budgets=tuple(budgets), minutes=args.minutes, steps=args.steps,
                              n_per_task=args.n_per_task,
                              device=args.device, model=args.model, retrofit_args=args.retrofit_args,
-                             table_args=args.table_args, overwrite=args.overwrite)
+                             table_args=args.table_args, overwrite=args.overwrite, resume=args.resume)
     print(f"wrote {reproduce_kvpop(config)}")
     return 0
 
@@ -749,6 +749,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("table", choices=("kvpop",), help="which table: kvpop (Table 1 of the KVpop paper)")
     sp.add_argument("--out", default="runs/reproduce-kvpop", help="folder for the runs and the merged kvpop_table.json")
     sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
+    sp.add_argument("--resume", action="store_true",
+                    help="keep the budgets an earlier run with the same settings finished in --out and run the others "
+                         "(the budgets may then run in separate sessions); the merged table covers them all")
     sp.add_argument("--budgets", default="1024,512,256", help="comma list of budgets (tokens per KV head)")
     sp.add_argument("--minutes", type=float, default=5.0, help="training minutes of each retrofit")
     sp.add_argument("--steps", type=int, default=None,

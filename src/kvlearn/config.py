@@ -15,8 +15,8 @@ def retrofit_window(budget: int) -> int:
     """The protected window of a KVpop or DMS retrofit at ``budget`` tokens per KV head when none is given
     (``kvlearn retrofit`` without ``--window``, and every student of ``kvlearn reproduce kvpop``): the KVpop paper's
     256 from budget 512 up, half the budget below. At 256 this is 128, the window of Table 1's students at CR 94%
-    (KVpop-MLP kept 0.66 of the teacher with it against 0.56 with 64: docs/DESIGN.md section 4, "CR 94% at the same
-    recipe")."""
+    (every windowed student gained over 64 there: docs/DESIGN.md section 5, "CR 94% with window 128 for every
+    student")."""
     return 256 if budget >= 512 else max(1, budget // 2)
 
 

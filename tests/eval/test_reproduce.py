@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvlearn import KVLearnError
-from kvlearn.eval.reproduce import ReproduceConfig, budget_env, command_of, reproduce_kvpop
+from kvlearn.eval.reproduce import ReproduceConfig, budget_env, command_of, finished, reproduce_kvpop
 from kvlearn.results import make_results, write_results
 
 
@@ -27,6 +27,19 @@ def test_budget_env_follows_the_measured_recipes(tmp_path):
     assert "RETROFIT_STEPS" not in env and "--minutes 5.0" in command_of(config)
 
 
+def test_the_windows_it_trains_with_are_the_committed_tables():
+    """Every windowed student row of the committed Table 1 (KVpop and DMS, any budget) was trained with the window
+    ``reproduce`` passes at that budget, so rebuilding the table trains the students it reports (at 1024 the rows
+    are the 512 students', whose window 256 is also the one ``reproduce`` gives a 1024 student)."""
+    table = json.loads((Path(__file__).resolve().parents[2] / "results" / "kvpop_table.json").read_text())
+    config = ReproduceConfig(out="unused")
+    windowed = [r for r in table["rows"] if r["method"] in ("kvpop", "kvpop_mlp", "dms")]
+    assert {r["budget"] for r in windowed} == {1024, 512, 256}
+    for row in windowed:
+        passed = budget_env(config, row["budget"])["RETROFIT_ARGS"]
+        assert passed == f"--window {row['options']['window']}", (row["method"], row["budget"], passed)
+
+
 def test_steps_give_every_method_the_same_steps_and_the_table_its_minutes(tmp_path):
     config = ReproduceConfig(out=str(tmp_path / "r"), steps=800)
     env = budget_env(config, 1024)
@@ -42,7 +55,7 @@ def fake_chain(tmp_path, fail_budgets=()):
             rows = [{"method": "kvpop_mlp", "protocol": "bounded", "split": "eval", "budget": budget, "task": "niah",
                      "context": 4096, "compression": 1 - budget / 4096, "accuracy": budget / 1024, "n": 1}]
             write_results(Path(env["OUT"]) / "kvpop_table.json",
-                          make_results("accuracy", rows, device="cuda", command="x", commit="c"))
+                          make_results("accuracy", rows, device="cuda", command="x", commit="c", complete=True))
         return subprocess.CompletedProcess(cmd, 0)
     return run
 
@@ -58,6 +71,47 @@ def test_the_tables_of_every_budget_are_merged_and_a_failed_budget_is_named(tmp_
         ReproduceConfig(out=str(tmp_path / "r"))
     with pytest.raises(KVLearnError, match="no budget's chain wrote a table"):
         reproduce_kvpop(ReproduceConfig(out=str(tmp_path / "s"), budgets=(512,)), run=fake_chain(tmp_path, (512,)))
+
+
+def test_resume_keeps_the_finished_budgets_and_merges_them_all(tmp_path):
+    """A run cut after one budget (here: the next budget's chain failed) is resumed in a later session: the finished
+    budget is not run again, the failed one is, and the merged table holds both. Changed settings, or --resume with
+    --overwrite, are one line."""
+    calls = []
+
+    def counting(fail_budgets):
+        chain = fake_chain(tmp_path, fail_budgets)
+
+        def run(cmd, cwd, env, stdout, stderr, check):
+            calls.append(int(env["BUDGET"]))
+            return chain(cmd, cwd, env, stdout, stderr, check)
+        return run
+
+    out = str(tmp_path / "r")
+    reproduce_kvpop(ReproduceConfig(out=out, budgets=(1024, 512)), run=counting(fail_budgets=(512,)))
+    assert calls == [1024, 512]
+    # an incomplete table of 512 (a guard cut it) is run again, and when that chain fails its stale rows do not count
+    stale = [{"method": "stale", "protocol": "bounded", "split": "eval", "budget": 512, "task": "niah", "accuracy": 0.0,
+              "n": 1}]
+    write_results(tmp_path / "r" / "budget512" / "kvpop_table.json",
+                  make_results("accuracy", stale, device="cuda", command="x", commit="c", complete=False))
+    path = reproduce_kvpop(ReproduceConfig(out=out, budgets=(1024, 512), resume=True), run=counting((512,)))
+    assert calls == [1024, 512, 512]
+    merged = json.loads(Path(path).read_text())
+    assert [r["method"] for r in merged["rows"]] == ["kvpop_mlp"] and any("B=512" in x for x in merged["not_run"])
+    path = reproduce_kvpop(ReproduceConfig(out=out, budgets=(1024, 512), resume=True), run=counting(()))
+    assert calls == [1024, 512, 512, 512]
+    merged = json.loads(Path(path).read_text())
+    assert [r["budget"] for r in merged["rows"]] == [1024, 512] and merged["complete"] is True
+    assert merged["command"].endswith("--resume")
+    with pytest.raises(KVLearnError, match=r"--resume: n_per_task=50 differ from the earlier run's n_per_task=100"):
+        reproduce_kvpop(ReproduceConfig(out=out, budgets=(256,), n_per_task=50, resume=True), run=counting(()))
+    assert calls == [1024, 512, 512, 512]
+    with pytest.raises(KVLearnError, match="--overwrite and --resume exclude each other"):
+        ReproduceConfig(out=out, overwrite=True, resume=True)
+    # a table a time guard cut is run again: finished only when complete and nothing is listed as not run
+    assert finished({"complete": True}) and finished({}) and not finished({"complete": False})
+    assert not finished({"complete": True, "not_run": ["kvpop/bounded/eval"]})
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -16,6 +16,7 @@ options to every retrofit / table process (a CPU smoke run uses them for tiny sh
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from ..results import merge_results, portable_path, read_results, repo_root, wri
 
 TABLE1_STUDENTS = "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
 CHAIN = Path("benchmarks") / "device" / "kvpop_table.sh"
+SETTINGS = "reproduce_settings.json"  # in out: the settings a --resume must match
 EVAL_MINUTES = 4.0  # the table's share of a budget's run after the retrofits (n = 100, both splits, 6 parts)
 
 
@@ -36,7 +38,9 @@ class ReproduceConfig:
     """``out``: folder for the per-budget runs and the merged table; ``budgets``: tokens per KV head; ``minutes``:
     each retrofit's training time; ``steps``: instead, each retrofit's steps (the same for every method, however
     the shared GPU slows each; the table then gets ``EVAL_MINUTES``, and the run's time is not bounded); ``n_per_task``: examples per family and split; ``device``: ``cuda`` (``cpu`` for
-    a smoke run); ``model``: the teacher's folder (default the committed one)."""
+    a smoke run); ``model``: the teacher's folder (default the committed one). ``resume``: keep every budget whose
+    complete table an earlier run with the same settings left in ``out`` and run only the others, so that the
+    budgets may run in separate sessions (e.g. device calls shorter than the whole run); the merge covers them all."""
 
     out: str = "runs/reproduce-kvpop"
     budgets: tuple[int, ...] = (1024, 512, 256)
@@ -48,6 +52,7 @@ class ReproduceConfig:
     retrofit_args: str = ""
     table_args: str = ""
     overwrite: bool = False
+    resume: bool = False
 
     def __post_init__(self) -> None:
         check(len(self.budgets) > 0, "budgets is empty: expected one or more budgets, e.g. 1024,512,256")
@@ -60,8 +65,16 @@ class ReproduceConfig:
         check(self.device in ("cuda", "cpu"), f"device={self.device!r} is invalid: expected cuda or cpu")
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder")
-        check(self.overwrite or not out.exists() or not any(out.iterdir()),
-              f"out={self.out!r} already holds files: pass --overwrite to replace them, or choose a new folder")
+        check(not (self.overwrite and self.resume),
+              "--overwrite and --resume exclude each other: --resume keeps the finished budgets, --overwrite reruns them")
+        check(self.overwrite or self.resume or not out.exists() or not any(out.iterdir()),
+              f"out={self.out!r} already holds files: pass --overwrite to replace them, --resume to keep its finished "
+              "budgets, or choose a new folder")
+
+    def settings(self) -> dict:
+        """What decides a budget's rows (all but ``out``, ``budgets`` and the two flags): a resumed run must match."""
+        return {"minutes": self.minutes, "steps": self.steps, "n_per_task": self.n_per_task, "device": self.device,
+                "model": self.model, "retrofit_args": self.retrofit_args, "table_args": self.table_args}
 
 
 def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
@@ -83,6 +96,11 @@ def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
     }
 
 
+def finished(table: dict) -> bool:
+    """Whether a budget's table is whole: no run cut by a time guard (``not_run``) and not marked incomplete."""
+    return table.get("complete", True) is True and not table.get("not_run")
+
+
 def command_of(config: ReproduceConfig) -> str:
     """The ``kvlearn reproduce kvpop`` command line of ``config`` (recorded in the merged table)."""
     parts = ["kvlearn reproduce kvpop", f"--out {portable_path(config.out)}",
@@ -94,6 +112,8 @@ def command_of(config: ReproduceConfig) -> str:
     for name, value in (("--retrofit-args", config.retrofit_args), ("--table-args", config.table_args)):
         if value:
             parts.append(f"{name} '{value}'")
+    if config.resume:
+        parts.append("--resume")
     return " ".join(parts)
 
 
@@ -108,18 +128,32 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
                            "the repository checkout (the README's editable install)")
     out = Path(config.out)
     (out / "students").mkdir(parents=True, exist_ok=True)
+    settings_file = out / SETTINGS
+    if config.resume and settings_file.is_file():
+        earlier = json.loads(settings_file.read_text())
+        changed = sorted(k for k in set(earlier) | set(config.settings()) if earlier.get(k) != config.settings().get(k))
+        check(not changed, f"--resume: {', '.join(f'{k}={config.settings().get(k)!r}' for k in changed)} differ from "
+                           f"the earlier run's {', '.join(f'{k}={earlier.get(k)!r}' for k in changed)} "
+                           f"({settings_file}): resume with the same settings, or start a new --out")
+    settings_file.write_text(json.dumps(config.settings(), indent=1) + "\n")
     tables, missing = [], []
     for i, budget in enumerate(config.budgets):
+        table = out / f"budget{budget}" / "kvpop_table.json"
+        if config.resume and table.is_file() and finished(read_results(table)):
+            print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: kept from the earlier run ({table})", flush=True)
+            tables.append(table)
+            continue
         length = f"{config.steps} steps" if config.steps is not None else f"{config.minutes} min"
         print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: 4 retrofits of {length}, then the table "
               f"(log: {out / f'budget{budget}.log'})", flush=True)
+        table.unlink(missing_ok=True)  # a chain that fails now must not leave an earlier run's table standing
         with open(out / f"budget{budget}.log", "w") as log:
             run(["bash", str(chain)], cwd=repo_root(), env={**os.environ, **budget_env(config, budget)},
                 stdout=log, stderr=subprocess.STDOUT, check=False)
-        table = out / f"budget{budget}" / "kvpop_table.json"
         (tables if table.is_file() else missing).append(table if table.is_file() else f"B={budget}")
     check(tables, f"no budget's chain wrote a table: see the logs in {out}")
-    merged = merge_results([read_results(t) for t in tables], command_of(config))
+    merged = merge_results([read_results(t) for t in tables], command_of(config),
+                           across_runs=config.resume)  # resumed budgets may come from other commits
     if missing:
         merged["not_run"] = merged.get("not_run", []) + [f"every run at {m} (its chain failed: see its log)" for m in missing]
         merged["complete"] = False
