@@ -3,7 +3,7 @@
     python benchmarks/kvpop_retention.py --model runs/kvpop-student --family vt --n 4 \\
         --out results/raw/NAME.json --heatmap results/raw/NAME.png
 
-For ``n`` eval-split prompts of ``--family`` at ``--length``, one teacher-forced forward under the KVpop training
+For ``n`` prompts of ``--family`` at ``--length`` (``--split``: eval, or the held-out haystacks), one teacher-forced forward under the KVpop training
 attention (the running top-k of the model's learned priorities; the CPU dense-mask twin) records, per layer, the
 learned ranks and cutoffs and the future-attention target. The *teacher policy* is the running top-k of the
 target's effective scores (``kvlearn.kvpop.policy.teacher_policy``: what the boundary loss trains the scorers
@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, help="a KVpop checkpoint folder (kvlearn retrofit's final/)")
     p.add_argument("--family", default="vt", choices=tasks.FAMILIES)
     p.add_argument("--n", type=int, default=4)
+    p.add_argument("--split", default="eval", choices=("eval", "heldout"),
+                   help="prompts of the eval split, or of the held-out haystack styles and depth regimes")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--window", type=int, default=None, help="re-split the budget with this window")
     p.add_argument("--decay", type=float, default=None, help="set every head's decay gamma to this value (both policies)")
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
         queries = torch.linspace(config.sinks + config.window, args.length - 1, args.queries).long()
     examples, sums = [], {}
     for i in range(args.n):
-        ex = tasks.generate(args.family, tasks.example_seed(args.family, "eval", i), args.length)
+        ex = tasks.generate(args.family, tasks.example_seed(args.family, args.split, i), args.length)
         m = measure(model, config, ex, queries)
         keys = ("recall", "needles", "needles_teacher") if m["n_needed"] else ("recall",)
         for k in keys:
@@ -163,7 +165,8 @@ def main(argv=None) -> int:
                          f"{args.family} example 0 ({ex.style}, {ex.regime}): kept keys at the answer query, "
                          f"budget {config.sinks}+{config.window}+{config.topk}")
     decays = [[round(float(g), 6) for g in torch.exp(d())] for d in kvpop_modules(model)[1]]  # gamma per layer, head
-    row = {"model": args.model, "family": args.family, "length": args.length, "decay_override": args.decay,
+    row = {"model": args.model, "family": args.family, "split": args.split, "length": args.length,
+           "decay_override": args.decay,
            "target_aggregation": config.target_aggregation, "target_count_normalize": config.target_count_normalize,
            "target_reduction": config.target_reduction, "sinks": config.sinks,
            "window": config.window, "topk": config.topk, "queries": args.queries, "examples": examples,

@@ -121,3 +121,24 @@ def test_target_options_change_the_teacher_policy_only(tmp_path):
     assert (rows[1]["target_aggregation"], rows[1]["target_count_normalize"]) == ("mean", False)
     assert rows[0]["needles_by_layer_head"] == rows[1]["needles_by_layer_head"]
     assert rows[0]["needles_teacher_by_layer_head"] != rows[1]["needles_teacher_by_layer_head"]
+
+
+def test_split_heldout_measures_the_held_out_haystacks(tmp_path):
+    """``--split heldout`` draws its prompts from the held-out haystack styles and depth regimes (the examples the
+    row reports are those of ``tasks.example_seed(family, "heldout", i)``), recorded as ``split``; the default is
+    the eval split."""
+    from kvlearn.testbed import tasks
+
+    script = load_script()
+    out = tmp_path / "s.json"
+    tight = checkpoint(tmp_path / "tight", window=16, topk=24)
+    styles = {}
+    for split in ("eval", "heldout"):
+        assert script.main(["--model", tight, "--family", "recall", "--length", "256", "--n", "2", "--queries", "4",
+                            "--split", split, "--out", str(out)]) == 0
+        row = json.loads(out.read_text())["rows"][0]
+        assert row["split"] == split
+        expected = [tasks.generate("recall", tasks.example_seed("recall", split, i), 256) for i in range(2)]
+        assert [(e["style"], e["regime"]) for e in row["examples"]] == [(x.style, x.regime) for x in expected]
+        styles[split] = {e["style"] for e in row["examples"]}
+    assert not styles["eval"] & styles["heldout"]  # training's styles never appear in the held-out split
