@@ -18,6 +18,8 @@ towards). Reported per layer and KV head:
   their target yet; teacher itself low: the target, or the decay's recency bias, does not single the needles out
   at this budget (the learned per-head decays ``gamma`` are in the row too).
 
+An mLSTM student trained with ``state_in_budget`` is measured with the top-k it trained and serves with (its state's
+bytes take some of the slots: ``kvlearn.kvpop.apply.model_budget_config`` in bf16, as the retrofit does).
 ``--window W`` re-splits the same budget (``topk = budget - sinks - W``), the target included. ``--decay G`` sets
 every head's decay to ``G`` for both policies (a what-if: how much of the far needles does the teacher policy keep
 without the learned decays' recency prior?). ``--target-aggregation`` / ``--count-normalize`` change the
@@ -37,7 +39,7 @@ import torch
 
 import kvlearn
 from kvlearn import KVpopConfig
-from kvlearn.kvpop.apply import kvpop_modules, recorded_config
+from kvlearn.kvpop.apply import kvpop_modules, model_budget_config, recorded_config
 from kvlearn.kvpop.policy import LearnedDecay, sample_query_positions, teacher_policy
 from kvlearn.kvpop.train_attention import TrainForward, use_train_attention
 from kvlearn.ops.masks import retention_mask_dense
@@ -144,6 +146,8 @@ def main(argv=None) -> int:
     if args.window is not None:
         budget = config.sinks + config.window + config.topk
         config = dataclasses.replace(config, window=args.window, topk=budget - config.sinks - args.window)
+    # an mLSTM student trained with its state in the budget trains and serves with fewer top-k slots: measure those
+    config = model_budget_config(model, config, torch.bfloat16)
     use_train_attention(model)
     if args.length > config.sinks + config.window + config.topk:  # as in training (a full long-range budget)
         queries = sample_query_positions(args.length, config.sinks, config.window, config.topk, args.queries,
@@ -169,7 +173,8 @@ def main(argv=None) -> int:
            "decay_override": args.decay,
            "target_aggregation": config.target_aggregation, "target_count_normalize": config.target_count_normalize,
            "target_reduction": config.target_reduction, "sinks": config.sinks,
-           "window": config.window, "topk": config.topk, "queries": args.queries, "examples": examples,
+           "window": config.window, "topk": config.topk, "state_in_budget": config.state_in_budget,
+           "queries": args.queries, "examples": examples,
            "decay_by_layer_head": decays,
            **{f"{k}_by_layer_head": rounded(torch.stack(v).mean(0)) for k, v in sums.items()},
            **{f"{k}_mean": round(float(torch.stack(v).mean()), 3) for k, v in sums.items()}}

@@ -18,13 +18,13 @@ def load_script():
     return load_benchmark("kvpop_retention")
 
 
-def checkpoint(path, window, topk):
+def checkpoint(path, window, topk, **kvpop):
     torch.manual_seed(3)
     cfg = Qwen3Config(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                       pad_token_id=0, tie_word_embeddings=True)
     model = Qwen3ForCausalLM(cfg)
-    apply_kvpop(model, KVpopConfig(sinks=4, window=window, topk=topk, scorer="mlp"))
+    apply_kvpop(model, KVpopConfig(sinks=4, window=window, topk=topk, **{"scorer": "mlp", **kvpop}))
     for p in model.parameters():  # random scorers, so the learned ranking is neither recency nor the target's
         if p.dim() == 1 and p.numel() < 16:
             torch.nn.init.normal_(p, std=1.0)
@@ -142,3 +142,18 @@ def test_split_heldout_measures_the_held_out_haystacks(tmp_path):
         assert [(e["style"], e["regime"]) for e in row["examples"]] == [(x.style, x.regime) for x in expected]
         styles[split] = {e["style"] for e in row["examples"]}
     assert not styles["eval"] & styles["heldout"]  # training's styles never appear in the held-out split
+
+
+def test_an_mlstm_student_with_its_state_in_the_budget_is_measured_with_its_own_top_k(tmp_path):
+    """The retrofit trains a ``state_in_budget`` mLSTM student with fewer top-k slots (its state's bytes take some):
+    the script measures that pattern, not the recorded top-k. By hand, head_dim 16: the state is float32
+    ``C [16, 8]`` + ``n [16]`` + ``m``, 4 * (128 + 16 + 1) = 580 bytes per KV head; one bf16 token's key and value
+    2 * 16 * 2 = 64 bytes; ceil(580 / 64) = 10 slots, so top-k 24 becomes 14. Without the flag it stays 24."""
+    script = load_script()
+    out = tmp_path / "m.json"
+    for flag, topk in ((True, 14), (False, 24)):
+        path = checkpoint(tmp_path / f"mlstm{flag}", window=16, topk=24, scorer="mlstm", state_in_budget=flag)
+        assert script.main(["--model", path, "--family", "niah", "--length", "256", "--n", "1", "--queries", "4",
+                            "--out", str(out)]) == 0
+        row = json.loads(out.read_text())["rows"][0]
+        assert (row["window"], row["topk"], row["state_in_budget"]) == (16, topk, flag)
