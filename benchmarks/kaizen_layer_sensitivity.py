@@ -20,6 +20,11 @@ KV-Kaizen trainer minimises (:func:`kvlearn.train.distill.kd_loss`, KL from the 
 supervised token; its floor, the ``all16`` row's, is the teacher's probability mass outside its top 256, ~0 for a
 trained model). A configuration whose ``answer`` collapses while ``kd`` barely moves is one the selector's
 training signal cannot tell from a harmless one.
+
+``--configurations 'b4 b4 share b4 share b4 share share;b8 b4 share b2 share b2 share share'`` measures the given
+per-layer configurations (``;``-separated, each written as ``kvlearn eval --configuration`` takes it) instead of
+the set above, after ``all16``: e.g. every configuration of one compression factor, to see whether the families
+would rank them alike (a selector that reads the prompt can only gain from per-family choices if they do not).
 """
 
 from __future__ import annotations
@@ -42,10 +47,17 @@ from kvlearn.train.distill import kd_loss
 FORMATS = ("eval", "dense")
 
 
-def configurations(num_layers: int) -> list[tuple[str, tuple[LayerAction, ...]]]:
-    """``[(name, per-layer actions)]``: all16, all4, one shared layer, one 2-bit layer (module docstring)."""
+def configurations(num_layers: int, given: str | None = None, backbone: Backbone | None = None
+                   ) -> list[tuple[str, tuple[LayerAction, ...]]]:
+    """``[(name, per-layer actions)]``: all16, then the ``;``-separated ``given`` configurations (parsed on
+    ``backbone``; one-line errors), or by default all4, one shared layer, one 2-bit layer (module docstring)."""
     four = LayerAction(bits=4)
-    out = [("all16", (LayerAction(bits=16),) * num_layers), ("all4", (four,) * num_layers)]
+    out = [("all16", (LayerAction(bits=16),) * num_layers)]
+    if given is not None:
+        texts = [t.strip() for t in given.split(";") if t.strip()]
+        check(len(texts) > 0, f"--configurations {given!r} is empty: expected configurations like 'b4 b4 share b4'")
+        return out + [(" ".join(t.split()), KaizenConfig.parse(backbone, t).actions) for t in texts]
+    out.append(("all4", (four,) * num_layers))
     for l in range(1, num_layers):
         out.append((f"all4+share{l}", tuple(LayerAction.shared() if j == l else four for j in range(num_layers))))
     for l in range(num_layers):
@@ -79,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--configurations", default=None,
+                    help="';'-separated per-layer configurations to measure instead of the default set (after all16)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
@@ -97,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model, dtype=torch.float32, device=args.device)
     model.eval()
     backbone = Backbone.from_model(model)
+    try:
+        measured = configurations(backbone.num_layers, args.configurations, backbone)
+    except KVLearnError as e:
+        print(f"kaizen_layer_sensitivity: error: {e}", file=sys.stderr)
+        return 2
     attach(model)
     space = list(action_space(backbone))
     rows, start = [], time.time()
@@ -108,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             labels = torch.tensor([example_labels(e) for e in examples], device=args.device)
             with torch.no_grad():
                 plain = model(input_ids=ids, use_cache=False).logits  # the independent reference: no Kaizen path
-            for name, actions in configurations(backbone.num_layers):
+            for name, actions in measured:
                 weights = one_hot(actions, space, len(examples)).to(args.device)
                 with torch.no_grad():
                     logits = model(input_ids=ids, kaizen_train=KaizenTrainForward(space, weights),
@@ -120,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 config = KaizenConfig(backbone, actions)
                 rows.append({"format": fmt, "task": family, "config": name, "factor": round(config.compression(False), 4),
                              "n": len(examples), **{k: round(v, 5) for k, v in m.items()}})
-                print(f"{fmt:5s} {family:6s} {name:14s} factor {rows[-1]['factor']:5.2f}  token {m['token']:.3f}  "
+                print(f"{fmt:5s} {family:6s} {name:40s} factor {rows[-1]['factor']:5.2f}  token {m['token']:.3f}  "
                       f"answer {m['answer']:.2f}  kd {m['kd']:.4f}  ({time.time() - start:.0f} s)", flush=True)
     if args.out:
         results = make_results("kaizen_layer_sensitivity", rows, device=args.device, model=args.model,

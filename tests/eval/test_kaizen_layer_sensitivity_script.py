@@ -60,3 +60,19 @@ def test_runs_on_a_tiny_model(tmp_path, teacher_path):
 def test_bad_family_is_a_one_line_error(capsys):
     assert bench.main(["--families", "nope"]) == 2
     assert "unknown family 'nope': expected one of trace, niah, vt, recall" in capsys.readouterr().err
+
+
+def test_given_configurations_are_measured_after_all16(tmp_path, teacher_path, capsys):
+    """``--configurations`` replaces the default set: all16 first, then each given one under its own name, with the
+    factor the cost model gives it (2 layers: 'b4 share' keeps 4 of 32 bits per token pair, 8x; 'b8 b8' 2x);
+    a bad word or the wrong number of layers is one line."""
+    out = tmp_path / "c.json"
+    assert bench.main(["--model", teacher_path, "--families", "niah", "--formats", "eval", "--n", "1",
+                       "--context", "256", "--configurations", "b4 share; b8  b8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["config"], r["factor"]) for r in rows] == [("all16", 1.0), ("b4 share", 8.0), ("b8 b8", 2.0)]
+    capsys.readouterr()
+    assert bench.main(["--model", teacher_path, "--configurations", "b4 b4 b4"]) == 2
+    assert "kaizen_layer_sensitivity: error:" in capsys.readouterr().err
+    assert bench.main(["--model", teacher_path, "--configurations", "b4 sharing"]) == 2
+    assert "'sharing' is invalid" in capsys.readouterr().err
