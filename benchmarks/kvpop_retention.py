@@ -3,11 +3,11 @@
     python benchmarks/kvpop_retention.py --model runs/kvpop-student --family vt --n 4 \\
         --out results/raw/NAME.json --heatmap results/raw/NAME.png
 
-For ``n`` prompts of ``--family`` at ``--length`` (``--split``: eval, or the held-out haystacks), one teacher-forced forward under the KVpop training
-attention (the running top-k of the model's learned priorities; the CPU dense-mask twin) records, per layer, the
-learned ranks and cutoffs and the future-attention target. The *teacher policy* is the running top-k of the
-target's effective scores (``kvlearn.kvpop.policy.teacher_policy``: what the boundary loss trains the scorers
-towards). Reported per layer and KV head:
+For ``n`` prompts of ``--family`` at ``--length`` (``--split``: eval, or the held-out haystacks), one teacher-forced
+forward under the KVpop training attention (the running top-k of the model's learned priorities; the CPU dense-mask
+twin) records, per layer, the learned ranks and cutoffs and the future-attention target. The *teacher policy* is
+the running top-k of the target's effective scores (``kvlearn.kvpop.policy.teacher_policy``: what the boundary
+loss trains the scorers towards). Reported per layer and KV head:
 
 - ``recall``: the share of the teacher policy's retained eligible tokens that the learned policy retains too, at
   ``--queries`` query positions sampled as in training (the paper's Figure 7 analog; ``retention_recall`` of the

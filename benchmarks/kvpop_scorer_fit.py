@@ -163,7 +163,7 @@ def evaluate(mods, eval_data, cfg) -> dict:
 
 def evaluate_splits(mods, eval_sets: dict, cfg) -> dict:
     """:func:`evaluate` on the first split's examples, and on each further split's under its name."""
-    (first, data), *rest = eval_sets.items()
+    (_, data), *rest = eval_sets.items()
     out = evaluate(mods, data, cfg)
     for split, more in rest:
         out[split] = evaluate(mods, more, cfg)
@@ -233,7 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train-rows", type=int, default=48)
     ap.add_argument("--eval-n", type=int, default=4, help="evaluation examples per family (niah, vt, recall) and split")
     ap.add_argument("--splits", nargs="+", default=["eval"], choices=("eval", "heldout"),
-                    help="evaluation splits (the first one's metrics at the top level, each further one under its name)")
+                    help="evaluation splits (the first one's metrics at the top level, each further one under its "
+                         "name)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--queries", type=int, default=64)

@@ -66,7 +66,8 @@ class ReproduceConfig:
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder")
         check(not (self.overwrite and self.resume),
-              "--overwrite and --resume exclude each other: --resume keeps the finished budgets, --overwrite reruns them")
+              "--overwrite and --resume exclude each other: --resume keeps the finished budgets, --overwrite reruns "
+              "them")
         check(self.overwrite or self.resume or not out.exists() or not any(out.iterdir()),
               f"out={self.out!r} already holds files: pass --overwrite to replace them, --resume to keep its finished "
               "budgets, or choose a new folder")
@@ -129,13 +130,14 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     out = Path(config.out)
     (out / "students").mkdir(parents=True, exist_ok=True)
     settings_file = out / SETTINGS
+    settings = config.settings()
     if config.resume and settings_file.is_file():
         earlier = json.loads(settings_file.read_text())
-        changed = sorted(k for k in set(earlier) | set(config.settings()) if earlier.get(k) != config.settings().get(k))
-        check(not changed, f"--resume: {', '.join(f'{k}={config.settings().get(k)!r}' for k in changed)} differ from "
+        changed = sorted(k for k in set(earlier) | set(settings) if earlier.get(k) != settings.get(k))
+        check(not changed, f"--resume: {', '.join(f'{k}={settings.get(k)!r}' for k in changed)} differ from "
                            f"the earlier run's {', '.join(f'{k}={earlier.get(k)!r}' for k in changed)} "
                            f"({settings_file}): resume with the same settings, or start a new --out")
-    settings_file.write_text(json.dumps(config.settings(), indent=1) + "\n")
+    settings_file.write_text(json.dumps(settings, indent=1) + "\n")
     tables, missing = [], []
     for i, budget in enumerate(config.budgets):
         table = out / f"budget{budget}" / "kvpop_table.json"
