@@ -358,6 +358,8 @@ def cmd_retrofit(args) -> int:
         method_kw["kv_bits"] = bits[0] if len(bits) == 1 else bits
     if args.init_student is not None:
         method_kw["init_student"] = args.init_student
+    if args.freeze_backbone:
+        method_kw["freeze_backbone"] = True
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -711,6 +713,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop: start from this trained KVpop student (the final/ folder of a retrofit with the same "
                          "teacher and scorer) instead of fresh scorers on the teacher's weights; --model stays the "
                          "teacher. E.g. a full-precision student refined under --kv-bits 4 (default: none)")
+    sp.add_argument("--freeze-backbone", action="store_true",
+                    help="kvpop: train only the scorers and decays (the boundary loss), the backbone staying as built: "
+                         "a scorer-only refit, e.g. of a trained student's scorers on its own backbone with "
+                         "--init-student (one process only)")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
                          "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "

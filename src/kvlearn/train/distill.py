@@ -24,7 +24,9 @@ Read top to bottom: config, models, losses, schedule, checkpoints, one step (:fu
   same schedule at ``lr_decay`` (Adam moves ``alpha`` by at most about the learning rate per step, and the decay's
   range spans ``alpha`` in about [-5, 5]: at ``lr_new`` it could not cross it in a retrofit of ~1000 steps;
   docs/DESIGN.md "The learned decay"). Fused AdamW on CUDA (:func:`make_optimizer`). Gradient clipping; bf16
-  autocast on CUDA only.
+  autocast on CUDA only. ``freeze_backbone`` (kvpop): the existing weights take no gradient and no update, so only the
+  boundary loss trains (the scorers and decays on a fixed backbone, e.g. a trained student's own, ``init_student``);
+  the KD term is still computed and logged.
 * **Data**: :class:`~kvlearn.testbed.data.TestbedStream` (batch ``b`` of the stream is step ``b``: a resumed run
   sees the batches an uninterrupted run would).
 * **Processes**: one, or several under ``torchrun`` (:mod:`kvlearn.train.parallel`): the student and the teacher
@@ -109,6 +111,9 @@ class RetrofitConfig:
     # kvpop: start the student from this trained KVpop student's weights (backbone, scorers, decays) instead of the
     # teacher's plus fresh scorers, e.g. a full-precision student refined under ``kv_bits``; the teacher stays ``model``
     init_student: str | None = None
+    # kvpop: train the scorers and decays only (boundary loss); the existing weights stay as built (the teacher's, or
+    # init_student's): a scorer-only refit on a fixed backbone
+    freeze_backbone: bool = False
     # length of the run: ``steps``, or a wall-clock budget in ``minutes`` (then the schedule follows elapsed time)
     steps: int | None = 1000
     minutes: float | None = None
@@ -172,6 +177,11 @@ class RetrofitConfig:
             check(Path(self.init_student, "config.json").is_file(),
                   f"init_student={self.init_student!r} is not a model folder (no config.json): expected the final/ "
                   "folder of a kvlearn retrofit")
+        check(isinstance(self.freeze_backbone, bool),
+              f"freeze_backbone={self.freeze_backbone!r} is invalid: expected True or False")
+        check(not self.freeze_backbone or self.method == "kvpop",
+              f"freeze_backbone=True is for method 'kvpop' (its scorers train by the boundary loss alone), not "
+              f"{self.method!r}")
         check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
@@ -486,6 +496,18 @@ def fused_adamw_applies(params) -> bool:
                                 for p in params)
 
 
+def freeze_existing_weights(student) -> int:
+    """``requires_grad=False`` on every parameter of a KVpop ``student`` but its scorers and decays (the
+    ``NEW_MODULES['kvpop']`` modules); returns how many tensors were frozen. :func:`make_optimizer` then leaves them
+    out of its first group, so they get neither a gradient nor an update."""
+    marker = NEW_MODULES["kvpop"]
+    frozen = [p for n, p in student.named_parameters() if marker not in n]
+    check(len(frozen) < len(list(student.parameters())), "freeze_backbone=True: the student has no KVpop modules")
+    for p in frozen:
+        p.requires_grad_(False)
+    return len(frozen)
+
+
 def make_optimizer(config: RetrofitConfig, student, device: torch.device, fused: bool | None = None
                    ) -> torch.optim.AdamW:
     """AdamW with group 0 = the existing weights (constant ``lr``), group 1 = the method's new modules (``lr_new``;
@@ -501,7 +523,7 @@ def make_optimizer(config: RetrofitConfig, student, device: torch.device, fused:
     named = list(student.named_parameters())
     decay = [p for n, p in named if config.method == "kvpop" and is_decay_parameter(n)]
     new = [p for n, p in named if marker is not None and marker in n and not any(p is d for d in decay)]
-    old = [p for n, p in named if marker is None or marker not in n]
+    old = [p for n, p in named if (marker is None or marker not in n) and p.requires_grad]  # none: freeze_backbone
     if fused is None:
         fused = fused_adamw_applies(p for _, p in named)
     return torch.optim.AdamW([{"params": old, "lr": config.lr}, {"params": new, "lr": config.lr_new},
@@ -612,8 +634,10 @@ def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
     method_config = {"kvpop": config.kvpop, "streaming_plus": config.streaming, "dms": config.dms}[config.method]
     expected = {"method": config.method, _config_field(config.method): asdict(method_config), "steps": config.steps,
                 "minutes": config.minutes, "seq_len": config.seq_len, "batch_size": config.batch_size,
-                "seed": config.seed, "kv_bits": config.kv_bits, "family_weights": config.family_weights}
-    trainer = read_trainer_state(path, expected, defaults={"method": "kvpop", "kv_bits": None, "family_weights": None})
+                "seed": config.seed, "kv_bits": config.kv_bits, "family_weights": config.family_weights,
+                "freeze_backbone": config.freeze_backbone}
+    trainer = read_trainer_state(path, expected, defaults={"method": "kvpop", "kv_bits": None, "family_weights": None,
+                                                           "freeze_backbone": False})
     load_student_weights(path, student)
     return trainer
 
@@ -724,6 +748,9 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
           f"mlstm_compile_mode={config.kvpop.mlstm_compile_mode!r} with {d.world} processes (FSDP) is not supported: "
           "the scorer's CUDA graphs were measured on one process only; expected mlstm_compile_mode='default' "
           "(--mlstm-compile-mode default) under torchrun")
+    check(d.world == 1 or not config.freeze_backbone,
+          f"freeze_backbone=True with {d.world} processes (FSDP) is not supported: a sharded unit mixing frozen and "
+          "trained parameters was never run; expected one process (the scorers of the testbed teacher fit one GPU)")
     device = torch.device(f"cuda:{d.local_rank}" if d.world > 1 and config.device.startswith("cuda") else config.device)
     rows = shard_rows(config.batch_size, d.rank, d.world)  # one-line error unless batch_size % world == 0
     torch.manual_seed(config.seed)
@@ -733,6 +760,8 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
         if config.overwrite and not config.resume:  # remove only what an earlier run of this trainer wrote
             clear_run_outputs(out)
     teacher, student = build_models(config, device)
+    if config.freeze_backbone:
+        freeze_existing_weights(student)
     kv = training_kvpop(config, student)  # before sharding
     step, trainer_state = 0, None
     if config.resume:
