@@ -496,16 +496,13 @@ def fused_adamw_applies(params) -> bool:
                                 for p in params)
 
 
-def freeze_existing_weights(student) -> int:
+def freeze_existing_weights(student) -> None:
     """``requires_grad=False`` on every parameter of a KVpop ``student`` but its scorers and decays (the
-    ``NEW_MODULES['kvpop']`` modules); returns how many tensors were frozen. :func:`make_optimizer` then leaves them
-    out of its first group, so they get neither a gradient nor an update."""
-    marker = NEW_MODULES["kvpop"]
-    frozen = [p for n, p in student.named_parameters() if marker not in n]
-    check(len(frozen) < len(list(student.parameters())), "freeze_backbone=True: the student has no KVpop modules")
-    for p in frozen:
-        p.requires_grad_(False)
-    return len(frozen)
+    ``NEW_MODULES['kvpop']`` modules). :func:`make_optimizer` then leaves them out of its first group, so they get
+    neither a gradient nor an update."""
+    for name, p in student.named_parameters():
+        if NEW_MODULES["kvpop"] not in name:
+            p.requires_grad_(False)
 
 
 def make_optimizer(config: RetrofitConfig, student, device: torch.device, fused: bool | None = None
