@@ -298,7 +298,7 @@ def _family_weights(text: str):
 def cmd_pretrain(args) -> int:
     from .train.pretrain import PretrainConfig, pretrain
 
-    config = PretrainConfig(**({"out": args.out} if args.out else {}), overwrite=args.overwrite, minutes=args.minutes, device=_device(args.device), seed=args.seed,
+    config = PretrainConfig(**({"out": args.out} if args.out else {}), overwrite=args.overwrite, minutes=args.minutes, steps=args.steps, device=_device(args.device), seed=args.seed,
                             resume=args.resume, num_workers=args.num_workers, eval_n=args.eval_n,
                             tokens_per_step=args.tokens_per_step, lr=args.lr, dense_fraction=args.dense_fraction,
                             **({"stages": tuple(int(s) for s in args.stages.split(","))} if args.stages else {}),
@@ -648,6 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default=None, help="checkpoint folder (default: a new runs/testbed-teacher-<UTC time>)")
     sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
     sp.add_argument("--minutes", type=float, default=18.0, help="wall-clock training budget")
+    sp.add_argument("--steps", type=int, default=None,
+                    help="a budget of optimizer steps instead of --minutes: the curriculum stages and the learning rate "
+                         "follow the share of steps done (e.g. a smaller model on the teacher's 9,162 steps)")
     sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     sp.add_argument("--seed", type=int, default=0, help="random seed")
     sp.add_argument("--resume", default=None, help="checkpoint folder to start from instead of a fresh model")

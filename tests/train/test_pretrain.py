@@ -347,3 +347,31 @@ def test_cli_num_layers_maps_into_the_config(tmp_path, monkeypatch):
     assert cli.main(base) == 0 and got[-1].num_layers == 8
     assert cli.main([*base, "--num-layers", "2"]) == 0 and got[-1].num_layers == 2
     assert cli.main([*base, "--num-layers", "0"]) == 2 and len(got) == 2  # one-line error
+
+
+def test_step_budget_runs_exactly_that_many_steps_with_stages_at_their_step_shares(tmp_path):
+    """``steps``: the run takes exactly ``steps`` optimizer steps, each stage ends at its share of them (by hand:
+    shares 0.4 / 0.6 of 5 steps -> stage 0 is steps 0 and 1), and the card says the budget was steps."""
+    cfg = PretrainConfig(out=str(tmp_path / "t"), steps=5, device="cpu", hidden_size=32, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, context=512,
+                         stages=(256, 512), stage_fractions=(0.4, 0.6), tokens_per_step=1024, num_workers=0, eval_n=1,
+                         log_every=1000, warmup_steps=2)
+    log = pretrain(cfg)
+    assert log["steps"] == 5 and log["tokens"] == 5 * 1024
+    assert [(s["length"], s["end_step"]) for s in log["stages"]] == [(256, 2), (512, 5)]
+    assert "(a budget of 5 steps)" in (tmp_path / "t" / "README.md").read_text()
+    for bad in (0, 2.5, True):
+        with pytest.raises(KVLearnError, match=f"steps={bad!r} is invalid: expected None"):
+            PretrainConfig(out=str(tmp_path / "u"), steps=bad)
+
+
+def test_cli_steps_maps_into_the_config(tmp_path, monkeypatch):
+    from kvlearn import cli
+    from kvlearn.train import pretrain as pretrain_module
+
+    got = []
+    monkeypatch.setattr(pretrain_module, "pretrain", got.append)
+    base = ["pretrain", "--out", str(tmp_path / "t"), "--device", "cpu"]
+    assert cli.main(base) == 0 and got[-1].steps is None
+    assert cli.main([*base, "--steps", "9162"]) == 0 and got[-1].steps == 9162
+    assert cli.main([*base, "--steps", "0"]) == 2 and len(got) == 2  # one-line error

@@ -3,7 +3,10 @@
 Read top to bottom: config, model, data, schedule, loop. One GPU (``kvlearn pretrain``) or several with DDP
 (``torchrun --nproc_per_node N -m kvlearn.cli pretrain ...``). The budget is wall-clock minutes: the curriculum
 stages and the cosine learning-rate schedule are functions of the elapsed fraction of it, so a run of any length
-follows the same recipe, and the defaults train the shipped teacher from scratch in one run. At the end of every
+follows the same recipe, and the defaults train the shipped teacher from scratch in one run. With ``steps`` the
+budget is that many optimizer steps instead (the fraction is ``step / steps``): a model of another size then sees the
+same tokens as a run it is compared with (the smaller model of the KV-Kaizen table, trained on the shipped teacher's
+9,162 steps with its realised stage shares; docs/DESIGN.md section 8). At the end of every
 stage the teacher-forced answer accuracy of each family is measured at that stage's length on both evaluation
 splits (``eval``: the training haystack styles and depth regimes on unseen seeds; ``heldout``: a haystack style and
 a depth regime training never sees), so a recipe that does not learn retrieval, or learns the filler, shows it
@@ -44,6 +47,8 @@ class PretrainConfig:
     out: str = field(default_factory=default_out)
     overwrite: bool = False  # an existing non-empty ``out`` is refused unless this is set
     minutes: float = 18.0
+    # a step budget instead of ``minutes``: the curriculum and the learning rate follow ``step / steps`` (None: wall clock)
+    steps: int | None = None
     # model
     hidden_size: int = 256
     num_layers: int = 8
@@ -97,6 +102,8 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         check(self.minutes > 0, f"minutes={self.minutes} is invalid: expected > 0")
+        check(self.steps is None or (isinstance(self.steps, int) and not isinstance(self.steps, bool) and self.steps >= 1),
+              f"steps={self.steps!r} is invalid: expected None (the minutes budget) or an integer >= 1")
         check(len(self.stages) == len(self.stage_fractions) and len(self.stages) > 0,
               f"stages {self.stages} and stage_fractions {self.stage_fractions} must have the same non-zero length")
         check(abs(sum(self.stage_fractions) - 1.0) < 1e-6, f"stage_fractions {self.stage_fractions} must sum to 1")
@@ -323,10 +330,11 @@ def model_card(log: dict) -> str:
         f"- Architecture: {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_heads']} query heads / "
         f"{c['num_kv_heads']} KV heads of dim {c['head_dim']}, MLP {c['intermediate_size']}, RoPE theta "
         f"{c['rope_theta']:g}, tied embeddings, {log['parameters']:,} parameters, bf16 weights, context {c['context']}.",
-        f"- Recipe: one run of {log.get('minutes', '?')} minutes on {log.get('device', '?')} (world size "
+        f"- Recipe: one run of {log.get('minutes', '?')} minutes"
+        + (f" (a budget of {c['steps']:,} steps)" if c.get("steps") is not None else "") + f" on {log.get('device', '?')} (world size "
         f"{log['world_size']}), {log.get('steps', '?')} steps, {log.get('tokens', 0):,} tokens; curriculum "
         + ", ".join(f"{L}: {f:g}" for L, f in zip(c["stages"], c["stage_fractions"]))
-        + f" (example length: share of the time); AdamW {tuple(c['betas'])}, peak LR {c['lr']:g}, cosine to "
+        + f" (example length: share of the {'steps' if c.get('steps') is not None else 'time'}); AdamW {tuple(c['betas'])}, peak LR {c['lr']:g}, cosine to "
         f"{c['min_lr_ratio']:g} of it, {c['tokens_per_step']:,} tokens per step, dense-format share "
         f"{c['dense_fraction']:g}"
         + (f", multi-needle niah probes (a share {testbed_tasks.MULTIVALUE_PROBE_SHARE:g} of the dense rows' probes) "
@@ -400,8 +408,8 @@ def pretrain(config: PretrainConfig) -> dict:
     step, tokens, stage, batches = 0, 0, -1, None
     loss_ema = None
     while True:
-        fraction = (time.time() - t0) / budget_s
-        if d.world > 1:  # every rank follows rank 0's clock, so stage changes and the end happen in lockstep
+        fraction = step / config.steps if config.steps is not None else (time.time() - t0) / budget_s
+        if d.world > 1 and config.steps is None:  # every rank follows rank 0's clock, so stage changes and the end happen in lockstep
             f = torch.tensor([fraction], device=device)
             dist.broadcast(f, 0)
             fraction = float(f)
