@@ -71,3 +71,40 @@ def test_a_folder_that_is_no_mlp_student_is_one_line(tmp_path, capsys):
     assert bench.main(["--mlp-student", str(tmp_path / "mlstm"), "--out", str(tmp_path / "again")]) == 2
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith("error: --mlp-student") and "Traceback" not in err
+
+
+def test_zero_readout_leaves_the_skip_path_and_graft_moves_every_scorer(tmp_path):
+    """``zero_readout``: an mLSTM student (random non-trivial weights) then scores every token as ``b`` plus its skip
+    path, computed here by an MLP scorer holding those weights; ``graft_scorers``: the backbone of one student, the
+    scorers and decays of another, bit for bit."""
+    from kvlearn.kvpop.scorers import MLPScorer
+
+    bench = load_benchmark("kvpop_mlstm_from_mlp")
+    mlp_student(tmp_path / "mlp")
+    trained = bench.convert(str(tmp_path / "mlp"), str(tmp_path / "mlstm"), state_in_budget=False)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, prm in trained.named_parameters():  # a "trained" student: every weight moved
+            prm.add_(0.3 * torch.randn_like(prm))
+    trained.save_pretrained(tmp_path / "trained")
+    zeroed = bench.zero_readout(str(tmp_path / "trained"), str(tmp_path / "zeroed"))
+    loaded = kvlearn.load(tmp_path / "zeroed")
+    key, value = torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16)
+    for layer in loaded.model.layers:
+        scorer = layer.self_attn.kvpop.scorer
+        assert bool((scorer.a == 0).all())
+        reference = MLPScorer(2, 16)
+        with torch.no_grad():
+            reference.w1.copy_(scorer.skip_w1), reference.b1.copy_(scorer.skip_b1)
+            reference.w2.copy_(scorer.skip_w2), reference.b2.copy_(scorer.b)
+            torch.testing.assert_close(scorer(key, value), reference(key, value), atol=1e-5, rtol=1e-5)
+    assert not any(bool((layer.self_attn.kvpop.scorer.a == 0).all()) for layer in trained.model.layers)
+    assert zeroed is not None
+    grafted = bench.graft_scorers(str(tmp_path / "mlstm"), str(tmp_path / "trained"), str(tmp_path / "grafted"))
+    donor, base = kvlearn.load(tmp_path / "mlstm").state_dict(), trained.state_dict()
+    for name, tensor in grafted.state_dict().items():
+        assert torch.equal(tensor, donor[name] if ".kvpop." in name else base[name]), name
+    with pytest.raises(KVLearnError, match="has scorer 'mlp': expected 'mlstm'"):
+        bench.zero_readout(str(tmp_path / "mlp"), str(tmp_path / "bad"))
+    with pytest.raises(KVLearnError, match="expected the same"):
+        bench.graft_scorers(str(tmp_path / "mlp"), str(tmp_path / "trained"), str(tmp_path / "bad"))

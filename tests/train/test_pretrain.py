@@ -325,30 +325,6 @@ def test_multivalue_probes_are_opt_in_from_a_stage(tmp_path):
     assert "multi-needle" not in card(default)
 
 
-def test_cli_multivalue_from_maps_into_the_config(tmp_path, monkeypatch):
-    from kvlearn import cli
-    from kvlearn.train import pretrain as pretrain_module
-
-    got = []
-    monkeypatch.setattr(pretrain_module, "pretrain", got.append)
-    base = ["pretrain", "--out", str(tmp_path / "t"), "--device", "cpu"]
-    assert cli.main(base) == 0 and got[-1].multivalue_from is None
-    assert cli.main([*base, "--multivalue-from", "2048"]) == 0 and got[-1].multivalue_from == 2048
-    assert cli.main([*base, "--multivalue-from", "300"]) == 2 and len(got) == 2  # not a stage: one-line error
-
-
-def test_cli_num_layers_maps_into_the_config(tmp_path, monkeypatch):
-    from kvlearn import cli
-    from kvlearn.train import pretrain as pretrain_module
-
-    got = []
-    monkeypatch.setattr(pretrain_module, "pretrain", got.append)
-    base = ["pretrain", "--out", str(tmp_path / "t"), "--device", "cpu"]
-    assert cli.main(base) == 0 and got[-1].num_layers == 8
-    assert cli.main([*base, "--num-layers", "2"]) == 0 and got[-1].num_layers == 2
-    assert cli.main([*base, "--num-layers", "0"]) == 2 and len(got) == 2  # one-line error
-
-
 def test_step_budget_runs_exactly_that_many_steps_with_stages_at_their_step_shares(tmp_path):
     """``steps``: the run takes exactly ``steps`` optimizer steps, each stage ends at its share of them (by hand:
     shares 0.4 / 0.6 of 5 steps -> stage 0 is steps 0 and 1), and the card says the budget was steps."""
@@ -365,13 +341,18 @@ def test_step_budget_runs_exactly_that_many_steps_with_stages_at_their_step_shar
             PretrainConfig(out=str(tmp_path / "u"), steps=bad)
 
 
-def test_cli_steps_maps_into_the_config(tmp_path, monkeypatch):
+@pytest.mark.parametrize("option, field, default, good, bad", [
+    ("--multivalue-from", "multivalue_from", None, 2048, 300),  # 300: not a stage length
+    ("--num-layers", "num_layers", 8, 2, 0),
+    ("--steps", "steps", None, 9162, 0),
+])
+def test_cli_option_maps_into_the_config(option, field, default, good, bad, tmp_path, monkeypatch):
     from kvlearn import cli
     from kvlearn.train import pretrain as pretrain_module
 
     got = []
     monkeypatch.setattr(pretrain_module, "pretrain", got.append)
     base = ["pretrain", "--out", str(tmp_path / "t"), "--device", "cpu"]
-    assert cli.main(base) == 0 and got[-1].steps is None
-    assert cli.main([*base, "--steps", "9162"]) == 0 and got[-1].steps == 9162
-    assert cli.main([*base, "--steps", "0"]) == 2 and len(got) == 2  # one-line error
+    assert cli.main(base) == 0 and getattr(got[-1], field) == default
+    assert cli.main([*base, option, str(good)]) == 0 and getattr(got[-1], field) == good
+    assert cli.main([*base, option, str(bad)]) == 2 and len(got) == 2  # one-line error, pretrain not called
