@@ -360,6 +360,8 @@ def cmd_retrofit(args) -> int:
         method_kw["init_student"] = args.init_student
     if args.freeze_backbone:
         method_kw["freeze_backbone"] = True
+    if args.readout_penalty is not None:
+        method_kw["readout_penalty"] = args.readout_penalty
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -720,6 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop: train only the scorers and decays (the boundary loss), the backbone staying as built: "
                          "a scorer-only refit, e.g. of a trained student's scorers on its own backbone with "
                          "--init-student (one process only)")
+    sp.add_argument("--readout-penalty", type=float, default=None, metavar="WEIGHT",
+                    help="kvpop, --scorer mlstm: add WEIGHT x the mean squared norm of the memory readout's weights to "
+                         "the loss, holding the score near its skip path's (one process only; default 0: off)")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
                          "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "

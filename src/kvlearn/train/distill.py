@@ -114,6 +114,10 @@ class RetrofitConfig:
     # kvpop: train the scorers and decays only (boundary loss); the existing weights stay as built (the teacher's, or
     # init_student's): a scorer-only refit on a fixed backbone
     freeze_backbone: bool = False
+    # kvpop, mLSTM scorer: weight of ``readout_penalty_term`` (the mean squared norm of the readout weights ``a``)
+    # added to the loss. The readout trained by the boundary loss alone costs recall on the testbed (docs/DESIGN.md
+    # section 5, "The mLSTM from the MLP student"); this holds it near the skip path's ranking. 0: off
+    readout_penalty: float = 0.0
     # length of the run: ``steps``, or a wall-clock budget in ``minutes`` (then the schedule follows elapsed time)
     steps: int | None = 1000
     minutes: float | None = None
@@ -182,6 +186,10 @@ class RetrofitConfig:
         check(not self.freeze_backbone or self.method == "kvpop",
               f"freeze_backbone=True is for method 'kvpop' (its scorers train by the boundary loss alone), not "
               f"{self.method!r}")
+        check_non_negative("readout_penalty", self.readout_penalty)
+        check(not self.readout_penalty or (self.method == "kvpop" and self.kvpop.scorer == "mlstm"),
+              f"readout_penalty={self.readout_penalty!r} is for method 'kvpop' with scorer 'mlstm' (it penalises the "
+              f"memory readout's weights), not method {self.method!r} with scorer {self.kvpop.scorer!r}")
         check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
@@ -632,9 +640,9 @@ def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
     expected = {"method": config.method, _config_field(config.method): asdict(method_config), "steps": config.steps,
                 "minutes": config.minutes, "seq_len": config.seq_len, "batch_size": config.batch_size,
                 "seed": config.seed, "kv_bits": config.kv_bits, "family_weights": config.family_weights,
-                "freeze_backbone": config.freeze_backbone}
+                "freeze_backbone": config.freeze_backbone, "readout_penalty": config.readout_penalty}
     trainer = read_trainer_state(path, expected, defaults={"method": "kvpop", "kv_bits": None, "family_weights": None,
-                                                           "freeze_backbone": False})
+                                                           "freeze_backbone": False, "readout_penalty": 0.0})
     load_student_weights(path, student)
     return trainer
 
@@ -685,6 +693,10 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
         parts = distill_losses(state, queries, reduce_sum=reduce_sum)
         loss = kd + config.boundary_weight * parts["boundary"]
         shares = {"boundary": parts["boundary"].detach()}
+        if config.readout_penalty:
+            penalty = config.readout_penalty * readout_penalty_term(student)
+            loss = loss + penalty
+            shares["readout_penalty"] = penalty.detach()
         means = {k: parts[k] for k in ("boundary_accuracy", "keep_fraction", "recall")}
     else:  # the compression term is a mean over rows: every process holds as many rows
         loss = kd + config.compression_weight * extra_loss / d.world
@@ -745,6 +757,9 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
           f"mlstm_compile_mode={config.kvpop.mlstm_compile_mode!r} with {d.world} processes (FSDP) is not supported: "
           "the scorer's CUDA graphs were measured on one process only; expected mlstm_compile_mode='default' "
           "(--mlstm-compile-mode default) under torchrun")
+    check(d.world == 1 or not config.readout_penalty,
+          f"readout_penalty={config.readout_penalty} with {d.world} processes (FSDP) is not supported: the penalty "
+          "reads the unsharded readout weights; expected one process")
     check(d.world == 1 or not config.freeze_backbone,
           f"freeze_backbone=True with {d.world} processes (FSDP) is not supported: a sharded unit mixing frozen and "
           "trained parameters was never run; expected one process (the scorers of the testbed teacher fit one GPU)")
@@ -813,6 +828,15 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
         final = save_checkpoint(config, student, optimizer, step, FINAL, {"seconds": last.get("seconds", 0.0)}, d.main)
     parallel.close_distributed(d)
     return {"step": step, "final": None if final is None else str(final), "log": last}
+
+
+def readout_penalty_term(student) -> torch.Tensor:
+    """Mean over the layers and KV heads of ``||a_h||^2``, the squared norm of each head's mLSTM readout weight
+    ``a [H, Dv]`` (float32 scalar, differentiable in ``a``). One process only (the weights unsharded)."""
+    from ..kvpop.apply import kvpop_modules
+
+    scorers, _ = kvpop_modules(student)
+    return torch.stack([sc.a.float().pow(2).sum(-1).mean() for sc in scorers]).mean()
 
 
 def _global_sums(values: list[torch.Tensor], d) -> list[torch.Tensor]:
