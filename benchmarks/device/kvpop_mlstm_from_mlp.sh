@@ -16,6 +16,7 @@
 # (tests/eval/test_kvpop_mlstm_from_mlp_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_mlstm_from_mlp.sh
 set -u
+. "$(dirname "$0")/pack_out.sh"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export WORK_DIR=${WORK_DIR:-/tmp}
@@ -45,6 +46,4 @@ for run in retrofit_mlstm_${B}_joint retrofit_mlstm_${B}_frozen; do
     [ -f "$WORK_DIR/$run/train_log.jsonl" ] && gzip -c "$WORK_DIR/$run/train_log.jsonl" > "$OUT/train_log_$run.jsonl.gz"
 done
 rm -f "$OUT"/frozen/*.tar
-tar -C "$OUT" --exclude='*.tar' -cf "$OUT/kvpop_mlstm_from_mlp.tar" .
-find "$OUT" -mindepth 1 -not -name '*.tar' -type f -delete
-ls -laR "$OUT"
+pack_out "$OUT" kvpop_mlstm_from_mlp

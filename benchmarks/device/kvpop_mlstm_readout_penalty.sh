@@ -11,6 +11,7 @@
 # (tests/eval/test_kvpop_mlstm_readout_penalty_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_mlstm_readout_penalty.sh
 set -u
+. "$(dirname "$0")/pack_out.sh"
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export WORK_DIR=${WORK_DIR:-/tmp}
 B=${BUDGET:-512}
@@ -30,6 +31,4 @@ for w in ${WEIGHTS:-0.3 3 30}; do
     log=$WORK_DIR/table_p${w}_kvpop/train_log.jsonl
     [ -f "$log" ] && gzip -c "$log" > "$OUT/train_log_p$w.jsonl.gz"
 done
-tar -C "$OUT" --exclude='*.tar' -cf "$OUT/kvpop_mlstm_readout_penalty.tar" .
-find "$OUT" -mindepth 1 -not -name '*.tar' -type f -delete
-ls -laR "$OUT"
+pack_out "$OUT" kvpop_mlstm_readout_penalty

@@ -16,6 +16,7 @@
 # (tests/eval/test_kvpop_mlstm_scorer_refit_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_mlstm_scorer_refit.sh
 set -u
+. "$(dirname "$0")/pack_out.sh"
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export WORK_DIR=${WORK_DIR:-/tmp}
 STEPS_1=${STUDENT_STEPS:-1300}
@@ -44,6 +45,4 @@ for run in table_m${B}_kvpop retrofit_mlstm_${B}_refit retrofit_mlstm_${B}_refit
     [ -f "$WORK_DIR/$run/train_log.jsonl" ] && gzip -c "$WORK_DIR/$run/train_log.jsonl" > "$OUT/train_log_$run.jsonl.gz"
 done
 rm -f "$OUT"/refit_lr/*.tar
-tar -C "$OUT" --exclude='*.tar' -cf "$OUT/kvpop_mlstm_scorer_refit.tar" .
-find "$OUT" -mindepth 1 -not -name '*.tar' -type f -delete
-ls -laR "$OUT"
+pack_out "$OUT" kvpop_mlstm_scorer_refit
