@@ -18,6 +18,8 @@
 # evaluation format, docs/DESIGN.md section 8, "Which layers the selector may share"); CONTROL: a same-recipe
 # uncompressed fine-tune for the control row (default: the teacher); SMALLER_MODEL: a smaller dense model trained with
 # the teacher's recipe (`kvlearn pretrain --num-layers 2`), whose rows the first baseline part measures (smaller_model).
+# DEVICE (default cuda for the training, kaizen_table.py's own default for the rows) lets the selector part run on the
+# CPU (benchmarks/device/kaizen_family_swap.sh's smoke test).
 # DRY_RUN=1 checks the plumbing on the CPU: the processes print their command lines, and fake parts are merged.
 # TARGETS (default '4 8'): the selectors trained, one kaizen-train each; an entry may be a comma list (a
 # budget-conditioned selector sampling its target per sequence, e.g. '1,2,4', folder kaizen-t1_2_4, label kaizen1_2_4).
@@ -72,7 +74,7 @@ for r in "${runs[@]}"; do
     read -r t tag seed_args <<< "$r"
     # shellcheck disable=SC2086
     run python3 -m kvlearn.cli kaizen-train --model "$MODEL" --out "$OUT/kaizen-t$tag" --overwrite --target "$t" \
-        --minutes "$TRAIN_MINUTES" --seq-len "${SEQ_LEN:-4096}" --batch-size "${BATCH:-8}" --device cuda \
+        --minutes "$TRAIN_MINUTES" --seq-len "${SEQ_LEN:-4096}" --batch-size "${BATCH:-8}" --device "${DEVICE:-cuda}" \
         --save-interval 100000 ${TRAIN_ARGS:-} $seed_args > "$OUT/kaizen_train_t$tag.log" 2>&1 &
     trainers+=($!)
 done
@@ -87,6 +89,7 @@ for r in "${runs[@]}"; do
         run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} \
             --selector "kaizen$tag=$OUT/kaizen-t$tag/final" --no-control --baselines none --compose-factors none \
             --n-per-task "${N_PER_TASK:-100}" --minutes "$left" --out "$OUT/kaizen_table_selector_t$tag.json" \
+            ${DEVICE:+--device "$DEVICE"} \
             ${SELECTOR_TABLE_ARGS:-} \
             > "$OUT/kaizen_table_selector_t$tag.log" 2>&1 &
         parts+=("$OUT/kaizen_table_selector_t$tag.json")
