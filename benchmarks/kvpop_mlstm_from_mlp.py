@@ -45,20 +45,19 @@ def convert(mlp_student: str, out: str, state_in_budget: bool = True, seed: int 
     """Write the converted student to ``out`` and return it (float32). One-line errors for a folder that is no MLP
     KVpop student."""
     import kvlearn
-    from kvlearn.kvpop.apply import apply_kvpop, recorded_config
+    from kvlearn.kvpop.apply import CONFIG_KEY, MODULE_NAME, apply_kvpop, attention_modules, recorded_config
 
-    mlp = kvlearn.load(mlp_student, dtype=torch.float32)
-    recorded = recorded_config(mlp)
+    model = kvlearn.load(mlp_student, dtype=torch.float32)
+    recorded = recorded_config(model)
     check(recorded is not None, f"--mlp-student {mlp_student!r} has no KVpop modules: expected a KVpop student folder")
     check(recorded.scorer == "mlp", f"--mlp-student {mlp_student!r} has scorer {recorded.scorer!r}: expected 'mlp'")
     config = dataclasses.replace(recorded, scorer="mlstm", mlstm_skip=True, state_in_budget=bool(state_in_budget))
-    model = kvlearn.load(mlp_student, dtype=torch.float32)
-    for layer in model.model.layers:  # a plain backbone: the MLP modules go, the mLSTM ones come fresh
-        del layer.self_attn.kvpop
-    delattr(model.config, "kvpop")
+    source = {k: v.clone() for k, v in model.state_dict().items()}  # the MLP student's weights
+    for attn in attention_modules(model):  # a plain backbone: the MLP modules go, the mLSTM ones come fresh
+        delattr(attn, MODULE_NAME)
+    delattr(model.config, CONFIG_KEY)
     torch.manual_seed(seed)
     apply_kvpop(model, config)
-    source = mlp.state_dict()
     target = model.state_dict()
     with torch.no_grad():
         for name, tensor in target.items():
@@ -82,12 +81,16 @@ def convert(mlp_student: str, out: str, state_in_budget: bool = True, seed: int 
 
 
 def _save(model, source: str, out: str) -> None:
+    """``model`` into folder ``out`` with ``source``'s tokenizer files and teacher record (the teacher is unchanged)."""
+    from kvlearn.hf import copy_tokenizer_files
+    from kvlearn.lineage import TEACHER_FILE
+
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "teacher.json"):
-        if (Path(source) / name).exists():
-            shutil.copy2(Path(source) / name, out_dir / name)
+    copy_tokenizer_files(source, out_dir)
+    if (Path(source) / TEACHER_FILE).exists():
+        shutil.copy2(Path(source) / TEACHER_FILE, out_dir / TEACHER_FILE)
 
 
 def _kvpop_student(path: str, what: str):
