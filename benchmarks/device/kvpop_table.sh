@@ -16,7 +16,9 @@
 #   RETROFIT_ARGS='--seq-len 256 --batch-size 2 --window 16' TABLE_ARGS='--context 256 --budgets 48 --tasks niah --splits eval' ...
 # STUDENTS also picks which students are trained (kvpop: the mLSTM scorer, since f23f460 with its skip
 # connection by default; kvpop_noskip=kvpop / kvpop_skip=kvpop: --mlstm-skip 0 / 1 explicitly; kvpop_immediate=kvpop:
-# the immediate readout; every mLSTM student trains with --state-in-budget 1 since this was added); TAG (e.g. _b256) keeps two chains' folders apart;
+# the immediate readout; every mLSTM student trains with --state-in-budget 1 since this was added, and every one with
+# a skip path with --readout-penalty MLSTM_READOUT_PENALTY, default 30, since session 28: docs/DESIGN.md section 5,
+# "The readout penalty"); TAG (e.g. _b256) keeps two chains' folders apart;
 # WORK_DIR (default /tmp) is where the retrofits write.
 # Students trained earlier: STUDENTS_FROM=<folder> (its <name>/ checkpoints, carried to the device) skips the
 # retrofits and evaluates them; STUDENTS (default 'kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms',
@@ -37,6 +39,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 MODEL=${MODEL:-checkpoints/testbed-teacher}
 M=${RETROFIT_MINUTES:-5}; B=${BUDGET:-512}; TOTAL=${TOTAL_MINUTES:-9.5}
 KVPOP_EXTRA=${KVPOP_EXTRA---decay-init 0.99999 --target-reduction peak}
+RP=${MLSTM_READOUT_PENALTY:-30}
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 start=$(date +%s)
 # RETROFIT_STEPS: every student trains that many steps (the same steps for every method, whatever the GPU's sharing
@@ -56,11 +59,14 @@ if [ -z "${STUDENTS_FROM:-}" ]; then  # train the students STUDENTS names, side 
         case ${s%%=*} in
             kvpop_mlp) retrofit kvpop_mlp --method kvpop --scorer mlp $KVPOP_EXTRA & ;;
             # the mLSTM students train with their state in the budget (Table 1's rule; kvpop_table.py evaluates so)
-            kvpop) retrofit kvpop --method kvpop --scorer mlstm --state-in-budget 1 $KVPOP_EXTRA & ;;  # skip: the default
+            # the mLSTM students with a skip path train under the readout penalty (MLSTM_READOUT_PENALTY, default 30,
+            # the recipe of Table 1 since session 28; KVPOP_EXTRA's own --readout-penalty comes later and wins)
+            kvpop) retrofit kvpop --method kvpop --scorer mlstm --state-in-budget 1 --readout-penalty "$RP" $KVPOP_EXTRA & ;;
             kvpop_noskip) retrofit kvpop_noskip --method kvpop --scorer mlstm --state-in-budget 1 --mlstm-skip 0 $KVPOP_EXTRA & ;;
-            kvpop_skip) retrofit kvpop_skip --method kvpop --scorer mlstm --state-in-budget 1 --mlstm-skip 1 $KVPOP_EXTRA & ;;
+            kvpop_skip) retrofit kvpop_skip --method kvpop --scorer mlstm --state-in-budget 1 --mlstm-skip 1 \
+                --readout-penalty "$RP" $KVPOP_EXTRA & ;;
             kvpop_immediate) retrofit kvpop_immediate --method kvpop --scorer mlstm --state-in-budget 1 --readout immediate \
-                $KVPOP_EXTRA & ;;  # the readout ablation: scored at u, not u + window
+                --readout-penalty "$RP" $KVPOP_EXTRA & ;;  # the readout ablation: scored at u, not u + window
             streaming_plus) retrofit streaming_plus --method streaming_plus & ;;
             dms) retrofit dms --method dms & ;;
             *) echo "STUDENTS: unknown student ${s%%=*}: expected kvpop_mlp, kvpop, kvpop_noskip, kvpop_skip, kvpop_immediate, streaming_plus or dms"; exit 2 ;;

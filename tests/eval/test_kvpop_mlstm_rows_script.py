@@ -61,3 +61,41 @@ def test_kvpop_table_extra_parts_run_on_the_named_students(tmp_path):
     assert f"--student k234=kvpop:{students}/kvpop_mlp --budgets 494" in mlp494
     fullk = next(line for line in tables if "part_fullk.json" in line)
     assert f"--student fullk=kvpop:{students}/kvpop --state-in-budget 0" in fullk
+
+
+def _retrofit_calls(tmp_path, **extra_env) -> dict[str, list[str]]:
+    """Each student's ``kvlearn retrofit`` arguments as ``kvpop_table.sh`` issues them (python3 stubbed)."""
+    stub = tmp_path / "bin" / "python3"
+    stub.parent.mkdir(exist_ok=True)
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls.log\n')
+    stub.chmod(0o755)
+    (tmp_path / "calls.log").unlink(missing_ok=True)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK_DIR": str(tmp_path / "work"), "BASELINES": "0",
+           "STUDENTS": "kvpop_mlp=kvpop kvpop=kvpop kvpop_noskip=kvpop kvpop_immediate=kvpop",
+           "PATH": f"{stub.parent}:{os.environ['PATH']}", **extra_env}
+    subprocess.run(["bash", "benchmarks/device/kvpop_table.sh"], env=env, capture_output=True, text=True, timeout=60,
+                   cwd=ROOT)
+    calls = {}
+    for line in (tmp_path / "calls.log").read_text().splitlines():
+        if " retrofit " in f" {line} ":
+            args = line.split()
+            calls[Path(args[args.index("--out") + 1]).name.removeprefix("table_")] = args[args.index("retrofit") + 1:]
+    return calls
+
+
+def test_kvpop_table_mlstm_students_train_under_the_readout_penalty(tmp_path):
+    """Table 1's mLSTM recipe since session 28: every mLSTM student with a skip path gets ``--readout-penalty 30``
+    (MLSTM_READOUT_PENALTY overrides it, and a --readout-penalty in KVPOP_EXTRA comes later, so argparse takes it);
+    the MLP student and the mLSTM without a skip path get none. The arguments are read back by kvlearn's own parser."""
+    from kvlearn.cli import build_parser
+
+    def penalty(args):
+        return build_parser().parse_args(["retrofit", *args]).readout_penalty
+
+    calls = _retrofit_calls(tmp_path)
+    assert set(calls) == {"kvpop_mlp", "kvpop", "kvpop_noskip", "kvpop_immediate"}, calls
+    assert {name: penalty(args) for name, args in calls.items()} == \
+        {"kvpop_mlp": None, "kvpop": 30.0, "kvpop_noskip": None, "kvpop_immediate": 30.0}
+    assert penalty(_retrofit_calls(tmp_path, MLSTM_READOUT_PENALTY="0")["kvpop"]) == 0.0
+    extra = "--decay-init 0.99999 --target-reduction peak --readout-penalty 3"
+    assert penalty(_retrofit_calls(tmp_path, KVPOP_EXTRA=extra)["kvpop"]) == 3.0
