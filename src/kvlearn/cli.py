@@ -724,7 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--init-student (one process only)")
     sp.add_argument("--readout-penalty", type=float, default=None, metavar="WEIGHT",
                     help="kvpop, --scorer mlstm: add WEIGHT x the mean squared norm of the memory readout's weights to "
-                         "the loss, holding the score near its skip path's (one process only; default 0: off)")
+                         "the loss, holding the score near its skip path's (Table 1's mLSTM recipe: 30; default 0: off)")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
                          "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "

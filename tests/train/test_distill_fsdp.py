@@ -24,6 +24,10 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 SETTINGS = dict(kvpop=dict(sinks=4, window=16, topk=32, scorer="mlp"), steps=3, batch_size=4, seq_len=128,
                 save_interval=2, queries_per_step=16, warmup_steps=1, lr=1e-3, lr_new=1e-2)
 
+# the mLSTM scorer under the readout penalty (Table 1's mLSTM recipe): the penalty reads the readout weights, which
+# FSDP2 holds sharded outside the forward
+MLSTM_PENALTY = {**SETTINGS, "kvpop": dict(sinks=4, window=16, topk=32, scorer="mlstm"), "readout_penalty": 30.0}
+
 # streaming_plus: no added modules, no noise (DMS's Gumbel noise is drawn per process's rows, so it is not compared)
 STREAMING_PLUS = {**{k: v for k, v in SETTINGS.items() if k != "kvpop"}, "method": "streaming_plus",
                   "streaming": dict(budget=36, sinks=4)}
@@ -61,21 +65,27 @@ def _single_and_two_processes(teacher_path: str, tmp_path: Path, settings: dict)
     return single, sharded
 
 
-@pytest.mark.parametrize("settings", [SETTINGS, STREAMING_PLUS], ids=["kvpop", "streaming_plus"])
+@pytest.mark.parametrize("settings", [SETTINGS, MLSTM_PENALTY, STREAMING_PLUS],
+                         ids=["kvpop", "kvpop_mlstm_readout_penalty", "streaming_plus"])
 def test_two_gloo_processes_equal_one(teacher_path, tmp_path, settings):
     single, sharded = _single_and_two_processes(teacher_path, tmp_path, settings)
     one, two = _log(single), _log(sharded)
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    keys = ("loss", "kd", "boundary") if "kvpop" in settings else ("loss", "kd")
+    if "readout_penalty" in settings:
+        keys += ("readout_penalty",)
+        assert one[0]["readout_penalty"] == 0 and all(r["readout_penalty"] > 0 for r in one[1:])  # a starts at 0
     for a, b in zip(one, two):
-        for key in ("loss", "kd", "boundary") if "kvpop" in settings else ("loss", "kd"):
+        for key in keys:
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
     # the same final weights, written once in the single-process format, and the same optimizer state layout
     w1, w2 = load_file(single / "final" / "model.safetensors"), load_file(sharded / "final" / "model.safetensors")
     assert w1.keys() == w2.keys() and any(".kvpop." in k for k in w1) == ("kvpop" in settings)
-    # the scorer's output bias shifts every priority of a head alike, so the pairwise boundary loss does not see it:
-    # its gradient is round-off, which Adam scales up to steps of size lr_new in either run; it is left out
-    compared = [k for k in w1 if not k.endswith("scorer.b2")]
+    # the scorer's output bias (the MLP's b2, the mLSTM's b) shifts every priority of a head alike, so the pairwise
+    # boundary loss does not see it: its gradient is round-off, which Adam scales up to steps of size lr_new in either
+    # run; it is left out
+    compared = [k for k in w1 if not k.endswith(("scorer.b2", "scorer.b"))]
     assert len(compared) == len(w1) - (2 if "kvpop" in settings else 0)
     for k in compared:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)

@@ -693,8 +693,8 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
         parts = distill_losses(state, queries, reduce_sum=reduce_sum)
         loss = kd + config.boundary_weight * parts["boundary"]
         shares = {"boundary": parts["boundary"].detach()}
-        if config.readout_penalty:
-            penalty = config.readout_penalty * readout_penalty_term(student)
+        if config.readout_penalty:  # each process's share of it, as every loss term here
+            penalty = config.readout_penalty * readout_penalty_term(student) / d.world
             loss = loss + penalty
             shares["readout_penalty"] = penalty.detach()
         means = {k: parts[k] for k in ("boundary_accuracy", "keep_fraction", "recall")}
@@ -757,9 +757,6 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
           f"mlstm_compile_mode={config.kvpop.mlstm_compile_mode!r} with {d.world} processes (FSDP) is not supported: "
           "the scorer's CUDA graphs were measured on one process only; expected mlstm_compile_mode='default' "
           "(--mlstm-compile-mode default) under torchrun")
-    check(d.world == 1 or not config.readout_penalty,
-          f"readout_penalty={config.readout_penalty} with {d.world} processes (FSDP) is not supported: the penalty "
-          "reads the unsharded readout weights; expected one process")
     check(d.world == 1 or not config.freeze_backbone,
           f"freeze_backbone=True with {d.world} processes (FSDP) is not supported: a sharded unit mixing frozen and "
           "trained parameters was never run; expected one process (the scorers of the testbed teacher fit one GPU)")
@@ -832,11 +829,14 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
 
 def readout_penalty_term(student) -> torch.Tensor:
     """Mean over the layers and KV heads of ``||a_h||^2``, the squared norm of each head's mLSTM readout weight
-    ``a [H, Dv]`` (float32 scalar, differentiable in ``a``). One process only (the weights unsharded)."""
+    ``a [H, Dv]`` (float32 scalar, differentiable in ``a``). Under FSDP2 ``a`` is a sharded DTensor outside the
+    forward: it is gathered whole (``full_tensor``, whose backward hands each process the gradient of its own shard),
+    so every process computes the same value."""
     from ..kvpop.apply import kvpop_modules
 
     scorers, _ = kvpop_modules(student)
-    return torch.stack([sc.a.float().pow(2).sum(-1).mean() for sc in scorers]).mean()
+    weights = [sc.a.full_tensor() if hasattr(sc.a, "full_tensor") else sc.a for sc in scorers]
+    return torch.stack([a.float().pow(2).sum(-1).mean() for a in weights]).mean()
 
 
 def _global_sums(values: list[torch.Tensor], d) -> list[torch.Tensor]:
