@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Does refitting the mLSTM student's scorers on its own frozen backbone close its gap at CR 88%? (issue #10; the
 # question of docs/DESIGN.md section 5, "Where the mLSTM's gap is"). One device call, three steps:
-#   1. Table 1's mLSTM student at CR 88% (benchmarks/device/kvpop_table.sh: budget 512, 1,300 steps, lr 1e-4, the
-#      state in the budget), evaluated through its cache on both splits -> $OUT/student/kvpop_table.json;
+#   1. Table 1's mLSTM student at CR 88% as it was until session 28 (benchmarks/device/kvpop_table.sh: budget 512,
+#      1,300 steps, lr 1e-4, the state in the budget, no readout penalty: MLSTM_READOUT_PENALTY default 0 here), evaluated through its cache on both splits -> $OUT/student/kvpop_table.json;
 #   2. two scorer-only refits of it side by side (benchmarks/device/retrofit.sh with `--init-student <step 1>
 #      --freeze-backbone`: only the scorers and decays train, by the boundary loss, on the student's own backbone),
 #      REFIT_STEPS steps each (default 400), one at the trainer's lr_new (1e-3, warm-up then cosine) and one at
@@ -23,7 +23,7 @@ STEPS_1=${STUDENT_STEPS:-1300}
 REFIT=${REFIT_STEPS:-400}
 B=${BUDGET:-512}
 echo "step 1: the mLSTM student, $STEPS_1 steps $(date -u +%H:%M:%S)"
-OUT=$OUT/student STUDENTS='kvpop=kvpop' TAG=_m$B BUDGET=$B RETROFIT_STEPS=$STEPS_1 RETROFIT_ARGS="--lr 1e-4 ${STUDENT_ARGS:-}" \
+OUT=$OUT/student STUDENTS='kvpop=kvpop' MLSTM_READOUT_PENALTY=${MLSTM_READOUT_PENALTY:-0} TAG=_m$B BUDGET=$B RETROFIT_STEPS=$STEPS_1 RETROFIT_ARGS="--lr 1e-4 ${STUDENT_ARGS:-}" \
     BASELINES=0 SPLIT_PARTS=1 TABLE_MINUTES=${TABLE_MINUTES:-3} TABLE_ARGS="--budgets $B ${TABLE_ARGS:-}" EXPORT_STUDENTS=0 \
     bash benchmarks/device/kvpop_table.sh > "$OUT/student.log" 2>&1
 echo "step 1 rc=$? $(date -u +%H:%M:%S)"; grep -E "rc=|^kvpop" "$OUT/student.log" | tail -n 8

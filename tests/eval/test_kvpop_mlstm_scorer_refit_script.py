@@ -50,3 +50,6 @@ def test_scorer_refit_chain_writes_every_part_and_keeps_the_backbone(make_teache
     assert any(not torch.equal(student[k], refit[k]) for k in scorers)
     lr = json.loads((work / "retrofit_mlstm_40_refit_lr" / "train_log.jsonl").read_text().splitlines()[0])
     assert 0 < lr["lr_new"] <= 3e-4  # the second refit ran at the lower peak
+    # step 1 is the mLSTM student as it was studied (session 27): no readout penalty, whatever kvpop_table.sh's default
+    trainer = torch.load(work / "table_m40_kvpop" / "final" / "trainer_state.pt", weights_only=False)
+    assert trainer["config"]["readout_penalty"] == 0.0
