@@ -6,21 +6,17 @@ splits every batch's rows. On a machine with two GPUs the same comparison runs u
 autocast makes the two runs round differently, so it is held to bf16 tolerances and to the size of the update."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torchrun import run_two_processes
 
 from kvlearn import KVLearnError
 from kvlearn.testbed.data import shard_rows
 from kvlearn.train.distill import LOG_FILE, RetrofitConfig, retrofit
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 SETTINGS = dict(kvpop=dict(sinks=4, window=16, topk=32, scorer="mlp"), steps=3, batch_size=4, seq_len=128,
                 save_interval=2, queries_per_step=16, warmup_steps=1, lr=1e-3, lr_new=1e-2)
 
@@ -40,12 +36,6 @@ retrofit(RetrofitConfig(model=sys.argv[1], out=sys.argv[2], **settings), progres
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
 
@@ -57,10 +47,7 @@ def _single_and_two_processes(teacher_path: str, tmp_path: Path, settings: dict)
     sharded = tmp_path / "fsdp"
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(driver), teacher_path, str(sharded), json.dumps(settings)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = run_two_processes(str(driver), teacher_path, str(sharded), json.dumps(settings))
     assert run.returncode == 0, run.stderr[-3000:]
     return single, sharded
 

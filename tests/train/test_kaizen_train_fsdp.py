@@ -14,22 +14,18 @@ heads per KV head, float32):
 """
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun import run_two_processes
 
 import kvlearn
 from kvlearn.kaizen.apply import selector_of
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
 from kvlearn.train.kaizen_train import LOG_FILE, KaizenTrainConfig, kaizen_train
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 # over budget from the start (factor 1 against targets 2 and 4): the multiplier rises from beta=1 by eta * excess;
 # seed 2 gives the two processes' rows different targets at the first step (a per-process update would differ)
 SETTINGS = dict(targets=[2.0, 4.0], steps=3, batch_size=4, seq_len=128, save_interval=2, warmup_steps=0, lr=1e-3,
@@ -66,21 +62,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-
-
-def _torchrun(*args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(_free_port()), *args]
-
-
 def _log(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
 
@@ -112,8 +93,7 @@ def runs(teacher_path, tmp_path_factory):
     assert sorted(p.name for p in (work / "resumed").iterdir()) == ["step-2", LOG_FILE]
     driver = work / "driver.py"
     driver.write_text(DRIVER)
-    run = subprocess.run(_torchrun(str(driver), teacher_path, str(work), json.dumps(SETTINGS)), env=_env(),
-                         capture_output=True, text=True, timeout=180)
+    run = run_two_processes(str(driver), teacher_path, str(work), json.dumps(SETTINGS), timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     return work, single, [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -191,8 +171,7 @@ def test_two_nccl_processes_on_two_gpus_log_the_steps_of_one_gpu(teacher_path, t
                           progress=False)
     driver = tmp_path / "driver.py"
     driver.write_text(NCCL_DRIVER)
-    run = subprocess.run(_torchrun(str(driver), teacher_path, str(tmp_path / "fsdp"), json.dumps(settings)),
-                         env=_env(), capture_output=True, text=True, timeout=300)
+    run = run_two_processes(str(driver), teacher_path, str(tmp_path / "fsdp"), json.dumps(settings), timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     one, two = _log(tmp_path / "single"), _log(tmp_path / "fsdp")
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]

@@ -274,22 +274,11 @@ with open(sys.argv[2] + "/weights_rank" + os.environ["RANK"] + ".json", "w") as 
 def test_adaptive_weights_reach_every_rank_under_torchrun(tmp_path):
     """2 gloo processes (DDP): only rank 0 runs the stage check, and both ranks draw the second stage with the
     weights computed from it (1.25 - rank 0's eval accuracy), not a rank's own uniform mixture."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+    from torchrun import run_two_processes
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     driver = tmp_path / "driver.py"
     driver.write_text(PRETRAIN_DRIVER)
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(driver), str(tmp_path / "t"), str(tmp_path)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = run_two_processes(str(driver), str(tmp_path / "t"), str(tmp_path))
     assert run.returncode == 0, run.stderr[-3000:]
     per_rank = [json.loads((tmp_path / f"weights_rank{r}.json").read_text()) for r in range(2)]
     saved = json.loads((tmp_path / "t" / "pretrain_log.json").read_text())
