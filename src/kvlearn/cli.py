@@ -461,6 +461,7 @@ def cmd_kaizen_train(args) -> int:
                                share_layers=parse_share_layers(args.share_layers),
                                family_weights=_mixture_weights(args.family_weights),
                                **({} if args.share_threshold is None else {"share_threshold": args.share_threshold}),
+                               select_every=args.select_every, select_n=args.select_n, select_from=args.select_from,
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
     _threads(args.threads)
@@ -816,6 +817,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
                     help="the backbone's learning rate over the run: --lr throughout, or a cosine from --lr down to a "
                          "tenth of it (no warm-up)")
+    sp.add_argument("--select-every", type=int, default=0, metavar="N",
+                    help="checkpoint selection: every N steps from --select-from of the run on, and at its end, "
+                         "evaluate the student as served (its selector's choices) on --select-n validation prompts per "
+                         "family, disjoint from the eval and held-out ones; final/ is then the best one (best/, "
+                         "selection.jsonl in --out; one process, one target) (default 0: off, final/ is the last step)")
+    sp.add_argument("--select-n", type=int, default=16, help="with --select-every: validation prompts per family")
+    sp.add_argument("--select-from", type=float, default=0.5,
+                    help="with --select-every: the fraction of the run from which the iterates are validated")
     add_trainer_options(sp, "the backbone", "the selector", "constant, or the peak of --lr-schedule cosine",
                         lr_default="KaizenTrainConfig's, 1e-5")
     sp.set_defaults(func=cmd_kaizen_train)

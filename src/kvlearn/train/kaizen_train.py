@@ -66,6 +66,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,9 +84,9 @@ from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
 from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 from . import parallel
 from .schedule import warmup_cosine
-from .distill import (FINAL, LOG_FILE, check_out_folder, check_trainer_fields, clear_run_outputs, kd_loss,
-                      latest_checkpoint, load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state,
-                      save_checkpoint)
+from .distill import (FINAL, LOG_FILE, STATE_FILE, check_out_folder, check_trainer_fields, clear_run_outputs,
+                      kd_loss, latest_checkpoint, load_student_weights, new_lr_at, prune_checkpoints,
+                      read_trainer_state, save_checkpoint)
 
 __all__ = ["KaizenTrainConfig", "kaizen_train", "kaizen_train_step", "build_models", "step_losses", "temperature",
            "KaizenStep", "make_optimizer", "make_multiplier", "penalised_cost", "PENALTY_COSTS"]
@@ -144,6 +145,11 @@ class KaizenTrainConfig:
     seed: int = 0
     device: str = "cpu"
     num_workers: int = 0
+    # checkpoint selection (select_iterate): every select_every steps from select_from of the run on, and at its end,
+    # the student's accuracy under its own selector on select_n validation prompts per family; final/ holds the best
+    select_every: int = 0  # 0: off (final/ is the last iterate)
+    select_n: int = 16
+    select_from: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, (int, float)):
@@ -186,6 +192,13 @@ class KaizenTrainConfig:
               f"penalty_cost={self.penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
         check(self.budget_scope in BUDGET_SCOPES,
               f"budget_scope={self.budget_scope!r} is invalid: expected one of {', '.join(BUDGET_SCOPES)}")
+        check_int("select_every", self.select_every, 0)
+        check_int("select_n", self.select_n, 1)
+        check(0 <= self.select_from <= 1, f"select_from={self.select_from!r} is invalid: expected a fraction of the "
+                                          "run in [0, 1]")
+        check(not self.select_every or len(self.targets) == 1,
+              f"select_every={self.select_every} with targets={self.targets}: checkpoint selection validates one "
+              "target; expected a single target")
         check_trainer_fields(self)
         from ..hf import read_model_config
 
@@ -449,9 +462,53 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
 
 
 RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed",
-                 "share_layers", "share_threshold", "family_weights", "budget_scope")
+                 "share_layers", "share_threshold", "family_weights", "budget_scope", "select_every", "select_n",
+                 "select_from")
 RESUME_DEFAULTS = {"share_layers": None, "share_threshold": DEFAULT_THRESHOLD,  # checkpoints from before the fields
-                   "family_weights": None, "budget_scope": "sequence"}
+                   "family_weights": None, "budget_scope": "sequence", "select_every": 0, "select_n": 16,
+                   "select_from": 0.5}
+BEST = "best"  # out/best/: the best-validated iterate so far (checkpoint selection)
+SELECT_LOG = "selection.jsonl"  # out/selection.jsonl: one line per validation
+SELECT_SEED_OFFSET = 1_000_000  # validation prompts: the eval split's generator from this example index on
+
+
+def validate(config: KaizenTrainConfig, student, device: torch.device) -> dict:
+    """``{"accuracy", "per_task", "factor"}``: greedy exact-match accuracy of ``student`` served as evaluation serves
+    it (method ``kaizen``: its selector's choice per prompt, the compact cache of that choice) on ``select_n``
+    prompts per family of the eval split's format, at ``seq_len``, drawn from example index
+    :data:`SELECT_SEED_OFFSET` on: disjoint from the evaluation's first 100 000 prompts and from the held-out split.
+    ``factor``: the mean realised compression. The student is returned to its training mode; its recorded config
+    stays as it was (the method's ``apply`` rewrites it with the same values, the target left unset)."""
+    from ..eval.accuracy import EvalConfig, evaluate
+
+    was_training = student.training
+    student.eval()
+    try:
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            rows = evaluate(student, EvalConfig(method="kaizen", n_per_task=config.select_n, context=config.seq_len,
+                                                batch_size=min(config.select_n, 16), split="eval",
+                                                seed_offset=SELECT_SEED_OFFSET), progress=False)
+    finally:
+        student.train(was_training)
+    per_task = {r["task"]: r["accuracy"] for r in rows}
+    return {"accuracy": sum(per_task.values()) / len(per_task), "per_task": per_task,
+            "factor": sum(r["factor"] for r in rows) / len(rows)}
+
+
+def select_iterate(config: KaizenTrainConfig, student, optimizer, step: int, device: torch.device, extra: dict,
+                   best: dict | None) -> tuple[dict, dict]:
+    """Validate the current iterate (:func:`validate`), log it to ``out/selection.jsonl`` and, when its accuracy beats
+    ``best`` (the record of ``out/best/``; ties keep the earlier one), write it as ``out/best/`` with its record
+    (``trainer_state.pt``'s ``selected``). Returns ``(the best record after this step, this step's record)``. One
+    process only."""
+    result = {"step": step, **validate(config, student, device)}
+    out = Path(config.out)
+    with open(out / SELECT_LOG, "a") as f:
+        f.write(json.dumps(result) + "\n")
+    if best is not None and result["accuracy"] <= best["accuracy"]:
+        return best, result
+    save_checkpoint(config, student, optimizer, step, BEST, {**extra, "selected": result})
+    return result, result
 
 
 def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
@@ -470,12 +527,16 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
     d = parallel.init_distributed(config.device)
     device = torch.device(f"cuda:{d.local_rank}" if d.world > 1 and config.device.startswith("cuda") else config.device)
     rows = shard_rows(config.batch_size, d.rank, d.world)  # one-line error unless batch_size % world == 0
+    check(d.world == 1 or not config.select_every,
+          f"select_every={config.select_every} with {d.world} processes (FSDP) is not supported: checkpoint selection "
+          "evaluates the whole student on one process; expected one process, or select_every=0")
     torch.manual_seed(config.seed)
     out = Path(config.out)
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
         if config.overwrite and not config.resume:
             clear_run_outputs(out)
+            _reset_selection(out, None)
     teacher, student, share_report = build_models(config, device)
     if d.main and share_report is not None:
         (out / SHARE_REPORT).write_text(json.dumps(share_report, indent=1) + "\n")
@@ -500,6 +561,8 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
     if d.main and log_path.exists():  # drop the lines of steps that the resumed run will redo
         lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
         log_path.write_text("".join(ln + "\n" for ln in lines))
+    best = _reset_selection(out, step if config.resume else None) if config.select_every and d.main else None
+    validated = None  # the step whose iterate was last validated
     stream = TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,
                            weights=config.family_weights, dense=config.dense_fraction, start_batch=step, rows=rows)
     batches = iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=config.num_workers,
@@ -527,18 +590,54 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
             log_file.flush()
             bar.update(1)
             bar.set_postfix(kd=f"{last['kd']:.3f}", factor=f"{last['factor']:.2f}", beta=f"{multiplier.beta:.3g}")
+            if config.select_every and step % config.select_every == 0 and fraction >= config.select_from:
+                best, validated = _select(config, student, optimizer, step, device, multiplier, last, best, bar,
+                                          progress), step
             if step % config.save_interval == 0:  # every process gathers, the main one writes
                 save_checkpoint(config, student, optimizer, step, f"step-{step}",
                                 {"seconds": last["seconds"], "multiplier": multiplier.state_dict()}, d.main)
                 if d.main:
                     prune_checkpoints(out)
-    bar.close()
     final = None
     if finished:
-        final = save_checkpoint(config, student, optimizer, step, FINAL,
-                                {"seconds": last.get("seconds", 0.0), "multiplier": multiplier.state_dict()}, d.main)
+        extra = {"seconds": last.get("seconds", 0.0), "multiplier": multiplier.state_dict()}
+        if config.select_every:  # the last iterate is validated too, then final/ takes the best one's weights
+            if validated != step:
+                best = _select(config, student, optimizer, step, device, multiplier, last, best, bar, progress)
+            load_student_weights(out / BEST, student)
+            extra["selected"] = best
+        final = save_checkpoint(config, student, optimizer, step, FINAL, extra, d.main)
+    bar.close()
     parallel.close_distributed(d)
     return {"step": step, "final": None if final is None else str(final), "log": last, "betas": betas}
+
+
+def _select(config: KaizenTrainConfig, student, optimizer, step: int, device: torch.device, multiplier, last: dict,
+            best: dict | None, bar, progress: bool) -> dict:
+    """:func:`select_iterate` at ``step``, with a line under the progress bar."""
+    extra = {"seconds": last.get("seconds", 0.0), "multiplier": multiplier.state_dict()}
+    best, result = select_iterate(config, student, optimizer, step, device, extra, best)
+    if progress:
+        bar.write(f"kaizen-train: step {step}: validation accuracy {result['accuracy']:.3f} (best: step {best['step']}, "
+                  f"{best['accuracy']:.3f})")
+    return best
+
+
+def _reset_selection(out: Path, resumed_step: int | None) -> dict | None:
+    """The checkpoint selection's files at the start of a run. A new run (``resumed_step`` None) removes ``best/``
+    and ``selection.jsonl``. A run resumed from step ``s`` drops the ``selection.jsonl`` lines after ``s`` (it
+    validates those steps again) and keeps ``best/``, an iterate of this same run even when it is newer than ``s``;
+    returns that record (``None`` when there is none)."""
+    log = out / SELECT_LOG
+    if resumed_step is None:
+        log.unlink(missing_ok=True)
+        shutil.rmtree(out / BEST, ignore_errors=True)
+        return None
+    if log.exists():
+        lines = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resumed_step]
+        log.write_text("".join(ln + "\n" for ln in lines))
+    state = out / BEST / STATE_FILE
+    return torch.load(state, map_location="cpu", weights_only=False)["selected"] if state.is_file() else None
 
 
 def _check_same_beta(beta: float, d, device: torch.device) -> None:
