@@ -622,6 +622,14 @@ def load_student_weights(path: Path, student) -> None:
           f"checkpoint {str(path)!r} does not match the student (missing {missing[:2]}, unexpected {unexpected[:2]})")
 
 
+def drop_log_lines_after(path: Path, step: int) -> None:
+    """Keep the lines of the JSON-lines log ``path`` whose ``step`` is at most ``step`` (a resumed run logs the
+    later ones again); nothing when the file does not exist."""
+    if path.exists():
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        path.write_text("".join(ln + "\n" for ln in lines))
+
+
 def clear_run_outputs(out: Path) -> None:
     """Remove what an earlier run of a trainer wrote into ``out`` (its log, ``final/``, ``step-<N>/`` and temporary
     folders), nothing else."""
@@ -783,9 +791,8 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
     if trainer_state is not None:
         parallel.load_optimizer_state_dict(student, optimizer, trainer_state["optimizer"])
     log_path = out / LOG_FILE
-    if d.main and log_path.exists():  # drop the lines of steps that the resumed run will redo
-        lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        log_path.write_text("".join(ln + "\n" for ln in lines))
+    if d.main:  # drop the lines of steps that the resumed run will redo
+        drop_log_lines_after(log_path, step)
 
     stream = TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,
                            weights=config.family_weights, dense=config.dense_fraction, start_batch=step, rows=rows)

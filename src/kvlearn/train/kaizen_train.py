@@ -30,7 +30,10 @@ loop. ``docs/DESIGN.md`` section 8, "Training".
   with the optimizer, the multiplier and the step), ``final/`` (loadable by :func:`kvlearn.load`, evaluable with
   ``kvlearn eval --method kaizen``), ``train_log.jsonl`` (``kd``, ``penalty``, ``beta``, ``tau``, ``bits``: the
   realised bits per token, ``factor``: the realised compression ``C_ref / C``, ``target``, ``sampled_factor``).
-  ``resume=True`` continues from the newest ``step-<N>``.
+  ``resume=True`` continues from the newest ``step-<N>``. With ``select_every`` (checkpoint selection,
+  :func:`select_iterate`) the iterates are validated on prompts disjoint from the evaluation's, each result a line of
+  ``selection.jsonl``, the best so far kept as ``best/``, and ``final/`` takes its weights (the validations' time
+  counts toward ``minutes``).
 * **Processes**: one, or several under ``torchrun --nproc_per_node N -m kvlearn.cli kaizen-train ...``
   (:mod:`kvlearn.train.parallel`, as :func:`kvlearn.train.distill.retrofit`). ``batch_size`` is the global batch:
   process ``r`` trains on rows :func:`~kvlearn.testbed.data.shard_rows` ``(batch_size, r, N)`` of the same stream
@@ -85,11 +88,12 @@ from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 from . import parallel
 from .schedule import warmup_cosine
 from .distill import (FINAL, LOG_FILE, STATE_FILE, check_out_folder, check_trainer_fields, clear_run_outputs,
-                      kd_loss, latest_checkpoint, load_student_weights, new_lr_at, prune_checkpoints,
-                      read_trainer_state, save_checkpoint)
+                      drop_log_lines_after, kd_loss, latest_checkpoint, load_student_weights, new_lr_at,
+                      prune_checkpoints, read_trainer_state, save_checkpoint)
 
 __all__ = ["KaizenTrainConfig", "kaizen_train", "kaizen_train_step", "build_models", "step_losses", "temperature",
-           "KaizenStep", "make_optimizer", "make_multiplier", "penalised_cost", "PENALTY_COSTS"]
+           "KaizenStep", "make_optimizer", "make_multiplier", "penalised_cost", "PENALTY_COSTS", "validate",
+           "select_iterate"]
 
 LR_SCHEDULES = ("constant", "cosine")  # the backbone's learning rate over the run (backbone_lr_at)
 PENALTY_COSTS = ("expected", "sampled")  # which cost the budget penalty reads (penalised_cost)
@@ -558,9 +562,8 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
     if trainer_state is not None:
         parallel.load_optimizer_state_dict(student, optimizer, trainer_state["optimizer"])
     log_path = out / LOG_FILE
-    if d.main and log_path.exists():  # drop the lines of steps that the resumed run will redo
-        lines = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        log_path.write_text("".join(ln + "\n" for ln in lines))
+    if d.main:  # drop the lines of steps that the resumed run will redo
+        drop_log_lines_after(log_path, step)
     best = _reset_selection(out, step if config.resume else None) if config.select_every and d.main else None
     validated = None  # the step whose iterate was last validated
     stream = TestbedStream(length=config.seq_len, batch_size=config.batch_size, seed=config.seed,
@@ -628,14 +631,11 @@ def _reset_selection(out: Path, resumed_step: int | None) -> dict | None:
     and ``selection.jsonl``. A run resumed from step ``s`` drops the ``selection.jsonl`` lines after ``s`` (it
     validates those steps again) and keeps ``best/``, an iterate of this same run even when it is newer than ``s``;
     returns that record (``None`` when there is none)."""
-    log = out / SELECT_LOG
     if resumed_step is None:
-        log.unlink(missing_ok=True)
+        (out / SELECT_LOG).unlink(missing_ok=True)
         shutil.rmtree(out / BEST, ignore_errors=True)
         return None
-    if log.exists():
-        lines = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resumed_step]
-        log.write_text("".join(ln + "\n" for ln in lines))
+    drop_log_lines_after(out / SELECT_LOG, resumed_step)
     state = out / BEST / STATE_FILE
     return torch.load(state, map_location="cpu", weights_only=False)["selected"] if state.is_file() else None
 
