@@ -358,6 +358,8 @@ def cmd_retrofit(args) -> int:
         method_kw["kv_bits"] = bits[0] if len(bits) == 1 else bits
     if args.init_student is not None:
         method_kw["init_student"] = args.init_student
+    if args.init_backbone is not None:
+        method_kw["init_backbone"] = args.init_backbone
     if args.freeze_backbone:
         method_kw["freeze_backbone"] = True
     if args.readout_penalty is not None:
@@ -719,6 +721,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop: start from this trained KVpop student (the final/ folder of a retrofit with the same "
                          "teacher and scorer) instead of fresh scorers on the teacher's weights; --model stays the "
                          "teacher. E.g. a full-precision student refined under --kv-bits 4 (default: none)")
+    sp.add_argument("--init-backbone", default=None, metavar="FOLDER",
+                    help="start the student's backbone from this model folder of the teacher's shape (e.g. the final/ "
+                         "of a kaizen-train run, whose backbone adapted to its configuration), the added modules "
+                         "fresh; --model stays the teacher (default: the teacher's weights)")
     sp.add_argument("--freeze-backbone", action="store_true",
                     help="kvpop: train only the scorers and decays (the boundary loss), the backbone staying as built: "
                          "a scorer-only refit, e.g. of a trained student's scorers on its own backbone with "

@@ -111,6 +111,10 @@ class RetrofitConfig:
     # kvpop: start the student from this trained KVpop student's weights (backbone, scorers, decays) instead of the
     # teacher's plus fresh scorers, e.g. a full-precision student refined under ``kv_bits``; the teacher stays ``model``
     init_student: str | None = None
+    # start the student's backbone (every weight the teacher has) from this model folder of the teacher's shape, e.g.
+    # a kaizen-train final/ whose backbone adapted to a configuration; the added modules start fresh, the teacher
+    # stays ``model``
+    init_backbone: str | None = None
     # kvpop: train the scorers and decays only (boundary loss); the existing weights stay as built (the teacher's, or
     # init_student's): a scorer-only refit on a fixed backbone
     freeze_backbone: bool = False
@@ -181,6 +185,13 @@ class RetrofitConfig:
             check(Path(self.init_student, "config.json").is_file(),
                   f"init_student={self.init_student!r} is not a model folder (no config.json): expected the final/ "
                   "folder of a kvlearn retrofit")
+        if self.init_backbone is not None:
+            check(self.init_student is None, f"init_backbone={self.init_backbone!r} and init_student="
+                                             f"{self.init_student!r} exclude each other: init_student already holds a "
+                                             "backbone; give one of them")
+            check(Path(self.init_backbone, "config.json").is_file(),
+                  f"init_backbone={self.init_backbone!r} is not a model folder (no config.json): expected e.g. the "
+                  "final/ folder of a kvlearn kaizen-train or retrofit run")
         check(isinstance(self.freeze_backbone, bool),
               f"freeze_backbone={self.freeze_backbone!r} is invalid: expected True or False")
         check(not self.freeze_backbone or self.method == "kvpop",
@@ -265,6 +276,8 @@ def build_models(config: RetrofitConfig, device: torch.device):
     teacher = load_model(config.model, dtype=torch.float32, device=device)
     teacher.requires_grad_(False)
     student = copy.deepcopy(teacher)
+    if config.init_backbone is not None:
+        init_backbone(student, config.init_backbone)
     if config.method == "kvpop":
         bits = layer_kv_bits(config, student.config.num_hidden_layers)  # one-line error for a list of another length
         apply_kvpop(student, config.kvpop)
@@ -292,6 +305,33 @@ def build_models(config: RetrofitConfig, device: torch.device):
     student.requires_grad_(True)
     student.train()
     return teacher, student
+
+
+def init_backbone(student, path: str) -> None:
+    """Copy every weight of ``student`` (still the teacher's copy, before any method's modules) from the safetensors
+    of model folder ``path``, in place. The folder may hold more (a selector, scorers: left out); each of the
+    student's weights must be there with its shape, except a tied ``lm_head`` (saved once, as the embeddings). One-line
+    error otherwise."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    check(len(files) > 0, f"init_backbone={path!r} holds no *.safetensors weights: expected a saved model folder")
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    target = student.state_dict()
+    tied = bool(getattr(student.config, "tie_word_embeddings", False))
+    missing = sorted(k for k in target if k not in state and not (tied and k.startswith("lm_head")))
+    misfit = sorted(k for k in target if k in state and state[k].shape != target[k].shape)
+    check(not (missing or misfit),
+          f"init_backbone={path!r} does not fit the teacher's shape: "
+          + "; ".join(f"{what} {keys[0]}" + (f" (+{len(keys) - 1} more)" if len(keys) > 1 else "")
+                      for what, keys in (("missing", missing), ("other shape", misfit)) if keys)
+          + " (expected a model of the teacher's architecture, e.g. one trained from it)")
+    with torch.no_grad():
+        for k, v in target.items():
+            if k in state:
+                v.copy_(state[k].to(v.dtype))
 
 
 def init_from_student(student, path: str) -> None:

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# 64x from an 8x selector's backbone (issue #11: KV-Kaizen composed with KVpop at 64x, >= 0.85 of the control on
+# every family; docs/DESIGN.md section 8, "64x from a selector's backbone"). One device call:
+#   1. an 8x selector by session 26's threshold-0.2 recipe (`kvlearn kaizen-train --target 8`, SELECTOR_LENGTH default
+#      '--minutes 4.5', SEED default 0, SELECTOR_ARGS default the recipe's options) -> $WORK_DIR/k64_selector/final;
+#   2. its configuration: the one it chooses most often over N_CHOICE (default 8) eval prompts per family
+#      (benchmarks/kaizen_conditioning.py --targets 8) -> selector_choices.json; CONFIG='b4 ...' skips the count;
+#   3. a KVpop-MLP student retrofitted from the selector's backbone under that configuration
+#      (benchmarks/device/retrofit.sh with `--init-backbone <selector> --kv-bits <configuration>`, budget 512, STEPS
+#      default 1300, lr 1e-4, the peak target; RETROFIT_ARGS more options), served at 64x on both splits and under
+#      each part alone (DECOMPOSE=1 PARALLEL_EVALS=1) -> student/.
+# Everything but the student's weights comes back packed in $OUT/kaizen_kvpop_from_selector.tar, the student (bf16)
+# as $OUT/student/kvpop_mlp_512_fromsel.tar.
+# The composed factor is the configuration's (without metadata) x CONTEXT / BUDGET: 64 for an 8.00x configuration.
+# Device time: about 9 minutes plus the machine's start-up. DEVICE, MODEL, CONTEXT, N, BUDGET and EVAL_ARGS (passed
+# to retrofit.sh) let it run as a CPU smoke test (tests/eval/test_kaizen_kvpop_from_selector_script.py).
+# Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kaizen_kvpop_from_selector.sh
+set -u
+. "$(dirname "$0")/pack_out.sh"
+export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export WORK_DIR=${WORK_DIR:-/tmp}
+MODEL=${MODEL:-checkpoints/testbed-teacher}
+SEL=$WORK_DIR/k64_selector
+echo "commit=${KVLEARN_COMMIT:-?} step 1: the 8x selector $(date -u +%H:%M:%S)"
+# shellcheck disable=SC2086
+python3 -m kvlearn.cli kaizen-train --model "$MODEL" --out "$SEL" --overwrite --target 8 --seed "${SEED:-0}" \
+    --device "${DEVICE:-cuda}" --num-workers 3 ${SELECTOR_LENGTH:---minutes 4.5} \
+    ${SELECTOR_ARGS:---dense-fraction 0.25 --underuse-weight 1 --share-layers auto --share-threshold 0.2 --lr 1e-4} \
+    > "$OUT/selector.log" 2>&1
+echo "selector rc=$? $(date -u +%H:%M:%S)"; tail -n 1 "$OUT/selector.log"
+cp "$SEL/train_log.jsonl" "$OUT/selector_train_log.jsonl" 2>/dev/null
+cp "$SEL/share_sensitivity.json" "$OUT/selector_share_sensitivity.json" 2>/dev/null
+config=${CONFIG:-}
+if [ -z "$config" ]; then
+    python3 benchmarks/kaizen_conditioning.py --model "$SEL/final" --targets 8 --n-per-task "${N_CHOICE:-8}" \
+        --context "${CONTEXT:-4096}" --out "$OUT/selector_choices.json" > "$OUT/selector_choices.log" 2>&1
+    config=$(python3 -c "
+import json, sys
+from collections import Counter
+counts = Counter()
+for row in json.load(open(sys.argv[1]))['rows']:
+    counts.update(row['configurations'])
+print(counts.most_common(1)[0][0])" "$OUT/selector_choices.json") || { echo "no configuration: see $OUT/selector_choices.log"; exit 1; }
+fi
+bits=$(echo "$config" | sed -e 's/\bb\([0-9]\)/\1/g' -e 's/ /,/g')  # 'b4 b2 share' -> '4,2,share'
+B=${BUDGET:-512}
+# the total factor: the configuration's (without metadata, as evaluation reports it) x context / budget: 64 for 8.00x
+target=$(python3 -c "
+import sys
+from kvlearn.hf import read_model_config
+from kvlearn.kaizen.actions import Backbone, KaizenConfig
+c = KaizenConfig.parse(Backbone.from_config(read_model_config(sys.argv[1])), sys.argv[2])
+print(round(c.compression(metadata=False) * int(sys.argv[3]) / int(sys.argv[4]), 6))" "$MODEL" "$config" "${CONTEXT:-4096}" "$B")
+echo "step 3: configuration '$config' (--kv-bits $bits), served at ${target}x $(date -u +%H:%M:%S)"
+OUT=$OUT/student SCORER=mlp BUDGET=$B STEPS=${STEPS:-1300} TAG=fromsel COMPOSE_TARGET=$target \
+    DECOMPOSE=1 PARALLEL_EVALS=1 MODEL=$MODEL \
+    EXTRA="--init-backbone $SEL/final --kv-bits $bits --lr 1e-4 --decay-init 0.99999 --target-reduction peak ${RETROFIT_ARGS:-}" \
+    bash benchmarks/device/retrofit.sh > "$OUT/retrofit_chain.log" 2>&1
+echo "step 3 rc=$? $(date -u +%H:%M:%S)"; grep -E "rc=|^kaizen|^kvpop|^dense" "$OUT/retrofit_chain.log" | tail -n 12
+pack_out "$OUT" kaizen_kvpop_from_selector
