@@ -64,11 +64,14 @@ else
 fi
 teacher=$!
 verdict=""
+gate_verdict() { python3 benchmarks/pretrain_early_gate.py "$CKPT" --stage "$GATE_STAGE" --family "$GATE_FAMILY" \
+    --threshold "$GATE_THRESHOLD"; }
 while kill -0 "$teacher" 2>/dev/null && [ -z "$verdict" ]; do
-    verdict=$(python3 benchmarks/pretrain_early_gate.py "$CKPT" --stage "$GATE_STAGE" --family "$GATE_FAMILY" \
-        --threshold "$GATE_THRESHOLD")
+    verdict=$(gate_verdict)
     [ -z "$verdict" ] && sleep 5
 done
+# a teacher that ended between two checks has its whole log written: read it once more
+[ -z "$verdict" ] && verdict=$(gate_verdict)
 echo "== gate $(date -u +%H:%M:%S): ${verdict:-teacher ended before stage $GATE_STAGE}"
 echo "${verdict:-none}" > "$RUN_DIR/gate.txt"
 if [ "${verdict%% *}" = pass ]; then
