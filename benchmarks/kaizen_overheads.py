@@ -80,10 +80,11 @@ from step_timing import (  # noqa: E402
     run_main)
 
 SELECTOR, PREFILL, DISTILL, KAIZEN = "selector", "prefill_dense", "distill_dense_step", "kaizen_train_step"
-# (context, latency_batch, seq_len, batch_size, warmup, steps) by model source: --model, --shape qwen3-0.6b, --smoke
+# (context, latency_batch, seq_len, batch_size, warmup, steps) by model source: --model, --shape qwen3-0.6b /
+# qwen3-1.7b, --smoke
 DEFAULTS = {source: dict(zip(("context", "latency_batch", "seq_len", "batch_size", "warmup", "steps"), values))
             for source, values in ((None, (4096, 1, 4096, 8, 3, 10)), ("qwen3-0.6b", (4096, 1, 4096, 4, 3, 10)),
-                                   ("tiny", (256, 1, 128, 2, 1, 2)))}
+                                   ("qwen3-1.7b", (4096, 1, 4096, 2, 3, 10)), ("tiny", (256, 1, 128, 2, 1, 2)))}
 PAPER = {"selector_ms": 3, "training_cost": [1.0, 1.4]}
 
 

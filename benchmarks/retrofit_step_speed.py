@@ -100,10 +100,10 @@ ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
 # --variants: name -> the methods it makes extra rows of
 VARIANTS = {"foreach_adamw": METHODS, "bf16_mlstm_matmuls": ("retrofit_kvpop_mlstm",),
             "mlstm_cudagraphs": ("retrofit_kvpop_mlstm",), "dms_score_mod": ("retrofit_dms",)}
-# the defaults by model source: --model (None), --shape qwen3-0.6b, --smoke (tiny)
+# the defaults by model source: --model (None), --shape qwen3-0.6b / qwen3-1.7b, --smoke (tiny)
 DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), values))
             for source, values in ((None, (4096, 8, 1024, 256, 3, 10)), ("qwen3-0.6b", (8192, 1, 1024, 256, 3, 10)),
-                                   ("tiny", (256, 2, 64, 16, 1, 2)))}
+                                   ("qwen3-1.7b", (8192, 1, 1024, 256, 3, 10)), ("tiny", (256, 2, 64, 16, 1, 2)))}
 
 
 def method_config(name: str, args, model: str, out: str, device: str, variant: str | None = None) -> RetrofitConfig:

@@ -22,6 +22,8 @@ GIB = 2**30
 SHAPES = {  # Qwen3Config fields; vocabulary: the testbed tokenizer's
     "qwen3-0.6b": dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=3072, max_position_embeddings=40960),
+    "qwen3-1.7b": dict(num_hidden_layers=28, hidden_size=2048, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=6144, max_position_embeddings=40960),
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=96, max_position_embeddings=512),  # --smoke
 }
@@ -151,7 +153,8 @@ def add_source_options(ap, out_name: str) -> None:
     """``--model`` / ``--shape`` / ``--smoke`` (the model source), ``--warmup``, ``--steps``, ``--steps-per-round``,
     ``--seed``, ``--device`` and ``--out`` (default named after ``out_name``)."""
     ap.add_argument("--model", default=None, help=f"teacher checkpoint folder (default {DEFAULT_MODEL})")
-    ap.add_argument("--shape", default=None, help="qwen3-0.6b: a random Qwen3-0.6B-shaped teacher instead of --model")
+    ap.add_argument("--shape", default=None, help="qwen3-0.6b or qwen3-1.7b: a random teacher of that Qwen3's shape "
+                                                  "(testbed vocabulary) instead of --model")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls per row first (default 3; --smoke 1)")
     ap.add_argument("--steps", type=int, default=None, help="timed calls per row (default 10; --smoke 2)")
     ap.add_argument("--steps-per-round", type=int, default=2, help="calls of each row per interleaved round")
@@ -159,12 +162,12 @@ def add_source_options(ap, out_name: str) -> None:
     ap.add_argument("--device", default=None, help="default cuda (--smoke: cpu)")
     ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU (checks the script)")
     ap.add_argument("--out", default=None, help=f"default results/{out_name}_h200.json (--shape qwen3-0.6b: "
-                    f"results/{out_name}_0p6b_h200.json; --smoke: runs/smoke/{out_name}.json)")
+                    f"results/{out_name}_0p6b_h200.json, and so on; --smoke: runs/smoke/{out_name}.json)")
 
 
 def resolve_source(args, defaults: dict, out_name: str, repo: Path) -> None:
     """Check the options of :func:`add_source_options` and fill what was left out (in place): ``args.source``
-    (``None`` = ``--model``, ``"qwen3-0.6b"``, ``"tiny"`` = ``--smoke``), every option named in
+    (``None`` = ``--model``, a shape of :data:`SHAPES` such as ``"qwen3-0.6b"``, ``"tiny"`` = ``--smoke``), every option named in
     ``defaults[source]`` (``{name: value}``) that is still None, ``args.model``, ``args.device``, ``args.out``."""
     from kvlearn.errors import check, check_int
 
@@ -182,9 +185,9 @@ def resolve_source(args, defaults: dict, out_name: str, repo: Path) -> None:
         check_int(f"--{name.replace('_', '-')}", getattr(args, name), low)
     check(args.device == "cpu" or torch.cuda.is_available(),
           f"--device={args.device} requested but CUDA is not available: run on the GPU (or --smoke on the CPU)")
-    if args.out is None:
-        args.out = {None: f"results/{out_name}_h200.json", "tiny": f"runs/smoke/{out_name}.json",
-                    "qwen3-0.6b": f"results/{out_name}_0p6b_h200.json"}[source]
+    if args.out is None:  # qwen3-0.6b -> results/<out_name>_0p6b_h200.json
+        args.out = {None: f"results/{out_name}_h200.json", "tiny": f"runs/smoke/{out_name}.json"}.get(
+            source, f"results/{out_name}_{source.removeprefix('qwen3-').replace('.', 'p')}_h200.json")
 
 
 def run_main(out_name: str, argv: list[str] | None, parse: Callable, run: Callable) -> int:

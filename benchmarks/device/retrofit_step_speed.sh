@@ -4,7 +4,9 @@
 # the retrofit's own step (KVpop with the MLP and with the mLSTM scorer; budget 1024, window 256), timed in one
 # process on one batch, interleaved in rounds; summary.acceptance judged on the mLSTM (the paper's KVpop). Two runs:
 #   1. the committed testbed teacher, seq 4096, batch 8 (the real retrofit) -> $OUT/retrofit_step_speed_h200.json
-#   2. a random Qwen3-0.6B-shaped model (testbed vocabulary), seq 8192, batch 1 -> $OUT/retrofit_step_speed_0p6b_h200.json
+#   2. a random Qwen3-0.6B-shaped model (testbed vocabulary), seq 8192, batch 1 -> $OUT/retrofit_step_speed_0p6b_h200.json;
+#      SHAPES='qwen3-0.6b qwen3-1.7b' adds the Qwen3-1.7B shape (1.41 B parameters with the testbed vocabulary), where
+#      the step is less launch-bound -> $OUT/retrofit_step_speed_1p7b_h200.json
 # stdout in $OUT/retrofit_step_speed.log and $OUT/retrofit_step_speed_0p6b.log; run 1 also profiles one step of each
 # method (profile/<method>.txt: the CUDA kernels by self time; profile/<method>.trace.json.gz: its timeline;
 # profile/<method>.host.txt: three steps under cProfile, --host-profile), all in $OUT/profile.tgz (the device tool
@@ -30,7 +32,10 @@ for trace in "$OUT"/profile/*.trace.json.gz; do  # where each step's GPU idles, 
 done
 tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -r "$OUT/profile"
 grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 12
-timeout 200 python3 benchmarks/retrofit_step_speed.py --shape qwen3-0.6b ${METHODS:+--methods "$METHODS"} ${VARIANTS:+--variants "$VARIANTS"} \
-    --out "$OUT/retrofit_step_speed_0p6b_h200.json" > "$OUT/retrofit_step_speed_0p6b.log" 2>&1
-echo "qwen3-0.6b shape rc=$?"
-grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed_0p6b.log" | tail -n 12
+for shape in ${SHAPES:-qwen3-0.6b}; do  # a random model of each shape: results file retrofit_step_speed_<0p6b|1p7b>_h200.json
+    tag=$(echo "${shape#qwen3-}" | tr . p)
+    timeout 200 python3 benchmarks/retrofit_step_speed.py --shape "$shape" ${METHODS:+--methods "$METHODS"} ${VARIANTS:+--variants "$VARIANTS"} \
+        --out "$OUT/retrofit_step_speed_${tag}_h200.json" > "$OUT/retrofit_step_speed_$tag.log" 2>&1
+    echo "$shape shape rc=$?"
+    grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed_$tag.log" | tail -n 12
+done

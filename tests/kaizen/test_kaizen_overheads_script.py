@@ -64,7 +64,7 @@ def test_smoke_with_other_axes(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--shape", "qwen3-1.7b"], "--shape='qwen3-1.7b' is unknown: expected qwen3-0.6b"),
+    (["--shape", "qwen3-4b"], "--shape='qwen3-4b' is unknown: expected qwen3-0.6b, qwen3-1.7b"),
     (["--shape", "qwen3-0.6b", "--model", "checkpoints/testbed-teacher"], "--model and --shape exclude each other"),
     (["--smoke", "--axes", "precision,width"], "--axes='precision,width' is invalid"),
     (["--smoke", "--axes", "rank"], "axis 'rank' needs an MLA backbone"),

@@ -96,7 +96,7 @@ def test_smoke_variants_are_extra_rows(tmp_path):
     (["--smoke", "--variants", "fused_adamw"], "--variants: 'fused_adamw' is unknown: expected some of foreach_adamw"),
     (["--smoke", "--budget", "256"], "--seq-len=256 is invalid for --budget=256"),
     (["--smoke", "--budget", "20"], "--budget=20 is invalid: expected > sinks + window = 20"),
-    (["--shape", "qwen3-1.7b"], "--shape='qwen3-1.7b' is unknown: expected qwen3-0.6b"),
+    (["--shape", "qwen3-4b"], "--shape='qwen3-4b' is unknown: expected qwen3-0.6b, qwen3-1.7b"),
     (["--shape", "qwen3-0.6b", "--model", "checkpoints/testbed-teacher"], "--model and --shape exclude each other"),
     (["--smoke", "--steps", "0"], "--steps=0 is invalid"),
     (["--smoke", "--seq-len", "64", "--budget", "32"], "--seq-len=64 is invalid"),
@@ -184,3 +184,21 @@ def test_device_busy_ratio_by_hand():
     assert summary["device_busy_ratio"] == {"retrofit_kvpop_mlp": 1.25}
     assert summary["retrofit_kvpop_mlp_over_distill_dense"] == 2.0
     assert "device_busy_ratio" not in script.summarize([{"name": "distill_dense", "ms": 50.0}])
+
+
+@pytest.mark.parametrize("shape, out, params", [("qwen3-0.6b", "results/retrofit_step_speed_0p6b_h200.json", 0.44e9),
+                                                 ("qwen3-1.7b", "results/retrofit_step_speed_1p7b_h200.json", 1.41e9)])
+def test_each_shape_has_its_defaults_and_results_file(shape, out, params):
+    """``--shape``: seq 8192, batch 1, its own results file; the random model has that Qwen3's layers (the testbed's
+    small vocabulary makes it smaller than the named model: 0.44 B and 1.41 B parameters, counted on the meta
+    device)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kvlearn.testbed.tokenizer import VOCAB_SIZE
+
+    args = load_benchmark("retrofit_step_speed").parse(["--shape", shape, "--device", "cpu"])
+    assert (args.out, args.seq_len, args.batch_size) == (out, 8192, 1)
+    fields = load_benchmark("step_timing").SHAPES[shape]
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB_SIZE, tie_word_embeddings=True, **fields))
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.01)
