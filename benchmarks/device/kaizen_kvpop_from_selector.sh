@@ -43,15 +43,17 @@ for row in json.load(open(sys.argv[1]))['rows']:
     counts.update(row['configurations'])
 print(counts.most_common(1)[0][0])" "$OUT/selector_choices.json") || { echo "no configuration: see $OUT/selector_choices.log"; exit 1; }
 fi
-bits=$(echo "$config" | sed -e 's/\bb\([0-9]\)/\1/g' -e 's/ /,/g')  # 'b4 b2 share' -> '4,2,share'
 B=${BUDGET:-512}
-# the total factor: the configuration's (without metadata, as evaluation reports it) x context / budget: 64 for 8.00x
-target=$(python3 -c "
+# the configuration parsed once: its --kv-bits form ('b4 b2 share' -> '4,2,share') and the total factor it serves at
+# (its compression without metadata, as evaluation reports it, x context / budget: 64 for 8.00x)
+read -r bits target < <(python3 -c "
 import sys
 from kvlearn.hf import read_model_config
 from kvlearn.kaizen.actions import Backbone, KaizenConfig
 c = KaizenConfig.parse(Backbone.from_config(read_model_config(sys.argv[1])), sys.argv[2])
-print(round(c.compression(metadata=False) * int(sys.argv[3]) / int(sys.argv[4]), 6))" "$MODEL" "$config" "${CONTEXT:-4096}" "$B")
+bits = ','.join('share' if a.share else str(a.bits) for a in c.actions)
+print(bits, round(c.compression(metadata=False) * int(sys.argv[3]) / int(sys.argv[4]), 6))" \
+    "$MODEL" "$config" "${CONTEXT:-4096}" "$B")
 echo "step 3: configuration '$config' (--kv-bits $bits), served at ${target}x $(date -u +%H:%M:%S)"
 OUT=$OUT/student SCORER=mlp BUDGET=$B STEPS=${STEPS:-1300} TAG=fromsel COMPOSE_TARGET=$target \
     DECOMPOSE=1 PARALLEL_EVALS=1 MODEL=$MODEL \

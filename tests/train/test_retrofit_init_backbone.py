@@ -60,7 +60,7 @@ def test_cli_trains_from_it_and_records_it(teacher_path, donor, tmp_path):
 
 
 def test_what_does_not_fit_is_one_line(teacher_path, donor, make_teacher, tmp_path):
-    other = make_teacher(3, 0)  # a third layer the teacher does not have: its keys are extra, so compare the other way
+    other = make_teacher(3, 0)  # three layers: the teacher's two are there, the third is extra (left out)
     small = make_teacher(1, 0)  # one layer: the teacher's layer 1 is missing
     cases = [(dict(init_backbone=donor, init_student=donor), "exclude each other"),
              (dict(init_backbone=str(tmp_path)), "not a model folder")]

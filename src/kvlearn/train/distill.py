@@ -312,13 +312,8 @@ def init_backbone(student, path: str) -> None:
     of model folder ``path``, in place. The folder may hold more (a selector, scorers: left out); each of the
     student's weights must be there with its shape, except a tied ``lm_head`` (saved once, as the embeddings). One-line
     error otherwise."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    check(len(files) > 0, f"init_backbone={path!r} holds no *.safetensors weights: expected a saved model folder")
-    state = {}
-    for f in files:
-        state.update(load_file(f))
+    state = folder_weights(path)
+    check(len(state) > 0, f"init_backbone={path!r} holds no *.safetensors weights: expected a saved model folder")
     target = student.state_dict()
     tied = bool(getattr(student.config, "tie_word_embeddings", False))
     missing = sorted(k for k in target if k not in state and not (tied and k.startswith("lm_head")))
@@ -649,13 +644,19 @@ def read_trainer_state(path: Path, expected: dict, defaults: dict | None = None)
     return trainer
 
 
-def load_student_weights(path: Path, student) -> None:
-    """Load checkpoint ``path``'s weights into the (unsharded) ``student``; one-line error when they do not match."""
+def folder_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of model folder ``path`` (on the CPU; empty when there are none)."""
     from safetensors.torch import load_file
 
     state = {}
-    for f in sorted(path.glob("*.safetensors")):
+    for f in sorted(Path(path).glob("*.safetensors")):
         state.update(load_file(f))
+    return state
+
+
+def load_student_weights(path: Path, student) -> None:
+    """Load checkpoint ``path``'s weights into the (unsharded) ``student``; one-line error when they do not match."""
+    state = folder_weights(path)
     missing, unexpected = student.load_state_dict(state, strict=False)
     # tied embeddings are saved once: the only keys allowed missing are tied copies
     check(not unexpected and all("lm_head" in k for k in missing),

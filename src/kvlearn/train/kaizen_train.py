@@ -480,7 +480,7 @@ def validate(config: KaizenTrainConfig, student, device: torch.device) -> dict:
     """``{"accuracy", "per_task", "factor"}``: greedy exact-match accuracy of ``student`` served as evaluation serves
     it (method ``kaizen``: its selector's choice per prompt, the compact cache of that choice) on ``select_n``
     prompts per family of the eval split's format, at ``seq_len``, drawn from example index
-    :data:`SELECT_SEED_OFFSET` on: disjoint from the evaluation's first 100 000 prompts and from the held-out split.
+    :data:`SELECT_SEED_OFFSET` on: disjoint from the evaluation's first million prompts and from the held-out split.
     ``factor``: the mean realised compression. The student is returned to its training mode; its recorded config
     stays as it was (the method's ``apply`` rewrites it with the same values, the target left unset)."""
     from ..eval.accuracy import EvalConfig, evaluate
