@@ -41,6 +41,8 @@ tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing me
   measurement; the default ``"auto"`` is now the penalty as one more key channel, ``"flex_channel"``). On the CPU,
   where FlexAttention has no backward, the variant runs ``"dense_channel"`` (the channel's inputs under a dense
   mask) against the default's dense bias.
+- ``scorer_kd``: both KVpop methods with ``RetrofitConfig.scorer_kd=1`` (the straight-through soft retention on 256
+  query rows per step that also trains the scorers through the distillation loss, :mod:`kvlearn.kvpop.scorer_kd`).
 
 ``--sync-sites`` (CUDA only): after the timing, one more step of every method with CUDA's sync debug mode at
 ``"warn"``: each row gets ``host_syncs_per_step`` (the operations that made the host wait for the GPU, the step's
@@ -99,7 +101,8 @@ DEFAULT_METHODS = METHODS[:3]
 ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
 # --variants: name -> the methods it makes extra rows of
 VARIANTS = {"foreach_adamw": METHODS, "bf16_mlstm_matmuls": ("retrofit_kvpop_mlstm",),
-            "mlstm_cudagraphs": ("retrofit_kvpop_mlstm",), "dms_score_mod": ("retrofit_dms",)}
+            "mlstm_cudagraphs": ("retrofit_kvpop_mlstm",), "dms_score_mod": ("retrofit_dms",),
+            "scorer_kd": ("retrofit_kvpop_mlp", "retrofit_kvpop_mlstm")}
 # the defaults by model source: --model (None), --shape qwen3-0.6b / qwen3-1.7b, --smoke (tiny)
 DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), values))
             for source, values in ((None, (4096, 8, 1024, 256, 3, 10)), ("qwen3-0.6b", (8192, 1, 1024, 256, 3, 10)),
@@ -108,7 +111,7 @@ DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warm
 
 def method_config(name: str, args, model: str, out: str, device: str, variant: str | None = None) -> RetrofitConfig:
     """The retrofit config of method ``name`` (``distill_dense`` reads only its KD, clipping and ``lr`` fields)
-    under ``variant`` (``bf16_mlstm_matmuls``, ``mlstm_cudagraphs`` and ``dms_score_mod`` change the config; ``foreach_adamw`` the
+    under ``variant`` (``bf16_mlstm_matmuls``, ``mlstm_cudagraphs``, ``dms_score_mod`` and ``scorer_kd`` change the config; ``foreach_adamw`` the
     optimizer only)."""
     s, w, b = args.sinks, args.window, args.budget
     if name == "retrofit_dms":
@@ -124,7 +127,7 @@ def method_config(name: str, args, model: str, out: str, device: str, variant: s
             kv = replace(kv, mlstm_matmul_dtype="bfloat16")
         elif variant == "mlstm_cudagraphs":
             kv = replace(kv, mlstm_compile_mode="reduce-overhead")
-        kw = dict(kvpop=kv)
+        kw = dict(kvpop=kv, scorer_kd=1.0 if variant == "scorer_kd" else 0.0)
     return RetrofitConfig(model=model, out=out, batch_size=args.batch_size, seq_len=args.seq_len, device=device,
                           seed=args.seed, **kw)
 
@@ -155,6 +158,9 @@ def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Te
         fields.update(base=name, variant=variant)
     if name != REFERENCE and config.method == "kvpop":  # the exact config, and the top-k training holds
         fields.update(scorer=config.kvpop.scorer, kvpop=asdict(config.kvpop), kvpop_training_topk=kv.topk)
+        if config.scorer_kd:
+            fields.update(scorer_kd=config.scorer_kd, scorer_kd_queries=config.scorer_kd_queries,
+                          scorer_kd_temperature=config.scorer_kd_temperature)
     elif name != REFERENCE and config.method == "dms":
         fields["dms"] = asdict(config.dms)
     elif name != REFERENCE:

@@ -17,30 +17,18 @@
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_mlstm_readout_penalty.sh
 set -u
 . "$(dirname "$0")/pack_out.sh"
+. "$(dirname "$0")/student_chains.sh"
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export WORK_DIR=${WORK_DIR:-/tmp}
 B=${BUDGET:-512}
 if [ -z "${RUNS:-}" ]; then RUNS=""; for w in ${WEIGHTS:-0.3 3 30}; do RUNS="$RUNS $w"; done; fi
-pids=(); tags=()
 for run in $RUNS; do
     IFS=: read -r w b win seed <<< "$run"
-    b=${b:-$B}; tag=p$w; extra=""
+    b=${b:-$B}; tag=p$w; options=""
     [ "$b" != "$B" ] && tag=${tag}_b$b
-    [ -n "${win:-}" ] && { tag=${tag}_w$win; extra="$extra --window $win"; }
-    [ -n "${seed:-}" ] && { tag=${tag}_s$seed; extra="$extra --seed $seed"; }
-    tags+=("$tag")
-    OUT=$OUT/$tag TAG=_$tag STUDENTS='kvpop=kvpop' BUDGET=$b RETROFIT_STEPS=${STEPS:-1300} \
-        RETROFIT_ARGS="--lr 1e-4 --num-workers 2$extra ${RETROFIT_ARGS:-}" \
-        KVPOP_EXTRA="--decay-init 0.99999 --target-reduction peak --readout-penalty $w" BASELINES=0 SPLIT_PARTS=1 \
-        TABLE_ARGS="--budgets $b ${TABLE_ARGS:-}" EXPORT_STUDENTS=0 \
-        bash benchmarks/device/kvpop_table.sh > "$OUT/chain_$tag.log" 2>&1 &
-    pids+=($!)
+    [ -n "${win:-}" ] && { tag=${tag}_w$win; options="$options --window $win"; }
+    [ -n "${seed:-}" ] && { tag=${tag}_s$seed; options="$options --seed $seed"; }
+    start_chain "$tag" kvpop "$b" "$options" "--readout-penalty $w"
 done
-for p in "${pids[@]}"; do wait "$p"; done
-for tag in "${tags[@]}"; do
-    echo "== $tag: $(grep -c 'rc=0' "$OUT/chain_$tag.log") runs ended well"
-    grep -hE "^kvpop " "$OUT/$tag"/kvpop_table_*.log 2>/dev/null
-    log=$WORK_DIR/table_${tag}_kvpop/train_log.jsonl
-    [ -f "$log" ] && gzip -c "$log" > "$OUT/train_log_$tag.jsonl.gz"
-done
+finish_chains
 pack_out "$OUT" kvpop_mlstm_readout_penalty

@@ -364,6 +364,13 @@ def cmd_retrofit(args) -> int:
         method_kw["freeze_backbone"] = True
     if args.readout_penalty is not None:
         method_kw["readout_penalty"] = args.readout_penalty
+    if args.scorer_kd is not None:
+        method_kw["scorer_kd"] = args.scorer_kd
+    for name in ("scorer_kd_temperature", "scorer_kd_queries"):
+        if getattr(args, name) is not None:
+            check(bool(args.scorer_kd), f"--{name.replace('_', '-')} {getattr(args, name)} sets the scorer "
+                                        "distillation, which is off: give --scorer-kd WEIGHT too")
+            method_kw[name] = getattr(args, name)
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -732,6 +739,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--readout-penalty", type=float, default=None, metavar="WEIGHT",
                     help="kvpop, --scorer mlstm: add WEIGHT x the mean squared norm of the memory readout's weights to "
                          "the loss, holding the score near its skip path's (Table 1's mLSTM recipe: 30; default 0: off)")
+    sp.add_argument("--scorer-kd", type=float, default=None, metavar="WEIGHT",
+                    help="kvpop: also train the scorers and decays through the distillation loss, by a straight-through "
+                         "soft retention on sampled query rows (the forward unchanged), at WEIGHT (1: an unbiased "
+                         "estimate of every evicting row's gradient; default 0: off, the boundary loss alone; "
+                         "docs/DESIGN.md section 5, 'Scorers through the distillation loss')")
+    sp.add_argument("--scorer-kd-temperature", type=float, default=None, metavar="TAU",
+                    help="kvpop, --scorer-kd: temperature of the soft retention log sigmoid((priority - cutoff) / TAU) "
+                         "(default 1)")
+    sp.add_argument("--scorer-kd-queries", type=int, default=None, metavar="N",
+                    help="kvpop, --scorer-kd: query rows per step that carry the soft retention (default 256)")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
                          "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "

@@ -24,6 +24,9 @@ SETTINGS = dict(kvpop=dict(sinks=4, window=16, topk=32, scorer="mlp"), steps=3, 
 # FSDP2 holds sharded outside the forward
 MLSTM_PENALTY = {**SETTINGS, "kvpop": dict(sinks=4, window=16, topk=32, scorer="mlstm"), "readout_penalty": 30.0}
 
+# the scorers also trained through the distillation loss (the straight-through soft retention on sampled rows)
+SCORER_KD = {**SETTINGS, "scorer_kd": 1.0, "scorer_kd_queries": 16}
+
 # streaming_plus: no added modules, no noise (DMS's Gumbel noise is drawn per process's rows, so it is not compared)
 STREAMING_PLUS = {**{k: v for k, v in SETTINGS.items() if k != "kvpop"}, "method": "streaming_plus",
                   "streaming": dict(budget=36, sinks=4)}
@@ -52,8 +55,8 @@ def _single_and_two_processes(teacher_path: str, tmp_path: Path, settings: dict)
     return single, sharded
 
 
-@pytest.mark.parametrize("settings", [SETTINGS, MLSTM_PENALTY, STREAMING_PLUS],
-                         ids=["kvpop", "kvpop_mlstm_readout_penalty", "streaming_plus"])
+@pytest.mark.parametrize("settings", [SETTINGS, MLSTM_PENALTY, SCORER_KD, STREAMING_PLUS],
+                         ids=["kvpop", "kvpop_mlstm_readout_penalty", "kvpop_scorer_kd", "streaming_plus"])
 def test_two_gloo_processes_equal_one(teacher_path, tmp_path, settings):
     single, sharded = _single_and_two_processes(teacher_path, tmp_path, settings)
     one, two = _log(single), _log(sharded)

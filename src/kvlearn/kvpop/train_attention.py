@@ -23,6 +23,10 @@ scorer, records nothing, and attends its own queries over its anchor's (the near
 keys and values under the anchor's ranks and cutoffs, as a sharing layer of that cache reads its anchor's evicted
 store; the anchor's tensors carry the sharing layer's gradient back to the anchor's projections.
 
+With ``scorer_kd`` (:class:`~kvlearn.kvpop.scorer_kd.ScorerKD`), step 4's output also carries, on the sampled
+query rows, the straight-through soft retention of :mod:`kvlearn.kvpop.scorer_kd`: the forward is unchanged and the
+distillation loss's gradient reaches the priorities (a sharing layer sends none to its anchor's).
+
 Steps 1-2 run with autocast disabled (float32 scores and rankings, rule 5); the attention itself runs in the
 model's (or autocast's) dtype.
 
@@ -48,6 +52,7 @@ from ..ops.future_target import future_attention_target
 from ..ops.quant import fake_quantize
 from .attention import sparse_retention_attention
 from .policy import static_priorities
+from .scorer_kd import ScorerKD, straight_through_retention
 
 __all__ = ["TRAIN_ATTENTION", "LayerRecord", "TrainForward", "kvpop_train_attention", "use_train_attention"]
 
@@ -79,8 +84,12 @@ class TrainForward:
     find in a module's arguments (to move their tensors), so the layers would fill copies of ``records`` and the
     trainer would see only some of them."""
 
-    def __init__(self, config: KVpopConfig, kv_bits: tuple[int | str, ...] | None = None) -> None:
+    def __init__(self, config: KVpopConfig, kv_bits: tuple[int | str, ...] | None = None,
+                 scorer_kd: ScorerKD | None = None) -> None:
         self.config = config
+        check(scorer_kd is None or isinstance(scorer_kd, ScorerKD),
+              f"scorer_kd of type {type(scorer_kd).__name__} is invalid: expected None or a ScorerKD")
+        self.scorer_kd = scorer_kd  # the straight-through scorer distillation of this forward (None: off)
         self.kv_bits = None if kv_bits is None else tuple(kv_bits)  # per layer: the attended K/V's precision or "share"
         check(self.kv_bits is None or (len(self.kv_bits) > 0 and self.kv_bits[0] != SHARE),
               f"kv_bits={self.kv_bits!r}: layer 0 cannot share (it has no earlier anchor)")
@@ -158,6 +167,9 @@ def kvpop_train_attention(
         kvpop_train.anchors[module.layer_idx] = (key, value, ranks, cutoffs)
     out, lse = sparse_retention_attention(query, key, value, ranks, cutoffs, cfg.sinks, cfg.window, scale=scaling,
                                           return_lse=True, topk=cfg.topk)
+    if kvpop_train.scorer_kd is not None:  # the forward unchanged; the KD gradient also reaches the priorities
+        out = straight_through_retention(out, query, key, value, priorities, cutoffs, cfg.sinks, cfg.window, scaling,
+                                         kvpop_train.scorer_kd)
     with torch.no_grad():
         target = future_attention_target(query.detach(), key.detach(), lse.detach(), cfg.window, eps=cfg.target_eps,
                                          aggregation=cfg.target_aggregation,

@@ -68,6 +68,7 @@ from ..errors import check, check_int, check_non_negative, check_positive
 from ..kvpop.apply import apply_kvpop, model_budget_config
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import BoundaryDecisions, boundary_decisions, sample_query_positions, stacked_teacher_policy
+from ..kvpop.scorer_kd import ScorerKD, scorer_kd_rows
 from ..kvpop.train_attention import SHARE, TrainForward, use_train_attention
 from ..ops.quant import BITS as KV_BITS
 from ..testbed.data import IGNORE_INDEX, TestbedStream, check_mixture, dense_share, shard_rows
@@ -122,6 +123,13 @@ class RetrofitConfig:
     # added to the loss. The readout trained by the boundary loss alone costs recall on the testbed (docs/DESIGN.md
     # section 5, "The mLSTM from the MLP student"); this holds it near the skip path's ranking. 0: off
     readout_penalty: float = 0.0
+    # kvpop: weight λ of the straight-through scorer distillation (:mod:`kvlearn.kvpop.scorer_kd`): on
+    # ``scorer_kd_queries`` query rows per step the KD loss's gradient also reaches the scorers and decays through a
+    # soft retention at temperature ``scorer_kd_temperature``, the forward unchanged. 0: off (the boundary loss alone
+    # trains the scorers). docs/DESIGN.md section 5, "Scorers through the distillation loss"
+    scorer_kd: float = 0.0
+    scorer_kd_temperature: float = 1.0
+    scorer_kd_queries: int = 256
     # length of the run: ``steps``, or a wall-clock budget in ``minutes`` (then the schedule follows elapsed time)
     steps: int | None = 1000
     minutes: float | None = None
@@ -201,6 +209,12 @@ class RetrofitConfig:
         check(not self.readout_penalty or (self.method == "kvpop" and self.kvpop.scorer == "mlstm"),
               f"readout_penalty={self.readout_penalty!r} is for method 'kvpop' with scorer 'mlstm' (it penalises the "
               f"memory readout's weights), not method {self.method!r} with scorer {self.kvpop.scorer!r}")
+        check_non_negative("scorer_kd", self.scorer_kd)
+        check(not self.scorer_kd or self.method == "kvpop",
+              f"scorer_kd={self.scorer_kd!r} is for method 'kvpop' (it trains KVpop's scorers through the "
+              f"distillation loss), not {self.method!r}")
+        check_positive("scorer_kd_temperature", self.scorer_kd_temperature)
+        check_int("scorer_kd_queries", self.scorer_kd_queries, 1)
         check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
@@ -390,10 +404,11 @@ def layer_kv_bits(config: RetrofitConfig, num_layers: int) -> tuple[int | str, .
 
 
 def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig,
-                    kv_bits: tuple[int | str, ...] | None = None):
+                    kv_bits: tuple[int | str, ...] | None = None, scorer_kd: ScorerKD | None = None):
     """``(logits [B, T, V], TrainForward)``: one student forward under its running top-k retention, attending keys
-    and values at ``kv_bits`` (per layer; ``None``: unquantized)."""
-    state = TrainForward(kvpop, kv_bits)
+    and values at ``kv_bits`` (per layer; ``None``: unquantized), with the straight-through scorer distillation
+    ``scorer_kd`` on its rows (``None``: off; the logits are the same either way)."""
+    state = TrainForward(kvpop, kv_bits, scorer_kd)
     logits = student(input_ids=input_ids, kvpop_train=state, use_cache=False).logits
     return logits, state
 
@@ -681,6 +696,18 @@ def clear_run_outputs(out: Path) -> None:
             shutil.rmtree(p)
 
 
+# the scorer-distillation settings of a run without it (and of checkpoints written before they existed)
+SCORER_KD_OFF = {"scorer_kd": 0.0, "scorer_kd_temperature": 1.0, "scorer_kd_queries": 256}
+
+
+def scorer_kd_record(config: RetrofitConfig) -> dict:
+    """The scorer-distillation settings a resumed run must share with its checkpoint (:data:`SCORER_KD_OFF` when off:
+    the temperature and row count of a run that never used them do not matter)."""
+    if not config.scorer_kd:
+        return dict(SCORER_KD_OFF)
+    return {k: getattr(config, k) for k in SCORER_KD_OFF}
+
+
 def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
     """Load the student weights of checkpoint ``path`` (into the unsharded student) and return its trainer state
     (``step``, ``optimizer``: load it with :func:`parallel.load_optimizer_state_dict` once the optimizer exists).
@@ -689,9 +716,11 @@ def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
     expected = {"method": config.method, _config_field(config.method): asdict(method_config), "steps": config.steps,
                 "minutes": config.minutes, "seq_len": config.seq_len, "batch_size": config.batch_size,
                 "seed": config.seed, "kv_bits": config.kv_bits, "family_weights": config.family_weights,
-                "freeze_backbone": config.freeze_backbone, "readout_penalty": config.readout_penalty}
+                "freeze_backbone": config.freeze_backbone, "readout_penalty": config.readout_penalty,
+                **scorer_kd_record(config)}
     trainer = read_trainer_state(path, expected, defaults={"method": "kvpop", "kv_bits": None, "family_weights": None,
-                                                           "freeze_backbone": False, "readout_penalty": 0.0})
+                                                           "freeze_backbone": False, "readout_penalty": 0.0,
+                                                           **SCORER_KD_OFF})
     load_student_weights(path, student)
     return trainer
 
@@ -704,6 +733,16 @@ def training_kvpop(config: RetrofitConfig, student) -> KVpopConfig:
     """The KVpop config of the training pattern: the top-k the student's bf16 cache will hold (``state_in_budget``:
     the mLSTM state's bytes take top-k slots; ``config.kvpop`` unchanged otherwise, and for the other methods)."""
     return model_budget_config(student, config.kvpop, torch.bfloat16) if config.method == "kvpop" else config.kvpop
+
+
+def scorer_kd_of(config: RetrofitConfig, kv: KVpopConfig, generator: torch.Generator,
+                 device: torch.device) -> ScorerKD | None:
+    """This step's :class:`~kvlearn.kvpop.scorer_kd.ScorerKD` (rows drawn from ``generator``, the weight ``λ N / n``)
+    under the training pattern ``kv``, or None when ``config.scorer_kd`` is 0."""
+    if not config.scorer_kd:
+        return None
+    rows, scale = scorer_kd_rows(config.seq_len, kv.sinks, kv.window, kv.topk, config.scorer_kd_queries, generator)
+    return ScorerKD(rows.to(device), config.scorer_kd * scale, config.scorer_kd_temperature)
 
 
 def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -730,15 +769,16 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
             teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
         if config.method == "kvpop":
             bits = layer_kv_bits(config, student.config.num_hidden_layers)
-            logits, state = student_forward(student, input_ids, kv, bits)
+            # one generator per step: the boundary loss's query positions, then the scorer-distillation rows
+            gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+            queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk,
+                                             config.queries_per_step, config.late_fraction, generator=gen)  # [n]
+            logits, state = student_forward(student, input_ids, kv, bits, scorer_kd_of(config, kv, gen, device))
         else:
             logits, extra_loss, extra_log = method_forward(config, student, input_ids, step, fraction)
     # float32; under data parallelism each loss is this process's share of the global-batch value
     kd = kd_loss(logits, teacher_logits, labels, config.kd_topk, reduce_sum=reduce_sum)
     if config.method == "kvpop":
-        gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-        queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk,
-                                         config.queries_per_step, config.late_fraction, generator=gen)  # [n]
         parts = distill_losses(state, queries, reduce_sum=reduce_sum)
         loss = kd + config.boundary_weight * parts["boundary"]
         shares = {"boundary": parts["boundary"].detach()}

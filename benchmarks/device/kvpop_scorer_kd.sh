@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Does training KVpop's scorers through the distillation loss close DMS's lead at CR 94%? (issue #10; docs/DESIGN.md
+# section 5, "Scorers through the distillation loss"). KVpop students of Table 1's CR 94% recipe (budget 256, window
+# 128, 1,300 steps, lr 1e-4; the mLSTM with its state in the budget and readout penalty 30) retrofitted from the
+# teacher side by side on the one GPU, each with `kvlearn retrofit --scorer-kd W`, each a
+# `benchmarks/device/kvpop_table.sh` chain that tables its student on both splits (n = N_PER_TASK, default 100) at
+# its budget -> <tag>/kvpop_table.json. Table 1's students at this budget (results/kvpop_table.json) are the
+# comparison at weight 0: KVpop-MLP 0.65 / 0.60 of the teacher, DMS 0.73 / 0.73 (trace 0.64 against 0.95).
+# RUNS: space-separated 'SCORER:W:TAU:SEED' entries (SCORER mlp or mlstm, W the --scorer-kd weight, TAU its
+# temperature, default the trainer's 1, SEED default 0); the folder tag is <SCORER>_kd<W>, then _t<TAU> and _s<SEED>
+# when given. Default: RUNS='mlp:1 mlstm:1 mlp:0.1'.
+# BUDGET (default 256) and WINDOW (default 128) set the pattern; KD_QUERIES the rows per step (default the
+# trainer's 256).
+# Everything comes back packed in $OUT/kvpop_scorer_kd.tar (the device returns at most 8 files), with each run's
+# training log as train_log_<tag>.jsonl.gz.
+# Device time: about 8 minutes plus the machine's start-up. STEPS (default 1300), RETROFIT_ARGS, TABLE_ARGS, WORK_DIR
+# and the chain's DEVICE, MODEL, N_PER_TASK let it run as a CPU smoke test (tests/eval/test_kvpop_scorer_kd_script.py).
+# Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_scorer_kd.sh
+set -u
+. "$(dirname "$0")/pack_out.sh"
+. "$(dirname "$0")/student_chains.sh"
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export WORK_DIR=${WORK_DIR:-/tmp}
+B=${BUDGET:-256}; WIN=${WINDOW:-128}
+for run in ${RUNS:-mlp:1 mlstm:1 mlp:0.1}; do
+    IFS=: read -r scorer w tau seed <<< "$run"
+    case $scorer in
+        mlp) student=kvpop_mlp ;;
+        mlstm) student=kvpop ;;
+        *) echo "RUNS entry '$run': the scorer must be mlp or mlstm"; exit 2 ;;
+    esac
+    tag=${scorer}_kd$w; options="--window $WIN"; extra="--scorer-kd $w"
+    [ -n "${tau:-}" ] && { tag=${tag}_t$tau; extra="$extra --scorer-kd-temperature $tau"; }
+    [ -n "${KD_QUERIES:-}" ] && extra="$extra --scorer-kd-queries $KD_QUERIES"
+    [ -n "${seed:-}" ] && { tag=${tag}_s$seed; options="$options --seed $seed"; }
+    start_chain "$tag" "$student" "$B" "$options" "$extra"
+done
+finish_chains
+pack_out "$OUT" kvpop_scorer_kd

@@ -1,0 +1,134 @@
+"""Does the straight-through scorer distillation teach KVpop's scorers what the loss needs? A CPU check on a frozen
+backbone (issue #10, CR 94%; docs/DESIGN.md section 5, "Scorers through the distillation loss").
+
+    python benchmarks/kvpop_scorer_kd_check.py --weights 0 1 --out results/raw/kvpop_scorer_kd_check_cpu.json
+
+Per arm (a ``--scorer-kd`` weight; 0 is the boundary loss alone), ``kvlearn retrofit --freeze-backbone`` from the
+shipped teacher: only the scorers and decays train, on the same batches and seed for every arm, so the arms differ
+in the scorers' gradient and nothing else. Then each arm's student is measured under its own hard retention:
+
+- ``kd``: the distillation loss of its (hard) forward against the teacher on ``--eval-batches`` fresh training
+  batches (seeds no training batch uses), the quantity the scorer distillation descends;
+- ``accuracy``: the testbed's bounded-protocol accuracy at ``--length`` on ``--tasks``, eval split and the held-out
+  haystack split (styles and depth regimes training never drew), ``--n`` examples per family.
+
+The frozen backbone isolates the scorers: a lower ``kd`` for weight > 0 shows the gradient reaches the ranking in the
+direction the loss wants. The retrofit itself (backbone and scorers together, 1,300 steps at 4096) is the device
+experiment ``benchmarks/device/kvpop_scorer_kd.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import kvlearn  # noqa: E402
+from kvlearn import KVpopConfig  # noqa: E402
+from kvlearn.errors import check  # noqa: E402
+from kvlearn.eval.accuracy import EvalConfig, evaluate  # noqa: E402
+from kvlearn.results import command_line, git_commit, make_results, write_results  # noqa: E402
+from kvlearn.kvpop.train_attention import use_train_attention  # noqa: E402
+from kvlearn.testbed.data import training_batch  # noqa: E402
+from kvlearn.train.distill import (RetrofitConfig, kd_loss, retrofit, student_forward,  # noqa: E402
+                                   training_kvpop)
+
+EVAL_SEED = 7_000_000  # training_batch seeds of the KD evaluation (the retrofit's stream starts at 0)
+
+
+def parse(argv) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="checkpoints/testbed-teacher")
+    ap.add_argument("--weights", type=float, nargs="+", default=[0.0, 1.0], help="--scorer-kd weight of each arm")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--queries", type=int, default=256, help="scorer-distillation rows per step")
+    ap.add_argument("--scorer", default="mlp", choices=("linear", "mlp", "mlstm"))
+    ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=96)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--lr-new", type=float, default=3e-3)
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--tasks", nargs="+", default=["trace", "niah"])
+    ap.add_argument("--n", type=int, default=16, help="examples per family and split")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    check(len(set(args.weights)) == len(args.weights), f"--weights {args.weights}: expected distinct weights")
+    check(all(w >= 0 for w in args.weights), f"--weights {args.weights}: expected weights >= 0")
+    check(args.sinks + args.window < args.budget < args.length,
+          f"--budget {args.budget}: expected sinks + window ({args.sinks + args.window}) < budget < --length "
+          f"({args.length})")
+    return args
+
+
+def eval_kd(student, teacher, kv: KVpopConfig, length: int, batches: int, batch_size: int) -> float:
+    """Mean KD loss of the student's hard-retention forward on ``batches`` fresh training batches."""
+    use_train_attention(student)
+    total = 0.0
+    with torch.no_grad():
+        for i in range(batches):
+            ids, labels = training_batch(batch_size, length, EVAL_SEED + i)
+            logits, _ = student_forward(student, ids, kv)
+            total += float(kd_loss(logits, teacher(input_ids=ids).logits, labels, 256))
+    return total / batches
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    commit, command, start = git_commit(), command_line(), time.time()
+    teacher = kvlearn.load(args.model)
+    teacher.eval()
+    kv = KVpopConfig(sinks=args.sinks, window=args.window, topk=args.budget - args.sinks - args.window,
+                     scorer=args.scorer, decay_init=0.99999, target_reduction="peak")
+    rows, arms = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in args.weights:
+            t0 = time.time()
+            kd_kw = dict(scorer_kd=w, scorer_kd_temperature=args.temperature, scorer_kd_queries=args.queries) if w else {}
+            config = RetrofitConfig(model=args.model, out=f"{tmp}/w{w}", kvpop=kv, freeze_backbone=True,
+                                    steps=args.steps, batch_size=args.batch_size, seq_len=args.length,
+                                    lr_new=args.lr_new, warmup_steps=max(1, args.steps // 10),
+                                    save_interval=args.steps, seed=args.seed, **kd_kw)
+            result = retrofit(config, progress=False)
+            student = kvlearn.load(result["final"])
+            student.eval()
+            train_kv = training_kvpop(config, student)
+            kd = eval_kd(student, teacher, train_kv, args.length, args.eval_batches, args.batch_size)
+            student = kvlearn.load(result["final"])  # the serving attention again, for the cache's evaluation
+            student.eval()
+            arm = {"scorer_kd": w, "kd_eval": kd, "train_seconds": round(time.time() - t0, 1)}
+            for split in ("eval", "heldout"):
+                ec = EvalConfig(method="kvpop", budget=args.budget, sinks=args.sinks, tasks=tuple(args.tasks),
+                                n_per_task=args.n, context=args.length, split=split, batch_size=8,
+                                options={"window": args.window, "scorer": args.scorer})
+                for r in evaluate(student, ec, progress=False):
+                    rows.append({**r, "method": f"kvpop_{args.scorer}_frozen", "scorer_kd": w})
+                    arm[f"{split}_{r['task']}"] = r["accuracy"]
+            arms.append(arm)
+            print(f"scorer_kd={w}: kd_eval {kd:.4f} | " + " ".join(f"{k} {v:.3f}" for k, v in arm.items()
+                                                                  if k.startswith(("eval_", "heldout_"))), flush=True)
+    if args.out:
+        write_results(args.out, make_results(
+            "accuracy", rows, device="cpu", command=command, commit=commit, model=args.model, context=args.length,
+            arms=arms, settings={k: v for k, v in vars(args).items() if k not in ("out", "threads")},
+            wall_seconds=round(time.time() - start, 1),
+            note="Scorer-only retrofits on the frozen shipped teacher (kvlearn retrofit --freeze-backbone), one per "
+                 "--scorer-kd weight, same batches and seed; kd_eval: each student's hard-retention KD loss on "
+                 "fresh training batches; rows: bounded-protocol accuracy on the eval and held-out splits."))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
