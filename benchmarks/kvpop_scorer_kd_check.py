@@ -12,6 +12,10 @@ in the scorers' gradient and nothing else. Then each arm's student is measured u
 - ``accuracy``: the testbed's bounded-protocol accuracy at ``--length`` on ``--tasks``, eval split and the held-out
   haystack split (styles and depth regimes training never drew), ``--n`` examples per family.
 
+Before training, ``init_gradients`` records on one training batch the norm of the scorers' and decays' gradient from
+each source at the scorers' initialisation: the boundary loss's, and the distillation loss's through the soft
+retention at weight 1 (what ``--scorer-kd`` adds), so a weight can be read against the boundary term's scale.
+
 The frozen backbone isolates the scorers: a lower ``kd`` for weight > 0 shows the gradient reaches the ranking in the
 direction the loss wants. The retrofit itself (backbone and scorers together, 1,300 steps at 4096) is the device
 experiment ``benchmarks/device/kvpop_scorer_kd.sh``.
@@ -36,8 +40,10 @@ from kvlearn.eval.accuracy import EvalConfig, evaluate  # noqa: E402
 from kvlearn.results import command_line, git_commit, make_results, write_results  # noqa: E402
 from kvlearn.kvpop.train_attention import use_train_attention  # noqa: E402
 from kvlearn.testbed.data import training_batch  # noqa: E402
-from kvlearn.train.distill import (RetrofitConfig, kd_loss, retrofit, student_forward,  # noqa: E402
-                                   training_kvpop)
+from kvlearn.kvpop.policy import sample_query_positions  # noqa: E402
+from kvlearn.kvpop.scorer_kd import ScorerKD, scorer_kd_rows  # noqa: E402
+from kvlearn.train.distill import (RetrofitConfig, build_models, distill_losses, kd_loss, retrofit,  # noqa: E402
+                                   student_forward, training_kvpop)
 
 EVAL_SEED = 7_000_000  # training_batch seeds of the KD evaluation (the retrofit's stream starts at 0)
 
@@ -83,6 +89,32 @@ def eval_kd(student, teacher, kv: KVpopConfig, length: int, batches: int, batch_
     return total / batches
 
 
+def init_gradients(config: RetrofitConfig, queries: int, temperature: float) -> dict:
+    """Gradient norms of the fresh scorers (``scorer``) and decays (``decay``) from the boundary loss and from the KD
+    loss through the soft retention at weight 1, on one training batch of ``config``'s shape."""
+    torch.manual_seed(config.seed)
+    teacher, student = build_models(config, torch.device("cpu"))
+    kv = training_kvpop(config, student)
+    ids, labels = training_batch(config.batch_size, config.seq_len, EVAL_SEED - 1)
+    gen = torch.Generator().manual_seed(config.seed)
+    boundary_queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk, config.queries_per_step,
+                                              config.late_fraction, generator=gen)
+    rows, scale = scorer_kd_rows(config.seq_len, kv.sinks, kv.window, kv.topk, queries, gen)
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=ids).logits
+    logits, state = student_forward(student, ids, kv, scorer_kd=ScorerKD(rows, scale, temperature, config.seq_len))
+    named = [(n, p) for n, p in student.named_parameters() if ".kvpop." in n]
+    losses = {"kd_through_soft_retention": kd_loss(logits, teacher_logits, labels, config.kd_topk),
+              "boundary": distill_losses(state, boundary_queries)["boundary"]}
+    out = {}
+    for name, loss in losses.items():
+        grads = torch.autograd.grad(loss, [p for _, p in named], retain_graph=True, allow_unused=True)
+        for part in ("scorer", "decay"):
+            sq = sum(float(g.pow(2).sum()) for (n, _), g in zip(named, grads) if g is not None and f".{part}" in n)
+            out[f"{part}_{name}"] = sq ** 0.5
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch.set_num_threads(args.threads)
@@ -93,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                      scorer=args.scorer, decay_init=0.99999, target_reduction="peak")
     rows, arms = [], []
     with tempfile.TemporaryDirectory() as tmp:
+        grads = init_gradients(RetrofitConfig(model=args.model, out=f"{tmp}/g", kvpop=kv, batch_size=args.batch_size,
+                                              seq_len=args.length, seed=args.seed), args.queries, args.temperature)
+        print("gradient norms at initialisation: " + ", ".join(f"{k} {v:.4g}" for k, v in grads.items()), flush=True)
         for w in args.weights:
             t0 = time.time()
             kd_kw = dict(scorer_kd=w, scorer_kd_temperature=args.temperature, scorer_kd_queries=args.queries) if w else {}
@@ -121,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_results(args.out, make_results(
             "accuracy", rows, device="cpu", command=command, commit=commit, model=args.model, context=args.length,
-            arms=arms, settings={k: v for k, v in vars(args).items() if k not in ("out", "threads")},
+            arms=arms, init_gradients=grads, settings={k: v for k, v in vars(args).items() if k not in ("out", "threads")},
             wall_seconds=round(time.time() - start, 1),
             note="Scorer-only retrofits on the frozen shipped teacher (kvlearn retrofit --freeze-backbone), one per "
                  "--scorer-kd weight, same batches and seed; kd_eval: each student's hard-retention KD loss on "

@@ -112,7 +112,7 @@ def test_straight_through_forward_and_gradients():
     out = torch.randn(B, Hkv * G, T, D, requires_grad=True)
     rows = torch.tensor([9, 14, 20, 23])
     st = straight_through_retention(out, query, key, value, p, cutoffs, SINKS, WINDOW, None,
-                                    ScorerKD(rows, weight, tau))
+                                    ScorerKD(rows, weight, tau, T))
     assert torch.equal(st, out)  # the forward is the hard output, bit for bit
     upstream = torch.randn_like(out)
     (st * upstream).sum().backward()
@@ -154,7 +154,7 @@ def test_gradient_raises_a_dropped_key_the_loss_needs():
     pr = p.clone().requires_grad_(True)
     out = torch.zeros(1, 1, T, D, requires_grad=True)
     st = straight_through_retention(out, query, key, value, pr, cutoffs, 1, 2, None,
-                                    ScorerKD(torch.tensor([q]), 1.0, 1.0))
+                                    ScorerKD(torch.tensor([q]), 1.0, 1.0, T))
     (-st[0, 0, q, 0]).backward()
     assert pr.grad[0, 0, j] < 0 and pr.grad[0, 0, cut_key] > 0
     assert pr.grad[0, 0, 0] == 0  # a sink: not ranked against the cutoff
@@ -173,9 +173,11 @@ def test_rows_sample_the_evicting_range():
     with pytest.raises(KVLearnError, match="no row evicts"):
         scorer_kd_rows(52, 4, 16, 32, 8, g)
     with pytest.raises(KVLearnError, match="temperature=0"):
-        ScorerKD(torch.tensor([3]), 1.0, 0)
+        ScorerKD(torch.tensor([3]), 1.0, 0, 8)
     with pytest.raises(KVLearnError, match="rows="):
-        ScorerKD(torch.tensor([3.0]), 1.0, 1.0)
+        ScorerKD(torch.tensor([3.0]), 1.0, 1.0, 8)
+    with pytest.raises(KVLearnError, match=r"positions 3..8: expected positions in \[0, seq_len=8\)"):
+        ScorerKD(torch.tensor([3, 8]), 1.0, 1.0, 8)
 
 
 def test_student_logits_and_backbone_gradient_unchanged(teacher_path, tmp_path):
@@ -188,7 +190,7 @@ def test_student_logits_and_backbone_gradient_unchanged(teacher_path, tmp_path):
         t_logits = teacher(input_ids=ids).logits
     rows, scale = scorer_kd_rows(SEQ, 4, 16, 32, 24, torch.Generator().manual_seed(1))
     grads = []
-    for kd in (None, ScorerKD(rows, scale, 1.0)):
+    for kd in (None, ScorerKD(rows, scale, 1.0, SEQ)):
         student.zero_grad(set_to_none=True)
         logits, _ = student_forward(student, ids, config.kvpop, scorer_kd=kd)
         kd_loss(logits, t_logits, labels, config.kd_topk).backward()
@@ -229,3 +231,35 @@ def test_bad_settings_are_one_line_errors(teacher_path, tmp_path, capsys):
                "--seq-len", "128", "--steps", "1", "--scorer-kd-temperature", "0.5"])
     err = capsys.readouterr().err
     assert rc != 0 and "--scorer-kd-temperature 0.5" in err and "--scorer-kd WEIGHT" in err
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_forward_unchanged_and_gradients_match_the_cpu(teacher_path, tmp_path):
+    """On CUDA under the trainer's bf16 autocast: the logits with the scorer distillation equal those without bit for
+    bit, and the scorers' gradient from the KD loss agrees in direction with the float32 CPU computation of the same
+    step on the same weights (the soft pass runs in float32 on both; the KD loss differs by the backbone's bf16
+    rounding)."""
+    import copy
+
+    config = make_config(teacher_path, tmp_path / "c")
+    teacher, student = build_models(config, torch.device("cpu"))
+    for sc in kvpop_modules(student)[0]:  # scorers that rank: a non-zero output layer
+        torch.nn.init.normal_(sc.w2, std=0.5)
+    ids, labels = training_batch(2, SEQ, 5)
+    rows, scale = scorer_kd_rows(SEQ, 4, 16, 32, 24, torch.Generator().manual_seed(1))
+    grads = {}
+    for device in ("cpu", "cuda"):
+        dev = torch.device(device)
+        t, s = copy.deepcopy(teacher).to(dev), copy.deepcopy(student).to(dev)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            with torch.no_grad():
+                t_logits = t(input_ids=ids.to(dev)).logits
+            plain = student_forward(s, ids.to(dev), config.kvpop)[0].detach()  # with autograd: the same kernels
+            logits, _ = student_forward(s, ids.to(dev), config.kvpop, scorer_kd=ScorerKD(rows.to(dev), scale, 1.0, SEQ))
+        assert torch.equal(plain, logits.detach())
+        kd_loss(logits, t_logits, labels.to(dev), config.kd_topk).backward()
+        grads[device] = torch.cat([p.grad.flatten().float().cpu() for n, p in s.named_parameters()
+                                   if ".kvpop.scorer." in n and p.grad is not None])
+        assert grads[device].abs().sum() > 0
+    cos = torch.nn.functional.cosine_similarity(grads["cpu"], grads["cuda"], dim=0)
+    assert cos > 0.9, float(cos)

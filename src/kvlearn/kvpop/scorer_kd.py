@@ -48,12 +48,15 @@ __all__ = ["ScorerKD", "scorer_kd_rows", "cutoff_priorities", "soft_retention_bi
 class ScorerKD:
     """One forward's straight-through scorer distillation (see the module docstring).
 
-    ``rows``: int64 ``[n]`` distinct query positions, sorted, on the model's device (:func:`scorer_kd_rows`).
-    ``weight``: ``λ > 0`` times ``N / n`` (the caller folds the row scaling in). ``temperature``: ``τ > 0``."""
+    ``rows``: int64 ``[n]`` distinct query positions in ``[0, seq_len)``, sorted (:func:`scorer_kd_rows`), on the
+    model's device (their range is checked here when they are on the CPU: a check of device rows would make the host
+    wait for the GPU). ``weight``: ``λ > 0`` times ``N / n`` (the caller folds the row scaling in). ``temperature``:
+    ``τ > 0``. ``seq_len``: the length of the forwards they are for."""
 
     rows: Tensor
     weight: float
     temperature: float
+    seq_len: int
 
     def __post_init__(self) -> None:
         check(isinstance(self.rows, Tensor) and self.rows.dim() == 1 and self.rows.numel() >= 1
@@ -61,6 +64,11 @@ class ScorerKD:
               f"rows={self.rows!r} is invalid: expected a non-empty int64 [n] tensor of query positions")
         check_positive("weight", self.weight)
         check_positive("temperature", self.temperature)
+        check_int("seq_len", self.seq_len, 1)
+        if self.rows.device.type == "cpu":
+            lo, hi = int(self.rows.min()), int(self.rows.max())
+            check(0 <= lo and hi < self.seq_len,
+                  f"rows reach positions {lo}..{hi}: expected positions in [0, seq_len={self.seq_len})")
 
 
 def scorer_kd_rows(seq_len: int, sinks: int, window: int, topk: int, num: int,
@@ -134,8 +142,8 @@ def straight_through_retention(out: Tensor, query: Tensor, key: Tensor, value: T
     equal to ``out`` in the forward, and in the backward the gradient at those rows also reaches ``priorities``
     through the soft retention (module docstring). ``query [B, Hq, T, D]``, ``key``/``value [B, Hkv, T, D]`` (what the
     hard path attended; detached here), ``priorities [B, Hkv, T]`` float32, ``cutoffs [B, Hkv, T]`` int32."""
-    check(int(kd.rows.max()) < query.shape[2],
-          f"scorer KD rows reach position {int(kd.rows.max())}: expected < the sequence length {query.shape[2]}")
+    check(query.shape[2] == kd.seq_len,
+          f"a forward of {query.shape[2]} tokens got scorer KD rows for seq_len={kd.seq_len}: expected equal lengths")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     rows = kd.rows.to(query.device)
     q_rows = query.detach().index_select(2, rows)

@@ -18,7 +18,9 @@ Read top to bottom: config, models, losses, schedule, checkpoints, one step (:fu
   over its top-k at temperature 1, student log-probabilities of the full vocabulary), averaged over supervised
   tokens, + ``boundary_weight`` × the mean over layers of :func:`~kvlearn.kvpop.loss.boundary_loss`. The
   scorer/decay parameters get only the boundary gradient (their ranks enter the attention as integers); the
-  backbone gets only the KD gradient (scorer inputs are detached).
+  backbone gets only the KD gradient (scorer inputs are detached). Opt-in, ``scorer_kd`` > 0: the KD gradient also
+  reaches the scorers and decays through a straight-through soft retention on ``scorer_kd_queries`` rows per step
+  drawn after the boundary positions from the same generator (:mod:`kvlearn.kvpop.scorer_kd`; the forward unchanged).
 * **Optimiser**: AdamW with three groups: existing weights at a constant ``lr``, the new KVpop weights at ``lr_new``
   with a linear warm-up then a cosine to ``min_lr_ratio`` of it, and the per-head decay parameters ``alpha`` on the
   same schedule at ``lr_decay`` (Adam moves ``alpha`` by at most about the learning rate per step, and the decay's
@@ -58,7 +60,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -742,7 +744,8 @@ def scorer_kd_of(config: RetrofitConfig, kv: KVpopConfig, generator: torch.Gener
     if not config.scorer_kd:
         return None
     rows, scale = scorer_kd_rows(config.seq_len, kv.sinks, kv.window, kv.topk, config.scorer_kd_queries, generator)
-    return ScorerKD(rows.to(device), config.scorer_kd * scale, config.scorer_kd_temperature)
+    kd = ScorerKD(rows, config.scorer_kd * scale, config.scorer_kd_temperature, config.seq_len)  # checked on the CPU
+    return replace(kd, rows=rows.to(device))
 
 
 def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor, labels: torch.Tensor,
