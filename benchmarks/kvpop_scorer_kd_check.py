@@ -7,8 +7,12 @@ Per arm (a ``--scorer-kd`` weight; 0 is the boundary loss alone), ``kvlearn retr
 shipped teacher: only the scorers and decays train, on the same batches and seed for every arm, so the arms differ
 in the scorers' gradient and nothing else. Then each arm's student is measured under its own hard retention:
 
-- ``kd``: the distillation loss of its (hard) forward against the teacher on ``--eval-batches`` fresh training
+- ``kd_eval``: the distillation loss of its (hard) forward against the teacher on ``--eval-batches`` fresh training
   batches (seeds no training batch uses), the quantity the scorer distillation descends;
+- ``needed_kept_<split>_<family>``: at the answer query (the last prompt token) of the first ``--needed-n`` examples
+  of each of ``--tasks``, the share of the needed prompt tokens (``testbed.needed_positions``) that are eligible for
+  eviction (past the sinks, older than the window) and that the student's running top-k keeps, over every layer and
+  KV head: what the ranking keeps of what the answer needs, before any decoding;
 - ``accuracy``: the testbed's bounded-protocol accuracy at ``--length`` on ``--tasks``, eval split and the held-out
   haystack split (styles and depth regimes training never drew), ``--n`` examples per family.
 
@@ -39,6 +43,7 @@ from kvlearn.errors import check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, evaluate  # noqa: E402
 from kvlearn.results import command_line, git_commit, make_results, write_results  # noqa: E402
 from kvlearn.kvpop.train_attention import use_train_attention  # noqa: E402
+from kvlearn.testbed import example_seed, generate, needed_positions  # noqa: E402
 from kvlearn.testbed.data import training_batch  # noqa: E402
 from kvlearn.kvpop.policy import sample_query_positions  # noqa: E402
 from kvlearn.kvpop.scorer_kd import ScorerKD, scorer_kd_rows  # noqa: E402
@@ -65,6 +70,7 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--tasks", nargs="+", default=["trace", "niah"])
     ap.add_argument("--n", type=int, default=16, help="examples per family and split")
+    ap.add_argument("--needed-n", type=int, default=4, help="examples per family and split of needed_kept")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
@@ -87,6 +93,27 @@ def eval_kd(student, teacher, kv: KVpopConfig, length: int, batches: int, batch_
             logits, _ = student_forward(student, ids, kv)
             total += float(kd_loss(logits, teacher(input_ids=ids).logits, labels, 256))
     return total / batches
+
+
+def needed_kept(student, kv: KVpopConfig, family: str, split: str, n: int, length: int) -> float:
+    """Share of the eligible needed prompt tokens the student's running top-k keeps at the answer query, over ``n``
+    examples of ``family`` in ``split`` at ``length``, every layer and KV head (the training attention's ranks and
+    cutoffs on the prompt)."""
+    use_train_attention(student)
+    kept = total = 0
+    with torch.no_grad():
+        for i in range(n):
+            ex = generate(family, example_seed(family, split, i), length)
+            q = len(ex.prompt_ids) - 1
+            needed = torch.tensor([p for p in needed_positions(ex) if kv.sinks <= p <= q - kv.window], dtype=torch.long)
+            if len(needed) == 0:
+                continue
+            _, state = student_forward(student, torch.tensor([ex.prompt_ids]), kv)
+            for rec in state.records.values():  # ranks, cutoffs [1, Hkv, P]
+                keep = rec.ranks[0, :, needed] <= rec.cutoffs[0, :, q, None]  # [Hkv, needed]
+                kept += int(keep.sum())
+                total += keep.numel()
+    return kept / max(total, 1)
 
 
 def init_gradients(config: RetrofitConfig, queries: int, temperature: float) -> dict:
@@ -140,9 +167,13 @@ def main(argv: list[str] | None = None) -> int:
             student.eval()
             train_kv = training_kvpop(config, student)
             kd = eval_kd(student, teacher, train_kv, args.length, args.eval_batches, args.batch_size)
+            arm = {"scorer_kd": w, "kd_eval": kd, "train_seconds": round(time.time() - t0, 1)}
+            for split in ("eval", "heldout"):
+                for task in args.tasks:
+                    arm[f"needed_kept_{split}_{task}"] = needed_kept(student, train_kv, task, split, args.needed_n,
+                                                                     args.length)
             student = kvlearn.load(result["final"])  # the serving attention again, for the cache's evaluation
             student.eval()
-            arm = {"scorer_kd": w, "kd_eval": kd, "train_seconds": round(time.time() - t0, 1)}
             for split in ("eval", "heldout"):
                 ec = EvalConfig(method="kvpop", budget=args.budget, sinks=args.sinks, tasks=tuple(args.tasks),
                                 n_per_task=args.n, context=args.length, split=split, batch_size=8,
@@ -152,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     arm[f"{split}_{r['task']}"] = r["accuracy"]
             arms.append(arm)
             print(f"scorer_kd={w}: kd_eval {kd:.4f} | " + " ".join(f"{k} {v:.3f}" for k, v in arm.items()
-                                                                  if k.startswith(("eval_", "heldout_"))), flush=True)
+                                                                  if k.startswith(("eval_", "heldout_", "needed_"))),
+                  flush=True)
     if args.out:
         write_results(args.out, make_results(
             "accuracy", rows, device="cpu", command=command, commit=commit, model=args.model, context=args.length,
