@@ -13,7 +13,8 @@
 # trainer's 256).
 # Everything comes back packed in $OUT/kvpop_scorer_kd.tar (the device returns at most 8 files), with each run's
 # training log as train_log_<tag>.jsonl.gz.
-# Device time: about 8 minutes plus the machine's start-up. STEPS (default 1300), RETROFIT_ARGS, TABLE_ARGS, WORK_DIR
+# Device time: an estimate of about 8 minutes plus the machine's start-up (three students without the path took
+# 410-450 s side by side in session 28; the path's cost on the H200 is not yet measured). STEPS (default 1300), RETROFIT_ARGS, TABLE_ARGS, WORK_DIR
 # and the chain's DEVICE, MODEL, N_PER_TASK let it run as a CPU smoke test (tests/eval/test_kvpop_scorer_kd_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_scorer_kd.sh
 set -u

@@ -364,12 +364,8 @@ def cmd_retrofit(args) -> int:
         method_kw["freeze_backbone"] = True
     if args.readout_penalty is not None:
         method_kw["readout_penalty"] = args.readout_penalty
-    if args.scorer_kd is not None:
-        method_kw["scorer_kd"] = args.scorer_kd
-    for name in ("scorer_kd_temperature", "scorer_kd_queries"):
+    for name in ("scorer_kd", "scorer_kd_temperature", "scorer_kd_queries"):  # RetrofitConfig checks them together
         if getattr(args, name) is not None:
-            check(bool(args.scorer_kd), f"--{name.replace('_', '-')} {getattr(args, name)} sets the scorer "
-                                        "distillation, which is off: give --scorer-kd WEIGHT too")
             method_kw[name] = getattr(args, name)
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,

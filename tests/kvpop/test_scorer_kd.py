@@ -222,6 +222,7 @@ def test_retrofit_with_scorer_kd_and_resume(teacher_path, tmp_path):
 def test_bad_settings_are_one_line_errors(teacher_path, tmp_path, capsys):
     for kw, match in ((dict(scorer_kd=-1.0), "scorer_kd=-1.0"), (dict(scorer_kd_temperature=0.0), "temperature=0.0"),
                       (dict(scorer_kd_queries=0), "scorer_kd_queries=0"),
+                      (dict(scorer_kd_queries=64), "scorer_kd_queries=64 sets the scorer distillation, which is off"),
                       (dict(scorer_kd=1.0, method="streaming_plus", streaming=dict(budget=36, sinks=4)),
                        "for method 'kvpop'")):
         with pytest.raises(KVLearnError, match=match) as err:
@@ -230,7 +231,8 @@ def test_bad_settings_are_one_line_errors(teacher_path, tmp_path, capsys):
     rc = main(["retrofit", "--model", teacher_path, "--out", str(tmp_path / "cli"), "--budget", "52", "--window", "16",
                "--seq-len", "128", "--steps", "1", "--scorer-kd-temperature", "0.5"])
     err = capsys.readouterr().err
-    assert rc != 0 and "--scorer-kd-temperature 0.5" in err and "--scorer-kd WEIGHT" in err
+    assert rc != 0 and "scorer_kd_temperature=0.5 sets the scorer distillation, which is off" in err
+    assert "--scorer-kd WEIGHT" in err and err.count("\n") == 1
 
 
 @pytest.mark.gpu

@@ -217,6 +217,10 @@ class RetrofitConfig:
               f"distillation loss), not {self.method!r}")
         check_positive("scorer_kd_temperature", self.scorer_kd_temperature)
         check_int("scorer_kd_queries", self.scorer_kd_queries, 1)
+        for name in ("scorer_kd_temperature", "scorer_kd_queries"):  # settings of a path that is off: a mistake
+            check(self.scorer_kd or getattr(self, name) == SCORER_KD_OFF[name],
+                  f"{name}={getattr(self, name)!r} sets the scorer distillation, which is off (scorer_kd=0): give "
+                  "scorer_kd > 0 (--scorer-kd WEIGHT) too")
         check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
@@ -413,6 +417,11 @@ def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig,
     state = TrainForward(kvpop, kv_bits, scorer_kd)
     logits = student(input_ids=input_ids, kvpop_train=state, use_cache=False).logits
     return logits, state
+
+
+# the scorer-distillation settings of a run without it: RetrofitConfig's defaults (a run that is off must keep them),
+# and those of checkpoints written before the settings existed
+SCORER_KD_OFF = {"scorer_kd": 0.0, "scorer_kd_temperature": 1.0, "scorer_kd_queries": 256}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -698,18 +707,6 @@ def clear_run_outputs(out: Path) -> None:
             shutil.rmtree(p)
 
 
-# the scorer-distillation settings of a run without it (and of checkpoints written before they existed)
-SCORER_KD_OFF = {"scorer_kd": 0.0, "scorer_kd_temperature": 1.0, "scorer_kd_queries": 256}
-
-
-def scorer_kd_record(config: RetrofitConfig) -> dict:
-    """The scorer-distillation settings a resumed run must share with its checkpoint (:data:`SCORER_KD_OFF` when off:
-    the temperature and row count of a run that never used them do not matter)."""
-    if not config.scorer_kd:
-        return dict(SCORER_KD_OFF)
-    return {k: getattr(config, k) for k in SCORER_KD_OFF}
-
-
 def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
     """Load the student weights of checkpoint ``path`` (into the unsharded student) and return its trainer state
     (``step``, ``optimizer``: load it with :func:`parallel.load_optimizer_state_dict` once the optimizer exists).
@@ -719,7 +716,7 @@ def load_trainer_state(path: Path, student, config: RetrofitConfig) -> dict:
                 "minutes": config.minutes, "seq_len": config.seq_len, "batch_size": config.batch_size,
                 "seed": config.seed, "kv_bits": config.kv_bits, "family_weights": config.family_weights,
                 "freeze_backbone": config.freeze_backbone, "readout_penalty": config.readout_penalty,
-                **scorer_kd_record(config)}
+                **{k: getattr(config, k) for k in SCORER_KD_OFF}}
     trainer = read_trainer_state(path, expected, defaults={"method": "kvpop", "kv_bits": None, "family_weights": None,
                                                            "freeze_backbone": False, "readout_penalty": 0.0,
                                                            **SCORER_KD_OFF})
