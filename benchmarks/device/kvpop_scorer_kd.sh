@@ -6,9 +6,10 @@
 # `benchmarks/device/kvpop_table.sh` chain that tables its student on both splits (n = N_PER_TASK, default 100) at
 # its budget -> <tag>/kvpop_table.json. Table 1's students at this budget (results/kvpop_table.json) are the
 # comparison at weight 0: KVpop-MLP 0.65 / 0.60 of the teacher, DMS 0.73 / 0.73 (trace 0.64 against 0.95).
-# RUNS: space-separated 'SCORER:W:TAU:SEED' entries (SCORER mlp or mlstm, W the --scorer-kd weight, TAU its
-# temperature, default the trainer's 1, SEED default 0); the folder tag is <SCORER>_kd<W>, then _t<TAU> and _s<SEED>
-# when given. Default: RUNS='mlp:1 mlstm:1 mlp:0.1'.
+# RUNS: space-separated 'SCORER:W:TAU:SEED:RUN_BUDGET:RUN_WINDOW' entries (SCORER mlp or mlstm, W the --scorer-kd
+# weight, TAU its temperature, default the trainer's 1, SEED default 0, RUN_BUDGET and RUN_WINDOW default BUDGET and
+# WINDOW); the folder tag is <SCORER>_kd<W>, then _t<TAU>, _s<SEED>, _b<RUN_BUDGET> and _w<RUN_WINDOW> when given.
+# Default: RUNS='mlp:1 mlstm:1 mlp:0.1'.
 # BUDGET (default 256) and WINDOW (default 128) set the pattern; KD_QUERIES the rows per step (default the
 # trainer's 256).
 # Everything comes back packed in $OUT/kvpop_scorer_kd.tar (the device returns at most 8 files), with each run's
@@ -24,17 +25,21 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export WORK_DIR=${WORK_DIR:-/tmp}
 B=${BUDGET:-256}; WIN=${WINDOW:-128}
 for run in ${RUNS:-mlp:1 mlstm:1 mlp:0.1}; do
-    IFS=: read -r scorer w tau seed <<< "$run"
+    IFS=: read -r scorer w tau seed budget window <<< "$run"
     case $scorer in
         mlp) student=kvpop_mlp ;;
         mlstm) student=kvpop ;;
         *) echo "RUNS entry '$run': the scorer must be mlp or mlstm"; exit 2 ;;
     esac
-    tag=${scorer}_kd$w; options="--window $WIN"; extra="--scorer-kd $w"
+    tag=${scorer}_kd$w; extra="--scorer-kd $w"; run_budget=$B; run_window=$WIN
     [ -n "${tau:-}" ] && { tag=${tag}_t$tau; extra="$extra --scorer-kd-temperature $tau"; }
     [ -n "${KD_QUERIES:-}" ] && extra="$extra --scorer-kd-queries $KD_QUERIES"
-    [ -n "${seed:-}" ] && { tag=${tag}_s$seed; options="$options --seed $seed"; }
-    start_chain "$tag" "$student" "$B" "$options" "$extra"
+    [ -n "${seed:-}" ] && tag=${tag}_s$seed
+    [ -n "${budget:-}" ] && { tag=${tag}_b$budget; run_budget=$budget; }
+    [ -n "${window:-}" ] && { tag=${tag}_w$window; run_window=$window; }
+    options="--window $run_window"
+    [ -n "${seed:-}" ] && options="$options --seed $seed"
+    start_chain "$tag" "$student" "$run_budget" "$options" "$extra"
 done
 finish_chains
 pack_out "$OUT" kvpop_scorer_kd
