@@ -31,9 +31,20 @@ SCORER_KD = {**SETTINGS, "scorer_kd": 1.0, "scorer_kd_queries": 16}
 STREAMING_PLUS = {**{k: v for k, v in SETTINGS.items() if k != "kvpop"}, "method": "streaming_plus",
                   "streaming": dict(budget=36, sinks=4)}
 
+# the driver also checks that no sharded module is alive when the trainer leaves the process group: one collected
+# only at interpreter exit destroys the gloo group there, and a rank aborted ("terminate called without an active
+# exception") in CI
 DRIVER = """
-import json, sys
+import gc, json, sys
+from torch.distributed.fsdp import FSDPModule
+from kvlearn.train import parallel
 from kvlearn.train.distill import RetrofitConfig, retrofit
+close = parallel.close_distributed
+def checked_close(d):
+    close(d)
+    alive = sum(isinstance(o, FSDPModule) for o in gc.get_objects())
+    assert alive == 0, f"{alive} sharded modules outlive the process group"
+parallel.close_distributed = checked_close
 settings = json.loads(sys.argv[3])
 retrofit(RetrofitConfig(model=sys.argv[1], out=sys.argv[2], **settings), progress=False)
 """

@@ -911,6 +911,7 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
     final = None
     if finished:
         final = save_checkpoint(config, student, optimizer, step, FINAL, {"seconds": last.get("seconds", 0.0)}, d.main)
+    del teacher, student, optimizer, batches  # the sharded modules go before their process group (close_distributed)
     parallel.close_distributed(d)
     return {"step": step, "final": None if final is None else str(final), "log": last}
 

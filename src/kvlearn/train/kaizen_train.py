@@ -611,6 +611,7 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
             extra["selected"] = best
         final = save_checkpoint(config, student, optimizer, step, FINAL, extra, d.main)
     bar.close()
+    del teacher, student, joint, optimizer, batches  # the sharded modules go before their process group
     parallel.close_distributed(d)
     return {"step": step, "final": None if final is None else str(final), "log": last, "betas": betas}
 

@@ -22,6 +22,7 @@ No state lives here between calls: the process group is torch's own.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -62,8 +63,13 @@ def init_distributed(device: str = "cuda") -> DistInfo:
 
 
 def close_distributed(d: DistInfo) -> None:
-    """Leave the process group (a no-op for one process)."""
+    """Leave the process group (a no-op for one process). Callers drop their sharded modules and optimizer first:
+    FSDP2's parameter groups hold the process group, and sharded modules live in reference cycles, so without that a
+    module collected only at interpreter exit destroys the gloo group there, where its worker thread can no longer
+    take the GIL (a rank aborted with "terminate called without an active exception" in CI). The ``gc.collect()``
+    here frees those cycles while the group and the interpreter are both alive."""
     if d.world > 1 and dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 
