@@ -11,6 +11,8 @@
 #   RUNS='30:1024 30:256:128 30:512::1'
 # Everything comes back packed in $OUT/kvpop_mlstm_readout_penalty.tar (the device returns at most 8 files), with
 # each run's training log (the penalty is logged per step) as train_log_<tag>.jsonl.gz.
+# The students train without the scorer-KD path that Table 1's mLSTM recipe gained in session 30 (MLSTM_SCORER_KD,
+# default here 0), so the sweep stays the one session 28 recorded.
 # Device time: about 7 minutes plus the machine's start-up. STEPS (default 1300), RETROFIT_ARGS, TABLE_ARGS,
 # WORK_DIR and the chain's DEVICE, MODEL, N_PER_TASK let it run as a CPU smoke test
 # (tests/eval/test_kvpop_mlstm_readout_penalty_script.py).
@@ -19,7 +21,7 @@ set -u
 . "$(dirname "$0")/pack_out.sh"
 . "$(dirname "$0")/student_chains.sh"
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export WORK_DIR=${WORK_DIR:-/tmp}
+export WORK_DIR=${WORK_DIR:-/tmp} MLSTM_SCORER_KD=${MLSTM_SCORER_KD:-0}
 B=${BUDGET:-512}
 if [ -z "${RUNS:-}" ]; then RUNS=""; for w in ${WEIGHTS:-0.3 3 30}; do RUNS="$RUNS $w"; done; fi
 for run in $RUNS; do

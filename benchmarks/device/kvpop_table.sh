@@ -18,7 +18,8 @@
 # connection by default; kvpop_noskip=kvpop / kvpop_skip=kvpop: --mlstm-skip 0 / 1 explicitly; kvpop_immediate=kvpop:
 # the immediate readout; every mLSTM student trains with --state-in-budget 1 since this was added, and every one with
 # a skip path with --readout-penalty MLSTM_READOUT_PENALTY, default 30, since session 28: docs/DESIGN.md section 5,
-# "The readout penalty"); TAG (e.g. _b256) keeps two chains' folders apart;
+# "The readout penalty", and with --scorer-kd MLSTM_SCORER_KD, default 1, since session 30: section 5, "Scorers through
+# the distillation loss"; the MLP student keeps the paper's recipe, the boundary loss alone); TAG (e.g. _b256) keeps two chains' folders apart;
 # WORK_DIR (default /tmp) is where the retrofits write.
 # Students trained earlier: STUDENTS_FROM=<folder> (its <name>/ checkpoints, carried to the device) skips the
 # retrofits and evaluates them; STUDENTS (default 'kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms',
@@ -40,6 +41,7 @@ MODEL=${MODEL:-checkpoints/testbed-teacher}
 M=${RETROFIT_MINUTES:-5}; B=${BUDGET:-512}; TOTAL=${TOTAL_MINUTES:-9.5}
 KVPOP_EXTRA=${KVPOP_EXTRA---decay-init 0.99999 --target-reduction peak}
 RP=${MLSTM_READOUT_PENALTY:-30}
+KD=${MLSTM_SCORER_KD:-1}
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 start=$(date +%s)
 # RETROFIT_STEPS: every student trains that many steps (the same steps for every method, whatever the GPU's sharing
@@ -60,13 +62,16 @@ if [ -z "${STUDENTS_FROM:-}" ]; then  # train the students STUDENTS names, side 
             kvpop_mlp) retrofit kvpop_mlp --method kvpop --scorer mlp $KVPOP_EXTRA & ;;
             # the mLSTM students train with their state in the budget (Table 1's rule; kvpop_table.py evaluates so)
             # the mLSTM students with a skip path train under the readout penalty (MLSTM_READOUT_PENALTY, default 30,
-            # the recipe of Table 1 since session 28; KVPOP_EXTRA's own --readout-penalty comes later and wins)
-            kvpop) retrofit kvpop --method kvpop --scorer mlstm --state-in-budget 1 --readout-penalty "$RP" $KVPOP_EXTRA & ;;
+            # the recipe of Table 1 since session 28; KVPOP_EXTRA's own --readout-penalty comes later and wins), and
+            # since session 30 with their scorers also trained through the distillation loss (--scorer-kd
+            # MLSTM_SCORER_KD, default 1; again KVPOP_EXTRA's own comes later and wins)
+            kvpop) retrofit kvpop --method kvpop --scorer mlstm --state-in-budget 1 --readout-penalty "$RP" \
+                --scorer-kd "$KD" $KVPOP_EXTRA & ;;
             kvpop_noskip) retrofit kvpop_noskip --method kvpop --scorer mlstm --state-in-budget 1 --mlstm-skip 0 $KVPOP_EXTRA & ;;
             kvpop_skip) retrofit kvpop_skip --method kvpop --scorer mlstm --state-in-budget 1 --mlstm-skip 1 \
-                --readout-penalty "$RP" $KVPOP_EXTRA & ;;
+                --readout-penalty "$RP" --scorer-kd "$KD" $KVPOP_EXTRA & ;;
             kvpop_immediate) retrofit kvpop_immediate --method kvpop --scorer mlstm --state-in-budget 1 --readout immediate \
-                --readout-penalty "$RP" $KVPOP_EXTRA & ;;  # the readout ablation: scored at u, not u + window
+                --readout-penalty "$RP" --scorer-kd "$KD" $KVPOP_EXTRA & ;;  # the readout ablation: scored at u, not u + window
             streaming_plus) retrofit streaming_plus --method streaming_plus & ;;
             dms) retrofit dms --method dms & ;;
             *) echo "STUDENTS: unknown student ${s%%=*}: expected kvpop_mlp, kvpop, kvpop_noskip, kvpop_skip, kvpop_immediate, streaming_plus or dms"; exit 2 ;;

@@ -45,3 +45,4 @@ def test_readout_penalty_chains_train_and_table_each_run(make_teacher, tmp_path)
         kvpop = config["kvpop"]
         assert (config["readout_penalty"], kvpop["sinks"] + kvpop["window"] + kvpop["topk"], config["seed"]) == \
             (weight, budget, seed)
+        assert config["scorer_kd"] == 0.0  # the sweep as session 28 ran it, without Table 1's later scorer KD

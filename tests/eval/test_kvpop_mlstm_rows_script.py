@@ -99,3 +99,20 @@ def test_kvpop_table_mlstm_students_train_under_the_readout_penalty(tmp_path):
     assert penalty(_retrofit_calls(tmp_path, MLSTM_READOUT_PENALTY="0")["kvpop"]) == 0.0
     extra = "--decay-init 0.99999 --target-reduction peak --readout-penalty 3"
     assert penalty(_retrofit_calls(tmp_path, KVPOP_EXTRA=extra)["kvpop"]) == 3.0
+
+
+def test_kvpop_table_mlstm_students_train_their_scorers_through_the_distillation_loss(tmp_path):
+    """Table 1's mLSTM recipe since session 30: every mLSTM student with a skip path gets ``--scorer-kd 1``
+    (MLSTM_SCORER_KD overrides it, and a --scorer-kd in KVPOP_EXTRA comes later, so argparse takes it); the MLP
+    student and the mLSTM without a skip path keep the boundary loss alone (0, the trainer's default)."""
+    from kvlearn.cli import build_parser
+
+    def weight(args):
+        return build_parser().parse_args(["retrofit", *args]).scorer_kd
+
+    calls = _retrofit_calls(tmp_path)
+    assert {name: weight(args) or 0.0 for name, args in calls.items()} == \
+        {"kvpop_mlp": 0.0, "kvpop": 1.0, "kvpop_noskip": 0.0, "kvpop_immediate": 1.0}
+    assert weight(_retrofit_calls(tmp_path, MLSTM_SCORER_KD="0")["kvpop"]) == 0.0
+    extra = "--decay-init 0.99999 --target-reduction peak --scorer-kd 0.1"
+    assert weight(_retrofit_calls(tmp_path, KVPOP_EXTRA=extra)["kvpop"]) == 0.1

@@ -3,8 +3,8 @@
 For each budget (default 1024, 512, 256: CR 75%, 88%, 94% at context 4096), one run of
 ``benchmarks/device/kvpop_table.sh`` (the repository's Table 1 chain): four students retrofitted side by side from
 the teacher for ``minutes`` each with the measured recipes (KVpop with the MLP and with the mLSTM scorer, both on the
-peak target from ``--decay-init 0.99999``, the mLSTM under ``--readout-penalty 30``, the chain's default; StreamingLLM+;
-DMS), the window :func:`kvlearn.config.retrofit_window` gives (256 from budget 512 up, half the budget below),
+peak target from ``--decay-init 0.99999``, the mLSTM under ``--readout-penalty 30 --scorer-kd 1``, the chain's defaults;
+StreamingLLM+; DMS), the window :func:`kvlearn.config.retrofit_window` gives (256 from budget 512 up, half the budget below),
 then the table at that budget: the teacher, the students under the pattern each was trained for, and every
 training-free baseline, both splits, ``n_per_task`` per family. The budgets run one after another (four
 retrofits share the GPU at a time); their tables are merged into ``out/kvpop_table.json`` with its plot, and the
