@@ -4,8 +4,9 @@
 # 128, 1,300 steps, lr 1e-4; the mLSTM with its state in the budget and readout penalty 30) retrofitted from the
 # teacher side by side on the one GPU, each with `kvlearn retrofit --scorer-kd W`, each a
 # `benchmarks/device/kvpop_table.sh` chain that tables its student on both splits (n = N_PER_TASK, default 100) at
-# its budget -> <tag>/kvpop_table.json. Table 1's students at this budget (results/kvpop_table.json) are the
-# comparison at weight 0: KVpop-MLP 0.65 / 0.60 of the teacher, DMS 0.73 / 0.73 (trace 0.64 against 0.95).
+# its budget -> <tag>/kvpop_table.json. The comparison at weight 0 at budget 256: KVpop-MLP 0.65 / 0.60 of the
+# teacher (results/kvpop_table.json), the mLSTM 0.62 / 0.58 (results/raw/kvpop_mlstm_readout_penalty_p30_b256_w128_3f69941.json),
+# DMS 0.73 / 0.73. Session 30's two calls made Table 1's mLSTM rows (results/raw/README.md).
 # RUNS: space-separated 'SCORER:W:TAU:SEED:RUN_BUDGET:RUN_WINDOW' entries (SCORER mlp or mlstm, W the --scorer-kd
 # weight, TAU its temperature, default the trainer's 1, SEED default 0, RUN_BUDGET and RUN_WINDOW default BUDGET and
 # WINDOW); the folder tag is <SCORER>_kd<W>, then _t<TAU>, _s<SEED>, _b<RUN_BUDGET> and _w<RUN_WINDOW> when given.
@@ -14,8 +15,8 @@
 # trainer's 256).
 # Everything comes back packed in $OUT/kvpop_scorer_kd.tar (the device returns at most 8 files), with each run's
 # training log as train_log_<tag>.jsonl.gz.
-# Device time: an estimate of about 8 minutes plus the machine's start-up (three students without the path took
-# 410-450 s side by side in session 28; the path's cost on the H200 is not yet measured). STEPS (default 1300), RETROFIT_ARGS, TABLE_ARGS, WORK_DIR
+# Device time: 505 s for the default RUNS and 572 s for three mLSTMs at 256 / 512 / 1024 (session 30), plus the
+# machine's start-up. STEPS (default 1300), RETROFIT_ARGS, TABLE_ARGS, WORK_DIR
 # and the chain's DEVICE, MODEL, N_PER_TASK let it run as a CPU smoke test (tests/eval/test_kvpop_scorer_kd_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kvpop_scorer_kd.sh
 set -u
@@ -31,15 +32,13 @@ for run in ${RUNS:-mlp:1 mlstm:1 mlp:0.1}; do
         mlstm) student=kvpop ;;
         *) echo "RUNS entry '$run': the scorer must be mlp or mlstm"; exit 2 ;;
     esac
-    tag=${scorer}_kd$w; extra="--scorer-kd $w"; run_budget=$B; run_window=$WIN
+    tag=${scorer}_kd$w; extra="--scorer-kd $w"; options=""
     [ -n "${tau:-}" ] && { tag=${tag}_t$tau; extra="$extra --scorer-kd-temperature $tau"; }
     [ -n "${KD_QUERIES:-}" ] && extra="$extra --scorer-kd-queries $KD_QUERIES"
-    [ -n "${seed:-}" ] && tag=${tag}_s$seed
-    [ -n "${budget:-}" ] && { tag=${tag}_b$budget; run_budget=$budget; }
-    [ -n "${window:-}" ] && { tag=${tag}_w$window; run_window=$window; }
-    options="--window $run_window"
-    [ -n "${seed:-}" ] && options="$options --seed $seed"
-    start_chain "$tag" "$student" "$run_budget" "$options" "$extra"
+    [ -n "${seed:-}" ] && { tag=${tag}_s$seed; options="--seed $seed"; }
+    [ -n "${budget:-}" ] && tag=${tag}_b$budget
+    [ -n "${window:-}" ] && tag=${tag}_w$window
+    start_chain "$tag" "$student" "${budget:-$B}" "--window ${window:-$WIN} $options" "$extra"
 done
 finish_chains
 pack_out "$OUT" kvpop_scorer_kd
