@@ -43,6 +43,8 @@ tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing me
   mask) against the default's dense bias.
 - ``scorer_kd``: both KVpop methods with ``RetrofitConfig.scorer_kd=1`` (the straight-through soft retention on 256
   query rows per step that also trains the scorers through the distillation loss, :mod:`kvlearn.kvpop.scorer_kd`).
+- ``scorer_kd_compiled``: the same with ``RetrofitConfig.scorer_kd_compile=True`` (the soft rows through
+  ``torch.compile`` on CUDA; on the CPU they run eagerly either way, so the row times the same code there).
 
 ``--sync-sites`` (CUDA only): after the timing, one more step of every method with CUDA's sync debug mode at
 ``"warn"``: each row gets ``host_syncs_per_step`` (the operations that made the host wait for the GPU, the step's
@@ -102,7 +104,8 @@ ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
 # --variants: name -> the methods it makes extra rows of
 VARIANTS = {"foreach_adamw": METHODS, "bf16_mlstm_matmuls": ("retrofit_kvpop_mlstm",),
             "mlstm_cudagraphs": ("retrofit_kvpop_mlstm",), "dms_score_mod": ("retrofit_dms",),
-            "scorer_kd": ("retrofit_kvpop_mlp", "retrofit_kvpop_mlstm")}
+            "scorer_kd": ("retrofit_kvpop_mlp", "retrofit_kvpop_mlstm"),
+            "scorer_kd_compiled": ("retrofit_kvpop_mlp", "retrofit_kvpop_mlstm")}
 # the defaults by model source: --model (None), --shape qwen3-0.6b / qwen3-1.7b, --smoke (tiny)
 DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), values))
             for source, values in ((None, (4096, 8, 1024, 256, 3, 10)), ("qwen3-0.6b", (8192, 1, 1024, 256, 3, 10)),
@@ -111,7 +114,8 @@ DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warm
 
 def method_config(name: str, args, model: str, out: str, device: str, variant: str | None = None) -> RetrofitConfig:
     """The retrofit config of method ``name`` (``distill_dense`` reads only its KD, clipping and ``lr`` fields)
-    under ``variant`` (``bf16_mlstm_matmuls``, ``mlstm_cudagraphs``, ``dms_score_mod`` and ``scorer_kd`` change the config; ``foreach_adamw`` the
+    under ``variant`` (``bf16_mlstm_matmuls``, ``mlstm_cudagraphs``, ``dms_score_mod``, ``scorer_kd`` and
+    ``scorer_kd_compiled`` change the config; ``foreach_adamw`` the
     optimizer only)."""
     s, w, b = args.sinks, args.window, args.budget
     if name == "retrofit_dms":
@@ -127,7 +131,8 @@ def method_config(name: str, args, model: str, out: str, device: str, variant: s
             kv = replace(kv, mlstm_matmul_dtype="bfloat16")
         elif variant == "mlstm_cudagraphs":
             kv = replace(kv, mlstm_compile_mode="reduce-overhead")
-        kw = dict(kvpop=kv, scorer_kd=1.0 if variant == "scorer_kd" else 0.0)
+        kd = variant in ("scorer_kd", "scorer_kd_compiled")
+        kw = dict(kvpop=kv, scorer_kd=1.0 if kd else 0.0, scorer_kd_compile=variant == "scorer_kd_compiled")
     return RetrofitConfig(model=model, out=out, batch_size=args.batch_size, seq_len=args.seq_len, device=device,
                           seed=args.seed, **kw)
 
@@ -160,7 +165,8 @@ def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Te
         fields.update(scorer=config.kvpop.scorer, kvpop=asdict(config.kvpop), kvpop_training_topk=kv.topk)
         if config.scorer_kd:
             fields.update(scorer_kd=config.scorer_kd, scorer_kd_queries=config.scorer_kd_queries,
-                          scorer_kd_temperature=config.scorer_kd_temperature)
+                          scorer_kd_temperature=config.scorer_kd_temperature,
+                          scorer_kd_compile=config.scorer_kd_compile)
     elif name != REFERENCE and config.method == "dms":
         fields["dms"] = asdict(config.dms)
     elif name != REFERENCE:

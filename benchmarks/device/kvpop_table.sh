@@ -130,12 +130,7 @@ tail -n 8 "$OUT"/kvpop_table_*.log
 for s in $STUDENTS; do  # each trained student as a bf16 tar (EXPORT_STUDENTS=0: not)
     name=${s%%=*}
     [ "${EXPORT_STUDENTS:-1}" = 1 ] && [ -z "${STUDENTS_FROM:-}" ] && [ -f "${WORK_DIR:-/tmp}/table${TAG:-}_$name/final/config.json" ] || continue
-    python3 -c "
-import shutil, sys, torch, kvlearn
-src, dst = sys.argv[1], sys.argv[2]
-kvlearn.load(src, dtype=torch.bfloat16).save_pretrained(dst)
-for f in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json'):
-    shutil.copy2(f'{src}/{f}', dst)
-" "${WORK_DIR:-/tmp}/table${TAG:-}_$name/final" "${WORK_DIR:-/tmp}/student${TAG:-}-$name" && tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/$name.tar" "student${TAG:-}-$name"
+    python3 benchmarks/export_checkpoint.py --overwrite "${WORK_DIR:-/tmp}/table${TAG:-}_$name/final" "${WORK_DIR:-/tmp}/student${TAG:-}-$name" \
+        && tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/$name.tar" "student${TAG:-}-$name"
 done
 ls -la "$OUT"

@@ -85,11 +85,5 @@ wait
 [ "${PARALLEL_EVALS:-0}" = 1 ] && cat "$OUT"/eval_*.log >> "$OUT/retrofit_$tag.log" && rm -f "$OUT"/eval_*.log
 grep -E "^kvpop|^kaizen|^dense|^method" "$OUT/retrofit_$tag.log" | tail -n 16
 [ -n "${STUDENT:-}" ] && exit 0  # a trained student: nothing to export
-python3 -c "
-import os, shutil, sys, torch, kvlearn
-src, dst = sys.argv[1], sys.argv[2]
-kvlearn.load(src, dtype=torch.bfloat16).save_pretrained(dst)
-for f in ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'teacher.json'):  # teacher.json: kvlearn.lineage
-    if f == 'teacher.json' or os.path.exists(f'{src}/{f}'):  # a teacher saved without a tokenizer has none to copy
-        shutil.copy2(f'{src}/{f}', dst)
-" "$RUN/final" "${WORK_DIR:-/tmp}/kvpop-$tag" && tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/kvpop_$tag.tar" "kvpop-$tag"
+python3 benchmarks/export_checkpoint.py --overwrite "$RUN/final" "${WORK_DIR:-/tmp}/kvpop-$tag" \
+    && tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/kvpop_$tag.tar" "kvpop-$tag"

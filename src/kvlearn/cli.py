@@ -367,6 +367,8 @@ def cmd_retrofit(args) -> int:
     for name in ("scorer_kd", "scorer_kd_temperature", "scorer_kd_queries"):  # RetrofitConfig checks them together
         if getattr(args, name) is not None:
             method_kw[name] = getattr(args, name)
+    if args.scorer_kd_compile:
+        method_kw["scorer_kd_compile"] = True
     length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -745,6 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 1)")
     sp.add_argument("--scorer-kd-queries", type=int, default=None, metavar="N",
                     help="kvpop, --scorer-kd: query rows per step that carry the soft retention (default 256)")
+    sp.add_argument("--scorer-kd-compile", action="store_true",
+                    help="kvpop, --scorer-kd: run the soft retention rows through torch.compile on CUDA (speed only; "
+                         "the same values to float32 rounding; other devices run them eagerly)")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
                          "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "

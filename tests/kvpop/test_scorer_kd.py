@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kvlearn import KVLearnError
 from kvlearn.cli import main
+from kvlearn.kvpop import scorer_kd as scorer_kd_mod
 from kvlearn.kvpop.apply import kvpop_modules
 from kvlearn.kvpop.scorer_kd import (ScorerKD, cutoff_priorities, scorer_kd_rows, soft_retention_bias,
                                      straight_through_retention)
@@ -137,6 +138,57 @@ def test_straight_through_forward_and_gradients():
     torch.testing.assert_close(p.grad.double(), p_ref.grad, rtol=1e-4, atol=1e-6)
 
 
+def _have_cxx() -> bool:
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=[
+    pytest.mark.slow, pytest.mark.skipif(not _have_cxx(), reason="inductor on the CPU needs a C++ compiler")])])
+def test_compiled_soft_rows_equal_the_eager_path(backend, monkeypatch):
+    """``ScorerKD(compile=True)`` on a device of ``COMPILE_DEVICES`` (the CPU added here, with ``backend``) runs the
+    rows through the compiled function: the forward is still the hard output bit for bit and the priorities' gradient
+    equals the eager path's to float32 rounding (T = 300 keys, 40 rows, GQA 2 x 2); with ``compile=False``, or on a
+    device outside the list, the eager function runs and nothing is compiled."""
+    torch.manual_seed(3)
+    B, Hkv, G, T, D, tau = 2, 2, 2, 300, 16, 0.7
+    g = torch.Generator().manual_seed(5)
+    p0 = torch.randn(B, Hkv, T, generator=g)
+    _, cutoffs = running_topk_cutoff(p0, SINKS, WINDOW, 20)
+    query, out = torch.randn(B, Hkv * G, T, D), torch.randn(B, Hkv * G, T, D)
+    key, value = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    rows, scale = scorer_kd_rows(T, SINKS, WINDOW, 20, 40, g)
+    upstream = torch.randn_like(out)
+    calls = []
+    real = scorer_kd_mod.compiled_soft_retention_rows
+
+    def counted(backend_=backend):
+        calls.append(backend_)
+        return real(backend)
+
+    monkeypatch.setattr(scorer_kd_mod, "compiled_soft_retention_rows", counted)
+
+    def grad(compile_: bool):
+        p = p0.clone().requires_grad_(True)
+        st = straight_through_retention(out, query, key, value, p, cutoffs, SINKS, WINDOW, None,
+                                        ScorerKD(rows, scale, tau, T, compile=compile_))
+        assert torch.equal(st, out)
+        (st * upstream).sum().backward()
+        return p.grad
+
+    eager = grad(False)
+    assert calls == []  # cpu is not a compile device by default
+    assert grad(True) is not None and calls == []
+    monkeypatch.setattr(scorer_kd_mod, "COMPILE_DEVICES", ("cuda", "cpu"))
+    eager_again = grad(False)
+    assert calls == [] and torch.equal(eager_again, eager)
+    torch._dynamo.reset()
+    compiled = grad(True)
+    assert calls and eager.abs().max() > 0
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-6)
+
+
 def test_gradient_raises_a_dropped_key_the_loss_needs():
     """One head, every score equal (zero queries), values zero but for key ``j`` = e_0; the loss wants the last row's
     output to move toward e_0, so descent raises ``p[j]`` and lowers the cutoff key's priority."""
@@ -217,12 +269,20 @@ def test_retrofit_with_scorer_kd_and_resume(teacher_path, tmp_path):
     with pytest.raises(KVLearnError, match="scorer_kd"):  # the checkpoint was trained with other settings
         retrofit(make_config(teacher_path, out, steps=4, resume=True, scorer_kd=2.0, scorer_kd_queries=16,
                          scorer_kd_temperature=0.5), progress=False)
+    # the compiled rows are a speed setting: a resumed run may change it (on the CPU the rows run eagerly either way)
+    again = retrofit(make_config(teacher_path, out, resume=True, scorer_kd=1.0, scorer_kd_queries=16,
+                                 scorer_kd_temperature=0.5, scorer_kd_compile=True), progress=False)
+    assert again["step"] == 3
 
 
 def test_bad_settings_are_one_line_errors(teacher_path, tmp_path, capsys):
     for kw, match in ((dict(scorer_kd=-1.0), "scorer_kd=-1.0"), (dict(scorer_kd_temperature=0.0), "temperature=0.0"),
                       (dict(scorer_kd_queries=0), "scorer_kd_queries=0"),
                       (dict(scorer_kd_queries=64), "scorer_kd_queries=64 sets the scorer distillation, which is off"),
+                      (dict(scorer_kd_compile=True), "scorer_kd_compile=True compiles the scorer distillation, which "
+                                                     "is off"),
+                      (dict(scorer_kd=1.0, scorer_kd_compile=1), "scorer_kd_compile=1 is invalid: expected True or "
+                                                                 "False"),
                       (dict(scorer_kd=1.0, method="streaming_plus", streaming=dict(budget=36, sinks=4)),
                        "for method 'kvpop'")):
         with pytest.raises(KVLearnError, match=match) as err:
@@ -233,6 +293,36 @@ def test_bad_settings_are_one_line_errors(teacher_path, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc != 0 and "scorer_kd_temperature=0.5 sets the scorer distillation, which is off" in err
     assert "--scorer-kd WEIGHT" in err and err.count("\n") == 1
+    rc = main(["retrofit", "--model", teacher_path, "--out", str(tmp_path / "cli2"), "--budget", "52", "--window", "16",
+               "--seq-len", "128", "--steps", "1", "--scorer-kd-compile"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "scorer_kd_compile=True compiles the scorer distillation, which is off" in err
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_soft_rows_equal_eager():
+    """On CUDA, ``ScorerKD(compile=True)`` (inductor) gives the eager path's priority gradient to float32 rounding at a
+    training-like shape (T = 2048, 128 rows, GQA 2 x 4), the forward the hard output bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda")
+    B, Hkv, G, T, D, window, topk = 2, 2, 4, 2048, 32, 256, 764
+    g = torch.Generator().manual_seed(7)
+    p0 = torch.randn(B, Hkv, T, generator=g).to(dev)
+    _, cutoffs = running_topk_cutoff(p0, 4, window, topk)
+    query, out, upstream = (torch.randn(B, Hkv * G, T, D, generator=g).to(dev) for _ in range(3))
+    key, value = (torch.randn(B, Hkv, T, D, generator=g).to(dev) for _ in range(2))
+    rows, scale = scorer_kd_rows(T, 4, window, topk, 128, g)
+    grads = []
+    for compile_ in (False, True):
+        p = p0.clone().requires_grad_(True)
+        st = straight_through_retention(out, query, key, value, p, cutoffs, 4, window, None,
+                                        ScorerKD(rows.to(dev), scale, 1.0, T, compile=compile_))
+        assert torch.equal(st, out)
+        (st * upstream).sum().backward()
+        grads.append(p.grad)
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu

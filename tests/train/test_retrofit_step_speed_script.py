@@ -134,16 +134,18 @@ def test_smoke_dms_score_mod_variant(tmp_path):
 
 
 def test_smoke_scorer_kd_variant(tmp_path):
-    """``--variants scorer_kd``: a ``+scorer_kd`` row of each KVpop method, its settings recorded; the default rows
-    carry none."""
+    """``--variants scorer_kd,scorer_kd_compiled``: a row of each per KVpop method, its settings recorded; the
+    default rows carry none."""
     script = load_benchmark("retrofit_step_speed")
     out = tmp_path / "kd.json"
-    assert script.main(["--smoke", "--methods", "distill_dense,retrofit_kvpop_mlp", "--variants", "scorer_kd",
-                        "--out", str(out)]) == 0
+    assert script.main(["--smoke", "--methods", "distill_dense,retrofit_kvpop_mlp", "--variants",
+                        "scorer_kd,scorer_kd_compiled", "--out", str(out)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["distill_dense", "retrofit_kvpop_mlp", "retrofit_kvpop_mlp+scorer_kd"]
-    assert rows["retrofit_kvpop_mlp+scorer_kd"]["scorer_kd"] == 1.0
-    assert rows["retrofit_kvpop_mlp+scorer_kd"]["scorer_kd_queries"] == 256
+    assert list(rows) == ["distill_dense", "retrofit_kvpop_mlp", "retrofit_kvpop_mlp+scorer_kd",
+                          "retrofit_kvpop_mlp+scorer_kd_compiled"]
+    for name, compiled in (("retrofit_kvpop_mlp+scorer_kd", False), ("retrofit_kvpop_mlp+scorer_kd_compiled", True)):
+        assert rows[name]["scorer_kd"] == 1.0 and rows[name]["scorer_kd_queries"] == 256
+        assert rows[name]["scorer_kd_compile"] is compiled
     assert "scorer_kd" not in rows["retrofit_kvpop_mlp"]
     assert all("error" not in r for r in rows.values())
 

@@ -25,8 +25,12 @@ differentiable in the scorer and the decay) and its int32 ranks and cutoffs (:mo
   soft). ``N / n`` makes ``λ = 1`` an unbiased estimate of the gradient that every evicting row would send.
 
 Rows are computed in float32 with autocast off, under activation checkpointing (nothing of size ``[B, Hq, n, T]``
-is kept for the backward). The cost is one ``[n, T]`` attention per layer: a small fraction of the step at ``n`` in
-the hundreds. Sharing layers (``kv_bits`` ``"share"``) send no such gradient to their anchor's scorer.
+is kept for the backward). The cost is one ``[n, T]`` attention per layer, but in eager mode it is memory-bound: the
+bias and the logits pass over ``[B, H, n, T]`` float32 tensors about a dozen times, forward, recompute and backward.
+``ScorerKD.compile`` (``RetrofitConfig.scorer_kd_compile``, ``kvlearn retrofit --scorer-kd-compile``) runs the soft
+rows through ``torch.compile`` on CUDA (:func:`compiled_soft_retention_rows`: the elementwise passes fused; the same
+values to float32 rounding, tested against the eager function); other devices run them eagerly. Sharing layers
+(``kv_bits`` ``"share"``) send no such gradient to their anchor's scorer.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import check, check_int, check_positive
 
 __all__ = ["ScorerKD", "scorer_kd_rows", "cutoff_priorities", "soft_retention_bias", "soft_retention_rows",
-           "straight_through_retention"]
+           "compiled_soft_retention_rows", "straight_through_retention", "COMPILE_DEVICES"]
+
+COMPILE_DEVICES = ("cuda",)  # device types on which ScorerKD(compile=True) runs the compiled soft rows
 
 
 @dataclass(frozen=True)
@@ -51,12 +57,14 @@ class ScorerKD:
     ``rows``: int64 ``[n]`` distinct query positions in ``[0, seq_len)``, sorted (:func:`scorer_kd_rows`), on the
     model's device (their range is checked here when they are on the CPU: a check of device rows would make the host
     wait for the GPU). ``weight``: ``λ > 0`` times ``N / n`` (the caller folds the row scaling in). ``temperature``:
-    ``τ > 0``. ``seq_len``: the length of the forwards they are for."""
+    ``τ > 0``. ``seq_len``: the length of the forwards they are for. ``compile``: on :data:`COMPILE_DEVICES` the soft
+    rows run through :func:`compiled_soft_retention_rows` (elsewhere, and when False, eagerly)."""
 
     rows: Tensor
     weight: float
     temperature: float
     seq_len: int
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check(isinstance(self.rows, Tensor) and self.rows.dim() == 1 and self.rows.numel() >= 1
@@ -65,6 +73,7 @@ class ScorerKD:
         check_positive("weight", self.weight)
         check_positive("temperature", self.temperature)
         check_int("seq_len", self.seq_len, 1)
+        check(isinstance(self.compile, bool), f"compile={self.compile!r} is invalid: expected True or False")
         if self.rows.device.type == "cpu":
             lo, hi = int(self.rows.min()), int(self.rows.max())
             check(0 <= lo and hi < self.seq_len,
@@ -135,6 +144,19 @@ def soft_retention_rows(query_rows: Tensor, key: Tensor, value: Tensor, prioriti
     return out.reshape(B, Hq, n, D)
 
 
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_soft_retention_rows(backend: str = "inductor"):
+    """``torch.compile(soft_retention_rows, dynamic=False, fullgraph=True)``, created on first use (one per backend):
+    the bias, the softmax and their backward fused instead of a dozen float32 passes over ``[B, H, n, T]``. A training
+    run with a fixed sequence length and row count compiles once (per distinct ``sinks``/``window``, constants of the
+    graph)."""
+    if backend not in _COMPILED:
+        _COMPILED[backend] = torch.compile(soft_retention_rows, dynamic=False, fullgraph=True, backend=backend)
+    return _COMPILED[backend]
+
+
 def straight_through_retention(out: Tensor, query: Tensor, key: Tensor, value: Tensor, priorities: Tensor,
                                cutoffs: Tensor, sinks: int, window: int, scale: float | None,
                                kd: ScorerKD) -> Tensor:
@@ -149,8 +171,11 @@ def straight_through_retention(out: Tensor, query: Tensor, key: Tensor, value: T
     q_rows = query.detach().index_select(2, rows)
     k, v = key.detach(), value.detach()
 
+    rows_fn = (compiled_soft_retention_rows() if kd.compile and query.device.type in COMPILE_DEVICES
+               else soft_retention_rows)
+
     def soft(p: Tensor) -> Tensor:
-        return soft_retention_rows(q_rows, k, v, p, cutoffs, rows, sinks, window, kd.temperature, scale)
+        return rows_fn(q_rows, k, v, p, cutoffs, rows, sinks, window, kd.temperature, scale)
 
     with torch.autocast(device_type=query.device.type, enabled=False):
         s = checkpoint(soft, priorities, use_reentrant=False) if priorities.requires_grad else soft(priorities)

@@ -132,6 +132,9 @@ class RetrofitConfig:
     scorer_kd: float = 0.0
     scorer_kd_temperature: float = 1.0
     scorer_kd_queries: int = 256
+    # kvpop, scorer_kd > 0: run the soft rows through torch.compile on CUDA (speed only: the same values to float32
+    # rounding; a resumed run may change it)
+    scorer_kd_compile: bool = False
     # length of the run: ``steps``, or a wall-clock budget in ``minutes`` (then the schedule follows elapsed time)
     steps: int | None = 1000
     minutes: float | None = None
@@ -221,6 +224,11 @@ class RetrofitConfig:
             check(self.scorer_kd or getattr(self, name) == SCORER_KD_OFF[name],
                   f"{name}={getattr(self, name)!r} sets the scorer distillation, which is off (scorer_kd=0): give "
                   "scorer_kd > 0 (--scorer-kd WEIGHT) too")
+        check(isinstance(self.scorer_kd_compile, bool),
+              f"scorer_kd_compile={self.scorer_kd_compile!r} is invalid: expected True or False")
+        check(self.scorer_kd or not self.scorer_kd_compile,
+              "scorer_kd_compile=True compiles the scorer distillation, which is off (scorer_kd=0): give scorer_kd > 0 "
+              "(--scorer-kd WEIGHT) too")
         check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
@@ -741,7 +749,8 @@ def scorer_kd_of(config: RetrofitConfig, kv: KVpopConfig, generator: torch.Gener
     if not config.scorer_kd:
         return None
     rows, scale = scorer_kd_rows(config.seq_len, kv.sinks, kv.window, kv.topk, config.scorer_kd_queries, generator)
-    kd = ScorerKD(rows, config.scorer_kd * scale, config.scorer_kd_temperature, config.seq_len)  # checked on the CPU
+    kd = ScorerKD(rows, config.scorer_kd * scale, config.scorer_kd_temperature, config.seq_len,  # checked on the CPU
+                  compile=config.scorer_kd_compile)
     return replace(kd, rows=rows.to(device))
 
 
