@@ -10,7 +10,10 @@ every slot visible) three ways, timed with CUDA events (median of ``--iters`` af
   slot into a full-size bf16 temporary) then the same SDPA;
 - ``fused``: :func:`kvlearn.ops.packed_decode.packed_decode_attention` (the bit-plane kernel: codes unpacked in
   registers, no temporary), at its default tile of 64 slots, and ``fused_block_c_128`` at 128 (the choice of the
-  default).
+  default); with a bf16 / fp16 store at 2 or 4 bits also ``fused_magic``, the same kernel with ``dequant="magic"``
+  (the codes OR-ed into the operands' mantissas instead of converted, ``fused_magic_over_bf16`` and, with
+  ``--graph``, ``fused_magic_over_bf16_graph``; ``max_abs_diff_fused_magic_vs_fused`` its difference from the
+  converting kernel).
 
 ``--store kivi`` measures the KIVI store the same way (``KIVIStore`` with key groups of 32 tokens and a 128-token
 bf16 window; ``fused`` is :func:`kvlearn.ops.kivi_decode.kivi_decode_attention` at its default launch, a tile of 32
@@ -43,7 +46,7 @@ import torch.nn.functional as F
 
 from kvlearn.cache import KIVIStore, PackedStore
 from kvlearn.ops.kivi_decode import kivi_decode_attention
-from kvlearn.ops.packed_decode import default_split, packed_decode_attention
+from kvlearn.ops.packed_decode import MAGIC_BITS, default_split, packed_decode_attention
 from kvlearn.results import make_results, write_results
 
 KIVI_GROUP, KIVI_RESIDUAL = 32, 128  # --store kivi: KIVI's key group and full-precision window (kaizen_memory's)
@@ -128,13 +131,13 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True) if device.type == "cuda" else \
             F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1))
 
-    def fused(block_c=None, split=None, **launch):  # block_c None: the kernel's default (packed 64, KIVI 32)
+    def fused(block_c=None, split=None, dequant="convert", **launch):  # block_c None: the default (packed 64, KIVI 32)
         if store_kind == "kivi":
             return kivi_decode_attention(q[:, :, 0], *store._buffers(), visible, bits, KIVI_GROUP, backend=backend,
                                          block_c=block_c or 32, split=split, **launch)
         return packed_decode_attention(q[:, :, 0], store.key_codes, store.key_scales, store.value_codes,
                                        store.value_scales, visible, bits, backend=backend, block_c=block_c or 64,
-                                       split=split, **launch)
+                                       split=split, dequant=dequant, **launch)
 
     reference = read_then_attend()[:, :, 0].float()
 
@@ -144,9 +147,15 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
 
     variants = [("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused),
                 ("fused_block_c_128", lambda: fused(128))]
+    magic = store_kind == "packed" and bits in MAGIC_BITS and dtype in (torch.bfloat16, torch.float16)
+    if magic:  # the packed kernel with its codes OR-ed into the operands' mantissas (dequant="magic")
+        variants.append(("fused_magic", lambda: fused(dequant="magic")))
     ms = {name: timed(fn, iters, device) for name, fn in variants}
     diffs = {"max_abs_diff_fused_vs_read": max_abs_diff(fused()),
              "max_abs_diff_fused_block_c_128_vs_read": max_abs_diff(fused(128))}
+    if magic:
+        diffs["max_abs_diff_fused_magic_vs_read"] = max_abs_diff(fused(dequant="magic"))
+        diffs["max_abs_diff_fused_magic_vs_fused"] = (fused(dequant="magic").float() - fused().float()).abs().max().item()
     extra = {}
     if graph:  # the same, each replayed from a CUDA graph: the kernels' own time
         ms_graph = {}
@@ -160,6 +169,8 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
         extra["ms_graph"] = ms_graph
         if all(isinstance(ms_graph[k], float) for k in ("bf16", "fused")):
             extra["fused_over_bf16_graph"] = round(ms_graph["fused"] / ms_graph["bf16"], 3)
+        if magic and all(isinstance(ms_graph[k], float) for k in ("bf16", "fused_magic")):
+            extra["fused_magic_over_bf16_graph"] = round(ms_graph["fused_magic"] / ms_graph["bf16"], 3)
         if sweep and isinstance(ms_graph["bf16"], float):
             def make(**launch):  # checked eagerly first (a launch that fails is reported by the sweep), then graphed
                 diff = max_abs_diff(fused(**launch))
@@ -178,6 +189,7 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
             "fused_over_bf16": round(ms["fused"] / ms["bf16"], 3),
             "fused_block_c_128_over_bf16": round(ms["fused_block_c_128"] / ms["bf16"], 3),
             "read_then_attend_over_bf16": round(ms["read_then_attend"] / ms["bf16"], 3),
+            **({"fused_magic_over_bf16": round(ms["fused_magic"] / ms["bf16"], 3)} if magic else {}),
             **diffs, **extra}
 
 

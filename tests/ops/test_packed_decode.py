@@ -80,6 +80,9 @@ def test_bad_inputs_raise_one_line_errors():
             packed_decode_attention(args["q"], store.key_codes, store.key_scales, store.value_codes,
                                     store.value_scales, args["visible"], args["bits"], **kwargs)
         assert "\n" not in str(err.value)
+    with pytest.raises(KVLearnError, match="dequant='lop3' is unknown: expected one of convert, magic") as err:
+        call(q, store, visible, 4, dequant="lop3")
+    assert "\n" not in str(err.value)
     with pytest.raises(KVLearnError, match="key_codes shape") as err:
         packed_decode_attention(q, store.key_codes.float(), store.key_scales, store.value_codes, store.value_scales,
                                 visible, 4)
@@ -98,20 +101,44 @@ INTERP_CASES = {
 for _bits, _d in ((2, 64), (4, 32), (8, 16)):
     for _dtype in ("float32", "bfloat16", "float16"):
         INTERP_CASES[f"{_bits}bit_{_dtype}"] = (6 + _bits, 1, 6, 2, 70, _d, _bits, _bits == 4, 16, 32, _dtype)
+# dequant="magic" (codes OR-ed into a 16-bit float's mantissa, the offset removed per row): (..., dtype, "magic")
+for _bits, _d in ((2, 64), (4, 32)):
+    for _dtype in ("bfloat16", "float16"):
+        INTERP_CASES[f"magic_{_bits}bit_{_dtype}"] = (20 + _bits, 2, 10, 2, 150, _d, _bits, _bits == 2, 16, 64,
+                                                      _dtype, "magic")  # G = 5 padded, three splits, ragged
+INTERP_CASES["magic_4bit_bf16_default_split_d128"] = (30, 1, 8, 2, 300, 128, 4, False, 32, None, "bfloat16", "magic")
+# refused in one line: 8-bit codes (up to 255: not exact above bf16's offset 128) and a float32 query
+INTERP_CASES["magic_8bit_refused"] = (31, 1, 4, 2, 40, 16, 8, False, 16, 16, "bfloat16", "magic")
+INTERP_CASES["magic_float32_refused"] = (32, 1, 4, 2, 40, 32, 4, False, 16, 16, "float32", "magic")
 
 
 def run_case(name):
     seed, B, Hq, Hkv, C, D, bits, shared, block_c, split, *rest = INTERP_CASES[name]
     dtype = getattr(torch, rest[0]) if rest else torch.bfloat16 if name.startswith("bf16") else torch.float32
+    dequant = rest[1] if len(rest) > 1 else "convert"
     q, store, visible, keys, values = packed_inputs(seed, B, Hq, Hkv, C, D, bits, shared, dtype=dtype)
     if name == "one_split_tail_masked":
         visible[..., 1:] = False  # one visible slot: the softmax is exactly its value
-    got = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split).double()
+    if name.endswith("_refused"):
+        try:
+            call(q, store, visible, bits, backend="triton", block_c=block_c, split=split, dequant=dequant)
+        except KVLearnError as e:
+            want = (f"dequant='magic' is invalid for {bits}-bit codes with a {dtype} query: expected bits in (2, 4) "
+                    "and a bfloat16 or float16 query")
+            return {"ok": str(e).startswith(want) and "\n" not in str(e), "err": str(e)}
+        return {"ok": False, "err": "not refused"}
+    got = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split, dequant=dequant).double()
     want = reference(q, keys, values, visible, 1 / math.sqrt(D))
     err = (got - want).abs().max().item()
     # 16-bit: the probabilities meet the value codes in the query's dtype, as in flash attention
     tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3}.get(dtype, 2e-5)
-    return {"ok": bool(torch.allclose(got, want, atol=tol, rtol=tol)), "err": err}
+    out = {"ok": bool(torch.allclose(got, want, atol=tol, rtol=tol)), "err": err}
+    if dequant == "magic":  # against the converting kernel on the same inputs: only the offset's float32 rounding,
+        # which grows with the offset: bf16's 128 stays under 1e-4, fp16's 1024 within fp16's own tolerance
+        plain = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split).double()
+        out["vs_convert"] = (got - plain).abs().max().item()
+        out["ok"] = out["ok"] and out["vs_convert"] <= (1e-4 if dtype == torch.bfloat16 else tol)
+    return out
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))
@@ -120,8 +147,8 @@ def test_interpreter_matches_reference(interpreter_results, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_cuda_kernel_matches_torch_at_a_real_shape(bits):
+@pytest.mark.parametrize("bits,dequant", [(2, "convert"), (4, "convert"), (8, "convert"), (2, "magic"), (4, "magic")])
+def test_cuda_kernel_matches_torch_at_a_real_shape(bits, dequant):
     """bf16 store, 40 query heads over 8 KV heads of 128, 5000 slots (several splits), on CUDA: the kernel equals
     the torch backend (float32 throughout) up to the bf16 rounding of the probabilities in the value product."""
     torch.manual_seed(0)
@@ -133,7 +160,10 @@ def test_cuda_kernel_matches_torch_at_a_real_shape(bits):
     q = torch.randn(1, 40, 128, device="cuda", dtype=torch.bfloat16)
     visible = torch.ones(1, 1, 5000, dtype=torch.bool, device="cuda")
     visible[..., 4000:] = False
-    got = call(q, store, visible, bits, backend="triton")
+    got = call(q, store, visible, bits, backend="triton", dequant=dequant)
     want = call(q, store, visible, bits, backend="torch")
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
     assert (got - want).abs().mean() < 1e-3
+    if dequant == "magic":  # the offset's removal: float32 rounding only, against the converting kernel
+        plain = call(q, store, visible, bits, backend="triton")
+        assert (got - plain).abs().max() < 1e-4

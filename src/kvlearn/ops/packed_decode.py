@@ -53,9 +53,10 @@ from kvlearn.ops.triton_support import HAS_TRITON, LOG2E, check_launch, interpre
 if HAS_TRITON:
     from kvlearn.ops.triton_support import dot_fp32, online_lse_step
 
-__all__ = ["BACKENDS", "fused_decode_applies", "packed_decode_attention"]
+__all__ = ["BACKENDS", "DEQUANTS", "MAGIC_BITS", "fused_decode_applies", "packed_decode_attention"]
 
 BACKENDS = ("auto", "torch", "triton")
+DEQUANTS = ("convert", "magic")  # how the Triton kernel turns codes into dot operands (packed_decode_attention)
 
 
 def fused_decode_applies(device: torch.device, head_dim: int, bits: int) -> bool:
@@ -116,6 +117,14 @@ if HAS_TRITON:
         ``t * PER_BYTE + J`` (bits ``[J * BITS, (J + 1) * BITS)`` of byte ``t``, biased by ``2^(BITS - 1)``),
         as float32."""
         return (((byte >> (J * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))).to(tl.float32)
+
+    @triton.jit
+    def _magic_plane(byte, J: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, dt: tl.constexpr):
+        """Plane ``J`` of packed bytes (int32) as ``OFF + u`` in the 16-bit float type ``dt``, ``u`` the unsigned
+        (unbiased) code: ``u`` is OR-ed into the low mantissa bits of ``MAGIC``, the bit pattern of ``OFF`` (bf16
+        ``0x4300`` = 128, fp16 ``0x6400`` = 1024, whose mantissa step is 1), and the 16 bits are reinterpreted. Exact
+        for ``u < OFF``; no int-to-float conversion instruction (a quarter-rate one on the GPU) is issued."""
+        return (((byte >> (J * BITS)) & ((1 << BITS) - 1)) | MAGIC).to(tl.int16).to(dt, bitcast=True)
 
     @triton.jit
     def program_coords(HKV: tl.constexpr):
@@ -215,6 +224,7 @@ if HAS_TRITON:
         HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         PER_BYTE: tl.constexpr, DB: tl.constexpr, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
         SPLIT: tl.constexpr, SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+        MAGIC: tl.constexpr, MAGIC_SHIFT: tl.constexpr,
     ):
         """The bit-plane kernel. One (batch x KV head, slot split): the split's slots in tiles of ``BLOCK_C``, online
         softmax in base 2.
@@ -222,7 +232,13 @@ if HAS_TRITON:
         Codes are read as whole packed bytes ``[BLOCK_C, HEAD_DIM / PER_BYTE]`` (contiguous rows, vector loads)
         and split into ``PER_BYTE`` planes in registers; plane ``J`` holds the elements ``t * PER_BYTE + J``, so
         ``<q, k> = sum_J <q[J::PER_BYTE], plane_J>`` and the value accumulator is kept per plane, interleaved back
-        on the store. The dot operands take the query's dtype (bf16 on the GPU: the codes are exact in it)."""
+        on the store. The dot operands take the query's dtype (bf16 on the GPU: the codes are exact in it).
+
+        ``MAGIC`` 0: each plane is converted to float (``_code_plane``). Otherwise (``dequant="magic"``) the planes
+        are ``OFF + u`` (:func:`_magic_plane`) and the offset comes off once per row: the logits lose ``MAGIC_SHIFT =
+        OFF + 2^(BITS - 1)`` times the query's element sum, and each tile's value product ``MAGIC_SHIFT`` times the
+        sum of that tile's (rounded) probability-times-scale weights (per tile, so that the offset's float32 rounding
+        stays that of one tile's product instead of growing with the split's length)."""
         bh, sp, b, h = program_coords(HKV)
         offs_g = tl.arange(0, G_PAD)
         offs_t = tl.arange(0, DB)
@@ -236,6 +252,13 @@ if HAS_TRITON:
         vs_base = vs_ptr + b * stride_sb + h * stride_sh
         vis_base = vis_ptr + b * stride_vb + h * stride_vh
         m_i, l_i, acc0, acc1, acc2, acc3 = empty_split_state(G_PAD, DB)
+        dt = q0.dtype
+        if MAGIC != 0:  # the query's element sum over the planes the dots read (padded rows are zeros)
+            q_sum = tl.sum(q0.to(tl.float32), 1)
+            if PER_BYTE > 1:
+                q_sum += tl.sum(q1.to(tl.float32), 1)
+            if PER_BYTE > 2:
+                q_sum += tl.sum(q2.to(tl.float32), 1) + tl.sum(q3.to(tl.float32), 1)
         lo = sp * SPLIT
         hi = tl.minimum(lo + SPLIT, C)
         for c0 in range(lo, hi, BLOCK_C):
@@ -244,13 +267,21 @@ if HAS_TRITON:
             visible = tl.load(vis_base + rows, mask=live, other=0) != 0
             kb = tl.load(kc_base + rows[:, None] * stride_ct + offs_t[None, :], mask=live[:, None], other=0)
             kb = kb.to(tl.int32)  # [BLOCK_C, DB] packed bytes
-            dt = q0.dtype
-            s = dot_fp32(q0, tl.trans(_code_plane(kb, 0, BITS).to(dt)), None, DOT_PRECISION, DOT_UPCAST)
-            if PER_BYTE > 1:
-                s = dot_fp32(q1, tl.trans(_code_plane(kb, 1, BITS).to(dt)), s, DOT_PRECISION, DOT_UPCAST)
-            if PER_BYTE > 2:
-                s = dot_fp32(q2, tl.trans(_code_plane(kb, 2, BITS).to(dt)), s, DOT_PRECISION, DOT_UPCAST)
-                s = dot_fp32(q3, tl.trans(_code_plane(kb, 3, BITS).to(dt)), s, DOT_PRECISION, DOT_UPCAST)
+            if MAGIC == 0:
+                s = dot_fp32(q0, tl.trans(_code_plane(kb, 0, BITS).to(dt)), None, DOT_PRECISION, DOT_UPCAST)
+                if PER_BYTE > 1:
+                    s = dot_fp32(q1, tl.trans(_code_plane(kb, 1, BITS).to(dt)), s, DOT_PRECISION, DOT_UPCAST)
+                if PER_BYTE > 2:
+                    s = dot_fp32(q2, tl.trans(_code_plane(kb, 2, BITS).to(dt)), s, DOT_PRECISION, DOT_UPCAST)
+                    s = dot_fp32(q3, tl.trans(_code_plane(kb, 3, BITS).to(dt)), s, DOT_PRECISION, DOT_UPCAST)
+            else:
+                s = dot_fp32(q0, tl.trans(_magic_plane(kb, 0, BITS, MAGIC, dt)), None, DOT_PRECISION, DOT_UPCAST)
+                if PER_BYTE > 1:
+                    s = dot_fp32(q1, tl.trans(_magic_plane(kb, 1, BITS, MAGIC, dt)), s, DOT_PRECISION, DOT_UPCAST)
+                if PER_BYTE > 2:
+                    s = dot_fp32(q2, tl.trans(_magic_plane(kb, 2, BITS, MAGIC, dt)), s, DOT_PRECISION, DOT_UPCAST)
+                    s = dot_fp32(q3, tl.trans(_magic_plane(kb, 3, BITS, MAGIC, dt)), s, DOT_PRECISION, DOT_UPCAST)
+                s = s - MAGIC_SHIFT * q_sum[:, None]
             k_scale = tl.load(ks_base + rows, mask=live, other=0.0).to(tl.float32)
             s = s * (k_scale * qk_scale)[None, :]
             s = tl.where(visible[None, :], s, float("-inf"))
@@ -259,12 +290,29 @@ if HAS_TRITON:
             pv = (p * v_scale[None, :]).to(dt)  # [G_PAD, BLOCK_C]
             vb = tl.load(vc_base + rows[:, None] * stride_ct + offs_t[None, :], mask=live[:, None], other=0)
             vb = vb.to(tl.int32)
-            acc0 = dot_fp32(pv, _code_plane(vb, 0, BITS).to(dt), acc0 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
-            if PER_BYTE > 1:
-                acc1 = dot_fp32(pv, _code_plane(vb, 1, BITS).to(dt), acc1 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
-            if PER_BYTE > 2:
-                acc2 = dot_fp32(pv, _code_plane(vb, 2, BITS).to(dt), acc2 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
-                acc3 = dot_fp32(pv, _code_plane(vb, 3, BITS).to(dt), acc3 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+            if MAGIC == 0:
+                acc0 = dot_fp32(pv, _code_plane(vb, 0, BITS).to(dt), acc0 * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+                if PER_BYTE > 1:
+                    acc1 = dot_fp32(pv, _code_plane(vb, 1, BITS).to(dt), acc1 * alpha[:, None], DOT_PRECISION,
+                                    DOT_UPCAST)
+                if PER_BYTE > 2:
+                    acc2 = dot_fp32(pv, _code_plane(vb, 2, BITS).to(dt), acc2 * alpha[:, None], DOT_PRECISION,
+                                    DOT_UPCAST)
+                    acc3 = dot_fp32(pv, _code_plane(vb, 3, BITS).to(dt), acc3 * alpha[:, None], DOT_PRECISION,
+                                    DOT_UPCAST)
+            else:  # each plane's tile product carries MAGIC_SHIFT x the tile's (rounded) weights: taken off per tile,
+                # so the offset never accumulates across tiles
+                corr = (MAGIC_SHIFT * tl.sum(pv.to(tl.float32), 1))[:, None]
+                acc0 = dot_fp32(pv, _magic_plane(vb, 0, BITS, MAGIC, dt), acc0 * alpha[:, None], DOT_PRECISION,
+                                DOT_UPCAST) - corr
+                if PER_BYTE > 1:
+                    acc1 = dot_fp32(pv, _magic_plane(vb, 1, BITS, MAGIC, dt), acc1 * alpha[:, None], DOT_PRECISION,
+                                    DOT_UPCAST) - corr
+                if PER_BYTE > 2:
+                    acc2 = dot_fp32(pv, _magic_plane(vb, 2, BITS, MAGIC, dt), acc2 * alpha[:, None], DOT_PRECISION,
+                                    DOT_UPCAST) - corr
+                    acc3 = dot_fp32(pv, _magic_plane(vb, 3, BITS, MAGIC, dt), acc3 * alpha[:, None], DOT_PRECISION,
+                                    DOT_UPCAST) - corr
         store_split_partials(m_ptr, l_ptr, acc_ptr, bh * SPLITS + sp, offs_g, offs_t, m_i, l_i, acc0, acc1, acc2, acc3,
                              G_PAD, HEAD_DIM, PER_BYTE)
 
@@ -316,8 +364,13 @@ def default_split(slots: int, rows: int, block_c: int, device: torch.device) -> 
     return max(block_c, split)
 
 
+# dequant="magic": per 16-bit query dtype, the bit pattern of OFF (whose mantissa step is 1) and OFF
+MAGIC_OFFSETS = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+MAGIC_BITS = (2, 4)  # codes below 128 (OFF in bf16): 8-bit codes reach 255
+
+
 def _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visible, bits, scale,
-                   block_c: int, split: int | None, num_warps: int, num_stages: int) -> Tensor:
+                   block_c: int, split: int | None, num_warps: int, num_stages: int, dequant: str) -> Tensor:
     check(HAS_TRITON, "backend='triton' is unavailable: triton is not installed (use backend='torch')")
     b, hq, d = query.shape
     hkv, slots = key_codes.shape[1], key_codes.shape[2]
@@ -341,6 +394,12 @@ def _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visi
     q = query.contiguous()
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         q = q.float()
+    magic, offset = 0, 0.0
+    if dequant == "magic":
+        check(bits in MAGIC_BITS and q.dtype in MAGIC_OFFSETS,
+              f"dequant='magic' is invalid for {bits}-bit codes with a {q.dtype} query: expected bits in "
+              f"{MAGIC_BITS} and a bfloat16 or float16 query (dequant='convert' takes every case)")
+        magic, offset = MAGIC_OFFSETS[q.dtype]
     dev = query.device
     m = torch.empty(b * hkv, splits, g_pad, dtype=torch.float32, device=dev)
     l_ = torch.empty_like(m)
@@ -352,7 +411,8 @@ def _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visi
         slots, float(scale) * LOG2E,
         HKV=hkv, G=g, G_PAD=g_pad, HEAD_DIM=d, PER_BYTE=8 // bits, DB=d * bits // 8, BITS=bits, BLOCK_C=block_c,
         SPLIT=split, SPLITS=splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=interpreting(), num_warps=num_warps, num_stages=num_stages)
+        DOT_UPCAST=interpreting(), MAGIC=magic, MAGIC_SHIFT=offset + (1 << (bits - 1)) if magic else 0.0,
+        num_warps=num_warps, num_stages=num_stages)
     return merge_splits(m, l_, acc, b, hq, hkv)
 
 
@@ -371,17 +431,21 @@ def merge_splits(m: Tensor, l_: Tensor, acc: Tensor, batch: int, q_heads: int, k
 def packed_decode_attention(query: Tensor, key_codes: Tensor, key_scales: Tensor, value_codes: Tensor,
                             value_scales: Tensor, visible: Tensor, bits: int, scale: float | None = None, *,
                             backend: str = "auto", block_c: int = 64, split: int | None = None,
-                            num_warps: int = 4, num_stages: int = 2) -> Tensor:
+                            num_warps: int = 4, num_stages: int = 2, dequant: str = "convert") -> Tensor:
     """One-token attention over packed ``bits``-bit K/V (module docstring); ``[batch, q_heads, head_dim]`` float32.
 
     ``block_c`` (slots per tile), ``split`` (slots per program, a multiple of ``block_c``; default
     :func:`default_split`: about four programs per multiprocessor), ``num_warps`` and ``num_stages`` are the
-    Triton launch's; the torch backend ignores them."""
+    Triton launch's; ``dequant`` (:data:`DEQUANTS`) is how the Triton kernel turns codes into dot operands:
+    ``"convert"`` (an int-to-float conversion per element) or ``"magic"`` (the code OR-ed into a float's mantissa,
+    the offset taken off once per row: 2- and 4-bit codes with a bf16 or fp16 query; the same values up to float32
+    rounding of the offset's removal). The torch backend ignores them."""
     b, hq, hkv, slots, d = _check_inputs(query, key_codes, key_scales, value_codes, value_scales, visible, bits)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     check(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
           f"scale={scale!r} is invalid: expected a float > 0")
     check(backend in BACKENDS, f"backend={backend!r} is unknown: expected one of {', '.join(BACKENDS)}")
+    check(dequant in DEQUANTS, f"dequant={dequant!r} is unknown: expected one of {', '.join(DEQUANTS)}")
     if backend == "auto":
         backend = "triton" if query.is_cuda and fused_decode_applies(query.device, d, bits) else "torch"
     if visible.shape[1] != hkv:
@@ -390,4 +454,4 @@ def packed_decode_attention(query: Tensor, key_codes: Tensor, key_scales: Tensor
         if backend == "torch":
             return _torch_decode(query, key_codes, key_scales, value_codes, value_scales, visible, bits, scale)
         return _triton_decode(query, key_codes, key_scales, value_codes, value_scales, visible, bits, scale,
-                              block_c, split, num_warps, num_stages)
+                              block_c, split, num_warps, num_stages, dequant)
