@@ -74,7 +74,8 @@ if _HAS_TRITON:
         PEAK: tl.constexpr,
     ):
         """One query tile ``d0 .. d0 + BLOCK_D - 1`` of the online log-sum-exp over ``D_t`` (base 2); with ``PEAK``
-        the running maximum instead, ``l_i`` counting the kept scores (0: nothing seen)."""
+        the running maximum alone (``l_i`` passes through: a row saw a kept score iff its maximum rose above the
+        initial ``-1e30``, which every finite score does)."""
         d_pos = d0 + offs_d
         if MASKED:
             live = d_pos < S
@@ -90,9 +91,9 @@ if _HAS_TRITON:
             if HAS_LOOKAHEAD:
                 keep = keep & (d_pos[None, :] <= t_pos[:, None] + window + lookahead)
             s = tl.where(keep, s, float("-inf"))
-        if PEAK:
+        if PEAK:  # no exp and no count: one max per element
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            l_new = l_i + tl.sum((s > float("-inf")).to(tl.float32), 1)
+            l_new = l_i
         else:
             m_new, l_new, _, _ = online_lse_step(m_i, l_i, s)
         return m_new, l_new
@@ -179,8 +180,8 @@ if _HAS_TRITON:
                 m_i, l_i = _future_tile(m_i, l_i, k, t_pos, d0, q_base, lse_base, stride_qt, S, window, lookahead,
                                         qk_scale, offs_d, offs_h, True, HAS_LOOKAHEAD, DOT_PRECISION, DOT_UPCAST, PEAK)
 
-        if PEAK:
-            result = tl.where(l_i > 0.0, m_i * 0.6931471805599453, float("-inf"))  # base 2 -> natural log
+        if PEAK:  # empty D_t: the maximum stayed at its initial -1e30 (masked scores are -inf)
+            result = tl.where(m_i > -1.0e29, m_i * 0.6931471805599453, float("-inf"))  # base 2 -> natural log
         else:
             result = finish_lse(m_i, l_i)
         tl.store(out_ptr + (b * HQ + i) * S + t_pos, result, mask=t_pos < S)
