@@ -164,6 +164,7 @@ def test_cuda_kernel_matches_torch_at_a_real_shape(bits, dequant):
     want = call(q, store, visible, bits, backend="torch")
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
     assert (got - want).abs().mean() < 1e-3
-    if dequant == "magic":  # the offset's removal: float32 rounding only, against the converting kernel
+    if dequant == "magic":  # the offset's removal: float32 rounding only, against the converting kernel (a CPU
+        # model of it with worst-case sequential fp32 accumulation at 4096 slots: 1.3e-4 on outputs of scale 1.3)
         plain = call(q, store, visible, bits, backend="triton")
-        assert (got - plain).abs().max() < 1e-4
+        assert (got - plain).abs().max() < 1e-3
