@@ -17,8 +17,10 @@
 # Everything but the student's weights comes back packed in $OUT/kaizen_kvpop_from_selector.tar, the student (bf16)
 # as $OUT/student/kvpop_<scorer>_512_fromsel.tar.
 # The composed factor is the configuration's (without metadata) x CONTEXT / BUDGET: 64 for an 8.00x configuration.
-# Device time: all three steps about 11 minutes with the scorer distillation (selector 4.5, step 3's 1,300 steps
-# about 7, the evaluations 1), over one call's 10-minute limit, so on the device it runs as two calls:
+# Device time: all three steps up to about 11 minutes with the scorer distillation (selector 4.5; step 3's 1,300
+# steps up to about 7, as 1,300-step mLSTM students with the path took 401-448 s side by side in session 30, not yet
+# timed for this student alone; the evaluations 1), over one call's 10-minute limit, so on the device it runs as two
+# calls:
 #   KVLEARN_COMMIT=<sent commit> OUT=$OUT SELECTOR_ONLY=1 bash benchmarks/device/kaizen_kvpop_from_selector.sh
 #   (copy the returned tar's k64-selector/ to carry_eval/, carried with the tree)
 #   KVLEARN_COMMIT=<sent commit> OUT=$OUT SELECTOR=carry_eval/k64-selector bash benchmarks/device/kaizen_kvpop_from_selector.sh
