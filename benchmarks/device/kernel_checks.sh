@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Short GPU checks of what the CPU cannot measure, in one call (or as the PRE / WITH_EVAL / THEN / FALLBACK of
 # teacher_trial_then_tables.sh):
-#   1. unless TESTS=0: the GPU tests of the decode kernels (KIVI, packed store, the caches over them) and of the
-#      retrofit step (distillation, scorers, the sparse attention) -> $OUT/gpu_tests_kernels.log
+#   1. unless TESTS=0: the GPU tests of the decode kernels (KIVI, packed store with both dequant paths, the caches over
+#      them), of the retrofit step (distillation, scorers, the sparse attention, the scorer distillation with its
+#      compiled rows) and of the future-attention target kernel -> $OUT/gpu_tests_kernels.log
 #   2. unless TIMINGS=0, each alone on the GPU:
-#      a. the retrofit step against a plain distillation step, with the variants (per-parameter AdamW, bf16 mLSTM
-#         matmuls) and a kernel profile of one step per method (benchmarks/retrofit_step_speed.py --profile)
-#         -> $OUT/retrofit_step_speed_h200.json, $OUT/profile/*.txt
-#      b. the KIVI decode kernel against the bf16 cache and the read-back path, graph-replayed, 16k-131k, 2 bits
-#         (benchmarks/packed_decode_speed.py --store kivi --graph) -> $OUT/kivi_decode_h200.json
-#      c. the packed-store decode kernel (bit planes) against the bf16 cache and the read-back path, graph-replayed,
-#         at PACKED_BITS (default 4,2) -> $OUT/packed_decode_h200.json
+#      a. the retrofit step against a plain distillation step, with the variants STEP_VARIANTS (default
+#         scorer_kd,scorer_kd_compiled: the scorer distillation's cost, eager and compiled) and, with PROFILE=1, a
+#         kernel profile of one step per method (benchmarks/retrofit_step_speed.py --profile)
+#         -> $OUT/retrofit_step_speed_h200.json[, $OUT/profile/*.txt]
+#      b. unless KIVI=0: the KIVI decode kernel against the bf16 cache and the read-back path, graph-replayed,
+#         16k-131k, 2 bits (benchmarks/packed_decode_speed.py --store kivi --graph) -> $OUT/kivi_decode_h200.json
+#      c. the packed-store decode kernel (bit planes; `fused_magic`: its dequant="magic" path) against the bf16 cache
+#         and the read-back path, graph-replayed, at PACKED_BITS (default 4,2) -> $OUT/packed_decode_h200.json
 #   3. unless SKIP_MEMORY=1: the 131k bf16 row of the Kaizen memory benchmark alone
 #      -> $OUT/kaizen_memory_h200_bf16_131k.json
 # Every step under its own timeout (240; 200 + 180 + 180 s; then MEMORY_MINUTES (default 3) * 60 + 230 s), typically
-# ~1.5 + (~1.5 + ~1 + ~1.5) minutes and the memory row; run it detached when the memory row is included.
+# ~2 + (~2.5, ~3 with PROFILE=1, + ~1 + ~1.5) minutes and the memory row; run it detached when the memory row is
+# included. The session-31 additions alone: SKIP_MEMORY=1 KIVI=0 (about 6 minutes).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kernel_checks.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -24,16 +27,20 @@ echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; prin
 if [ "${TESTS:-1}" != 0 ]; then
     timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py \
         tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py \
-        tests/kvpop/test_attention.py > "$OUT/gpu_tests_kernels.log" 2>&1
+        tests/kvpop/test_attention.py tests/kvpop/test_scorer_kd.py tests/ops/test_future_target_triton.py \
+        tests/eval/test_packed_decode_speed_script.py > "$OUT/gpu_tests_kernels.log" 2>&1
     echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests_kernels.log"
 fi
 if [ "${TIMINGS:-1}" != 0 ]; then
-    timeout 200 python3 benchmarks/retrofit_step_speed.py --variants foreach_adamw,bf16_mlstm_matmuls --profile "$OUT/profile" \
-        --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
+    profile=(); [ "${PROFILE:-0}" = 1 ] && profile=(--profile "$OUT/profile")
+    timeout 200 python3 benchmarks/retrofit_step_speed.py --variants "${STEP_VARIANTS:-scorer_kd,scorer_kd_compiled}" \
+        ${profile[@]+"${profile[@]}"} --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
     echo "retrofit step speed rc=$?"; grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 8
-    timeout 180 python3 benchmarks/packed_decode_speed.py --store kivi --bits 2 --graph \
-        --out "$OUT/kivi_decode_h200.json" > "$OUT/kivi_decode.log" 2>&1
-    echo "kivi decode speed rc=$?"; grep -v Warn "$OUT/kivi_decode.log" | cut -c1-400 | tail -n 4
+    if [ "${KIVI:-1}" != 0 ]; then
+        timeout 180 python3 benchmarks/packed_decode_speed.py --store kivi --bits 2 --graph \
+            --out "$OUT/kivi_decode_h200.json" > "$OUT/kivi_decode.log" 2>&1
+        echo "kivi decode speed rc=$?"; grep -v Warn "$OUT/kivi_decode.log" | cut -c1-400 | tail -n 4
+    fi
     timeout 180 python3 benchmarks/packed_decode_speed.py --bits "${PACKED_BITS:-4,2}" --graph \
         --out "$OUT/packed_decode_h200.json" > "$OUT/packed_decode.log" 2>&1
     echo "packed decode speed rc=$?"; grep -v Warn "$OUT/packed_decode.log" | cut -c1-400 | tail -n 4
