@@ -28,7 +28,8 @@ compiled / graph-captured decode loop pays), and ``fused_over_bf16_graph``. ``--
 kernel's graph-replayed time over a launch grid: for the packed store block_c x split (:func:`launch_sweep`), to
 choose :func:`kvlearn.ops.packed_decode.default_split` by measurement (``--sweep-warps`` instead: the launches of
 :data:`PACKED_SWEEP`, tile x warps x pipeline stages x split, :func:`packed_launch_sweep`); for KIVI the launches of :data:`KIVI_SWEEP`
-(:func:`kivi_launch_sweep`: key path, tile, warps, stages, split). Every sweep entry also records its largest
+(:func:`kivi_launch_sweep`: key path, tile, warps, stages, split); ``--sweep-dequant magic`` sweeps the packed
+kernel's ``dequant="magic"`` path instead of the converting one (recorded as ``sweep_dequant``). Every sweep entry also records its largest
 difference from ``read_then_attend`` (``sweep_max_abs_diff``); one above :data:`MAX_ABS_DIFF` is listed in
 ``sweep_wrong`` and never chosen as ``sweep_best``. KV-Kaizen's acceptance asks ``fused / bf16 <= 1`` at 131k
 (issue #11 item 9). ``--smoke`` runs tiny shapes on the CPU through the torch backend (checks the plumbing, times
@@ -108,7 +109,7 @@ def timed(fn, iters: int, device) -> float:
 
 @torch.no_grad()
 def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, backend: str,
-        graph: bool = False, sweep: bool = False, store_kind: str = "packed") -> dict:
+        graph: bool = False, sweep: bool = False, store_kind: str = "packed", sweep_dequant: str = "convert") -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(0)
     k = torch.randn(1, hkv, context, d, device=device, dtype=dtype, generator=g)
@@ -172,9 +173,15 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
         if magic and all(isinstance(ms_graph[k], float) for k in ("bf16", "fused_magic")):
             extra["fused_magic_over_bf16_graph"] = round(ms_graph["fused_magic"] / ms_graph["bf16"], 3)
         if sweep and isinstance(ms_graph["bf16"], float):
+            if store_kind == "packed":  # the packed kernel's dequant path the sweep times (--sweep-dequant)
+                extra["sweep_dequant"] = sweep_dequant
+                launch_of = {"dequant": sweep_dequant}
+            else:
+                launch_of = {}
+
             def make(**launch):  # checked eagerly first (a launch that fails is reported by the sweep), then graphed
-                diff = max_abs_diff(fused(**launch))
-                return graphed(lambda: fused(**launch)), diff
+                diff = max_abs_diff(fused(**launch_of, **launch))
+                return graphed(lambda: fused(**launch_of, **launch)), diff
 
             if store_kind == "kivi":
                 extra.update(kivi_launch_sweep(make, context, hkv, iters, device, ms_graph["bf16"]))
@@ -280,6 +287,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-warps", action="store_true",
                    help="with --graph --store packed: sweep PACKED_SWEEP (tile x warps x pipeline stages x split) "
                         "instead of the block_c x split grid")
+    p.add_argument("--sweep-dequant", default="convert", choices=("convert", "magic"),
+                   help="with --sweep / --sweep-warps on the packed store: the kernel's dequant path the sweep times "
+                        "(magic: bf16 / fp16 stores at 2 or 4 bits)")
     p.add_argument("--store", default="packed", choices=("packed", "kivi"),
                    help="packed: PackedStore and kvlearn.ops.packed_decode; kivi: KIVIStore (G = 32, R = 128) and "
                         "kvlearn.ops.kivi_decode")
@@ -299,7 +309,8 @@ def main(argv=None) -> int:
         for b in (int(x) for x in args.bits.split(",")):
             rows.append(row(c, b, *shape, iters=args.iters, device=device, backend=backend,
                             graph=args.graph and device.type == "cuda",
-                            sweep="warps" if args.sweep_warps else args.sweep, store_kind=args.store))
+                            sweep="warps" if args.sweep_warps else args.sweep, store_kind=args.store,
+                            sweep_dequant=args.sweep_dequant))
             print(rows[-1], flush=True)
     if args.out:
         write_results(args.out, make_results("speed", rows, device=str(device)))

@@ -13,11 +13,13 @@
 #         16k-131k, 2 bits (benchmarks/packed_decode_speed.py --store kivi --graph) -> $OUT/kivi_decode_h200.json
 #      c. the packed-store decode kernel (bit planes; `fused_magic`: its dequant="magic" path) against the bf16 cache
 #         and the read-back path, graph-replayed, at PACKED_BITS (default 4,2) -> $OUT/packed_decode_h200.json
+#      d. with MAGIC_SWEEP=1: the launch sweep of the packed kernel's magic path at 131k, 4 bits
+#         (packed_decode_speed.py --sweep-warps --sweep-dequant magic) -> $OUT/packed_decode_magic_sweep_h200.json
 #   3. unless SKIP_MEMORY=1: the 131k bf16 row of the Kaizen memory benchmark alone
 #      -> $OUT/kaizen_memory_h200_bf16_131k.json
 # Every step under its own timeout (240; 200 + 180 + 180 s; then MEMORY_MINUTES (default 3) * 60 + 230 s), typically
 # ~2 + (~2.5, ~3 with PROFILE=1, + ~1 + ~1.5) minutes and the memory row; run it detached when the memory row is
-# included. The session-31 additions alone: SKIP_MEMORY=1 KIVI=0 (about 6 minutes).
+# included. The session-31 additions alone: SKIP_MEMORY=1 KIVI=0 MAGIC_SWEEP=1 (about 7 minutes).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kernel_checks.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -44,6 +46,11 @@ if [ "${TIMINGS:-1}" != 0 ]; then
     timeout 180 python3 benchmarks/packed_decode_speed.py --bits "${PACKED_BITS:-4,2}" --graph \
         --out "$OUT/packed_decode_h200.json" > "$OUT/packed_decode.log" 2>&1
     echo "packed decode speed rc=$?"; grep -v Warn "$OUT/packed_decode.log" | cut -c1-400 | tail -n 4
+    if [ "${MAGIC_SWEEP:-0}" = 1 ]; then  # the magic path's launches at 131k, 4 bits (tile x warps x stages x split)
+        timeout 180 python3 benchmarks/packed_decode_speed.py --bits 4 --contexts 131072 --graph --sweep-warps \
+            --sweep-dequant magic --out "$OUT/packed_decode_magic_sweep_h200.json" > "$OUT/packed_decode_magic_sweep.log" 2>&1
+        echo "packed decode magic sweep rc=$?"; grep -o "'sweep_best[^,]*, '[^,]*" "$OUT/packed_decode_magic_sweep.log" | tail -n 2
+    fi
 fi
 if [ "${SKIP_MEMORY:-0}" != 1 ]; then
     OUT=$OUT PART=bf16_131k CONTEXTS=131072 CONFIGS=bf16 MINUTES=${MEMORY_MINUTES:-3} bash benchmarks/device/kaizen_memory.sh

@@ -176,5 +176,19 @@ def test_launch_sweep_on_cuda_agrees_with_the_default_launch():
         out = packed_decode_attention(*args, backend="triton", block_c=block_c, split=split)
         torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
     for block_c, warps, stages in ((64, 2, 1), (64, 8, 3), (128, 4, 4), (128, 8, 2)):  # the warps sweep's launches
-        out = packed_decode_attention(*args, backend="triton", block_c=block_c, num_warps=warps, num_stages=stages)
-        torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
+        for dequant in ("convert", "magic"):
+            out = packed_decode_attention(*args, backend="triton", block_c=block_c, num_warps=warps,
+                                          num_stages=stages, dequant=dequant)
+            torch.testing.assert_close(out, ref, atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_warps_sweep_of_the_magic_path_on_cuda():
+    """``--sweep-warps --sweep-dequant magic``: the sweep times the magic path's launches, records which path it
+    swept, and finds a right launch (each checked against read_then_attend)."""
+    import torch
+
+    script = load_script()
+    r = script.row(8192, 4, 8, 2, 128, iters=2, device=torch.device("cuda"), backend="triton", graph=True,
+                   sweep="warps", sweep_dequant="magic")
+    assert r["sweep_dequant"] == "magic" and r["sweep_best"] and not r["sweep_wrong"]
