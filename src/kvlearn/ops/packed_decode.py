@@ -237,8 +237,8 @@ if HAS_TRITON:
         ``MAGIC`` 0: each plane is converted to float (``_code_plane``). Otherwise (``dequant="magic"``) the planes
         are ``OFF + u`` (:func:`_magic_plane`) and the offset comes off once per row: the logits lose ``MAGIC_SHIFT =
         OFF + 2^(BITS - 1)`` times the query's element sum, and each tile's value product ``MAGIC_SHIFT`` times the
-        sum of that tile's (rounded) probability-times-scale weights (per tile, so that the offset's float32 rounding
-        stays that of one tile's product instead of growing with the split's length)."""
+        sum of that tile's (rounded) probability-times-scale weights (per tile, so that the running accumulator never
+        holds the offset times a whole split's weights)."""
         bh, sp, b, h = program_coords(HKV)
         offs_g = tl.arange(0, G_PAD)
         offs_t = tl.arange(0, DB)
