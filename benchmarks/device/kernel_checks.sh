@@ -17,7 +17,7 @@
 #         (packed_decode_speed.py --sweep-warps --sweep-dequant magic) -> $OUT/packed_decode_magic_sweep_h200.json
 #   3. unless SKIP_MEMORY=1: the 131k bf16 row of the Kaizen memory benchmark alone
 #      -> $OUT/kaizen_memory_h200_bf16_131k.json
-# Every step under its own timeout (240; 200 + 180 + 180 s; then MEMORY_MINUTES (default 3) * 60 + 230 s), typically
+# Every step under its own timeout (330; 200 + 180 + 180 s; then MEMORY_MINUTES (default 3) * 60 + 230 s), typically
 # ~2 + (~2.5, ~3 with PROFILE=1, + ~1 + ~1.5) minutes and the memory row; run it detached when the memory row is
 # included. The session-31 additions alone: SKIP_MEMORY=1 KIVI=0 MAGIC_SWEEP=1 (about 7 minutes).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kernel_checks.sh
@@ -27,7 +27,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)') triton $(python3 -c 'import triton; print(triton.__version__)' 2>/dev/null || echo none)"
 if [ "${TESTS:-1}" != 0 ]; then
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py \
+    timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py \
         tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py \
         tests/kvpop/test_attention.py tests/kvpop/test_scorer_kd.py tests/ops/test_future_target_triton.py \
         tests/eval/test_packed_decode_speed_script.py > "$OUT/gpu_tests_kernels.log" 2>&1

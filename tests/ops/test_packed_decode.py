@@ -9,7 +9,7 @@ import torch
 
 from kvlearn.cache import PackedStore
 from kvlearn.errors import KVLearnError
-from kvlearn.ops.packed_decode import packed_decode_attention
+from kvlearn.ops.packed_decode import default_dequant, packed_decode_attention
 
 
 def packed_inputs(seed, B, Hq, Hkv, C, D, bits, shared_visibility=False, dtype=torch.float32):
@@ -80,7 +80,7 @@ def test_bad_inputs_raise_one_line_errors():
             packed_decode_attention(args["q"], store.key_codes, store.key_scales, store.value_codes,
                                     store.value_scales, args["visible"], args["bits"], **kwargs)
         assert "\n" not in str(err.value)
-    with pytest.raises(KVLearnError, match="dequant='lop3' is unknown: expected one of convert, magic") as err:
+    with pytest.raises(KVLearnError, match="dequant='lop3' is unknown: expected one of auto, convert, magic") as err:
         call(q, store, visible, 4, dequant="lop3")
     assert "\n" not in str(err.value)
     with pytest.raises(KVLearnError, match="key_codes shape") as err:
@@ -110,6 +110,10 @@ INTERP_CASES["magic_4bit_bf16_default_split_d128"] = (30, 1, 8, 2, 300, 128, 4, 
 # refused in one line: 8-bit codes (up to 255: not exact above bf16's offset 128) and a float32 query
 INTERP_CASES["magic_8bit_refused"] = (31, 1, 4, 2, 40, 16, 8, False, 16, 16, "bfloat16", "magic")
 INTERP_CASES["magic_float32_refused"] = (32, 1, 4, 2, 40, 32, 4, False, 16, 16, "float32", "magic")
+# dequant="auto" (the default): magic for 2/4-bit codes with a 16-bit query, convert for 8 bits and float32 queries
+INTERP_CASES["auto_4bit_bf16_is_magic"] = (33, 1, 4, 2, 90, 32, 4, False, 16, 32, "bfloat16", "auto")
+INTERP_CASES["auto_8bit_bf16_is_convert"] = (34, 1, 4, 2, 40, 16, 8, False, 16, 16, "bfloat16", "auto")
+INTERP_CASES["auto_4bit_float32_is_convert"] = (35, 1, 4, 2, 40, 32, 4, False, 16, 16, "float32", "auto")
 
 
 def run_case(name):
@@ -133,9 +137,16 @@ def run_case(name):
     # 16-bit: the probabilities meet the value codes in the query's dtype, as in flash attention
     tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3}.get(dtype, 2e-5)
     out = {"ok": bool(torch.allclose(got, want, atol=tol, rtol=tol)), "err": err}
+    if dequant == "auto":  # the default: the very kernel of the path it names, bit for bit
+        chosen = "magic" if name.startswith("auto_4bit_bf16") else "convert"
+        explicit = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split, dequant=chosen)
+        default = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split)
+        out["ok"] = out["ok"] and bool(torch.equal(got, explicit.double())) and bool(torch.equal(default, explicit))
+        out["ok"] = out["ok"] and default_dequant(bits, dtype) == chosen
     if dequant == "magic":  # against the converting kernel on the same inputs: only the offset's float32 rounding,
         # which grows with the offset: bf16's 128 stays under 1e-4, fp16's 1024 within fp16's own tolerance
-        plain = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split).double()
+        plain = call(q, store, visible, bits, backend="triton", block_c=block_c, split=split,
+                     dequant="convert").double()
         out["vs_convert"] = (got - plain).abs().max().item()
         out["ok"] = out["ok"] and out["vs_convert"] <= (1e-4 if dtype == torch.bfloat16 else tol)
     return out
