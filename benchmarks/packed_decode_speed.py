@@ -313,8 +313,25 @@ def main(argv=None) -> int:
                             sweep_dequant=args.sweep_dequant))
             print(rows[-1], flush=True)
     if args.out:
-        write_results(args.out, make_results("speed", rows, device=str(device)))
+        write_results(args.out, make_results("speed", rows, device=str(device), **summarize(rows)))
     return 0
+
+
+def summarize(rows: list[dict], context: int = 131072) -> dict:
+    """The issue's bar from graph-replayed rows: at ``context``, per store and bit-width, the default decode path's
+    time over the bf16 cache's (the packed store's default is ``dequant="auto"``: ``fused_magic`` where the row has
+    it, else ``fused``), and whether none is slower. ``{}`` where no graph-replayed row at ``context`` exists."""
+    ratios = {}
+    for r in rows:
+        graph = r.get("ms_graph", {})
+        path = "fused_magic" if "fused_magic" in graph else "fused"
+        if r["context"] == context and all(isinstance(graph.get(k), float) for k in ("bf16", path)):
+            ratios[f"{r['store']}_{r['bits']}bit_{path}_over_bf16_graph_at_{context}"] = round(
+                graph[path] / graph["bf16"], 3)
+    if not ratios:
+        return {}
+    return {"summary": ratios,
+            "acceptance": {f"default_decode_not_slower_than_bf16_at_{context}": all(v <= 1.0 for v in ratios.values())}}
 
 
 if __name__ == "__main__":

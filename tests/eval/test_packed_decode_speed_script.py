@@ -13,6 +13,24 @@ def load_script():
     return load_benchmark("packed_decode_speed")
 
 
+def test_summary_takes_the_default_path_at_131k():
+    """The bar per store and bit-width: the magic column where a row has it (the packed default), else fused; a
+    row slower than bf16 fails it; rows at other contexts or without graph times are left out (hand-computed)."""
+    script = load_script()
+
+    def row(store, context, bits, **ms):
+        return {"store": store, "context": context, "bits": bits, "ms_graph": {"bf16": 0.2, **ms}}
+
+    rows = [row("packed", 131072, 4, fused=0.25, fused_magic=0.16), row("packed", 131072, 8, fused=0.3),
+            row("packed", 65536, 4, fused=9.0, fused_magic=9.0), {"store": "packed", "context": 131072, "bits": 2}]
+    got = script.summarize(rows)
+    assert got["summary"] == {"packed_4bit_fused_magic_over_bf16_graph_at_131072": 0.8,
+                              "packed_8bit_fused_over_bf16_graph_at_131072": 1.5}
+    assert got["acceptance"] == {"default_decode_not_slower_than_bf16_at_131072": False}
+    assert script.summarize(rows[:1])["acceptance"] == {"default_decode_not_slower_than_bf16_at_131072": True}
+    assert script.summarize(rows[2:]) == {}
+
+
 def test_smoke_rows_and_agreement(tmp_path, capsys):
     import torch
 
