@@ -81,7 +81,7 @@ c = KaizenConfig.parse(Backbone.from_config(read_model_config(sys.argv[1])), sys
 bits = ','.join('share' if a.share else str(a.bits) for a in c.actions)
 print(bits, round(c.compression(metadata=False) * int(sys.argv[3]) / int(sys.argv[4]), 6))" \
     "$MODEL" "$config" "${CONTEXT:-4096}" "$B")
-# the scorer distillation's soft rows compiled (a speed setting, results/retrofit_step_speed_h200.json); SCORER_KD_COMPILE=0: eager
+# the scorer distillation's soft rows compiled (a speed setting, results/raw/retrofit_step_speed_scorer_kd_h200_c2baa20.json); SCORER_KD_COMPILE=0: eager
 KDC=""; [ "${SCORER_KD:-1}" != 0 ] && [ "${SCORER_KD_COMPILE:-1}" != 0 ] && KDC="--scorer-kd-compile"
 echo "step 3: configuration '$config' (--kv-bits $bits), served at ${target}x $(date -u +%H:%M:%S)"
 OUT=$OUT/student SCORER=$SCORER BUDGET=$B STEPS=${STEPS:-1300} TAG=fromsel COMPOSE_TARGET=$target \

@@ -33,7 +33,7 @@ for run in ${RUNS:-mlp:1 mlstm:1 mlp:0.1}; do
         *) echo "RUNS entry '$run': the scorer must be mlp or mlstm"; exit 2 ;;
     esac
     tag=${scorer}_kd$w; extra="--scorer-kd $w"; options=""
-    # the soft rows compiled (a speed setting, results/retrofit_step_speed_h200.json); SCORER_KD_COMPILE=0: eager
+    # the soft rows compiled (a speed setting, results/raw/retrofit_step_speed_scorer_kd_h200_c2baa20.json); SCORER_KD_COMPILE=0: eager
     [ "$w" != 0 ] && [ "${SCORER_KD_COMPILE:-1}" != 0 ] && extra="$extra --scorer-kd-compile"
     [ -n "${tau:-}" ] && { tag=${tag}_t$tau; extra="$extra --scorer-kd-temperature $tau"; }
     [ -n "${KD_QUERIES:-}" ] && extra="$extra --scorer-kd-queries $KD_QUERIES"

@@ -43,7 +43,8 @@ KVPOP_EXTRA=${KVPOP_EXTRA---decay-init 0.99999 --target-reduction peak}
 RP=${MLSTM_READOUT_PENALTY:-30}
 KD=${MLSTM_SCORER_KD:-1}
 # the scorer distillation's soft rows compiled (--scorer-kd-compile, a speed setting: 2.65x -> 2.32x a plain distillation
-# step with the MLP, 3.22x -> 2.65x with the mLSTM, results/retrofit_step_speed_h200.json); SCORER_KD_COMPILE=0: eager
+# step with the MLP, 3.22x -> 2.65x with the mLSTM, results/raw/retrofit_step_speed_scorer_kd_h200_c2baa20.json);
+# SCORER_KD_COMPILE=0: eager
 KDC=""; [ "$KD" != 0 ] && [ "${SCORER_KD_COMPILE:-1}" != 0 ] && KDC="--scorer-kd-compile"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 start=$(date +%s)
