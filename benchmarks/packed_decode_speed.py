@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from kvlearn.cache import KIVIStore, PackedStore
 from kvlearn.ops.kivi_decode import kivi_decode_attention
-from kvlearn.ops.packed_decode import MAGIC_BITS, default_split, packed_decode_attention
+from kvlearn.ops.packed_decode import default_dequant, default_split, packed_decode_attention
 from kvlearn.results import make_results, write_results
 
 KIVI_GROUP, KIVI_RESIDUAL = 32, 128  # --store kivi: KIVI's key group and full-precision window (kaizen_memory's)
@@ -148,7 +148,7 @@ def row(context: int, bits: int, hq: int, hkv: int, d: int, iters: int, device, 
 
     variants = [("bf16", bf16), ("read_then_attend", read_then_attend), ("fused", fused),
                 ("fused_block_c_128", lambda: fused(128))]
-    magic = store_kind == "packed" and bits in MAGIC_BITS and dtype in (torch.bfloat16, torch.float16)
+    magic = store_kind == "packed" and default_dequant(bits, dtype) == "magic"
     if magic:  # the packed kernel with its codes OR-ed into the operands' mantissas (dequant="magic")
         variants.append(("fused_magic", lambda: fused(dequant="magic")))
     ms = {name: timed(fn, iters, device) for name, fn in variants}
