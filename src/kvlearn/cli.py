@@ -326,7 +326,11 @@ def cmd_retrofit(args) -> int:
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
     mlstm_only = [f"{flag} {value}" for flag, value in (("--mlstm-skip", args.mlstm_skip), ("--readout", args.readout),
                                                       ("--state-in-budget", args.state_in_budget),
-                                                      ("--mlstm-compile-mode", args.mlstm_compile_mode))
+                                                      ("--mlstm-compile-mode", args.mlstm_compile_mode),
+                                                      ("--mlstm-use-norm", args.mlstm_use_norm),
+                                                      ("--mlstm-chunk-size", args.mlstm_chunk_size),
+                                                      ("--mlstm-value-dim", args.mlstm_value_dim),
+                                                      ("--mlstm-gate-softcap", args.mlstm_gate_softcap))
                   if value is not None]
     check(not mlstm_only or (args.method == "kvpop" and args.scorer == "mlstm"),
           f"{', '.join(mlstm_only)}: options of the mLSTM scorer, given with --method {args.method} --scorer "
@@ -388,15 +392,30 @@ def cmd_retrofit(args) -> int:
 
 
 def _target_options(args) -> dict:
-    """The KVpop target, mLSTM-skip, readout, state-in-budget and compile-mode options given on the retrofit command line (the
-    rest keep KVpopConfig's defaults)."""
+    """The KVpop target, mLSTM-skip, readout, state-in-budget, compile-mode and other mLSTM options given on the retrofit
+    command line (the rest keep KVpopConfig's defaults)."""
     given = {"target_aggregation": args.target_aggregation, "target_reduction": args.target_reduction,
              "target_count_normalize": None if args.target_count_normalize is None else args.target_count_normalize == "1",
              "mlstm_skip": None if args.mlstm_skip is None else args.mlstm_skip == "1",
              "delayed_readout": None if args.readout is None else args.readout == "delayed",
              "state_in_budget": None if args.state_in_budget is None else args.state_in_budget == "1",
-             "mlstm_compile_mode": args.mlstm_compile_mode}
-    return {k: v for k, v in given.items() if v is not None}
+             "mlstm_compile_mode": args.mlstm_compile_mode,
+             "mlstm_use_norm": None if args.mlstm_use_norm is None else args.mlstm_use_norm == "1",
+             "mlstm_chunk_size": args.mlstm_chunk_size, "mlstm_value_dim": args.mlstm_value_dim}
+    options = {k: v for k, v in given.items() if v is not None}
+    if args.mlstm_gate_softcap is not None:  # "none" (no cap) is a value, so it is added after the filter
+        options["mlstm_gate_softcap"] = _gate_softcap(args.mlstm_gate_softcap)
+    return options
+
+
+def _gate_softcap(text: str) -> float | None:
+    """``--mlstm-gate-softcap``: ``none`` (no cap) or a number (KVpopConfig checks that it is > 0)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise KVLearnError(f"--mlstm-gate-softcap {text!r} is invalid: expected a number > 0 or none") from None
 
 
 def cmd_reproduce(args) -> int:
@@ -758,6 +777,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop, --scorer mlstm, CUDA: how the compiled scorer's training forward and backward launch: "
                          "kernel by kernel (default) or replayed as CUDA graphs (reduce-overhead; docs/DESIGN.md "
                          "section 5, 'Launch overhead') (default: KVpopConfig's, default)")
+    sp.add_argument("--mlstm-use-norm", default=None, choices=("0", "1"),
+                    help="kvpop, --scorer mlstm: 1 puts a per-head RMSNorm on the memory readout before the score (a "
+                         "learned weight per value channel), 0 does not (default: KVpopConfig's, 0)")
+    sp.add_argument("--mlstm-chunk-size", type=int, default=None, metavar="L",
+                    help="kvpop, --scorer mlstm: chunk length of the scorer's chunkwise mLSTM forward (numerics and "
+                         "speed only, the same function) (default: KVpopConfig's, 64)")
+    sp.add_argument("--mlstm-value-dim", type=int, default=None, metavar="DV",
+                    help="kvpop, --scorer mlstm: width of the mLSTM memory's values (the state holds head_dim x DV "
+                         "per KV head) (default: KVpopConfig's, head_dim / 2)")
+    sp.add_argument("--mlstm-gate-softcap", default=None, metavar="C",
+                    help="kvpop, --scorer mlstm: soft cap C tanh(z / C) of the input and forget gate logits, a number "
+                         "> 0, or none for no cap (default: KVpopConfig's, 15)")
     sp.add_argument("--decay-init", type=float, default=None,
                     help="kvpop: every head's initial decay gamma, in (0.999, 0.999999) (default: the log-midpoint, 0.9995)")
     sp.add_argument("--lr-decay", type=float, default=1e-2,

@@ -6,9 +6,10 @@ valid range, so bad input never reaches torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from .errors import check, check_int
+from .errors import check, check_int, is_int
 
 
 def retrofit_window(budget: int) -> int:
@@ -118,6 +119,14 @@ class KVpopConfig:
     ``mlstm_skip`` (default True): the mLSTM scorer's skip connection from the scored token to the score (the
     paper's appendix E.5 variant; :class:`kvlearn.kvpop.scorers.MLSTMScorer` ``skip``; ``docs/DESIGN.md`` section 5, "The skip connection"); a
     learned field. Records written before it existed were built without it: read them with :meth:`from_record`.
+    ``mlstm_use_norm`` (default False), ``mlstm_chunk_size`` (64), ``mlstm_value_dim`` (None: ``head_dim / 2``) and
+    ``mlstm_gate_softcap`` (15.0; None: no cap) are the mLSTM scorer's ``use_norm``, ``chunk_size``, ``value_dim`` and
+    ``gate_softcap`` (:class:`kvlearn.kvpop.scorers.MLSTMScorer`; the defaults are its own, so records written before
+    these fields existed build the same scorer). ``mlstm_value_dim`` and ``mlstm_use_norm`` change the parameter set
+    (the width of ``W_v``, ``a`` and the state; the per-head RMSNorm weight) and ``mlstm_gate_softcap`` the function
+    the weights were trained under: learned fields. ``mlstm_chunk_size`` is the chunk length of the chunkwise
+    forward (:func:`kvlearn.ops.mlstm.mlstm_chunkwise`; any length >= 1, a sequence need not be a multiple of it):
+    numerics only, not a learned field.
     ``state_in_budget`` (default False): a stateful scorer's recurrent state counts toward the budget, so the cache
     keeps ``topk`` minus the slots the state's bytes would hold (:func:`kvlearn.kvpop.apply.make_kvpop_cache`; the
     KVpop paper's Table 1 rule, "its top-k is reduced to match the MLP variant's footprint"); not a learned field.
@@ -138,6 +147,10 @@ class KVpopConfig:
     state_in_budget: bool = False
     mlstm_matmul_dtype: str = "float32"
     mlstm_compile_mode: str = "default"
+    mlstm_use_norm: bool = False
+    mlstm_chunk_size: int = 64
+    mlstm_value_dim: int | None = None
+    mlstm_gate_softcap: float | None = 15.0
     target_eps: float = 1e-6
     target_aggregation: str = "max"
     target_count_normalize: bool = True
@@ -197,6 +210,16 @@ class KVpopConfig:
         check(self.mlstm_compile_mode == "default" or self.mlstm_matmul_dtype != "tf32",
               f"mlstm_compile_mode={self.mlstm_compile_mode!r} with mlstm_matmul_dtype='tf32' is not supported: "
               "expected mlstm_compile_mode='default', or mlstm_matmul_dtype 'float32' or 'bfloat16'")
+        check(isinstance(self.mlstm_use_norm, bool),
+              f"mlstm_use_norm={self.mlstm_use_norm!r} is invalid: expected True or False")
+        check_int("mlstm_chunk_size", self.mlstm_chunk_size, 1,
+                  hint=" (the mLSTM chunk length; a sequence need not be a multiple of it)")
+        check(self.mlstm_value_dim is None or (is_int(self.mlstm_value_dim) and self.mlstm_value_dim >= 1),
+              f"mlstm_value_dim={self.mlstm_value_dim!r} is invalid: expected None (head_dim / 2) or an integer >= 1")
+        softcap = self.mlstm_gate_softcap
+        check(softcap is None or (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                  and math.isfinite(softcap) and softcap > 0),
+              f"mlstm_gate_softcap={softcap!r} is invalid: expected None (no cap) or a finite number > 0")
         check(
             self.target_aggregation in self.AGGREGATIONS,
             f"target_aggregation={self.target_aggregation!r} is unknown: expected one of {', '.join(self.AGGREGATIONS)}",

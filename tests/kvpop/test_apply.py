@@ -345,7 +345,8 @@ def test_kvlearn_eval_takes_an_mlstm_checkpoints_learned_fields(tmp_path, capsys
     model.save_pretrained(tmp_path)
     options = trained_options("kvpop", tmp_path)
     assert options == {"scorer": "mlstm", "delayed_readout": True, "mlstm_skip": True, "decay_min": config.decay_min,
-                       "decay_max": config.decay_max, "window": 32, "state_in_budget": False}
+                       "decay_max": config.decay_max, "window": 32, "state_in_budget": False,
+                       "mlstm_use_norm": False, "mlstm_value_dim": None, "mlstm_gate_softcap": 15.0}
     assert trained_options("kvpop", tmp_path / "nope") == {} and trained_options("streaming", tmp_path) == {}
     out = tmp_path / "rows.json"
     code = main(["eval", "--model", str(tmp_path), "--method", "kvpop", "--budget", "48", "--context", "256",
@@ -505,3 +506,122 @@ def test_state_in_budget_trades_the_mlstm_state_for_long_range_slots():
     with pytest.raises(KVLearnError, match="takes 5 of topk=5 long-range slots") as err:
         state_budget_config(dataclasses.replace(config, topk=5, state_in_budget=True), scorer, 128)
     one_line(err)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the mLSTM scorer's other options (use_norm, chunk_size, value_dim, gate_softcap)
+
+MLSTM_OPTIONS = dict(mlstm_use_norm=True, mlstm_value_dim=12, mlstm_gate_softcap=None, mlstm_chunk_size=16)
+
+
+def test_mlstm_option_defaults_are_the_scorers_and_bad_values_are_one_line():
+    """KVpopConfig's mlstm_use_norm / mlstm_chunk_size / mlstm_value_dim / mlstm_gate_softcap default to
+    MLSTMScorer's own defaults (so every earlier record builds the same scorer); each bad value is one line naming it."""
+    import inspect
+    import re
+
+    params = inspect.signature(MLSTMScorer.__init__).parameters
+    config = KVpopConfig()
+    for field, arg in (("mlstm_use_norm", "use_norm"), ("mlstm_chunk_size", "chunk_size"),
+                       ("mlstm_value_dim", "value_dim"), ("mlstm_gate_softcap", "gate_softcap")):
+        assert getattr(config, field) == params[arg].default, field
+    bad = {"mlstm_use_norm": (1, "yes", None), "mlstm_chunk_size": (0, -4, 16.0, True, None),
+           "mlstm_value_dim": (0, -1, 8.0, True, "8"),
+           "mlstm_gate_softcap": (0, -1.0, True, float("inf"), float("nan"), "15")}
+    for field, values in bad.items():
+        for value in values:
+            with pytest.raises(KVLearnError, match=rf"^{field}={re.escape(repr(value))} is invalid: expected ") as err:
+                KVpopConfig(**{field: value})
+            one_line(err)
+    assert KVpopConfig(mlstm_gate_softcap=5).mlstm_gate_softcap == 5 and KVpopConfig(mlstm_chunk_size=3).mlstm_chunk_size == 3
+
+
+def test_apply_builds_the_configured_mlstm_options():
+    """apply_kvpop with non-default mLSTM options builds the scorer that MLSTMScorer with the same arguments and seed
+    builds (same state-dict keys, shapes and values: W_v and a of width value_dim, the RMSNorm weight); the state's
+    bytes (and so state_in_budget's slots) follow value_dim; re-applying with another learned option is one line,
+    with another chunk size (numerics only) it is not."""
+    from kvlearn.kvpop.apply import model_budget_config
+
+    config = KVpopConfig(**KV, scorer="mlstm", mlstm_use_norm=True, mlstm_value_dim=5, mlstm_gate_softcap=None,
+                         mlstm_chunk_size=8)
+    model = tiny()
+    torch.manual_seed(11)
+    apply_kvpop(model, config)
+    torch.manual_seed(11)
+    direct = MLSTMScorer(2, 16, window=3, delayed_readout=True, use_norm=True, chunk_size=8, value_dim=5,
+                         gate_softcap=None, skip=config.mlstm_skip)
+    scorer = kvpop_modules(model)[0][0]
+    assert (scorer.use_norm, scorer.chunk_size, scorer.value_dim, scorer.gate_softcap) == (True, 8, 5, None)
+    want, got = direct.state_dict(), scorer.state_dict()
+    assert want.keys() == got.keys() and "norm_weight" in got
+    assert all(got[k].shape == want[k].shape and torch.equal(got[k], want[k]) for k in want)
+    assert got["w_v"].shape == (2, 32, 5) and got["a"].shape == (2, 5) and got["norm_weight"].shape == (2, 5)
+    # the state: float32 C [16, 5] + n [16] + m = 4 * (16 * 5 + 16 + 1) = 388 bytes per KV head, ceil(388 / 128) = 4
+    # float32 tokens' worth of top-k slots (580 bytes and 5 slots at the default width 8)
+    assert scorer.state_bytes_per_head() == 388
+    kv = dataclasses.replace(config, topk=12, state_in_budget=True)
+    assert model_budget_config(model, kv).topk == 12 - 4
+    default = kvpop_modules(apply_kvpop(tiny(), KVpopConfig(**KV, scorer="mlstm")))[0][0]
+    assert (default.use_norm, default.chunk_size, default.value_dim, default.gate_softcap) == (False, 64, 8, 15.0)
+    assert default.norm_weight is None and default.state_bytes_per_head() == 580
+    for field, value in (("mlstm_value_dim", None), ("mlstm_use_norm", False), ("mlstm_gate_softcap", 15.0)):
+        with pytest.raises(KVLearnError, match=f"{field}={value!r} but the model's KVpop modules were built with "
+                                               f"{field}=") as err:
+            apply_kvpop(model, dataclasses.replace(config, **{field: value}))
+        one_line(err)
+    apply_kvpop(model, dataclasses.replace(config, mlstm_chunk_size=64))  # numerics only: the modules are kept
+    assert scorer.chunk_size == 8 and kvpop_modules(model)[0][0] is scorer
+    # value_dim None means head_dim / 2: an explicit 8 fits the default scorer and the other way round
+    default_model = apply_kvpop(tiny(), KVpopConfig(**KV, scorer="mlstm", mlstm_value_dim=8))
+    apply_kvpop(default_model, KVpopConfig(**KV, scorer="mlstm"))
+
+
+def test_mlstm_options_decode_like_their_mask_and_round_trip(tmp_path):
+    """Rule 4 with the norm, value width 12, no gate cap and chunks of 16 (the 40-token reference forward runs two
+    chunks and a remainder, the 20-token prefill one chunk and a remainder): prefill + token-by-token decoding equals
+    the masked full forward; save_pretrained -> kvlearn.load keeps the options (config equality, trained_options)
+    and gives identical logits."""
+    from kvlearn.methods import trained_options
+
+    model, config = kvpop_model(scorer="mlstm", seed=3, **MLSTM_OPTIONS)
+    scorers, decays = kvpop_modules(model)
+    assert all((s.use_norm, s.value_dim, s.gate_softcap, s.chunk_size) == (True, 12, None, 16) for s in scorers)
+    ids = torch.randint(1, VOCAB, (2, 40))
+    ref = reference_logits(model, scorers, decays, config, ids)
+    got = decode_logits(model, make_kvpop_cache(model), ids, prefill=20)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = kvlearn.load(tmp_path)
+    assert KVpopConfig(**loaded.config.kvpop) == config
+    assert all((s.use_norm, s.value_dim, s.gate_softcap, s.chunk_size) == (True, 12, None, 16)
+               for s in kvpop_modules(loaded)[0])
+    options = trained_options("kvpop", tmp_path)
+    assert (options["mlstm_use_norm"], options["mlstm_value_dim"], options["mlstm_gate_softcap"]) == (True, 12, None)
+    assert "mlstm_chunk_size" not in options  # numerics only: not fixed by the checkpoint
+    make_kvpop_cache(loaded, make_config("kvpop", budget=9, sinks=2, **options))  # fits the modules
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, plain, atol=0, rtol=0)
+    torch.testing.assert_close(decode_logits(loaded, make_kvpop_cache(loaded), ids, prefill=20), got, atol=0, rtol=0)
+
+
+def test_a_record_from_before_the_mlstm_options_loads_with_their_defaults(tmp_path):
+    """A config.json written before mlstm_use_norm / mlstm_chunk_size / mlstm_value_dim / mlstm_gate_softcap existed
+    reads as their defaults (KVpopConfig.from_record), loads with identical logits, and its trained options lack them."""
+    from kvlearn.methods import trained_options
+
+    model, config = kvpop_model(scorer="mlstm", seed=4)
+    model.save_pretrained(tmp_path)
+    record = json.loads((tmp_path / "config.json").read_text())
+    for field in MLSTM_OPTIONS:
+        del record["kvpop"][field]  # as written before the fields existed
+    (tmp_path / "config.json").write_text(json.dumps(record))
+    assert KVpopConfig.from_record(record["kvpop"]) == config
+    assert not set(MLSTM_OPTIONS) & set(trained_options("kvpop", tmp_path))
+    loaded = kvlearn.load(tmp_path)
+    assert KVpopConfig(**loaded.config.kvpop) == config
+    ids = torch.randint(1, VOCAB, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=0, rtol=0)

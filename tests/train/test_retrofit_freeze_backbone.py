@@ -101,3 +101,23 @@ def test_what_it_cannot_do_is_one_line(teacher_path, tmp_path, monkeypatch):
         retrofit(RetrofitConfig(model=teacher_path, out=str(tmp_path / "fsdp"), steps=1,
                                 kvpop=KVpopConfig(**KVPOP), freeze_backbone=True, **COMMON), progress=False)
     assert len(str(err.value).splitlines()) == 1 and not (tmp_path / "fsdp").exists()
+
+
+def test_resume_of_a_run_saved_before_newer_kvpop_fields(teacher_path, tmp_path):
+    """A checkpoint whose saved KVpop config lacks fields added to :class:`KVpopConfig` since (here the mLSTM
+    options and ``mlstm_skip``) resumes when this run's values are the ones those fields stood for (the defaults,
+    ``mlstm_skip=False``), and a run with another value is still refused in one line."""
+    from kvlearn.train.distill import STATE_FILE, latest_checkpoint
+
+    cfg = dict(model=teacher_path, out=str(tmp_path / "r"), steps=2, **{**COMMON, "save_interval": 1})
+    retrofit(RetrofitConfig(**cfg, kvpop=KVpopConfig(**KVPOP, mlstm_skip=False)), stop_after=1, progress=False)
+    path = latest_checkpoint(tmp_path / "r") / STATE_FILE
+    state = torch.load(path, weights_only=False)
+    for name in ("mlstm_skip", "mlstm_use_norm", "mlstm_chunk_size", "mlstm_value_dim", "mlstm_gate_softcap"):
+        del state["config"]["kvpop"][name]  # as an older version of the trainer saved it
+    torch.save(state, path)
+    with pytest.raises(KVLearnError, match="resume:") as err:  # mlstm_skip's record default is False
+        retrofit(RetrofitConfig(**cfg, kvpop=KVpopConfig(**KVPOP), resume=True), progress=False)
+    assert len(str(err.value).splitlines()) == 1
+    resumed = retrofit(RetrofitConfig(**cfg, kvpop=KVpopConfig(**KVPOP, mlstm_skip=False), resume=True), progress=False)
+    assert resumed["step"] == 2

@@ -251,6 +251,37 @@ def test_mlstm_compile_mode_reaches_the_saved_config_and_the_scorer(teacher_path
     assert scorer.compile_mode == "reduce-overhead"
 
 
+def test_mlstm_scorer_options_reach_the_saved_config_and_the_scorer_and_fix_the_resume(teacher_path, tmp_path, capsys):
+    """``--mlstm-use-norm 1 --mlstm-chunk-size 32 --mlstm-value-dim 4 --mlstm-gate-softcap none`` are saved with the
+    checkpoint and built into the loaded scorer; resuming the run with another value width is one line (the whole
+    KVpop config must match, as for --mlstm-skip); bad values and the options with another scorer are one line."""
+    flags = ("--mlstm-use-norm", "1", "--mlstm-chunk-size", "32", "--mlstm-value-dim", "4", "--mlstm-gate-softcap", "none")
+    assert cli_retrofit(teacher_path, tmp_path / "a", "kvpop", "--scorer", "mlstm", *flags) == 0
+    saved = json.loads((tmp_path / "a" / "final" / "config.json").read_text())["kvpop"]
+    assert (saved["mlstm_use_norm"], saved["mlstm_chunk_size"], saved["mlstm_value_dim"], saved["mlstm_gate_softcap"]) \
+        == (True, 32, 4, None)
+    scorer = kvlearn.kvpop.apply.kvpop_modules(kvlearn.load(tmp_path / "a" / "final"))[0][0]
+    assert (scorer.use_norm, scorer.chunk_size, scorer.value_dim, scorer.gate_softcap) == (True, 32, 4, None)
+    assert scorer.w_v.shape[-1] == 4 and scorer.norm_weight is not None
+    capsys.readouterr()
+    assert cli_retrofit(teacher_path, tmp_path / "a", "kvpop", "--scorer", "mlstm", "--resume", *flags[:-4],
+                        "--mlstm-value-dim", "6", "--mlstm-gate-softcap", "none") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the loaders' progress lines
+    assert err.startswith("kvlearn: error: resume:") and "'mlstm_value_dim': 4" in err and "'mlstm_value_dim': 6" in err, err
+    for extra, needle in ((("--mlstm-gate-softcap", "-1"), "mlstm_gate_softcap=-1.0 is invalid: expected None"),
+                          (("--mlstm-gate-softcap", "big"), "--mlstm-gate-softcap 'big' is invalid: expected a number"),
+                          (("--mlstm-chunk-size", "0"), "mlstm_chunk_size=0 is invalid: expected an integer >= 1"),
+                          (("--mlstm-value-dim", "0"), "mlstm_value_dim=0 is invalid: expected None")):
+        assert cli_retrofit(teacher_path, tmp_path / "b", "kvpop", "--scorer", "mlstm", *extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and needle in err, err
+    assert cli_retrofit(teacher_path, tmp_path / "b", "kvpop", "--mlstm-value-dim", "4", "--mlstm-gate-softcap",
+                        "none") == 2
+    assert "--mlstm-value-dim 4, --mlstm-gate-softcap none: options of the mLSTM scorer, given with --method kvpop " \
+        "--scorer mlp" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
 def test_lr_default_is_the_configs(teacher_path, tmp_path):
     """Without ``--lr`` the run takes ``RetrofitConfig.lr`` (1e-4: the rate of Table 1's students), recorded in the
     checkpoint's trainer state; ``--lr`` overrides it."""

@@ -43,7 +43,10 @@ KV_CONFIGURATION_KEY = "kvpop_kv_configuration"
 # state_in_budget: an mLSTM student trained with its recurrent state counted in the budget (fewer top-k slots) is
 # served so, its cache within the same bytes as a stateless scorer's (before 2026-12-04 `kvlearn eval` served such a
 # student with the full top-k plus its state: more bytes than its budget)
-TRAINED_FIELDS = ("scorer", "delayed_readout", "mlstm_skip", "decay_min", "decay_max", "window", "state_in_budget")
+# mlstm_use_norm, mlstm_value_dim (the parameter set) and mlstm_gate_softcap (the function) are the mLSTM's learned
+# options; a record without them (before they existed) was built with their defaults
+TRAINED_FIELDS = ("scorer", "delayed_readout", "mlstm_skip", "decay_min", "decay_max", "window", "state_in_budget",
+                  "mlstm_use_norm", "mlstm_value_dim", "mlstm_gate_softcap")
 
 # ----------------------------------------------------------------------------------------------------------------
 # model structure
@@ -69,7 +72,7 @@ def recorded_config(model) -> KVpopConfig | None:
 
 def _check_modules_fit(model, config: KVpopConfig, what: str) -> None:
     """One-line error unless the model's KVpop modules are what ``config``'s learned fields describe (read from the
-    modules themselves: scorer kind, mLSTM readout, decay range)."""
+    modules themselves: scorer kind, decay range; the mLSTM's readout, skip, norm, value width and gate cap)."""
     attns = attention_modules(model)
     kvpop_modules(model)  # one-line error without modules
     mods = [getattr(a, MODULE_NAME) for a in attns]
@@ -78,8 +81,13 @@ def _check_modules_fit(model, config: KVpopConfig, what: str) -> None:
     if first.scorer_kind == "mlstm":  # the readout only exists for the stateful scorer
         built["delayed_readout"] = first.scorer.delayed_readout
         built["mlstm_skip"] = first.scorer.skip
+        built["mlstm_use_norm"] = first.scorer.use_norm
+        built["mlstm_value_dim"] = first.scorer.value_dim
+        built["mlstm_gate_softcap"] = first.scorer.gate_softcap
     for name, have in built.items():
         want = getattr(config, name)
+        if name == "mlstm_value_dim" and want is None and have == first.scorer.head_dim // 2:
+            continue  # None: the scorer's default width, head_dim / 2
         check(have == want,
               f"{what}: {name}={want!r} but the model's KVpop modules were built with {name}={have!r}: only the "
               "budget (sinks, window, topk) may differ from the applied config")
@@ -101,8 +109,8 @@ def apply_kvpop(model, config: KVpopConfig):
     ``[config.decay_min, config.decay_max]``, float32, on the model's device) as ``self_attn.kvpop`` of every
     decoder layer, records ``model.config.kvpop = asdict(config)`` and attaches the kvlearn attention. On a model
     that already has KVpop modules (a loaded checkpoint) they are kept, with their weights: ``config`` must then
-    agree on the learned fields (scorer, delayed readout, decay range; the window of a delayed mLSTM scorer) and
-    only the budget may differ; the recorded config becomes ``config``.
+    agree on the learned fields (scorer, decay range; the mLSTM's readout, skip, norm, value width and gate cap, and
+    the window of a delayed mLSTM scorer) and only the budget may differ; the recorded config becomes ``config``.
     """
     check(isinstance(config, KVpopConfig), f"config is {type(config).__name__}: expected a kvlearn.KVpopConfig")
     check_supported(model)

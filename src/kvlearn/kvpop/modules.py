@@ -29,7 +29,9 @@ class KVpopModules(nn.Module):
         else:
             self.scorer = MLSTMScorer(num_kv_heads, head_dim, window=config.window,
                                       delayed_readout=config.delayed_readout, matmul_dtype=config.mlstm_matmul_dtype,
-                                      skip=config.mlstm_skip, compile_mode=config.mlstm_compile_mode)
+                                      skip=config.mlstm_skip, compile_mode=config.mlstm_compile_mode,
+                                      use_norm=config.mlstm_use_norm, chunk_size=config.mlstm_chunk_size,
+                                      value_dim=config.mlstm_value_dim, gate_softcap=config.mlstm_gate_softcap)
         self.decay = LearnedDecay(num_kv_heads, config.decay_min, config.decay_max, config.decay_init)
         self.scorer_kind = config.scorer
 
