@@ -667,13 +667,13 @@ def _config_field(method: str) -> str:
 def read_trainer_state(path: Path, expected: dict, defaults: dict | None = None) -> dict:
     """The trainer state of checkpoint ``path`` (``trainer_state.pt``); a one-line error when a setting in ``expected``
     (``{config field: this run's value}``) differs from the one the checkpoint was trained with (``defaults``: the
-    value of a field an older checkpoint did not record; a recorded KVpop config lacking fields added since gets their
-    :attr:`~kvlearn.config.KVpopConfig.RECORD_DEFAULTS` or defaults, the values they stood for). Values compare after a
-    JSON round trip (tuples = lists)."""
+    value of a field an older checkpoint did not record; a recorded KVpop config is read with
+    :meth:`~kvlearn.config.KVpopConfig.from_record`, so fields added since take the values they stood for). Values
+    compare after a JSON round trip (tuples = lists)."""
     trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     saved = dict(trainer.get("config", {}))
     if isinstance(saved.get("kvpop"), dict):  # fields added to KVpopConfig since the run started take their old value
-        saved["kvpop"] = {**asdict(KVpopConfig()), **KVpopConfig.RECORD_DEFAULTS, **saved["kvpop"]}
+        saved["kvpop"] = asdict(KVpopConfig.from_record(saved["kvpop"]))
     for name, want in expected.items():
         have = saved.get(name, (defaults or {}).get(name))
         check(json.loads(json.dumps(have)) == json.loads(json.dumps(want)),
