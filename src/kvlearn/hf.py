@@ -30,6 +30,7 @@ from .errors import KVLearnError, check, check_int
 ATTENTION_NAME = "kvlearn"
 MAX_MASK_BYTES = 512 * 2**20  # masked_attention: the largest float mask SDPA may build before the queries are chunked
 BROADCAST_MIN_QUERIES = 64  # masked_attention: from this many queries, one KV head broadcasts instead of folding (CUDA)
+SPARSE_CHUNK_MIN_QUERIES = 1024  # chunk_attention="auto": from this many CUDA queries, sparse_chunk_attention
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 
@@ -107,6 +108,10 @@ def kvlearn_attention(
     layer = kvlearn_cache.layers[module.layer_idx]
     check(not getattr(layer, "borrows", False),
           f"layer {module.layer_idx} shares its anchor's cache: run the model with kvlearn.kaizen.attach(model)")
+    if query.shape[2] > 1 and _sparse_chunk_applies(kvlearn_cache, layer, query, step):
+        out = sparse_chunk_attention(layer, query, key, value, scaling)
+        if out is not None:
+            return out, None
     mask = layer.visibility_mask(step.positions, step.has_padding)  # [batch, P, q, kv]
     if layer.store_attends:  # a decode step over a store that attends itself (packed codes, no read-back)
         return store_decode_attention(layer, query, mask, scaling), None
@@ -116,6 +121,52 @@ def kvlearn_attention(
         attention = None if request is None else attention_summary(query, key, mask, scaling, request, step.positions)
         layer.observe_attention(step, attention)
     return out, None
+
+
+def _sparse_chunk_applies(cache: CompactCache, layer, query: torch.Tensor, step) -> bool:
+    """Whether this multi-token forward may take :func:`sparse_chunk_attention`: the layer's visibility is a running
+    top-k (``layer.chunk_retention``), no query is padding, nothing traces the masks, and the cache's
+    ``chunk_attention`` asks for it (``"sparse"``; ``"auto"``: CUDA queries, at least
+    :data:`SPARSE_CHUNK_MIN_QUERIES` of them)."""
+    mode = cache.chunk_attention
+    if mode == "mask" or layer.chunk_retention is None or layer.trace is not None or step.has_padding is not False:
+        return False
+    return mode == "sparse" or (query.is_cuda and query.shape[2] >= SPARSE_CHUNK_MIN_QUERIES)
+
+
+def sparse_chunk_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           scaling: float | None) -> torch.Tensor | None:
+    """A multi-token forward of a static-score policy as sparse retention over one sequence, without the ``[batch,
+    P, q, capacity + q]`` visibility mask: ``query [batch, q_heads, q, head_dim]``, ``key, value [batch, kv_heads,
+    capacity + q, head_dim]`` (the keys the layer returned). Returns ``[batch, q, q_heads, head_dim]``, or None when
+    the held tokens differ in number between rows or heads (one host sync; the caller then builds the mask).
+
+    The held tokens followed by the chunk, in position order (``layer.chunk_retention``), are a sequence of ``T =
+    held + q`` keys under the rule the policy ranked them by (sinks, window, running top-k), so the chunk's
+    queries are its last ``q`` queries: the first ``held`` rows are zeros whose output is dropped (``held <=``
+    the budget). On CUDA :func:`kvlearn.kvpop.attention.sparse_retention_attention` runs the fused Triton forward
+    on the gathered layout (FlexAttention where it does not apply); elsewhere eager FlexAttention."""
+    from .kvpop.attention import sparse_retention_attention
+
+    ret = layer.chunk_retention
+    start = layer._visible[0]  # [batch, P, capacity + q] positions of the returned keys (-1: empty)
+    q = query.shape[2]
+    held = (start[..., :start.shape[-1] - q] >= 0).sum(dim=2)  # [batch, P]
+    lo, hi = torch.aminmax(held)
+    lo, hi = int(lo), int(hi)
+    if lo != hi:
+        return None
+    b, hkv, _, d = key.shape
+    t = hi + q
+    order = ret.order[..., :t].expand(b, hkv, t)  # [batch, kv_heads, T]
+    ks = torch.gather(key, 2, order[..., None].expand(b, hkv, t, d))
+    vs = torch.gather(value, 2, order[..., None].expand(b, hkv, t, value.shape[-1]))
+    ranks = ret.ranks[..., :t].expand(b, hkv, t).contiguous()
+    cutoffs = ret.cutoffs[..., :t].expand(b, hkv, t).contiguous()
+    qs = torch.cat([query.new_zeros(b, query.shape[1], hi, d), query], dim=2) if hi else query
+    out, _ = sparse_retention_attention(qs, ks, vs, ranks, cutoffs, ret.sinks, ret.window, scale=scaling,
+                                        return_lse=False, topk=ret.topk)
+    return out[:, :, hi:].transpose(1, 2).contiguous()
 
 
 def store_decode_attention(layer, query: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:

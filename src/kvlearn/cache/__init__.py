@@ -20,13 +20,13 @@ from .latent import LatentStore
 from .layer import CompactCache, CompactLayer
 from .observe import attention_summary
 from .packed import PackedStore, store_for_bits
-from .policy import NEVER, AttentionRequest, ForwardStep, Policy, SlotPlan
+from .policy import NEVER, AttentionRequest, ChunkRetention, ForwardStep, Policy, SlotPlan
 from .prefill import DEFAULT_PREFILL_CHUNK, prefill
 from .scored import AttentionScoredPolicy, ScoredPolicy
 from .store import PlainStore, Store
 
 __all__ = [
-    "NEVER", "AttentionRequest", "AttentionScoredPolicy", "BorrowedLayer", "BorrowedStore", "CompactCache",
+    "NEVER", "AttentionRequest", "AttentionScoredPolicy", "BorrowedLayer", "ChunkRetention", "BorrowedStore", "CompactCache",
     "CompactLayer", "DEFAULT_PREFILL_CHUNK", "ForwardStep", "KIVIStore", "KeepAllPolicy", "LatentStore", "PackedStore", "PlainStore", "Policy", "ScoredPolicy", "SlotPlan", "Store", "attention_summary", "prefill",
     "store_for_bits",
 ]

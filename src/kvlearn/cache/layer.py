@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import KVLearnError, check
-from .policy import NEVER, ForwardStep, Policy
+from .policy import NEVER, ChunkRetention, ForwardStep, Policy
 from .store import PlainStore, Store, scatter_slots
 
 
@@ -68,6 +68,9 @@ class CompactLayer(CacheLayerMixin):
         self._visible: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None = None
         self.store_attends = False  # the last update was a decode step the store attends itself (no read-back)
+        # the last multi-token update's visibility as a running top-k over one sequence (static-score policies,
+        # bounded protocol), for the attention function's sparse chunk path; None otherwise
+        self.chunk_retention: ChunkRetention | None = None
         self.trace: list | None = None  # set to a list to record (query_positions, key_positions, mask) per forward
 
     @property
@@ -114,6 +117,7 @@ class CompactLayer(CacheLayerMixin):
         self._check_shapes(key_states, value_states, step)
         b, h, q, _ = key_states.shape
         plan = self.policy.plan(self, step, key_states, value_states)
+        self.chunk_retention = None
         p = self.slot_positions.shape[1]
         new_pos = step.positions[:, None, :].expand(b, p, q)
         if q == 1:
@@ -148,6 +152,8 @@ class CompactLayer(CacheLayerMixin):
                 old_end = (plan.old_end[..., :stored] if plan.old_end is not None
                            else torch.full_like(start[..., :stored], NEVER))
                 end = torch.cat([old_end, plan.new_end], dim=2)
+                if plan.retention is not None and stored == self.capacity:
+                    self.chunk_retention = plan.retention
             self._visible = (start, end, stored)
             if plan.defer:
                 state = {n: torch.cat([self.slot_state[n], plan.new_state[n].to(self.slot_state[n].dtype)], dim=2)
@@ -285,6 +291,7 @@ class CompactLayer(CacheLayerMixin):
         self._visible = None
         self._pending = None
         self.store_attends = False
+        self.chunk_retention = None
 
     def _unsupported(self, *args, **kwargs):
         raise KVLearnError(
@@ -293,6 +300,9 @@ class CompactLayer(CacheLayerMixin):
         )
 
     reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+CHUNK_ATTENTION = ("auto", "sparse", "mask")
 
 
 class CompactCache(Cache):
@@ -310,6 +320,22 @@ class CompactCache(Cache):
         self._real_seen: torch.Tensor | None = None
         self._step: ForwardStep | None = None
         self._dense = False
+        self._chunk_attention = "auto"
+
+    @property
+    def chunk_attention(self) -> str:
+        """How a multi-token forward attends where the layer's visibility is a running top-k (static-score
+        policies under ``bounded``, no padding in the forward, as many held tokens in every row): ``"auto"``
+        (default: sparse retention over one sequence on CUDA from :data:`kvlearn.hf.SPARSE_CHUNK_MIN_QUERIES`
+        queries, the visibility mask otherwise), ``"sparse"`` (always there) or ``"mask"`` (never). Both give the
+        same attention (:func:`kvlearn.hf.sparse_chunk_attention`); the sparse one never builds the ``[batch, P,
+        q, capacity + q]`` mask, which a single-forward prefill of a long prompt (``generate``) would."""
+        return self._chunk_attention
+
+    @chunk_attention.setter
+    def chunk_attention(self, mode: str) -> None:
+        check(mode in CHUNK_ATTENTION, f"chunk_attention={mode!r} is invalid: expected one of {CHUNK_ATTENTION}")
+        self._chunk_attention = mode
 
     @contextmanager
     def dense(self):

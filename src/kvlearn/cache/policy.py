@@ -65,6 +65,27 @@ class SlotPlan:
     new_end: torch.Tensor
     new_state: dict[str, torch.Tensor] = field(default_factory=dict)
     defer: bool = False
+    retention: ChunkRetention | None = None
+
+
+@dataclass(frozen=True)
+class ChunkRetention:
+    """A multi-token forward's visibility as a running top-k over one sequence (static-score policies).
+
+    The held tokens followed by the chunk, sorted by position (empty slots and padding last), form a sequence in
+    which every query sees the sinks (the first ``sinks`` indices), the ``window`` indices up to itself and the keys
+    whose rank is within its running cutoff: sparse retention over that sequence
+    (:func:`kvlearn.kvpop.attention.sparse_retention_attention`) is the forward's attention, without its ``[q,
+    capacity + q]`` mask. Attributes: ``order [batch, P, capacity + q]`` int64 indices of the returned keys in that
+    sequence order; ``ranks, cutoffs [batch, P, capacity + q]`` int32 (:mod:`kvlearn.ops.fenwick`); ``sinks``,
+    ``window``, ``topk``: the rule's parameters."""
+
+    order: torch.Tensor
+    ranks: torch.Tensor
+    cutoffs: torch.Tensor
+    sinks: int
+    window: int
+    topk: int
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch
 from ..errors import check
 from ..ops.fenwick import running_topk_cutoff
 from ..ops.masks import eviction_positions
-from .policy import NEVER, ForwardStep, Policy, SlotPlan
+from .policy import NEVER, ChunkRetention, ForwardStep, Policy, SlotPlan
 
 _LAST = 2 ** 62  # sort key of an empty slot / padding token: after every real position
 
@@ -140,7 +140,11 @@ class ScoredPolicy(Policy):
         rank = (new_keep.long().cumsum(dim=2) - 1).clamp(min=0)
         slots = torch.where(new_keep, torch.gather(free_first, 2, rank), torch.full_like(rank, -1))
         new_end = torch.where(step.positions[:, None, :] >= 0, end_c[..., cap:], torch.zeros_like(rank))
-        return SlotPlan(write_slots=slots, old_end=end_c[..., :cap], new_end=new_end, new_state={"score": new_score})
+        retention = None
+        if self.drop_below is None:  # the threshold rule's early drops are not a running top-k
+            retention = ChunkRetention(order, ranks, cutoffs, self.sinks, self.window, self.topk)
+        return SlotPlan(write_slots=slots, old_end=end_c[..., :cap], new_end=new_end, new_state={"score": new_score},
+                        retention=retention)
 
 
 class AttentionScoredPolicy(ScoredPolicy):
