@@ -17,11 +17,11 @@ def test_smoke_rows_agree_with_the_mask(tmp_path):
     rows = {(r["context"], r["mode"]): r for r in data["rows"]}
     assert set(rows) == {(c, m) for c in (96, 160) for m in ("mask", "sparse", "chunked256")}
     for (context, mode), row in rows.items():
-        assert row["same_held_positions_as_mask"] is True
+        assert row["same_held_positions_as_mask"] is True and row["leading_layers_holding_the_mask_positions"] == 2
         assert row["max_abs_diff_last_logits_vs_mask"] < 1e-4
         if mode == "sparse":
             assert row["max_abs_diff_logits_vs_mask"] < 1e-4 and row["greedy_agreement_vs_mask"] == 1.0
-    assert data["summary"]["sparse_same_held_positions_at_160"] is True
+    assert data["summary"]["sparse_same_held_positions_at_160"] is True and data["partial"] is False
 
 
 @pytest.mark.parametrize("argv, message", [
