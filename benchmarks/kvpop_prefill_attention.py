@@ -125,7 +125,7 @@ def run(args, command: str) -> int:
                 logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
         return logits, held_positions(cache)
 
-    rows, slow = [], set()
+    rows, slow, failed = [], set(), set()  # slow: skip the longer contexts; failed: also this context's rounds
     start = time.perf_counter()
     for T in args.contexts:
         g = torch.Generator().manual_seed(T)
@@ -135,7 +135,7 @@ def run(args, command: str) -> int:
         peaks, outputs = {}, {}
         for r in range(args.repeats + 1):  # round 0: warm-up (compiles, autotunes); rotated order per round
             for m in modes[r % len(modes):] + modes[:r % len(modes)]:
-                if m in slow:
+                if m in failed:
                     continue
                 sync()
                 if device.type == "cuda":
@@ -148,6 +148,7 @@ def run(args, command: str) -> int:
                 except torch.OutOfMemoryError as err:
                     rows.append(dict(context=T, mode=m, error=f"out of memory: {str(err).splitlines()[0]}"))
                     slow.add(m)
+                    failed.add(m)
                     continue
                 seconds = time.perf_counter() - t0
                 if r == 0:
@@ -156,7 +157,7 @@ def run(args, command: str) -> int:
                         peaks[m] = (torch.cuda.max_memory_allocated() - base) / GIB
                 else:
                     times[m].append(seconds * 1000)
-                if seconds > args.row_seconds:
+                if seconds > args.row_seconds:  # this context's rounds still run: its timing is complete
                     slow.add(m)
                 del logits
         ref_last, ref_all, ref_held = outputs.get("mask", (None, None, None))
