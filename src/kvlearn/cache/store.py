@@ -41,18 +41,31 @@ def scatter_slots(buf: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> 
     """Write ``src [batch, P, q, *rest]`` into ``buf [batch, P, capacity, *rest]`` at ``slots [batch, P, q]``
     (int64, ``-1`` = skip), in place.
 
-    ``q == 1`` is the decode path: a fixed-shape ``gather`` + ``where`` + ``scatter_`` (a skipped row rewrites the
-    slot's own value). ``q > 1`` (prefill) indexes the surviving tokens (one device sync, never on the decode path)."""
+    No host sync and no data-dependent shape, for any ``q``: one ``scatter_`` of ``q`` rows. The slots written in one
+    call must be distinct (every caller's are: a policy gives each survivor its own slot). ``q == 1`` is the decode
+    path: a skipped row rewrites the slot's own value. With ``q > 1`` a skipped token writes the first kept token's
+    value into that token's slot (a duplicate index with the same value, so whichever write lands the result is the
+    same), or, in a (batch, P) row that keeps none, slot 0's own value into slot 0. Cost ``O(q)`` rows, not the
+    capacity (a keep-all store of 131k slots takes chunks of 4096). Before session 34 the multi-token write indexed
+    the survivors with ``nonzero``: four host syncs per layer and forward (keys, values, positions, scores), which
+    serialised the host's launches with the GPU's work in a chunked prefill."""
     rest = buf.shape[3:]
-    if slots.shape[2] == 1:
-        view = slots.shape + (1,) * len(rest)
-        idx = slots.clamp(min=0).view(view).expand(slots.shape + rest)
-        old = torch.gather(buf, 2, idx)
-        keep = (slots >= 0).view(view)
-        buf.scatter_(2, idx, torch.where(keep, src.to(buf.dtype), old))
+    b, p, q = slots.shape
+    view = (b, p, q) + (1,) * len(rest)
+    full = (b, p, q) + tuple(rest)
+    keep = slots >= 0
+    if q == 1:
+        idx = slots.clamp(min=0).view(view).expand(full)
+        buf.scatter_(2, idx, torch.where(keep.view(view), src.to(buf.dtype), torch.gather(buf, 2, idx)))
         return
-    bi, pi, ti = torch.nonzero(slots >= 0, as_tuple=True)
-    buf[bi, pi, slots[bi, pi, ti]] = src[bi, pi, ti].to(buf.dtype)
+    first = keep.to(torch.int64).argmax(dim=2, keepdim=True)  # [b, p, 1]: the first kept token (0 when none)
+    first_slot = torch.gather(slots, 2, first).clamp(min=0)  # its slot (0 when none)
+    token = torch.where(keep, torch.arange(q, device=slots.device).expand(b, p, q), first)
+    target = torch.where(keep, slots, first_slot).view(view).expand(full)
+    values = torch.gather(src.to(buf.dtype).expand(full), 2, token.view(view).expand(full))
+    none_kept = ~keep.any(dim=2, keepdim=True)  # [b, p, 1]
+    values = torch.where(none_kept.view((b, p, 1) + (1,) * len(rest)), torch.gather(buf, 2, target), values)
+    buf.scatter_(2, target, values)
 
 
 class Store:
