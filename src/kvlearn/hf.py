@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -108,10 +109,9 @@ def kvlearn_attention(
     layer = kvlearn_cache.layers[module.layer_idx]
     check(not getattr(layer, "borrows", False),
           f"layer {module.layer_idx} shares its anchor's cache: run the model with kvlearn.kaizen.attach(model)")
-    if query.shape[2] > 1 and _sparse_chunk_applies(kvlearn_cache, layer, query, step):
-        out = sparse_chunk_attention(layer, query, key, value, scaling)
-        if out is not None:
-            return out, None
+    sparse = sparse_chunk_visibility(kvlearn_cache, layer, query, step)
+    if sparse is not None:  # a long multi-token forward of a static-score policy: no [q, capacity + q] mask
+        return sparse_chunk_attention(sparse, query, key, value, scaling), None
     mask = layer.visibility_mask(step.positions, step.has_padding)  # [batch, P, q, kv]
     if layer.store_attends:  # a decode step over a store that attends itself (packed codes, no read-back)
         return store_decode_attention(layer, query, mask, scaling), None
@@ -123,50 +123,68 @@ def kvlearn_attention(
     return out, None
 
 
-def _sparse_chunk_applies(cache: CompactCache, layer, query: torch.Tensor, step) -> bool:
-    """Whether this multi-token forward may take :func:`sparse_chunk_attention`: the layer's visibility is a running
-    top-k (``layer.chunk_retention``), no query is padding, nothing traces the masks, and the cache's
-    ``chunk_attention`` asks for it (``"sparse"``; ``"auto"``: CUDA queries, at least
-    :data:`SPARSE_CHUNK_MIN_QUERIES` of them)."""
+class SparseChunk(NamedTuple):
+    """A multi-token forward's visibility as sparse retention over one sequence (:func:`sparse_chunk_visibility`):
+    ``order [batch, kv_heads, T]`` int64 indices of the returned keys in position order (``T = held + q``),
+    ``ranks, cutoffs [batch, kv_heads, T]`` int32, ``held`` (tokens held before the forward, every row and head),
+    and the rule's ``sinks``, ``window``, ``topk``."""
+
+    order: torch.Tensor
+    ranks: torch.Tensor
+    cutoffs: torch.Tensor
+    held: int
+    sinks: int
+    window: int
+    topk: int
+
+
+def sparse_chunk_visibility(cache: CompactCache, layer, query: torch.Tensor, step) -> SparseChunk | None:
+    """The forward's visibility as a :class:`SparseChunk`, or None where the visibility mask is to be used.
+
+    None unless the layer's visibility is a running top-k (``layer.chunk_retention``: a static-score policy under
+    ``bounded``), no query is padding, nothing traces the masks, the cache's ``chunk_attention`` asks for it
+    (``"sparse"``; ``"auto"``: CUDA queries, at least :data:`SPARSE_CHUNK_MIN_QUERIES` of them), and every row and
+    KV head held as many tokens before the forward (one host sync counts them)."""
     mode = cache.chunk_attention
-    if mode == "mask" or layer.chunk_retention is None or layer.trace is not None or step.has_padding is not False:
-        return False
-    return mode == "sparse" or (query.is_cuda and query.shape[2] >= SPARSE_CHUNK_MIN_QUERIES)
-
-
-def sparse_chunk_attention(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           scaling: float | None) -> torch.Tensor | None:
-    """A multi-token forward of a static-score policy as sparse retention over one sequence, without the ``[batch,
-    P, q, capacity + q]`` visibility mask: ``query [batch, q_heads, q, head_dim]``, ``key, value [batch, kv_heads,
-    capacity + q, head_dim]`` (the keys the layer returned). Returns ``[batch, q, q_heads, head_dim]``, or None when
-    the held tokens differ in number between rows or heads (one host sync; the caller then builds the mask).
-
-    The held tokens followed by the chunk, in position order (``layer.chunk_retention``), are a sequence of ``T =
-    held + q`` keys under the rule the policy ranked them by (sinks, window, running top-k), so the chunk's
-    queries are its last ``q`` queries: the first ``held`` rows are zeros whose output is dropped (``held <=``
-    the budget). On CUDA :func:`kvlearn.kvpop.attention.sparse_retention_attention` runs the fused Triton forward
-    on the gathered layout (FlexAttention where it does not apply); elsewhere eager FlexAttention."""
-    from .kvpop.attention import sparse_retention_attention
-
-    ret = layer.chunk_retention
-    start = layer._visible[0]  # [batch, P, capacity + q] positions of the returned keys (-1: empty)
     q = query.shape[2]
+    ret = layer.chunk_retention
+    if q < 2 or mode == "mask" or ret is None or layer.trace is not None or step.has_padding is not False:
+        return None
+    if mode == "auto" and not (query.is_cuda and q >= SPARSE_CHUNK_MIN_QUERIES):
+        return None
+    start = layer._visible[0]  # [batch, P, capacity + q] positions of the returned keys (-1: empty)
     held = (start[..., :start.shape[-1] - q] >= 0).sum(dim=2)  # [batch, P]
-    lo, hi = torch.aminmax(held)
-    lo, hi = int(lo), int(hi)
+    lo, hi = (int(x) for x in torch.aminmax(held))
     if lo != hi:
         return None
-    b, hkv, _, d = key.shape
-    t = hi + q
-    order = ret.order[..., :t].expand(b, hkv, t)  # [batch, kv_heads, T]
-    ks = torch.gather(key, 2, order[..., None].expand(b, hkv, t, d))
-    vs = torch.gather(value, 2, order[..., None].expand(b, hkv, t, value.shape[-1]))
-    ranks = ret.ranks[..., :t].expand(b, hkv, t).contiguous()
-    cutoffs = ret.cutoffs[..., :t].expand(b, hkv, t).contiguous()
-    qs = torch.cat([query.new_zeros(b, query.shape[1], hi, d), query], dim=2) if hi else query
-    out, _ = sparse_retention_attention(qs, ks, vs, ranks, cutoffs, ret.sinks, ret.window, scale=scaling,
-                                        return_lse=False, topk=ret.topk)
-    return out[:, :, hi:].transpose(1, 2).contiguous()
+    b, p, t = start.shape[0], layer.slot_positions.shape[1], hi + q
+    hkv = layer.store.shape[1]
+    expand = (lambda x: x[..., :t].expand(b, hkv, t).contiguous()) if p != hkv else (lambda x: x[..., :t].contiguous())
+    return SparseChunk(expand(ret.order), expand(ret.ranks), expand(ret.cutoffs), hi, ret.sinks, ret.window, ret.topk)
+
+
+def sparse_chunk_attention(sparse: SparseChunk, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           scaling: float | None) -> torch.Tensor:
+    """A multi-token forward attended as sparse retention over one sequence, without the ``[batch, P, q, capacity +
+    q]`` visibility mask: ``query [batch, q_heads, q, head_dim]``, ``key, value [batch, kv_heads, capacity + q,
+    head_dim]`` (the keys the layer returned; a sharing layer passes its anchor's keys and :class:`SparseChunk`).
+    Returns ``[batch, q, q_heads, head_dim]``.
+
+    The held tokens followed by the chunk, in position order, are a sequence of ``T = held + q`` keys under the
+    rule the policy ranked them by (sinks, window, running top-k), so the chunk's queries are its last ``q`` queries:
+    the first ``held`` rows are zeros whose output is dropped (``held <=`` the budget). On CUDA
+    :func:`kvlearn.kvpop.attention.sparse_retention_attention` runs the fused Triton forward on the gathered layout
+    (FlexAttention where it does not apply); elsewhere eager FlexAttention."""
+    from .kvpop.attention import sparse_retention_attention
+
+    b, hkv, t = sparse.order.shape
+    held = sparse.held
+    ks = torch.gather(key, 2, sparse.order[..., None].expand(b, hkv, t, key.shape[-1]))
+    vs = torch.gather(value, 2, sparse.order[..., None].expand(b, hkv, t, value.shape[-1]))
+    qs = torch.cat([query.new_zeros(b, query.shape[1], held, query.shape[-1]), query], dim=2) if held else query
+    out, _ = sparse_retention_attention(qs, ks, vs, sparse.ranks, sparse.cutoffs, sparse.sinks, sparse.window,
+                                        scale=scaling, return_lse=False, topk=sparse.topk)
+    return out[:, :, held:].transpose(1, 2).contiguous()
 
 
 def store_decode_attention(layer, query: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:

@@ -34,7 +34,8 @@ from transformers.masking_utils import sdpa_mask
 from ..cache.observe import attention_summary
 from ..errors import check
 from ..hf import attach as attach_kvlearn
-from ..hf import kvlearn_attention, masked_attention, store_decode_attention
+from ..hf import (SparseChunk, kvlearn_attention, masked_attention, sparse_chunk_attention,
+                  sparse_chunk_visibility, store_decode_attention)
 from ..ops.quant import fake_quantize
 from .actions import KaizenConfig
 from .cache import KaizenCache
@@ -166,7 +167,10 @@ def kaizen_attention(
             mask = attention_mask
         else:
             step = kvlearn_cache.step
-            mask = layer.visibility_mask(step.positions, step.has_padding)  # [batch, P, q, kv]
+            # a long chunk of a static-score policy: sparse retention (its sharers attend under it too), else the mask
+            mask = sparse_chunk_visibility(kvlearn_cache, layer, query, step)
+            if mask is None:
+                mask = layer.visibility_mask(step.positions, step.has_padding)  # [batch, P, q, kv]
         if l in kaizen_forward.needed:
             kaizen_forward.shared[l] = (key, value, mask)
     if layer is None:
@@ -174,6 +178,8 @@ def kaizen_attention(
     source = getattr(layer, "anchor", layer)  # the layer whose store holds these keys (a sharer reads its anchor's)
     if source.store_attends:  # a decode step over a store that attends itself (packed codes: no keys were read)
         return store_decode_attention(source, query, mask, scaling), None
+    if isinstance(mask, SparseChunk):
+        return sparse_chunk_attention(mask, query, key, value, scaling), None
     out = masked_attention(query, key, value, mask, scaling)
     if not action.share and layer.policy.observes:  # an evicting anchor decides after attending
         step = kvlearn_cache.step
