@@ -26,7 +26,8 @@ from .scored import AttentionScoredPolicy, ScoredPolicy
 from .store import PlainStore, Store
 
 __all__ = [
-    "NEVER", "AttentionRequest", "AttentionScoredPolicy", "BorrowedLayer", "ChunkRetention", "BorrowedStore", "CompactCache",
-    "CompactLayer", "DEFAULT_PREFILL_CHUNK", "ForwardStep", "KIVIStore", "KeepAllPolicy", "LatentStore", "PackedStore", "PlainStore", "Policy", "ScoredPolicy", "SlotPlan", "Store", "attention_summary", "prefill",
-    "store_for_bits",
+    "NEVER", "AttentionRequest", "AttentionScoredPolicy", "BorrowedLayer", "BorrowedStore", "ChunkRetention",
+    "CompactCache", "CompactLayer", "DEFAULT_PREFILL_CHUNK", "ForwardStep", "KIVIStore", "KeepAllPolicy",
+    "LatentStore", "PackedStore", "PlainStore", "Policy", "ScoredPolicy", "SlotPlan", "Store", "attention_summary",
+    "prefill", "store_for_bits",
 ]
