@@ -76,21 +76,32 @@ def test_mlstm_student_under_quantized_kv_decodes_as_it_trains_at_every_prefill_
     logits equal prefill + decoding through the ``kaizen+kvpop`` cache at prefill chunks of 4, 16 and 64 (before,
     the readout read full-precision tokens within a chunk and stored ones across chunks: the logits moved by ~0.2
     with the chunk size and differed from training by as much)."""
-    from kvlearn.cache.prefill import prefill
     from kvlearn.config import KVpopConfig
 
     prompt = 60
     evict = KVpopConfig(sinks=2, window=8, topk=30, context=256, scorer="mlstm")
     model, evict, new_cache, ids = composed_student(bits, evict, torch.float64)
+    assert_chunked_decoding_equals_training(model, evict, new_cache, ids, bits, prompt)
+
+
+def assert_chunked_decoding_equals_training(model, evict, new_cache, ids, bits, prompt, each_cache=None):
+    """Prefill ``ids[:, :prompt]`` in chunks of 4, 16 and 64 through ``new_cache()`` (``each_cache(cache, chunk)``
+    first, and after), then decode the rest one token a forward: the logits equal the training forward's to 1e-10."""
+    from kvlearn.cache.prefill import prefill
+
     want, _ = training_logits(model, evict, ids, bits)
     for chunk in (4, 16, 64):
         cache = new_cache()
+        if each_cache is not None:
+            each_cache(cache, chunk)
         with torch.no_grad():
             got = [prefill(model, cache, ids[:, :prompt], chunk_size=chunk, dense=False)[:, None]]
             got += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
                     for t in range(prompt, ids.shape[1])]
         torch.testing.assert_close(torch.cat(got, dim=1), want[:, prompt - 1:], atol=1e-10, rtol=1e-10,
                                    msg=f"prefill chunk {chunk}")
+        if each_cache is not None:
+            each_cache(None, chunk)
 
 
 def test_quantized_attention_keeps_the_scorers_on_full_precision_keys_and_passes_gradients():

@@ -175,22 +175,17 @@ def test_the_composed_kaizen_kvpop_cache_takes_it_with_its_sharers(calls, bits):
     an empty cache, the rest into a non-empty one) through the sparse path equals the training forward, as the mask
     path does (``tests/kvpop/test_quantized_retrofit.py``), and every multi-token forward of every layer, the sharer
     included, went through it."""
-    from kvlearn.cache.prefill import prefill
     from kvlearn.config import KVpopConfig as Config
-    from tests.kvpop.test_quantized_retrofit import composed_student, training_logits
+    from tests.kvpop.test_quantized_retrofit import assert_chunked_decoding_equals_training, composed_student
 
-    prompt = 60
     evict = Config(sinks=2, window=8, topk=30, context=256, scorer="mlstm")
     model, evict, new_cache, ids = composed_student(bits, evict, torch.float64)
-    want, _ = training_logits(model, evict, ids, bits)
-    for chunk in (4, 16, 64):
-        calls["sparse"] = calls["mask"] = 0
-        cache = new_cache()
-        cache.chunk_attention = "sparse"
-        with torch.no_grad():
-            got = [prefill(model, cache, ids[:, :prompt], chunk_size=chunk, dense=False)[:, None]]
-            got += [model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
-                    for t in range(prompt, ids.shape[1])]
-        torch.testing.assert_close(torch.cat(got, dim=1), want[:, prompt - 1:], atol=1e-10, rtol=1e-10,
-                                   msg=f"prefill chunk {chunk}")
-        assert calls["sparse"] == 3 * -(-prompt // chunk) and calls["mask"] == 0
+
+    def each_cache(cache, chunk):
+        if cache is not None:  # before the chunk size's run
+            calls["sparse"] = calls["mask"] = 0
+            cache.chunk_attention = "sparse"
+        else:  # after it: every multi-token forward of all three layers took the sparse path
+            assert calls["sparse"] == 3 * -(-60 // chunk) and calls["mask"] == 0
+
+    assert_chunked_decoding_equals_training(model, evict, new_cache, ids, bits, 60, each_cache)
