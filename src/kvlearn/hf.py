@@ -31,7 +31,7 @@ from .errors import KVLearnError, check, check_int
 ATTENTION_NAME = "kvlearn"
 MAX_MASK_BYTES = 512 * 2**20  # masked_attention: the largest float mask SDPA may build before the queries are chunked
 BROADCAST_MIN_QUERIES = 64  # masked_attention: from this many queries, one KV head broadcasts instead of folding (CUDA)
-SPARSE_CHUNK_MIN_QUERIES = 1024  # chunk_attention="auto": from this many CUDA queries, sparse_chunk_attention
+SPARSE_CHUNK_MIN_QUERIES = 8192  # chunk_attention="auto": from this many CUDA queries, sparse_chunk_attention
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 
