@@ -16,7 +16,11 @@
 #         and the read-back path, graph-replayed, at PACKED_BITS (default 4,2) -> $OUT/packed_decode_h200.json
 #      d. with MAGIC_SWEEP=1: the launch sweep of the packed kernel's magic path at 131k, 4 bits
 #         (packed_decode_speed.py --sweep-warps --sweep-dequant magic) -> $OUT/packed_decode_magic_sweep_h200.json
-#   3. unless SKIP_MEMORY=1: the 131k bf16 row of the Kaizen memory benchmark alone
+#   3. with OPS=1: `benchmarks/kvpop_ops.py --quick` (the KVpop additions against dense attention fwd+bwd, the 0.45
+#      bar) -> $OUT/kvpop_ops_quick.json; with PREFILL=1: `benchmarks/kvpop_prefill_attention.py --repeats 2` (a long
+#      prompt in one forward through a KVpop cache, mask against sparse, and the 256-token chunks)
+#      -> $OUT/kvpop_prefill_attention.json (190 and 200 s timeouts)
+#   4. unless SKIP_MEMORY=1: the 131k bf16 row of the Kaizen memory benchmark alone
 #      -> $OUT/kaizen_memory_h200_bf16_131k.json
 # Every step under its own timeout (330; 200 + 180 + 180 s; then MEMORY_MINUTES (default 3) * 60 + 230 s), typically
 # ~2 + (~2.5, ~3 with PROFILE=1, + ~1 + ~1.5) minutes and the memory row; run it detached when the memory row is
@@ -53,6 +57,15 @@ if [ "${TIMINGS:-1}" != 0 ]; then
             --sweep-dequant magic --out "$OUT/packed_decode_magic_sweep_h200.json" > "$OUT/packed_decode_magic_sweep.log" 2>&1
         echo "packed decode magic sweep rc=$?"; grep -o "'sweep_best[^,]*, '[^,]*" "$OUT/packed_decode_magic_sweep.log" | tail -n 2
     fi
+fi
+if [ "${OPS:-0}" = 1 ]; then  # the KVpop primitives' acceptance rows (the additions against dense fwd+bwd)
+    timeout 190 python3 benchmarks/kvpop_ops.py --quick --out "$OUT/kvpop_ops_quick.json" > "$OUT/kvpop_ops.log" 2>&1
+    echo "kvpop ops rc=$?"; grep -E '"kvpop_additions_over_dense_fwd_bwd(_trained_target)?"' "$OUT/kvpop_ops_quick.json"
+fi
+if [ "${PREFILL:-0}" = 1 ]; then  # one long prompt through a KVpop cache: mask, sparse, 256-token chunks
+    timeout 200 python3 benchmarks/kvpop_prefill_attention.py --repeats 2 \
+        --out "$OUT/kvpop_prefill_attention.json" > "$OUT/kvpop_prefill_attention.log" 2>&1
+    echo "kvpop prefill rc=$?"; grep "^wrote" "$OUT/kvpop_prefill_attention.log" | tail -n 1 | cut -c1-600
 fi
 if [ "${SKIP_MEMORY:-0}" != 1 ]; then
     OUT=$OUT PART=bf16_131k CONTEXTS=131072 CONFIGS=bf16 MINUTES=${MEMORY_MINUTES:-3} bash benchmarks/device/kaizen_memory.sh
