@@ -66,6 +66,10 @@ def _route_cache_hook(module, args, kwargs):
     cache.begin_forward(kwargs.get("attention_mask"), ref.shape[0], ref.shape[1], ref.device)
     kwargs = dict(kwargs)
     kwargs["kvlearn_cache"] = cache
+    # The padding mask is consumed: with a kvlearn cache every attention attends under the cache's own visibility,
+    # so transformers need not build its [batch, 1, q, capacity + q] mask (1 GB of booleans for a 32k-token prompt).
+    # A 4-D mask passes through transformers' mask creation as it is; no kvlearn attention reads it.
+    kwargs["attention_mask"] = torch.ones(ref.shape[0], 1, 1, 1, dtype=torch.bool, device=ref.device)
     return args, kwargs
 
 

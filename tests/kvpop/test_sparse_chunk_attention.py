@@ -189,3 +189,41 @@ def test_the_composed_kaizen_kvpop_cache_takes_it_with_its_sharers(calls, bits):
             assert calls["sparse"] == 3 * -(-60 // chunk) and calls["mask"] == 0
 
     assert_chunked_decoding_equals_training(model, evict, new_cache, ids, bits, 60, each_cache)
+
+
+def test_transformers_builds_no_mask_for_a_kvlearn_cache():
+    """The attach hook consumes the padding mask, so transformers builds no ``[batch, 1, q, capacity + q]`` mask
+    for a forward with a kvlearn cache (a 4-D placeholder passes through); with a transformers cache it builds its
+    own mask as before. Logits of a padded batch through the cache (with real-token positions, as
+    ``kvlearn.cache.prefill`` and ``generate`` give them) still equal the rows run alone."""
+    from transformers import AttentionInterface, DynamicCache
+
+    import kvlearn.hf as hf
+
+    model, scorers, decays = make(13, MLPScorer)
+    kv = KVpopConfig(sinks=1, window=3, topk=5, decay_min=0.6, decay_max=0.95)
+    attach(model)
+    seen = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        seen.append(None if attention_mask is None else tuple(attention_mask.shape))
+        return hf.kvlearn_attention(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("kvlearn", recording)
+    try:
+        ids = torch.randint(1, 71, (2, 20))
+        mask = torch.ones(2, 20, dtype=torch.long)
+        mask[1, :6] = 0
+        with torch.no_grad():
+            cache = KVpopCache(kv, scorers, decays)
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # real-token RoPE positions (the scorers read them)
+            both = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True).logits
+            assert seen == [(2, 1, 1, 1)] * 2  # both layers: the placeholder, not [2, 1, 20, 29]
+            seen.clear()
+            model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            assert seen == [(2, 1, 20, 20)] * 2
+            alone = model(input_ids=ids[1:, 6:], past_key_values=KVpopCache(kv, scorers, decays), use_cache=True).logits
+    finally:
+        hf.register_attention()
+    torch.testing.assert_close(both[1, 6:], alone[0], atol=1e-5, rtol=1e-5)
