@@ -24,7 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from .cache import CompactCache
+from .cache import ChunkRetention, CompactCache
 from .cache.observe import attention_summary
 from .errors import KVLearnError, check, check_int
 
@@ -129,42 +129,31 @@ def kvlearn_attention(
 
 class SparseChunk(NamedTuple):
     """A multi-token forward's visibility as sparse retention over one sequence (:func:`sparse_chunk_visibility`):
-    ``order [batch, kv_heads, T]`` int64 indices of the returned keys in position order (``T = held + q``),
-    ``ranks, cutoffs [batch, kv_heads, T]`` int32, ``held`` (tokens held before the forward, every row and head),
-    and the rule's ``sinks``, ``window``, ``topk``."""
+    the layer's :class:`~kvlearn.cache.ChunkRetention` and ``held``, the tokens every row and KV head held before
+    the forward (so the sequence is ``T = held + q`` keys long)."""
 
-    order: torch.Tensor
-    ranks: torch.Tensor
-    cutoffs: torch.Tensor
+    retention: ChunkRetention
     held: int
-    sinks: int
-    window: int
-    topk: int
 
 
 def sparse_chunk_visibility(cache: CompactCache, layer, query: torch.Tensor, step) -> SparseChunk | None:
     """The forward's visibility as a :class:`SparseChunk`, or None where the visibility mask is to be used.
 
-    None unless the layer's visibility is a running top-k (``layer.chunk_retention``: a static-score policy under
-    ``bounded``), no query is padding, nothing traces the masks, the cache's ``chunk_attention`` asks for it
-    (``"sparse"``; ``"auto"``: CUDA queries, at least :data:`SPARSE_CHUNK_MIN_QUERIES` of them), and every row and
-    KV head held as many tokens before the forward (one host sync counts them)."""
-    mode = cache.chunk_attention
+    None unless the forward has several queries, the layer's visibility is a running top-k
+    (``layer.chunk_retention``: a static-score policy under ``bounded``), no query is padding, nothing traces the
+    masks, the cache's ``chunk_attention`` asks for it (``"sparse"``; ``"auto"``: CUDA queries, at least
+    :data:`SPARSE_CHUNK_MIN_QUERIES` of them), and every row and KV head held as many tokens before the forward
+    (one host sync counts them)."""
     q = query.shape[2]
-    ret = layer.chunk_retention
-    if q < 2 or mode == "mask" or ret is None or layer.trace is not None or step.has_padding is not False:
+    if q < 2:  # decoding: nothing more to read
+        return None
+    mode, ret = cache.chunk_attention, layer.chunk_retention
+    if mode == "mask" or ret is None or layer.trace is not None or step.has_padding is not False:
         return None
     if mode == "auto" and not (query.is_cuda and q >= SPARSE_CHUNK_MIN_QUERIES):
         return None
-    start = layer._visible[0]  # [batch, P, capacity + q] positions of the returned keys (-1: empty)
-    held = (start[..., :start.shape[-1] - q] >= 0).sum(dim=2)  # [batch, P]
-    lo, hi = (int(x) for x in torch.aminmax(held))
-    if lo != hi:
-        return None
-    b, p, t = start.shape[0], layer.slot_positions.shape[1], hi + q
-    hkv = layer.store.shape[1]
-    expand = (lambda x: x[..., :t].expand(b, hkv, t).contiguous()) if p != hkv else (lambda x: x[..., :t].contiguous())
-    return SparseChunk(expand(ret.order), expand(ret.ranks), expand(ret.cutoffs), hi, ret.sinks, ret.window, ret.topk)
+    lo, hi = (int(x) for x in torch.aminmax(ret.held))
+    return SparseChunk(ret, hi) if lo == hi else None
 
 
 def sparse_chunk_attention(sparse: SparseChunk, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -181,13 +170,16 @@ def sparse_chunk_attention(sparse: SparseChunk, query: torch.Tensor, key: torch.
     (FlexAttention where it does not apply); elsewhere eager FlexAttention."""
     from .kvpop.attention import sparse_retention_attention
 
-    b, hkv, t = sparse.order.shape
-    held = sparse.held
-    ks = torch.gather(key, 2, sparse.order[..., None].expand(b, hkv, t, key.shape[-1]))
-    vs = torch.gather(value, 2, sparse.order[..., None].expand(b, hkv, t, value.shape[-1]))
+    ret, held = sparse
+    b, hkv = key.shape[:2]
+    t = held + query.shape[2]
+    order = ret.order[..., :t].expand(b, hkv, t)  # a policy with one set of slots for all heads (P = 1) broadcasts
+    ks = torch.gather(key, 2, order[..., None].expand(b, hkv, t, key.shape[-1]))
+    vs = torch.gather(value, 2, order[..., None].expand(b, hkv, t, value.shape[-1]))
+    ranks, cutoffs = (x[..., :t].expand(b, hkv, t).contiguous() for x in (ret.ranks, ret.cutoffs))
     qs = torch.cat([query.new_zeros(b, query.shape[1], held, query.shape[-1]), query], dim=2) if held else query
-    out, _ = sparse_retention_attention(qs, ks, vs, sparse.ranks, sparse.cutoffs, sparse.sinks, sparse.window,
-                                        scale=scaling, return_lse=False, topk=sparse.topk)
+    out, _ = sparse_retention_attention(qs, ks, vs, ranks, cutoffs, ret.sinks, ret.window, scale=scaling,
+                                        return_lse=False, topk=ret.topk)
     return out[:, :, held:].transpose(1, 2).contiguous()
 
 

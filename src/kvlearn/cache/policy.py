@@ -77,12 +77,14 @@ class ChunkRetention:
     whose rank is within its running cutoff: sparse retention over that sequence
     (:func:`kvlearn.kvpop.attention.sparse_retention_attention`) is the forward's attention, without its ``[q,
     capacity + q]`` mask. Attributes: ``order [batch, P, capacity + q]`` int64 indices of the returned keys in that
-    sequence order; ``ranks, cutoffs [batch, P, capacity + q]`` int32 (:mod:`kvlearn.ops.fenwick`); ``sinks``,
-    ``window``, ``topk``: the rule's parameters."""
+    sequence order; ``ranks, cutoffs [batch, P, capacity + q]`` int32 (:mod:`kvlearn.ops.fenwick`); ``held [batch,
+    P]`` int64 tokens held before the forward (the chunk's first index in the sequence); ``sinks``, ``window``,
+    ``topk``: the rule's parameters."""
 
     order: torch.Tensor
     ranks: torch.Tensor
     cutoffs: torch.Tensor
+    held: torch.Tensor
     sinks: int
     window: int
     topk: int

@@ -142,7 +142,8 @@ class ScoredPolicy(Policy):
         new_end = torch.where(step.positions[:, None, :] >= 0, end_c[..., cap:], torch.zeros_like(rank))
         retention = None
         if self.drop_below is None:  # the threshold rule's early drops are not a running top-k
-            retention = ChunkRetention(order, ranks, cutoffs, self.sinks, self.window, self.topk)
+            held = (layer.slot_positions >= 0).sum(dim=2)  # [b, P] tokens held before this forward
+            retention = ChunkRetention(order, ranks, cutoffs, held, self.sinks, self.window, self.topk)
         return SlotPlan(write_slots=slots, old_end=end_c[..., :cap], new_end=new_end, new_state={"score": new_score},
                         retention=retention)
 
