@@ -138,3 +138,30 @@ def test_accuracy_section_names_each_rows_selector_or_series(tmp_path):
     assert "| control |  | bounded | eval | 4096 | 0% | vt | 1.000 | 1.00 |" in text
     assert "| kaizen | kaizen8_s1 | bounded | eval | 4096 | 88% | vt | 0.800 | 0.80 | 10 | 100 | 0.100 |" in text
     assert "| kaizen+kvpop | retrofit_b4 | bounded | eval | 512 | 97% | vt | 0.500 | 0.50 |" in text
+
+
+def test_accuracy_relative_to_the_control_not_to_a_later_full_cache_baseline(tmp_path):
+    """A Kaizen table holds the control and a smaller model's rows, both with cache method ``dense``: every ratio is
+    to the control whichever comes first (0.9 / 0.9 = 1.00 and 0.45 / 0.9 = 0.50, not / 0.3)."""
+    row = dict(protocol="bounded", compression=0.0, n=10, split="eval", task="vt", variants={}, budget=4096)
+    smaller = {**row, "method": "smaller_model", "registry_method": "dense", "accuracy": 0.3, "kv_bytes": 250}
+    kaizen = {**row, "method": "kaizen", "registry_method": "kaizen", "accuracy": 0.45, "kv_bytes": 100}
+    control = {**row, "method": "control", "registry_method": "dense", "accuracy": 0.9, "kv_bytes": 1000}
+    for order in ([smaller, kaizen, control], [control, kaizen, smaller]):
+        write_accuracy(tmp_path / "k.json", order)
+        text = build(tmp_path)
+        assert "| kaizen | bounded | eval | 4096 | 0% | vt | 0.450 | 0.50 | 10 | 100 | 0.100 |" in text
+        assert "| smaller_model | bounded | eval | 4096 | 0% | vt | 0.300 | 0.33 | 10 | 250 | 0.250 |" in text
+
+
+def test_acceptance_section_one_line_per_verdict(tmp_path):
+    data = {"schema": "kvlearn.results.v1", "kind": "acceptance", "command": "python benchmarks/kaizen_acceptance.py",
+            "commit": "abc", "date": "d", "device": "none", "summary": {"composed_64x_every_family": {"met": ["x"]}},
+            "rows": [{"criterion": "composed_64x_every_family", "method": "kaizen+kvpop", "label": "s", "target": 64.0,
+                      "split": "eval", "min_ratio": 0.8421, "bar": 0.85, "met": False, "incomplete": False},
+                     {"criterion": "selector_ahead_of_static_and_random", "method": "kaizen", "label": "k",
+                      "target": 8.0, "split": "heldout", "mean": 0.9, "baseline_means": {"static": 0.5}, "met": True}]}
+    (tmp_path / "kaizen_acceptance.json").write_text(json.dumps(data))
+    text = build(tmp_path)
+    assert "| composed_64x_every_family | kaizen+kvpop | s | 64x | eval | 0.842 | 0.85 | no |" in text
+    assert "| selector_ahead_of_static_and_random | kaizen | k | 8x | heldout | 0.900 vs static 0.500 |  | yes |" in text

@@ -34,9 +34,30 @@ def _provenance(name: str, data: dict) -> str:
     return "\n".join(lines)
 
 
+REFERENCE_LABELS = ("control", "teacher", "dense")  # the file's own full-cache model, in order of preference
+
+
+def reference_rows(rows: list[dict]) -> dict:
+    """The full-cache row each row is compared with, per ``(task, split)``: the row labelled ``control``, else
+    ``teacher``, else ``dense``, else the first row whose cache method is ``dense``. A full-cache *baseline* of
+    another model (``smaller_model``: cache method ``dense`` too) is never the reference while the file has its
+    own."""
+    def rank(r: dict) -> int:
+        return REFERENCE_LABELS.index(r["method"]) if r["method"] in REFERENCE_LABELS else len(REFERENCE_LABELS)
+
+    best: dict = {}
+    for r in rows:
+        if r.get("registry_method", r["method"]) != "dense":
+            continue
+        k = (r["task"], r.get("split", "eval"))
+        if k not in best or rank(r) < rank(best[k]):
+            best[k] = r
+    return best
+
+
 def accuracy_section(name: str, data: dict) -> str:
-    """The rows of an accuracy file, each next to the full-cache row of its task and split (the row whose cache
-    method is ``dense``, whatever its label, e.g. ``teacher``): accuracy relative to it and bytes relative to it. A
+    """The rows of an accuracy file, each next to the full-cache row of its task and split (``reference_rows``: the
+    file's own full-cache model, e.g. ``control`` or ``teacher``): accuracy relative to it and bytes relative to it. A
     ``series`` column names each row's trained ``selector`` or its ``series`` label where any row has one."""
     rows = data["rows"]
     out = [f"## Accuracy: {name.removesuffix('.json')} (context {data.get('context')})", "", _provenance(name, data), ""]
@@ -48,7 +69,7 @@ def accuracy_section(name: str, data: dict) -> str:
     out.append("| --- |" + (" --- |" if has_series else "") + " --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"
                + (" ---: |" if has_store else ""))
     key = lambda r: (r["task"], r.get("split", "eval"))  # noqa: E731
-    dense = {key(r): r for r in rows if r.get("registry_method", r["method"]) == "dense"}
+    dense = reference_rows(rows)
     for r in rows:
         d = dense.get(key(r))
         ratio = f"{r['kv_bytes'] / d['kv_bytes']:.3f}" if d else ""
@@ -137,6 +158,28 @@ def kaizen_memory_section(name: str, data: dict) -> str:
     return "\n".join(out)
 
 
+def acceptance_section(name: str, data: dict) -> str:
+    """An acceptance file (``benchmarks/kaizen_acceptance.py``): one line per criterion, group and split with the
+    number the bar applies to, then the summary of who meets each criterion."""
+    out = [f"## Acceptance: {name.removesuffix('.json')}", "", _provenance(name, data), "",
+           "| criterion | method | label | target | split | value | bar | met |", "| --- | --- | --- | ---: | --- | ---: | ---: | --- |"]
+    value_of = {"selector_within_control": "gap_to_control", "composed_32x_niah_vt": "min_ratio",
+                "composed_64x_every_family": "min_ratio", "heldout_within_eval": "heldout_minus_eval",
+                "selector_ahead_of_static_and_random": "mean"}
+    for r in data["rows"]:
+        v = r.get(value_of.get(r["criterion"], ""), "")
+        v = f"{v:.3f}" if isinstance(v, (int, float)) else ""
+        if r["criterion"] == "selector_ahead_of_static_and_random":
+            v += " vs " + ", ".join(f"{m} {x:.3f}" for m, x in r.get("baseline_means", {}).items())
+        bar = f"{r['bar']:g}" if isinstance(r.get("bar"), (int, float)) else ""
+        met = {True: "yes", False: "no", None: ""}[r.get("met")] + (" (incomplete)" if r.get("incomplete") else "")
+        target = f"{r['target']:g}x" if isinstance(r.get("target"), (int, float)) else ""
+        out.append(f"| {r['criterion']} | {r['method']} | {r.get('label', '')} | {target} | {r['split']} | {v} | {bar} | {met} |")
+    if data.get("summary"):
+        out += ["", "Summary:", "", "```", json.dumps(data["summary"], indent=1), "```"]
+    return "\n".join(out)
+
+
 def table_section(name: str, data: dict) -> str:
     """Any other kind of results file: its rows as one table (columns in first-seen order)."""
     rows = data["rows"]
@@ -169,6 +212,8 @@ def build(results_dir: Path) -> str:
             sections.append(testbed_section(path.name, data))
         elif data.get("kind") == "kaizen_memory":
             sections.append(kaizen_memory_section(path.name, data))
+        elif data.get("kind") == "acceptance":
+            sections.append(acceptance_section(path.name, data))
         else:
             sections.append(table_section(path.name, data))
     return "\n\n".join(sections) + "\n"

@@ -1,0 +1,85 @@
+"""benchmarks/kaizen_acceptance.py: issue #11's accuracy bars read off a hand-built table, every verdict computed
+by hand below."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "kaizen_acceptance.py"
+FAMILIES = ("trace", "niah", "vt", "recall")
+
+
+def rows(method, accs, split, target=None, **extra):
+    return [dict(method=method, split=split, task=t, accuracy=a, target=target, n=100, **extra)
+            for t, a in zip(FAMILIES, accs)]
+
+
+def table(tmp_path, body):
+    data = {"schema": "kvlearn.results.v1", "kind": "accuracy", "command": "x", "commit": "abc", "date": "d",
+            "device": "NVIDIA H200", "rows": body}
+    path = tmp_path / "kaizen_table.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def run(tmp_path, path):
+    out = tmp_path / "acceptance.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--table", str(path), "--out", str(out)],
+                          capture_output=True, text=True)
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def find(data, criterion, label, split):
+    (row,) = [r for r in data["rows"] if r["criterion"] == criterion and r["label"] == label and r["split"] == split]
+    return row
+
+
+def test_verdicts_against_hand_computed_ones(tmp_path):
+    body = (rows("control", [1.0, 0.9, 1.0, 1.0], "eval") + rows("control", [1.0, 1.0, 1.0, 1.0], "heldout")
+            # 4x selector: mean 0.95 against the control's 0.975 -> gap 0.025 > 0.02: not met; held out 0.99: met
+            + rows("kaizen", [0.9, 0.9, 1.0, 1.0], "eval", 4.0, selector="k4")
+            + rows("kaizen", [1.0, 0.96, 1.0, 1.0], "heldout", 4.0, selector="k4")
+            # 8x selector: gap 0.975 - 0.93 = 0.045 <= 0.05: met
+            + rows("kaizen", [0.9, 0.82, 1.0, 1.0], "eval", 8.0, selector="k8")
+            + rows("static", [0.9, 0.9, 1.0, 0.0], "eval", 8.0) + rows("random", [0.0, 0.0, 1.0, 0.0], "eval", 8.0)
+            # 64x composed: recall 0.84 / 1.0 on eval (not met), every family >= 0.85 held out (met)
+            + rows("kaizen+kvpop", [0.95, 0.8, 1.0, 0.84], "eval", 64.0, series="s64")
+            + rows("kaizen+kvpop", [0.9, 0.85, 0.9, 0.9], "heldout", 64.0, series="s64")
+            # 32x: niah 0.81 / 0.9 = 0.9 and vt 1.0 on eval (met; trace does not count); niah 0.85 held out (not)
+            + rows("kaizen+kvpop", [0.1, 0.81, 1.0, 0.2], "eval", 32.0, series="s32")
+            + rows("kaizen+kvpop", [0.1, 0.85, 1.0, 0.2], "heldout", 32.0, series="s32")
+            # a selector missing a family: incomplete, never met
+            + rows("kaizen", [1.0, 0.9, 1.0, 1.0], "eval", 8.0, selector="cut")[:3])
+    proc, data = run(tmp_path, table(tmp_path, body))
+    assert proc.returncode == 0, proc.stderr
+    r = find(data, "selector_within_control", "k4", "eval")
+    assert abs(r["gap_to_control"] - 0.025) < 1e-9 and r["met"] is False and r["bar"] == 0.02
+    assert find(data, "selector_within_control", "k4", "heldout")["met"] is True
+    r = find(data, "selector_within_control", "k8", "eval")
+    assert abs(r["gap_to_control"] - 0.045) < 1e-9 and r["met"] is True
+    r = find(data, "selector_ahead_of_static_and_random", "k8", "eval")
+    assert r["met"] is True and r["baseline_means"] == {"static": 0.7, "random": 0.25}
+    r = find(data, "composed_64x_every_family", "s64", "eval")
+    assert r["met"] is False and abs(r["min_ratio"] - 0.84) < 1e-9 and abs(r["ratio_to_control"]["niah"] - 0.8 / 0.9) < 1e-9
+    assert find(data, "composed_64x_every_family", "s64", "heldout")["met"] is True
+    r = find(data, "composed_32x_niah_vt", "s32", "eval")
+    assert r["met"] is True and set(r["ratio_to_control"]) == {"niah", "vt"}
+    assert find(data, "composed_32x_niah_vt", "s32", "heldout")["met"] is False
+    r = find(data, "selector_within_control", "cut", "eval")
+    assert r["incomplete"] is True and r["missing"] == ["recall"] and r["met"] is False
+    # held out against eval: k4 0.99 - 0.95 = 0.04 (not met), s64 0.8875 - 0.8975 = -0.01 (met)
+    r = find(data, "heldout_within_eval", "k4", "eval+heldout")
+    assert abs(r["heldout_minus_eval"] - 0.04) < 1e-9 and r["met"] is False
+    assert find(data, "heldout_within_eval", "s64", "eval+heldout")["met"] is True
+    assert "kaizen+kvpop[s64]@64x/heldout" in data["summary"]["composed_64x_every_family"]["met"]
+    assert "kaizen+kvpop[s64]@64x/eval" in data["summary"]["composed_64x_every_family"]["not_met"]
+    assert data["kind"] == "acceptance" and "kaizen_table.json" in data["device"]
+
+
+def test_bad_tables_are_one_line_errors(tmp_path):
+    proc, _ = run(tmp_path, tmp_path / "missing.json")
+    assert proc.returncode == 2 and "is not a file" in proc.stderr and "Traceback" not in proc.stderr
+    proc, _ = run(tmp_path, table(tmp_path, rows("kaizen", [1, 1, 1, 1], "eval", 4.0, selector="k")))
+    assert proc.returncode == 2 and "no control rows" in proc.stderr and "Traceback" not in proc.stderr
