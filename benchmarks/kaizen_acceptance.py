@@ -95,7 +95,10 @@ def evaluate(table: dict) -> tuple[list[dict], dict]:
                 ratios = {t: row["accuracy"][t] / row["control"][t] for t in families
                           if t in row["accuracy"] and row["control"].get(t)}
                 complete = not row["incomplete"] and len(ratios) == len(families)
+                own = _mean_or_none(row["accuracy"])
                 out.append({**row, "criterion": "composed_32x_niah_vt" if target == 32.0 else "composed_64x_every_family",
+                            "mean": own, "control_mean": mean(row["control"].values()),
+                            "mean_over_control": None if own is None else own / mean(row["control"].values()),
                             "ratio_to_control": ratios, "min_ratio": min(ratios.values()) if ratios else None,
                             "bar": bar, "met": complete and min(ratios.values()) >= bar - 1e-9})
         if method in LEARNED and {"eval", "heldout"} <= set(splits):
