@@ -155,13 +155,15 @@ def test_accuracy_relative_to_the_control_not_to_a_later_full_cache_baseline(tmp
 
 
 def test_acceptance_section_one_line_per_verdict(tmp_path):
-    data = {"schema": "kvlearn.results.v1", "kind": "acceptance", "command": "python benchmarks/kaizen_acceptance.py",
+    data = {"schema": "kvlearn.results.v1", "kind": "acceptance", "command": "python -m kvlearn.eval.acceptance kaizen",
             "commit": "abc", "date": "d", "device": "none", "summary": {"composed_64x_every_family": {"met": ["x"]}},
             "rows": [{"criterion": "composed_64x_every_family", "method": "kaizen+kvpop", "label": "s", "target": 64.0,
-                      "split": "eval", "min_ratio": 0.8421, "bar": 0.85, "met": False, "incomplete": False},
-                     {"criterion": "selector_ahead_of_static_and_random", "method": "kaizen", "label": "k",
-                      "target": 8.0, "split": "heldout", "mean": 0.9, "baseline_means": {"static": 0.5}, "met": True}]}
+                      "split": "eval", "value": 0.8421, "value_name": "lowest", "bar": 0.85, "met": False,
+                      "incomplete": False},
+                     {"criterion": "ahead_of_baselines", "method": "kvpop", "label": "", "budget": 512,
+                      "split": "eval", "value": 0.9, "value_name": "mean", "bar": None,
+                      "rival_means": {"dms": 0.5, "snapkv": 0.7}, "met": True}]}
     (tmp_path / "kaizen_acceptance.json").write_text(json.dumps(data))
     text = build(tmp_path)
-    assert "| composed_64x_every_family | kaizen+kvpop | s | 64x | eval | 0.842 | 0.85 | no |" in text
-    assert "| selector_ahead_of_static_and_random | kaizen | k | 8x | heldout | 0.900 vs static 0.500 |  | yes |" in text
+    assert "| composed_64x_every_family | kaizen+kvpop | s | 64x | eval | 0.842 | lowest | 0.85 | no |" in text
+    assert "| ahead_of_baselines | kvpop |  | 512 | eval | 0.900 (best other: snapkv 0.700) | mean |  | yes |" in text

@@ -159,22 +159,22 @@ def kaizen_memory_section(name: str, data: dict) -> str:
 
 
 def acceptance_section(name: str, data: dict) -> str:
-    """An acceptance file (``benchmarks/kaizen_acceptance.py``): one line per criterion, group and split with the
-    number the bar applies to, then the summary of who meets each criterion."""
+    """An acceptance file (``python -m kvlearn.eval.acceptance``): one line per verdict with the number its bar
+    applies to, then the summary of who meets each criterion."""
     out = [f"## Acceptance: {name.removesuffix('.json')}", "", _provenance(name, data), "",
-           "| criterion | method | label | target | split | value | bar | met |", "| --- | --- | --- | ---: | --- | ---: | ---: | --- |"]
-    value_of = {"selector_within_control": "gap_to_control", "composed_32x_niah_vt": "min_ratio",
-                "composed_64x_every_family": "min_ratio", "heldout_within_eval": "heldout_minus_eval",
-                "selector_ahead_of_static_and_random": "mean"}
+           "| criterion | method | label | target / budget | split | value | of what | bar | met |",
+           "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- |"]
     for r in data["rows"]:
-        v = r.get(value_of.get(r["criterion"], ""), "")
-        v = f"{v:.3f}" if isinstance(v, (int, float)) else ""
-        if r["criterion"] == "selector_ahead_of_static_and_random":
-            v += " vs " + ", ".join(f"{m} {x:.3f}" for m, x in r.get("baseline_means", {}).items())
+        v = f"{r['value']:.3f}" if isinstance(r.get("value"), (int, float)) else ""
+        rivals = r.get("baseline_means") or r.get("rival_means")
+        if rivals:
+            best = max(rivals, key=rivals.get)
+            v += f" (best other: {best} {rivals[best]:.3f})"
         bar = f"{r['bar']:g}" if isinstance(r.get("bar"), (int, float)) else ""
         met = {True: "yes", False: "no", None: ""}[r.get("met")] + (" (incomplete)" if r.get("incomplete") else "")
-        target = f"{r['target']:g}x" if isinstance(r.get("target"), (int, float)) else ""
-        out.append(f"| {r['criterion']} | {r['method']} | {r.get('label', '')} | {target} | {r['split']} | {v} | {bar} | {met} |")
+        where = f"{r['target']:g}x" if isinstance(r.get("target"), (int, float)) else str(r.get("budget", ""))
+        out.append(f"| {r['criterion']} | {r['method']} | {r.get('label', '')} | {where} | {r['split']} | {v} | "
+                   f"{r.get('value_name', '')} | {bar} | {met} |")
     if data.get("summary"):
         out += ["", "Summary:", "", "```", json.dumps(data["summary"], indent=1), "```"]
     return "\n".join(out)
