@@ -21,6 +21,11 @@ every ratio is measured under the same machine conditions; CUDA events after a s
 ``peak_memory_gib``: the process's peak during the method's steps (every student of the run is resident);
 ``step_peak_memory_gib``: that peak above what was allocated before the step.
 
+``--one-resident`` (shapes whose students do not fit in memory together: the Qwen3-1.7B shape's did not on an H100,
+even two rows): one row's student at a time, in phases ``distill_dense, row 1, distill_dense, row 2, ...``, each
+built, warmed up and timed on its own and dropped before the next; the reference's median is over all its phases,
+around every row (``step_timing.measure_one_resident``). Its peaks are then each row's own.
+
 Model sources: ``--model PATH`` (default the committed 8-layer testbed teacher; seq 4096, batch 8: the real
 retrofit) or ``--shape qwen3-0.6b``: a randomly initialised Qwen3 of Qwen3-0.6B's shape (28 layers, hidden 1024,
 16 query / 8 KV heads of 128, intermediate 3072) with the testbed vocabulary (seq 8192, batch 1). ``--smoke``: a
@@ -94,7 +99,7 @@ from kvlearn.train.distill import (  # noqa: E402
     NEW_MODULES, RetrofitConfig, build_models, dense_distill_step, dense_student, make_optimizer, train_step,
     training_kvpop)
 from step_timing import (  # noqa: E402
-    Timed, add_source_options, measure, model_shape, random_model_folder, resolve_source, results_saver,
+    Timed, add_source_options, measure, measure_one_resident, model_shape, random_model_folder, resolve_source, results_saver,
     run_main)
 
 REFERENCE = "distill_dense"
@@ -200,6 +205,10 @@ def parse(argv) -> argparse.Namespace:
                          "issued (CUDA only)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timing, profile one step of every method into DIR/<method>.txt")
+    ap.add_argument("--one-resident", action="store_true",
+                    help="one row's student in memory at a time (shapes whose students do not fit together, e.g. "
+                         "qwen3-1.7b on an H100): the reference, then each row followed by the reference again, "
+                         "each phase warmed up and timed on its own")
     ap.add_argument("--host-profile", default=None, metavar="DIR",
                     help="after the timing, three steps of every method under cProfile into DIR/<method>.host.txt "
                          "(where the host's Python time goes)")
@@ -221,6 +230,10 @@ def parse(argv) -> argparse.Namespace:
           f"--budget={args.budget} is invalid: expected > sinks + window = {args.sinks + args.window} (a top-k >= 1)")
     check(not args.sync_sites or str(args.device).startswith("cuda"),
           f"--sync-sites needs a CUDA device (CUDA's sync debug mode), not --device={args.device}")
+    extras = [name for name, on in (("--sync-sites", args.sync_sites), ("--profile", args.profile),
+                                     ("--host-profile", args.host_profile)) if on]
+    check(not (args.one_resident and extras), f"--one-resident cannot be combined with {', '.join(extras)}: those "
+          "run every row again after the timing, when only one row's student exists at a time")
     check(args.seq_len > args.budget, f"--seq-len={args.seq_len} is invalid for --budget={args.budget}: expected a "
           "sequence longer than the budget (else nothing is evicted)")
     return args
@@ -245,7 +258,10 @@ def run(args, tmp: Path, command: str) -> int:
     stream = TestbedStream(length=args.seq_len, batch_size=args.batch_size, seed=args.seed,
                            dense=configs[REFERENCE, None].dense_fraction)
     input_ids, labels = (t.to(device) for t in next(iter(stream)))  # the retrofit's first batch, [B, T] each
-    timed = [timed_method(m, configs[m, v], teacher, input_ids, labels, device, v) for m, v in args.rows]
+    def build(key) -> Timed:
+        return timed_method(key[0], configs[key], teacher, input_ids, labels, device, key[1])
+
+    timed = [] if args.one_resident else [build(key) for key in args.rows]
     import transformers
 
     fields = dict(
@@ -256,11 +272,16 @@ def run(args, tmp: Path, command: str) -> int:
         warmup=args.warmup, steps=args.steps, steps_per_round=args.steps_per_round, smoke=args.smoke,
         precision="float32 weights and AdamW (fused where a row says adamw_fused), bf16 autocast on CUDA (the "
                   "retrofit's)", torch=torch.__version__,
-        transformers=transformers.__version__)
+        transformers=transformers.__version__,
+        resident=("one row's student at a time (--one-resident: phases reference, row, reference, ...; peak memory "
+                  "is the row's own)" if args.one_resident else "every row's student at once (interleaved rounds)"))
 
     save = results_saver(args.out, timed, summarize, device, command, fields, start)
 
-    measure(timed, args.warmup, args.steps, args.steps_per_round, device, save)
+    if args.one_resident:
+        measure_one_resident(args.rows, build, (REFERENCE, None), args.warmup, args.steps, device, save, timed)
+    else:
+        measure(timed, args.warmup, args.steps, args.steps_per_round, device, save)
     results = save(partial=False)
     if args.sync_sites:
         for t in timed:

@@ -10,6 +10,7 @@ its row and dropped, and the others go on.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -140,6 +141,44 @@ def measure(timed: list[Timed], warmup: int, steps: int, steps_per_round: int, d
                 t.fail(exc)
         print(f"round {r}: " + ", ".join(f"{t.name} {t.ms[-1]:.2f} ms" for t in timed if t.ms and t.error is None),
               flush=True)
+        save(partial=True)
+
+
+def measure_one_resident(keys: list, build: Callable[[object], Timed], reference, warmup: int, steps: int,
+                         device: torch.device, save: Callable[..., object], records: list[Timed]) -> None:
+    """Time rows that do not fit in memory together: one row's model resident at a time. The phases are the
+    ``reference`` row, then each other key followed by the reference again (``ref, a, ref, b, ref, ...``); a phase
+    builds its row (``build(key)``: a fresh :class:`Timed` whose model is created now), warms it up (``warmup``
+    calls), times ``steps`` calls and drops the row's model before the next phase builds its own. A key's times
+    accumulate over its phases in one record (appended to ``records``, the list ``save`` reads, on its first phase),
+    so the reference's median is over every phase around the others; ``save(partial=True)`` after each phase."""
+    order = [reference] + [k for key in keys if key != reference for k in (key, reference)]
+    by_key: dict = {}
+    for key in order:
+        t = build(key)
+        rec = by_key.setdefault(key, t)
+        if rec is t:
+            records.append(t)
+        elif rec.error is None:
+            rec.fn = t.fn
+        del t
+        if rec.error is None:
+            t0 = time.perf_counter()
+            try:
+                for i in range(warmup):
+                    rec.call()
+                    if i == 0 and not rec.first_call_s:
+                        rec.first_call_s = time.perf_counter() - t0
+                for _ in range(steps):
+                    rec.ms.append(rec.timed(device))
+            except Exception as exc:  # noqa: BLE001 - one failing row must not cost the others' rows
+                rec.fail(exc)
+            print(f"phase {rec.name}: {time.perf_counter() - t0:.1f} s" + (" FAILED" if rec.error else
+                  f", median so far {statistics.median(rec.ms):.2f} ms"), flush=True)
+        rec.fn = None  # the row's model goes before the next phase builds its own
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         save(partial=True)
 
 

@@ -6,7 +6,8 @@
 #   1. the committed testbed teacher, seq 4096, batch 8 (the real retrofit) -> $OUT/retrofit_step_speed_h200.json
 #   2. a random Qwen3-0.6B-shaped model (testbed vocabulary), seq 8192, batch 1 -> $OUT/retrofit_step_speed_0p6b_h200.json;
 #      SHAPES='qwen3-0.6b qwen3-1.7b' adds the Qwen3-1.7B shape (1.41 B parameters with the testbed vocabulary), where
-#      the step is less launch-bound -> $OUT/retrofit_step_speed_1p7b_h200.json
+#      the step is less launch-bound -> $OUT/retrofit_step_speed_1p7b_h200.json; that shape runs with --one-resident
+#      (one row's student in memory at a time: its rows did not fit an H100 together, session 35)
 # stdout in $OUT/retrofit_step_speed.log and $OUT/retrofit_step_speed_0p6b.log; run 1 also profiles one step of each
 # method (profile/<method>.txt: the CUDA kernels by self time; profile/<method>.trace.json.gz: its timeline;
 # profile/<method>.host.txt: three steps under cProfile, --host-profile), all in $OUT/profile.tgz (the device tool
@@ -34,7 +35,8 @@ tar czf "$OUT/profile.tgz" -C "$OUT" profile && rm -r "$OUT/profile"
 grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 12
 for shape in ${SHAPES:-qwen3-0.6b}; do  # a random model of each shape: results file retrofit_step_speed_<0p6b|1p7b>_h200.json
     tag=$(echo "${shape#qwen3-}" | tr . p)
-    timeout 200 python3 benchmarks/retrofit_step_speed.py --shape "$shape" ${METHODS:+--methods "$METHODS"} ${VARIANTS:+--variants "$VARIANTS"} \
+    resident=""; [ "$shape" = qwen3-1.7b ] && resident="--one-resident"
+    timeout 200 python3 benchmarks/retrofit_step_speed.py --shape "$shape" $resident ${METHODS:+--methods "$METHODS"} ${VARIANTS:+--variants "$VARIANTS"} \
         --out "$OUT/retrofit_step_speed_${tag}_h200.json" > "$OUT/retrofit_step_speed_$tag.log" 2>&1
     echo "$shape shape rc=$?"
     grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed_$tag.log" | tail -n 12

@@ -219,3 +219,47 @@ def test_each_shape_has_its_defaults_and_results_file(shape, out, params):
     with torch.device("meta"):
         model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB_SIZE, tie_word_embeddings=True, **fields))
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.01)
+
+
+def test_one_resident_builds_one_student_at_a_time(tmp_path, monkeypatch):
+    """``--one-resident``: phases reference, mlp, reference, mlstm, reference, each with its own warm-up and
+    ``--steps`` timed steps (the reference 3 x 2 steps over its phases), and never two students alive at once: every
+    student is built after the previous phase's was dropped (a weak reference to each is dead by the next build)."""
+    import gc
+    import weakref
+
+    script = load_benchmark("retrofit_step_speed")
+    built, order = [], []
+    original = script.timed_method
+
+    def spying(name, config, teacher, *args, **kwargs):
+        gc.collect()
+        alive = [ref() for ref in built if ref() is not None]
+        assert alive == [], f"{name}: {len(alive)} student(s) of earlier phases still alive"
+        t = original(name, config, teacher, *args, **kwargs)
+        student = t.fn.__closure__  # the step closure holds the student: find it among the captured cells
+        models = [c.cell_contents for c in student if isinstance(c.cell_contents, torch.nn.Module)
+                  and c.cell_contents is not teacher]
+        built.extend(weakref.ref(m) for m in models)
+        order.append(name)
+        return t
+
+    monkeypatch.setattr(script, "timed_method", spying)
+    out = tmp_path / "resident.json"
+    assert script.main(["--smoke", "--one-resident", "--out", str(out)]) == 0
+    assert order == ["distill_dense", "retrofit_kvpop_mlp", "distill_dense", "retrofit_kvpop_mlstm", "distill_dense"]
+    assert len(built) == 5  # one student found per phase
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["distill_dense", "retrofit_kvpop_mlp", "retrofit_kvpop_mlstm"]
+    assert rows["distill_dense"]["steps_timed"] == 6 and rows["retrofit_kvpop_mlp"]["steps_timed"] == 2
+    for r in rows.values():
+        assert "error" not in r and r["ratio_to_distill_dense"] == pytest.approx(r["ms"] / rows["distill_dense"]["ms"])
+    assert data["resident"].startswith("one row's student at a time") and data["partial"] is False
+
+
+def test_one_resident_refuses_the_after_timing_passes(tmp_path, capsys):
+    script = load_benchmark("retrofit_step_speed")
+    assert script.main(["--smoke", "--one-resident", "--profile", str(tmp_path), "--out", str(tmp_path / "x.json")]) != 0
+    err = capsys.readouterr().err
+    assert "--one-resident cannot be combined with --profile" in err and "Traceback" not in err
