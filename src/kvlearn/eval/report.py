@@ -173,6 +173,7 @@ def acceptance_section(name: str, data: dict) -> str:
         bar = f"{r['bar']:g}" if isinstance(r.get("bar"), (int, float)) else ""
         met = {True: "yes", False: "no", None: ""}[r.get("met")] + (" (incomplete)" if r.get("incomplete") else "")
         where = f"{r['target']:g}x" if isinstance(r.get("target"), (int, float)) else str(r.get("budget", ""))
+        where += f" ({r['protocol']})" if r.get("protocol") not in (None, "bounded") else ""
         out.append(f"| {r['criterion']} | {r['method']} | {r.get('label', '')} | {where} | {r['split']} | {v} | "
                    f"{r.get('value_name', '')} | {bar} | {met} |")
     if data.get("summary"):
