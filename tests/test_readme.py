@@ -25,6 +25,7 @@ def test_python_example_runs(monkeypatch, capsys):
     printed = capsys.readouterr().out.split()
     assert printed[0] in ("True", "False") and int(printed[1]) > 1000 and int(printed[2]) > 0
     assert printed[3] in ("True", "False") and int(printed[4]) > 0  # the KVpop student
+    assert printed[5] in ("True", "False") and 0 < int(printed[6]) < int(printed[4])  # composed: 4-bit stores
 
 
 def test_two_setup_commands_and_every_registered_method_named():
