@@ -3,8 +3,8 @@
 # teacher_trial_then_tables.sh):
 #   1. unless TESTS=0: the GPU tests of the decode kernels (KIVI, packed store with both dequant paths, the caches over
 #      them), of the retrofit step (distillation, scorers, the sparse attention, the scorer distillation with its
-#      compiled rows), of the future-attention target kernel and of the caches' sparse chunk attention (the fused
-#      forward for a long prefill) -> $OUT/gpu_tests_kernels.log
+#      compiled rows), of the future-attention target kernel, of the caches' sparse chunk attention (the fused
+#      forward for a long prefill) and of the compiled decode step (streaming, knorm, KVpop) -> $OUT/gpu_tests_kernels.log
 #   2. unless TIMINGS=0, each alone on the GPU:
 #      a. the retrofit step against a plain distillation step, with the variants STEP_VARIANTS (default
 #         scorer_kd,scorer_kd_compiled: the scorer distillation's cost, eager and compiled) and, with PROFILE=1, a
@@ -35,7 +35,7 @@ if [ "${TESTS:-1}" != 0 ]; then
     timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py \
         tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py \
         tests/kvpop/test_attention.py tests/kvpop/test_scorer_kd.py tests/ops/test_future_target_triton.py \
-        tests/eval/test_packed_decode_speed_script.py tests/kvpop/test_sparse_chunk_attention.py \
+        tests/eval/test_packed_decode_speed_script.py tests/kvpop/test_sparse_chunk_attention.py tests/cache/test_compile_gpu.py \
         > "$OUT/gpu_tests_kernels.log" 2>&1
     echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests_kernels.log"
 fi

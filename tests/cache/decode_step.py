@@ -18,8 +18,28 @@ from kvlearn.hf import kvlearn_attention
 B, HKV, G, D = 2, 2, 2, 16
 
 
-def make_cache(name, num_layers=1, store_factory=None):
+def kvpop_cache(scorer, num_layers=1, device="cpu"):
+    """A KVpop cache (sinks 2, window 3, top-3) of a tiny random GQA Qwen3 with ``scorer`` (``mlp`` or ``mlstm``,
+    delayed readout) applied: its shapes are the decode case's (2 KV heads of 16, 2 query heads per KV head)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kvlearn.config import KVpopConfig
+    from kvlearn.kvpop.apply import apply_kvpop, make_kvpop_cache
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=num_layers,
+                         num_attention_heads=HKV * G, num_key_value_heads=HKV, head_dim=D)
+    model = Qwen3ForCausalLM(config)
+    apply_kvpop(model, KVpopConfig(sinks=2, window=3, topk=3, scorer=scorer))
+    model.to(device)  # the cache's scorers and decays run where the keys are
+    return make_kvpop_cache(model)
+
+
+def make_cache(name, num_layers=1, store_factory=None, device="cpu"):
     one = SimpleNamespace(num_hidden_layers=num_layers)
+    if name.startswith("kvpop_"):  # kvpop_mlp, kvpop_mlstm: the model's own scorers (plain store only)
+        assert store_factory is None, "the KVpop cache takes the plain store here"
+        return kvpop_cache(name.removeprefix("kvpop_"), num_layers, device)
     if name == "streaming":
         return streaming.make_cache(streaming.StreamingConfig(budget=8, sinks=2), one, store_factory=store_factory)
     if name == "tova":
@@ -31,7 +51,7 @@ def make_cache(name, num_layers=1, store_factory=None):
 
 def decode_case(name, device, seed=0, store_factory=None):
     gen = torch.Generator().manual_seed(seed)
-    cache = make_cache(name, store_factory=store_factory)
+    cache = make_cache(name, store_factory=store_factory, device=device)
     module = SimpleNamespace(layer_idx=0)
     seen = 0
     for q in (11, 1, 1, 1):  # past the budget: decoding evicts

@@ -1,5 +1,6 @@
 """The decode step of the streaming cache and of the scored base (knorm) is compile-ready: no host sync, no
-data-dependent shape (nor is that of the attention-driven TOVA and H2O: attend, hand the attention back, evict one).
+data-dependent shape (nor is that of the attention-driven TOVA and H2O: attend, hand the attention back, evict one;
+nor KVpop's, with the MLP and the delayed-readout mLSTM scorer: score, evict the worst eligible, write).
 Proved on the CPU by forbidding every sync primitive during one step, and by tracing the step
 with ``torch.compile(fullgraph=True, backend="eager")`` (a graph break = a failure). The same holds over the packed
 integer store (``PackedStore``: quantize and pack in the write)."""
@@ -12,7 +13,7 @@ from decode_step import clone_cache, decode_case
 from kvlearn.cache import PackedStore
 
 STORES = {"plain": None, "packed4": lambda: PackedStore(4), "packed2": lambda: PackedStore(2)}
-CASES = [(n, "plain") for n in ("streaming", "knorm", "tova", "h2o")] + [
+CASES = [(n, "plain") for n in ("streaming", "knorm", "tova", "h2o", "kvpop_mlp", "kvpop_mlstm")] + [
     ("streaming", "packed4"), ("knorm", "packed4"), ("tova", "packed4"), ("streaming", "packed2")]
 
 

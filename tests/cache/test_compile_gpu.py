@@ -1,5 +1,5 @@
 """GPU: one decode step of the streaming cache and of the scored base (knorm) under ``torch.compile(fullgraph=True)``
-and under CUDA-graph capture equals the eager step; and a tiny random GQA Qwen3 decodes through both caches on
+(and KVpop's, MLP and mLSTM scorer, under it too) and under CUDA-graph capture equals the eager step; and a tiny random GQA Qwen3 decodes through both caches on
 CUDA as on the CPU. Self-contained (float32, random weights); run with ``pytest -m gpu tests/cache``."""
 
 import copy
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 NAMES = ["streaming", "knorm"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + ["kvpop_mlp", "kvpop_mlstm"])
 def test_compiled_decode_step_equals_eager(name):
     cache, step_fn, inputs = decode_case(name, "cuda")
     eager = step_fn(clone_cache(cache), *inputs)
