@@ -224,9 +224,13 @@ def resolve_source(args, defaults: dict, out_name: str, repo: Path) -> None:
         check_int(f"--{name.replace('_', '-')}", getattr(args, name), low)
     check(args.device == "cpu" or torch.cuda.is_available(),
           f"--device={args.device} requested but CUDA is not available: run on the GPU (or --smoke on the CPU)")
-    if args.out is None:  # qwen3-0.6b -> results/<out_name>_0p6b_h200.json
-        args.out = {None: f"results/{out_name}_h200.json", "tiny": f"runs/smoke/{out_name}.json"}.get(
-            source, f"results/{out_name}_{source.removeprefix('qwen3-').replace('.', 'p')}_h200.json")
+    if args.out is None:  # --model: results/<out_name>_h200.json; qwen3-0.6b: results/<out_name>_0p6b_h200.json
+        if source is None:
+            args.out = f"results/{out_name}_h200.json"
+        elif source == "tiny":
+            args.out = f"runs/smoke/{out_name}.json"
+        else:
+            args.out = f"results/{out_name}_{source.removeprefix('qwen3-').replace('.', 'p')}_h200.json"
 
 
 def run_main(out_name: str, argv: list[str] | None, parse: Callable, run: Callable) -> int:

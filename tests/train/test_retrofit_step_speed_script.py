@@ -221,6 +221,15 @@ def test_each_shape_has_its_defaults_and_results_file(shape, out, params):
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.01)
 
 
+def test_the_model_source_has_its_defaults_and_results_file():
+    """Without ``--shape`` or ``--smoke`` (the committed teacher, the real retrofit): seq 4096, batch 8, the results
+    file results/retrofit_step_speed_h200.json (this default used to raise an AttributeError)."""
+    args = load_benchmark("retrofit_step_speed").parse(["--device", "cpu"])
+    assert (args.out, args.seq_len, args.batch_size, args.source) == ("results/retrofit_step_speed_h200.json", 4096, 8,
+                                                                      None)
+    assert args.model.endswith("checkpoints/testbed-teacher")
+
+
 def test_one_resident_builds_one_student_at_a_time(tmp_path, monkeypatch):
     """``--one-resident``: phases reference, mlp, reference, mlstm, reference, each with its own warm-up and
     ``--steps`` timed steps (the reference 3 x 2 steps over its phases), and never two students alive at once: every
