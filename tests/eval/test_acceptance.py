@@ -74,6 +74,9 @@ def test_verdicts_against_hand_computed_ones(tmp_path):
     # held out against eval: k4 0.99 - 0.95 = 0.04 (not met), s64 0.8875 - 0.8975 = -0.01 (met)
     r = find(data, "heldout_within_eval", "k4", "eval+heldout")
     assert abs(r["value"] - 0.04) < 1e-9 and r["met"] is False
+    # its standard error by hand: eval 0.9, 0.9, 1, 1 and held out 1, 0.96, 1, 1, n = 100 each
+    var = (0.09 / 100 + 0.09 / 100) / 16 + (0.96 * 0.04 / 100) / 16
+    assert abs(r["standard_error"] - var ** 0.5) < 1e-12 and abs(r["z"] - 0.04 / var ** 0.5) < 1e-9
     assert find(data, "heldout_within_eval", "s64", "eval+heldout")["met"] is True
     assert "kaizen+kvpop[s64]@64x/heldout" in data["summary"]["composed_64x_every_family"]["met"]
     assert "kaizen+kvpop[s64]@64x/eval" in data["summary"]["composed_64x_every_family"]["not_met"]
