@@ -129,9 +129,9 @@ def check_kvpop_model(path: str) -> None:
           "(kvlearn retrofit) or 'none'")
 
 
-def _eval_config(args, method: str, budget, tasks, model: str | None = None):
+def _eval_config(args, method: str, budget, tasks, model: str | None = None, target: float | None = None):
     """The ``EvalConfig`` of ``method`` at ``budget`` from the command line, with the trained options of the
-    checkpoint ``model`` (default ``--model``)."""
+    checkpoint ``model`` (default ``--model``); ``target`` overrides ``--target``."""
     from .eval.accuracy import EvalConfig
 
     from .methods import trained_options
@@ -153,7 +153,8 @@ def _eval_config(args, method: str, budget, tasks, model: str | None = None):
         options["configuration"] = configuration
     return EvalConfig(method=method, budget=budget, sinks=args.sinks, tasks=tasks, n_per_task=args.n_per_task,
                       context=args.context, batch_size=args.batch_size, split=args.split, protocol=args.protocol,
-                      chunk_size=args.chunk_size, target=getattr(args, "target", None), options=options or None)
+                      chunk_size=args.chunk_size, target=target if target is not None else getattr(args, "target", None),
+                      options=options or None)
 
 
 def cmd_eval(args) -> int:
@@ -203,7 +204,8 @@ def cmd_eval(args) -> int:
 DEMO_METHODS = (("dense", None), ("streaming", "budget"))
 DEMO_TITLE = "Testbed teacher, context {context}: full cache vs sinks+window (StreamingLLM)"
 DEMO_KVPOP_TITLE = ("Testbed teacher, context {context}: full cache vs sinks+window (StreamingLLM);\n"
-                    "its KVpop student: sinks+window+learned top-k (KVpop)")
+                    "its KVpop student: sinks+window+learned top-k (KVpop), and the same in 4-bit stores (kaizen+kvpop)")
+DEMO_COMPOSED_BITS = 4  # the student's cache once more in KV-Kaizen's packed stores: 16 / 4 = 4x fewer bytes a token
 DEMO_OTHER_TEACHER = "\n(the KVpop student was distilled from another teacher: not like for like)"
 
 
@@ -214,13 +216,17 @@ def _demo_student(args) -> str | None:
 
 def _demo_runs(args, tasks) -> list[tuple[str, object]]:
     """``(model folder, EvalConfig)`` per row set of the demo: the teacher under :data:`DEMO_METHODS`, then the KVpop
-    student (``--kvpop-model``, unless ``none``) under ``kvpop`` at ``--budget`` with its trained options. Every
-    config is built (and so checked) here, before anything is evaluated."""
+    student (``--kvpop-model``, unless ``none``) under ``kvpop`` at ``--budget`` with its trained options, and under
+    ``kaizen+kvpop`` at the same budget with every layer's keys and values in :data:`DEMO_COMPOSED_BITS`-bit packed
+    stores (the total factor: 16 / bits x context / budget). Every config is built (and so checked) here, before
+    anything is evaluated."""
     runs = [(args.model, _eval_config(args, m, args.budget if b else None, tasks)) for m, b in DEMO_METHODS]
     student = _demo_student(args)
     if student is not None:
         check_kvpop_model(student)
         runs.append((student, _eval_config(args, "kvpop", args.budget, tasks, model=student)))
+        total = 16 / DEMO_COMPOSED_BITS * args.context / args.budget
+        runs.append((student, _eval_config(args, "kaizen+kvpop", args.budget, tasks, model=student, target=total)))
     return runs
 
 

@@ -121,9 +121,18 @@ def test_demo_end_to_end_on_a_tiny_teacher_and_kvpop_student(tmp_path, capsys):
     assert code == 0
     data = json.loads(out.read_text())
     assert [(r["method"], r["task"]) for r in data["rows"]] == [
-        ("dense", "niah"), ("dense", "vt"), ("streaming", "niah"), ("streaming", "vt"), ("kvpop", "niah"), ("kvpop", "vt")]
+        ("dense", "niah"), ("dense", "vt"), ("streaming", "niah"), ("streaming", "vt"), ("kvpop", "niah"), ("kvpop", "vt"),
+        ("kaizen+kvpop", "niah"), ("kaizen+kvpop", "vt")]
     models = {r["method"]: r["model"] for r in data["rows"]}
     assert models["dense"] == models["streaming"] == data["model"] and models["kvpop"] == data["kvpop_model"]
+    # the student once more in 4-bit packed stores at the same budget: 16 / 4 x 256 / 64 = 16x in all, its K/V in
+    # about a quarter of the KVpop cache's bytes (the 4-bit codes plus one scale per stored vector)
+    composed = {r["task"]: r for r in data["rows"] if r["method"] == "kaizen+kvpop"}
+    plain = {r["task"]: r for r in data["rows"] if r["method"] == "kvpop"}
+    for task, r in composed.items():
+        assert r["model"] == data["kvpop_model"] and r["budget"] == 64 and r["target"] == 16
+        assert r["configurations"] == {"b4": 1}
+        assert 0.2 < r["store_bytes"] / plain[task]["store_bytes"] < 0.35
     assert data["kvpop_model"].endswith("student") and data["model"].endswith("tiny")
     kvpop = [r for r in data["rows"] if r["method"] == "kvpop"]
     # the student's trained options (its window) are read from its config; the budget is --budget
