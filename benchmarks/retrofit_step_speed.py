@@ -41,6 +41,10 @@ tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing me
   operands of the mLSTM chunk matmuls);
 - ``mlstm_cudagraphs``: ``retrofit_kvpop_mlstm`` with ``KVpopConfig.mlstm_compile_mode="reduce-overhead"`` (the
   compiled mLSTM scorer's forward and backward replayed as CUDA graphs; on the CPU the scorer runs eagerly either way);
+- ``graphed_step`` (CUDA only): ``distill_dense``, ``retrofit_kvpop_mlp`` and ``retrofit_kvpop_mlstm`` with the
+  step's device part captured in one CUDA graph and replayed (:func:`graphed_step_call`; a probe of how much of each
+  step is the host's launch work, the trainer does not use it); the reference's own graphed row gives the ratio of
+  graphed to graphed (``ratio_to_reference_variant``);
 - ``dms_score_mod``: ``retrofit_dms`` with ``DMSConfig.train_attention="flex"``, the penalty as a FlexAttention
   score_mod whose backward accumulates its gradient into a captured buffer (the CUDA default before 7fce8b6's
   measurement; the default ``"auto"`` is now the penalty as one more key channel, ``"flex_channel"``). On the CPU,
@@ -96,8 +100,8 @@ from kvlearn.results import portable_path  # noqa: E402
 from kvlearn.testbed.data import TestbedStream  # noqa: E402
 from kvlearn.testbed.tasks import MAX_LENGTH, MIN_LENGTH  # noqa: E402
 from kvlearn.train.distill import (  # noqa: E402
-    NEW_MODULES, RetrofitConfig, build_models, dense_distill_step, dense_student, make_optimizer, train_step,
-    training_kvpop)
+    NEW_MODULES, RetrofitConfig, build_models, decay_lr_at, dense_distill_step, dense_step_tensors, dense_student,
+    make_optimizer, new_lr_at, read_back, step_draws, step_tensors, train_step, training_kvpop)
 from step_timing import (  # noqa: E402
     Timed, add_source_options, measure, measure_one_resident, model_shape, random_model_folder, resolve_source, results_saver,
     run_main)
@@ -110,7 +114,8 @@ ACCEPTANCE_METHOD = "retrofit_kvpop_mlstm"  # the paper's KVpop
 VARIANTS = {"foreach_adamw": METHODS, "bf16_mlstm_matmuls": ("retrofit_kvpop_mlstm",),
             "mlstm_cudagraphs": ("retrofit_kvpop_mlstm",), "dms_score_mod": ("retrofit_dms",),
             "scorer_kd": ("retrofit_kvpop_mlp", "retrofit_kvpop_mlstm"),
-            "scorer_kd_compiled": ("retrofit_kvpop_mlp", "retrofit_kvpop_mlstm")}
+            "scorer_kd_compiled": ("retrofit_kvpop_mlp", "retrofit_kvpop_mlstm"),
+            "graphed_step": (REFERENCE, "retrofit_kvpop_mlp", "retrofit_kvpop_mlstm")}
 # the defaults by model source: --model (None), --shape qwen3-0.6b / qwen3-1.7b, --smoke (tiny)
 DEFAULTS = {source: dict(zip(("seq_len", "batch_size", "budget", "window", "warmup", "steps"), values))
             for source, values in ((None, (4096, 8, 1024, 256, 3, 10)), ("qwen3-0.6b", (8192, 1, 1024, 256, 3, 10)),
@@ -158,7 +163,9 @@ def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Te
         torch.manual_seed(config.seed)  # as retrofit() seeds before build_models (the new modules' init)
         _, student = build_models(config, device)
         kv = training_kvpop(config, student)
-    optimizer = make_optimizer(config, student, device, fused=False if variant == "foreach_adamw" else None)
+    graphed = variant == "graphed_step"
+    optimizer = make_optimizer(config, student, device, fused=False if variant == "foreach_adamw" else None,
+                               capturable=graphed)
     marker = NEW_MODULES[config.method] if name != REFERENCE else None
     fields = {"method": "dense" if name == REFERENCE else config.method,
               "parameters": sum(p.numel() for p in student.parameters()),
@@ -185,7 +192,57 @@ def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Te
             return dense_distill_step(config, teacher, student, optimizer, input_ids, labels)
         return train_step(config, teacher, student, optimizer, input_ids, labels, n, n / config.steps, kv)
 
+    if graphed:
+        fields["graphed_step"] = True
+        return Timed(row_name(name, variant), graphed_step_call(name, config, teacher, student, optimizer, input_ids,
+                                                                labels, kv, device), fields, memory=True,
+                     first_key="first_step_s")
+
     return Timed(row_name(name, variant), call, fields, memory=True, first_key="first_step_s")
+
+
+def graphed_step_call(name: str, config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor,
+                      labels: torch.Tensor, kv, device: torch.device, warmup: int = 3):
+    """``--variants graphed_step``: method ``name``'s step (its device part, :func:`~kvlearn.train.distill.step_tensors`
+    or :func:`~kvlearn.train.distill.dense_step_tensors`, gradients zeroed in place) captured in one CUDA graph after
+    ``warmup`` eager steps on a side stream, then replayed; each call replays it and reads its values back once, as
+    the eager step does. The step's draws (query positions, scorer-distillation rows) are step 0's, moved to the
+    device before the capture (a capture may not copy from pageable host memory); the learning rates are the
+    schedule's at step 0. A probe of how much of the step is the host's launch work: the trainer does not use it."""
+    if name == REFERENCE:
+        def device_step():
+            return dense_step_tensors(config, teacher, student, optimizer, input_ids, labels, set_to_none=False)
+    else:
+        draws = step_draws(config, kv, 0, device)
+        draws = replace(draws, queries=draws.queries.to(device))
+        optimizer.param_groups[1]["lr"] = new_lr_at(config, 0, 0.0)
+        optimizer.param_groups[2]["lr"] = decay_lr_at(config, 0, 0.0)
+
+        def device_step():
+            return step_tensors(config, teacher, student, optimizer, input_ids, labels, kv, draws, 0, 0.0,
+                                set_to_none=False)
+    graph, outputs = [], []
+
+    def call() -> dict:
+        if not graph:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # allocations, compiles and autotuning outside the capture
+                for _ in range(warmup):
+                    device_step()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                outputs.append(device_step())
+            graph.append(g)
+        graph[0].replay()
+        if name == REFERENCE:
+            kd, grad_norm = outputs[0]
+            return {"loss": float(kd), "kd": float(kd), "grad_norm": float(grad_norm)}
+        summed, means, grad_norm = outputs[0]
+        return {**read_back(summed, means, device), "grad_norm": float(grad_norm)}
+
+    return call
 
 
 def parse(argv) -> argparse.Namespace:
@@ -228,6 +285,8 @@ def parse(argv) -> argparse.Namespace:
     check_int("--batch-size", args.batch_size, 1)
     check(args.budget > args.sinks + args.window,
           f"--budget={args.budget} is invalid: expected > sinks + window = {args.sinks + args.window} (a top-k >= 1)")
+    check("graphed_step" not in args.variants or str(args.device).startswith("cuda"),
+          f"--variants graphed_step needs a CUDA device (it captures the step in a CUDA graph), not --device={args.device}")
     check(not args.sync_sites or str(args.device).startswith("cuda"),
           f"--sync-sites needs a CUDA device (CUDA's sync debug mode), not --device={args.device}")
     extras = [name for name, on in (("--sync-sites", args.sync_sites), ("--profile", args.profile),

@@ -4,7 +4,8 @@
 #   1. unless TESTS=0: the GPU tests of the decode kernels (KIVI, packed store with both dequant paths, the caches over
 #      them), of the retrofit step (distillation, scorers, the sparse attention, the scorer distillation with its
 #      compiled rows), of the future-attention target kernel, of the caches' sparse chunk attention (the fused
-#      forward for a long prefill) and of the compiled decode step (streaming, knorm, KVpop) -> $OUT/gpu_tests_kernels.log
+#      forward for a long prefill), of the compiled decode step (streaming, knorm, KVpop) and of the graphed retrofit
+#      step (one CUDA graph replaying the eager steps) -> $OUT/gpu_tests_kernels.log
 #   2. unless TIMINGS=0, each alone on the GPU:
 #      a. the retrofit step against a plain distillation step, with the variants STEP_VARIANTS (default
 #         scorer_kd,scorer_kd_compiled: the scorer distillation's cost, eager and compiled) and, with PROFILE=1, a
@@ -22,7 +23,7 @@
 #      -> $OUT/kvpop_prefill_attention.json (190 and 200 s timeouts)
 #   4. unless SKIP_MEMORY=1: the 131k bf16 row of the Kaizen memory benchmark alone
 #      -> $OUT/kaizen_memory_h200_bf16_131k.json
-# Every step under its own timeout (330; 200 + 180 + 180 s; then MEMORY_MINUTES (default 3) * 60 + 230 s), typically
+# Every step under its own timeout (420; 200 + 180 + 180 s; then MEMORY_MINUTES (default 3) * 60 + 230 s), typically
 # ~2 + (~2.5, ~3 with PROFILE=1, + ~1 + ~1.5) minutes and the memory row; run it detached when the memory row is
 # included. The session-31 additions alone: SKIP_MEMORY=1 KIVI=0 MAGIC_SWEEP=1 (about 7 minutes).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kernel_checks.sh
@@ -32,10 +33,11 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)') triton $(python3 -c 'import triton; print(triton.__version__)' 2>/dev/null || echo none)"
 if [ "${TESTS:-1}" != 0 ]; then
-    timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py \
+    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py \
         tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py \
         tests/kvpop/test_attention.py tests/kvpop/test_scorer_kd.py tests/ops/test_future_target_triton.py \
         tests/eval/test_packed_decode_speed_script.py tests/kvpop/test_sparse_chunk_attention.py tests/cache/test_compile_gpu.py \
+        tests/train/test_retrofit_step_speed_script.py \
         > "$OUT/gpu_tests_kernels.log" 2>&1
     echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests_kernels.log"
 fi

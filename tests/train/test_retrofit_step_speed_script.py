@@ -272,3 +272,85 @@ def test_one_resident_refuses_the_after_timing_passes(tmp_path, capsys):
     assert script.main(["--smoke", "--one-resident", "--profile", str(tmp_path), "--out", str(tmp_path / "x.json")]) != 0
     err = capsys.readouterr().err
     assert "--one-resident cannot be combined with --profile" in err and "Traceback" not in err
+
+
+def test_graphed_step_needs_cuda(capsys):
+    script = load_benchmark("retrofit_step_speed")
+    assert script.main(["--smoke", "--variants", "graphed_step"]) == 2
+    err = capsys.readouterr().err
+    assert "--variants graphed_step needs a CUDA device" in err and "Traceback" not in err
+
+
+def test_step_tensors_and_read_back_are_the_train_step(tmp_path):
+    """train_step = step_draws + step_tensors + read_back: the same step on two copies of one student gives the
+    same logged values and the same weights (float32 on the CPU), and the draws depend on the seed and step only."""
+    import copy
+
+    from kvlearn.config import KVpopConfig
+    from kvlearn.train.distill import (RetrofitConfig, build_models, make_optimizer, read_back, step_draws,
+                                       step_tensors, train_step, training_kvpop)
+
+    script = load_benchmark("retrofit_step_speed")
+    folder = script.random_model_folder("tiny", tmp_path / "tiny", str(script.REPO / "checkpoints" / "testbed-teacher"),
+                                        torch.device("cpu"))
+    config = RetrofitConfig(model=str(folder), out=str(tmp_path / "o"), batch_size=2, seq_len=256, device="cpu",
+                            kvpop=KVpopConfig(sinks=4, window=16, topk=44, scorer="mlp"), steps=4)
+    torch.manual_seed(0)
+    teacher, student = build_models(config, torch.device("cpu"))
+    twin = copy.deepcopy(student)
+    ids = torch.randint(3, 200, (2, 256))
+    labels = ids.clone()
+    kv = training_kvpop(config, student)
+    a = train_step(config, teacher, student, make_optimizer(config, student, torch.device("cpu")), ids, labels, 1, 0.25, kv)
+    opt = make_optimizer(config, twin, torch.device("cpu"))
+    for i, lr in enumerate((a["lr"], a["lr_new"], a["lr_decay"])):
+        opt.param_groups[i]["lr"] = lr
+    draws = step_draws(config, kv, 1, torch.device("cpu"))
+    assert torch.equal(draws.queries, step_draws(config, kv, 1, torch.device("cpu")).queries)
+    assert not torch.equal(draws.queries, step_draws(config, kv, 2, torch.device("cpu")).queries)
+    summed, means, grad_norm = step_tensors(config, teacher, twin, opt, ids, labels, kv, draws, 1, 0.25)
+    b = {**read_back(summed, means, torch.device("cpu")), "grad_norm": float(grad_norm)}
+    assert b == {k: a[k] for k in b}
+    for p, q in zip(student.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_graphed_step_replays_the_eager_steps_on_cuda(tmp_path, scorer):
+    """``graphed_step_call`` on CUDA: 3 warm-up steps, the capture (which runs nothing), 2 replays = 5 updates; the
+    same 5 eager steps (same draws, gradients zeroed in place, capturable AdamW) on a copy of the student give the same
+    weights and the last step's logged loss."""
+    import copy
+
+    from kvlearn.config import KVpopConfig
+    from kvlearn.train.distill import (RetrofitConfig, build_models, make_optimizer, step_draws, step_tensors,
+                                       training_kvpop)
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run with -m gpu on the device machine)")
+    device = torch.device("cuda")
+    script = load_benchmark("retrofit_step_speed")
+    folder = script.random_model_folder("tiny", tmp_path / "tiny", str(script.REPO / "checkpoints" / "testbed-teacher"),
+                                        device)
+    config = RetrofitConfig(model=str(folder), out=str(tmp_path / "o"), batch_size=2, seq_len=256, device="cuda",
+                            kvpop=KVpopConfig(sinks=4, window=16, topk=44, scorer=scorer), steps=8)
+    torch.manual_seed(0)
+    teacher, student = build_models(config, device)
+    twin = copy.deepcopy(student)
+    ids = torch.randint(3, 200, (2, 256), device=device)
+    labels = ids.clone()
+    kv = training_kvpop(config, student)
+    call = script.graphed_step_call("retrofit_kvpop_" + scorer, config, teacher, student,
+                                    make_optimizer(config, student, device, capturable=True), ids, labels, kv, device)
+    call()
+    graphed = call()
+    opt = make_optimizer(config, twin, device, capturable=True)
+    for i, lr in enumerate((config.lr, script.new_lr_at(config, 0, 0.0), script.decay_lr_at(config, 0, 0.0))):
+        opt.param_groups[i]["lr"] = lr
+    draws = step_draws(config, kv, 0, device)
+    for _ in range(5):
+        summed, _, _ = step_tensors(config, teacher, twin, opt, ids, labels, kv, draws, 0, 0.0, set_to_none=False)
+    assert graphed["loss"] == pytest.approx(float(summed["loss"]), rel=1e-3, abs=1e-4)
+    for p, q in zip(student.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3)

@@ -582,8 +582,8 @@ def freeze_existing_weights(student) -> None:
             p.requires_grad_(False)
 
 
-def make_optimizer(config: RetrofitConfig, student, device: torch.device, fused: bool | None = None
-                   ) -> torch.optim.AdamW:
+def make_optimizer(config: RetrofitConfig, student, device: torch.device, fused: bool | None = None,
+                   capturable: bool = False) -> torch.optim.AdamW:
     """AdamW with group 0 = the existing weights (constant ``lr``), group 1 = the method's new modules (``lr_new``;
     empty for ``streaming_plus``) but the KVpop decays, group 2 = the KVpop decays' ``alpha`` (``lr_decay``; empty
     for the other methods).
@@ -592,7 +592,8 @@ def make_optimizer(config: RetrofitConfig, student, device: torch.device, fused:
     per list of tensors instead of a dozen ``foreach`` kernels; the same update up to float rounding) when
     :func:`fused_adamw_applies`, else torch's default (``foreach`` on CUDA, the per-tensor loop on the CPU);
     True/False force it on/off (``benchmarks/retrofit_step_speed.py --variants foreach_adamw``). A state dict
-    loads into either kind (torch moves the ``step`` counters where the kind keeps them)."""
+    loads into either kind (torch moves the ``step`` counters where the kind keeps them). ``capturable``: the step
+    may be captured in a CUDA graph (``--variants graphed_step``)."""
     marker = NEW_MODULES[config.method]
     named = list(student.named_parameters())
     decay = [p for n, p in named if config.method == "kvpop" and is_decay_parameter(n)]
@@ -602,7 +603,8 @@ def make_optimizer(config: RetrofitConfig, student, device: torch.device, fused:
         fused = fused_adamw_applies(p for _, p in named)
     return torch.optim.AdamW([{"params": old, "lr": config.lr}, {"params": new, "lr": config.lr_new},
                               {"params": decay, "lr": config.lr_decay}],
-                             weight_decay=config.weight_decay, betas=(0.9, 0.95), **({"fused": True} if fused else {}))
+                             weight_decay=config.weight_decay, betas=(0.9, 0.95), **({"fused": True} if fused else {}),
+                             **({"capturable": True} if capturable else {}))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -758,41 +760,47 @@ def scorer_kd_of(config: RetrofitConfig, kv: KVpopConfig, generator: torch.Gener
     return replace(kd, rows=rows.to(device))
 
 
-def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor, labels: torch.Tensor,
-               step: int, fraction: float, kv: KVpopConfig | None = None,
-               d: parallel.DistInfo = parallel.DistInfo()) -> dict:
-    """One optimizer step of the retrofit: step ``step`` (0-based) with ``fraction`` of the run done.
+@dataclass(frozen=True)
+class StepDraws:
+    """The host's random draws of one KVpop step, made before the forward from one generator seeded by the run's
+    seed and the step: the boundary loss's ``queries`` (int64 ``[n]``, CPU) and the scorer distillation's rows
+    (``scorer_kd``: None when off)."""
 
-    ``input_ids``, ``labels``: int64 ``[B, T]`` on the models' device, this process's rows of the global batch
-    (``labels`` -100 where not supervised). Sets the three learning rates, runs the teacher (no gradient) and the
-    student under the method's training attention (bf16 autocast on CUDA), the loss (KD + the method's term),
-    backward, clipping, the AdamW step and ``zero_grad``. ``kv``: :func:`training_kvpop` (computed when None).
-    Returns the step's log values as floats, losses summed and metrics averaged over the processes: ``loss``,
-    ``kd``; kvpop: ``boundary``, ``boundary_accuracy``, ``keep_fraction``, ``recall``; dms: ``compression``,
-    ``closed_fraction``, ``target_fraction``; then ``grad_norm``, ``lr``, ``lr_new``, ``lr_decay``."""
-    device = input_ids.device
-    kv = training_kvpop(config, student) if kv is None else kv
+    queries: torch.Tensor
+    scorer_kd: ScorerKD | None
+
+
+def step_draws(config: RetrofitConfig, kv: KVpopConfig, step: int, device: torch.device) -> StepDraws:
+    """This step's :class:`StepDraws` (the query positions first, then the scorer-distillation rows)."""
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+    queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk, config.queries_per_step,
+                                     config.late_fraction, generator=gen)  # [n]
+    return StepDraws(queries, scorer_kd_of(config, kv, gen, device))
+
+
+def step_tensors(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor, labels: torch.Tensor,
+                 kv: KVpopConfig, draws: StepDraws | None, step: int, fraction: float,
+                 d: parallel.DistInfo = parallel.DistInfo(), set_to_none: bool = True) -> tuple[dict, dict, torch.Tensor]:
+    """The device's part of one optimizer step, reading nothing back: the teacher (no gradient) and the student
+    under the method's training attention (bf16 autocast on CUDA), the loss (KD + the method's term), backward,
+    clipping, the AdamW step and ``zero_grad(set_to_none)``. ``draws``: :func:`step_draws` (kvpop; None otherwise).
+    Returns ``(summed, means, grad_norm)``: this process's loss shares (``loss``, ``kd``, and ``boundary``,
+    ``readout_penalty`` where they apply) and metrics as 0-d tensors, and the gradient norm; :func:`train_step` reads
+    them back once. A CUDA graph can capture this function with the same ``draws`` and batch each replay
+    (``benchmarks/retrofit_step_speed.py --variants graphed_step``)."""
     reduce_sum = parallel.all_reduce_sum if d.world > 1 else None
-    lr_new = new_lr_at(config, step, fraction)
-    optimizer.param_groups[0]["lr"] = config.lr
-    optimizer.param_groups[1]["lr"] = lr_new
-    optimizer.param_groups[2]["lr"] = lr_decay = decay_lr_at(config, step, fraction)
-    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16, enabled=input_ids.device.type == "cuda"):
         with torch.no_grad():
             teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
         if config.method == "kvpop":
             bits = layer_kv_bits(config, student.config.num_hidden_layers)
-            # one generator per step: the boundary loss's query positions, then the scorer-distillation rows
-            gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-            queries = sample_query_positions(config.seq_len, kv.sinks, kv.window, kv.topk,
-                                             config.queries_per_step, config.late_fraction, generator=gen)  # [n]
-            logits, state = student_forward(student, input_ids, kv, bits, scorer_kd_of(config, kv, gen, device))
+            logits, state = student_forward(student, input_ids, kv, bits, draws.scorer_kd)
         else:
             logits, extra_loss, extra_log = method_forward(config, student, input_ids, step, fraction)
     # float32; under data parallelism each loss is this process's share of the global-batch value
     kd = kd_loss(logits, teacher_logits, labels, config.kd_topk, reduce_sum=reduce_sum)
     if config.method == "kvpop":
-        parts = distill_losses(state, queries, reduce_sum=reduce_sum)
+        parts = distill_losses(state, draws.queries, reduce_sum=reduce_sum)
         loss = kd + config.boundary_weight * parts["boundary"]
         shares = {"boundary": parts["boundary"].detach()}
         if config.readout_penalty:  # each process's share of it, as every loss term here
@@ -806,15 +814,42 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
     (loss * d.world).backward()  # FSDP averages the gradients over the processes: the shares' sum
     grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    # the logged values in one read-back (one host sync): losses summed, metrics averaged over the processes
-    summed = [loss.detach(), kd.detach(), *shares.values()]
-    logged = torch.stack([torch.as_tensor(v, device=device).float().reshape(()) for v in (*summed, *means.values())])
+    optimizer.zero_grad(set_to_none=set_to_none)
+    return {"loss": loss.detach(), "kd": kd.detach(), **shares}, means, grad_norm
+
+
+def read_back(summed: dict, means: dict, device: torch.device, d: parallel.DistInfo = parallel.DistInfo()) -> dict:
+    """:func:`step_tensors`' values as floats in one read-back (one host sync): losses summed and metrics averaged
+    over the processes."""
+    logged = torch.stack([torch.as_tensor(v, device=device).float().reshape(()) for v in (*summed.values(), *means.values())])
     logged = _global_sums([logged], d)[0]
     totals, averaged = logged[:len(summed)], logged[len(summed):] / d.world
-    return {**{k: float(v) for k, v in zip(["loss", "kd", *shares], totals)},
-            **{k: float(v) for k, v in zip(means, averaged)},
-            "grad_norm": parallel.scalar(grad_norm), "lr": config.lr, "lr_new": lr_new, "lr_decay": lr_decay}
+    return {**{k: float(v) for k, v in zip(summed, totals)}, **{k: float(v) for k, v in zip(means, averaged)}}
+
+
+def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor, labels: torch.Tensor,
+               step: int, fraction: float, kv: KVpopConfig | None = None,
+               d: parallel.DistInfo = parallel.DistInfo()) -> dict:
+    """One optimizer step of the retrofit: step ``step`` (0-based) with ``fraction`` of the run done.
+
+    ``input_ids``, ``labels``: int64 ``[B, T]`` on the models' device, this process's rows of the global batch
+    (``labels`` -100 where not supervised). Sets the three learning rates, draws the step's query positions
+    (:func:`step_draws`), runs :func:`step_tensors` and reads its values back once. ``kv``: :func:`training_kvpop`
+    (computed when None). Returns the step's log values as floats, losses summed and metrics averaged over the
+    processes: ``loss``, ``kd``; kvpop: ``boundary``, ``boundary_accuracy``, ``keep_fraction``, ``recall``; dms:
+    ``compression``, ``closed_fraction``, ``target_fraction``; then ``grad_norm``, ``lr``, ``lr_new``,
+    ``lr_decay``."""
+    device = input_ids.device
+    kv = training_kvpop(config, student) if kv is None else kv
+    lr_new = new_lr_at(config, step, fraction)
+    optimizer.param_groups[0]["lr"] = config.lr
+    optimizer.param_groups[1]["lr"] = lr_new
+    optimizer.param_groups[2]["lr"] = lr_decay = decay_lr_at(config, step, fraction)
+    draws = step_draws(config, kv, step, device) if config.method == "kvpop" else None
+    summed, means, grad_norm = step_tensors(config, teacher, student, optimizer, input_ids, labels, kv, draws, step,
+                                            fraction, d)
+    return {**read_back(summed, means, device, d), "grad_norm": parallel.scalar(grad_norm), "lr": config.lr,
+            "lr_new": lr_new, "lr_decay": lr_decay}
 
 
 def dense_student(teacher):
@@ -832,6 +867,15 @@ def dense_distill_step(config: RetrofitConfig, teacher, student, optimizer, inpu
     optimizer step and ``zero_grad``, under :func:`train_step`'s bf16 autocast on CUDA; one process, no learning-rate
     schedule. ``input_ids``, ``labels``: int64 ``[B, T]``. Returns ``{"loss", "kd", "grad_norm"}`` floats (loss =
     kd: 0 on the first step when ``student`` equals the teacher)."""
+    kd, grad_norm = dense_step_tensors(config, teacher, student, optimizer, input_ids, labels)
+    value = float(kd)
+    return {"loss": value, "kd": value, "grad_norm": float(grad_norm)}
+
+
+def dense_step_tensors(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor,
+                       labels: torch.Tensor, set_to_none: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dense_distill_step`'s device part, reading nothing back: ``(kd, grad_norm)`` as 0-d tensors (``kd``
+    detached); ``zero_grad(set_to_none)``."""
     device = input_ids.device
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         with torch.no_grad():
@@ -841,9 +885,8 @@ def dense_distill_step(config: RetrofitConfig, teacher, student, optimizer, inpu
     kd.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    value = float(kd.detach())
-    return {"loss": value, "kd": value, "grad_norm": float(grad_norm)}
+    optimizer.zero_grad(set_to_none=set_to_none)
+    return kd.detach(), grad_norm
 
 
 # ----------------------------------------------------------------------------------------------------------------
