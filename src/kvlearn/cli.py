@@ -640,13 +640,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--threads", type=int, default=threads_default,
                         help="CPU threads for torch (0: torch's default, one per core)")
 
-    sp = sub.add_parser("demo", help="embedded teacher: full cache vs a sinks+window cache, and its KVpop student, on "
-                                     "every family")
+    sp = sub.add_parser("demo", help="embedded teacher: full cache vs a sinks+window cache, and its KVpop student, "
+                                     "alone and in 4-bit KV-Kaizen stores, on every family")
     common_eval(sp, DEMO_N_PER_TASK, DEMO_BATCH_SIZE, DEMO_THREADS)
     sp.add_argument("--budget", type=int, default=1024,
                     help="tokens the streaming and KVpop caches keep (CR = 1 - budget/context)")
     sp.add_argument("--kvpop-model", default=default_kvpop_model_path(),
-                    help="KVpop student evaluated with method kvpop at --budget, or 'none' to leave it out "
+                    help="KVpop student evaluated with methods kvpop and kaizen+kvpop (4-bit stores) at --budget, "
+                         "or 'none' to leave it out "
                          "($KVLEARN_KVPOP_MODEL overrides the default)")
     sp.add_argument("--out", default="runs/demo/demo.json", help="results file (runs/ is not tracked by git)")
     sp.add_argument("--plot", default="runs/demo/demo.png", help="plot file")
