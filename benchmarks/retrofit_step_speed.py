@@ -260,6 +260,9 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--sync-sites", action="store_true",
                     help="after the timing, count the host syncs of one step of every method and where they are "
                          "issued (CUDA only)")
+    ap.add_argument("--count-operators", action="store_true",
+                    help="after the timing, count the non-view operators one step of every method dispatches (the "
+                         "host's launch work) and the kvlearn sites that issue the most")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="after the timing, profile one step of every method into DIR/<method>.txt")
     ap.add_argument("--one-resident", action="store_true",
@@ -290,7 +293,8 @@ def parse(argv) -> argparse.Namespace:
     check(not args.sync_sites or str(args.device).startswith("cuda"),
           f"--sync-sites needs a CUDA device (CUDA's sync debug mode), not --device={args.device}")
     extras = [name for name, on in (("--sync-sites", args.sync_sites), ("--profile", args.profile),
-                                     ("--host-profile", args.host_profile)) if on]
+                                     ("--host-profile", args.host_profile), ("--count-operators", args.count_operators))
+              if on]
     check(not (args.one_resident and extras), f"--one-resident cannot be combined with {', '.join(extras)}: those "
           "run every row again after the timing, when only one row's student exists at a time")
     check(args.seq_len > args.budget, f"--seq-len={args.seq_len} is invalid for --budget={args.budget}: expected a "
@@ -342,6 +346,11 @@ def run(args, tmp: Path, command: str) -> int:
     else:
         measure(timed, args.warmup, args.steps, args.steps_per_round, device, save)
     results = save(partial=False)
+    if args.count_operators:
+        for t in timed:
+            if t.error is None:
+                t.fields.update(count_operators(t.call))
+        results = save(partial=False)
     if args.sync_sites:
         for t in timed:
             t.fields.update(sync_sites(t.call))
@@ -358,6 +367,19 @@ def run(args, tmp: Path, command: str) -> int:
               + (f"  ERROR {row['error']}" if "error" in row else ""))
     print(json.dumps(results["summary"]))
     return 0
+
+
+def count_operators(call, top: int = 12) -> dict:
+    """One ``call()`` under ``cache_operator_count.OperatorCounter``: ``operators_per_step`` (every non-view aten
+    operator dispatched, backward included), ``kvlearn_operators_per_step`` (those issued from kvlearn's code; the
+    backward's and the model's own count in the caller's frame, ``train/distill.py``) and the ``top`` sites."""
+    from cache_operator_count import OperatorCounter
+
+    counter = OperatorCounter()
+    with counter:
+        call()
+    return {"operators_per_step": counter.total, "kvlearn_operators_per_step": sum(counter.sites.values()),
+            "operator_sites": dict(counter.sites.most_common(top))}
 
 
 SYNC_MESSAGE = "synchronizing CUDA operation"  # torch's warning under set_sync_debug_mode("warn")

@@ -354,3 +354,16 @@ def test_graphed_step_replays_the_eager_steps_on_cuda(tmp_path, scorer):
     assert graphed["loss"] == pytest.approx(float(summed["loss"]), rel=1e-3, abs=1e-4)
     for p, q in zip(student.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3)
+
+
+def test_count_operators_adds_each_rows_count(tmp_path):
+    """``--count-operators``: every row gains the operators one step dispatches; a retrofit step dispatches more than
+    the plain distillation step it adds work to, and its KVpop sites are named."""
+    script = load_benchmark("retrofit_step_speed")
+    out = tmp_path / "ops.json"
+    assert script.main(["--smoke", "--count-operators", "--out", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    dense, mlp = rows["distill_dense"], rows["retrofit_kvpop_mlp"]
+    assert 0 < dense["operators_per_step"] < mlp["operators_per_step"] < rows["retrofit_kvpop_mlstm"]["operators_per_step"]
+    assert any(site.startswith("ops/") or site.startswith("kvpop/") for site in mlp["operator_sites"])
+    assert sum(mlp["operator_sites"].values()) <= mlp["kvlearn_operators_per_step"] <= mlp["operators_per_step"]
