@@ -115,19 +115,26 @@ class Timed:
             torch.cuda.empty_cache()
 
 
+def warm_up(t: Timed, warmup: int) -> None:
+    """``warmup`` untimed calls of ``t`` (the first one's seconds kept as ``t.first_call_s`` unless already set); a
+    failure is recorded on ``t`` (:meth:`Timed.fail`), never raised: the other rows go on."""
+    t0 = time.perf_counter()
+    try:
+        for i in range(warmup):
+            t.call()
+            if i == 0 and not t.first_call_s:
+                t.first_call_s = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - one failing callable must not cost the others' rows
+        t.fail(exc)
+
+
 def measure(timed: list[Timed], warmup: int, steps: int, steps_per_round: int, device: torch.device,
             save: Callable[..., object]) -> None:
     """Warm each of ``timed`` up on its own (``warmup`` calls), then time ``steps`` calls of each in interleaved
     rounds of ``steps_per_round`` (the order rotated per round), calling ``save(partial=True)`` after each round."""
     for t in timed:
         t0 = time.perf_counter()
-        try:
-            for i in range(warmup):
-                t.call()
-                if i == 0:
-                    t.first_call_s = time.perf_counter() - t0
-        except Exception as exc:  # noqa: BLE001 - one failing callable must not cost the others' rows
-            t.fail(exc)
+        warm_up(t, warmup)
         print(f"warm-up {t.name}: {time.perf_counter() - t0:.1f} s{' FAILED' if t.error else ''}", flush=True)
     for r in range(math.ceil(steps / steps_per_round)):
         live = [t for t in timed if t.error is None]
@@ -164,12 +171,9 @@ def measure_one_resident(keys: list, build: Callable[[object], Timed], reference
         del t
         if rec.error is None:
             t0 = time.perf_counter()
+            warm_up(rec, warmup)
             try:
-                for i in range(warmup):
-                    rec.call()
-                    if i == 0 and not rec.first_call_s:
-                        rec.first_call_s = time.perf_counter() - t0
-                for _ in range(steps):
+                for _ in range(steps if rec.error is None else 0):
                     rec.ms.append(rec.timed(device))
             except Exception as exc:  # noqa: BLE001 - one failing row must not cost the others' rows
                 rec.fail(exc)

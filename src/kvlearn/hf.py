@@ -152,7 +152,7 @@ def sparse_chunk_visibility(cache: CompactCache, layer, query: torch.Tensor, ste
         return None
     if mode == "auto" and not (query.is_cuda and q >= SPARSE_CHUNK_MIN_QUERIES):
         return None
-    lo, hi = (int(x) for x in torch.aminmax(ret.held))
+    lo, hi = torch.stack(torch.aminmax(ret.held)).tolist()  # one read-back
     return SparseChunk(ret, hi) if lo == hi else None
 
 
