@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #11, 32x: does training under 4-bit keys cost a KVpop student recall, or do fewer steps? (docs/DESIGN.md
-# section 8, "Composition with KVpop, measured"). One device call, about 9-10 minutes on one H200 (planned, not yet
-# run; STEPS=1000 leaves margin under the 10-minute limit):
+# section 8, "Composition with KVpop, measured"). One device call, about 9-10 minutes on one H200 (planned; session
+# 23 ran PARTS="shipped b4" on nvidia-h200-x2 in 346 s, results/raw/README.md; STEPS=1000 leaves margin under the
+# 10-minute limit):
 # three benchmarks/device/retrofit.sh runs side by side, each evaluated as it serves, kaizen+kvpop at TARGET (default
 # 32: b4 x keep 1/8) on both splits, and under each part alone on the eval split (DECOMPOSE=1: dense, kvpop at 512,
 # kaizen_static at TARGET x 512 / 4096):
