@@ -90,6 +90,45 @@ REGISTRY = {"control": "dense", "kaizen": "kaizen", "untrained_backbone": "kaize
             "random": "kaizen_random", "dp_search": "kaizen_dp", "kivi": "kivi", "posthoc_quant": "kaizen_static",
             "kaizen+snapkv": "kaizen+snapkv", "kaizen+kvpop": "kaizen+kvpop", "smaller_model": "dense"}
 BASE_OPTIONS = {"posthoc_quant": {"axes": ["precision"]}}
+# The recipes of record in results/kaizen_table.json (README.md's KV-Kaizen table): the plot draws these series bold
+# under these labels and every other labelled run faded (kvlearn.eval.plots.plot_pareto's ``highlight``). A series
+# the plotted rows lack is left out, so a fresh run's table (its own selector labels) plots as before.
+RECORD_SERIES = {
+    "kaizen [kaizen1_2_4_share_auto_alone]": "selector, one for 1x and 2x (--target 1,2,4)",
+    "kaizen [kaizen4_share_auto]": "selector 4x (--share-layers auto)",
+    "kaizen [kaizen8_lr1e-4_s0]": "selector 8x (--lr 1e-4, 3 seeds)",
+    "kaizen [kaizen8_lr1e-4_s1]": "selector 8x (--lr 1e-4, 3 seeds)",
+    "kaizen [kaizen8_lr1e-4_s2]": "selector 8x (--lr 1e-4, 3 seeds)",
+    "untrained_backbone [kaizen4_share_auto]": "the 4x / 8x selectors' choice on the teacher",
+    "untrained_backbone [kaizen8_lr1e-4_s0]": "the 4x / 8x selectors' choice on the teacher",
+    "kaizen+kvpop [refined_b4_400]": "4-bit x the KVpop student refined under 4 bits (32x)",
+    "kaizen+kvpop [fromsel_2600]": "an 8x selector's backbone x a KVpop student (64x)",
+}
+
+
+def record_highlight(rows: list[dict]) -> dict[str, str]:
+    """:data:`RECORD_SERIES` restricted to the series ``rows`` hold (named as the factor plot names them)."""
+    present = {f"{r['method']} [{r.get('selector') or r.get('series')}]" for r in rows
+               if r.get("selector") or r.get("series")}
+    return {name: label for name, label in RECORD_SERIES.items() if name in present}
+
+
+def replot(table: str, plot: str | None) -> int:
+    """``--replot TABLE``: redraw a table's plot (default next to it, ``kaizen_table.png``) without running anything:
+    how ``results/kaizen_table.png`` is drawn from the merged ``results/kaizen_table.json``."""
+    from kvlearn.eval.plots import plot_pareto
+    from kvlearn.results import read_results
+
+    try:
+        rows = read_results(table)["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        print(f"kaizen_table: error: --replot {table}: not a readable results file ({e})", file=sys.stderr)
+        return 2
+    path = Path(plot or Path(table).with_name("kaizen_table.png"))
+    path = plot_pareto(rows, path, title="KV-Kaizen comparison, context 4096", x="factor", reference="control",
+                       highlight=record_highlight(rows))
+    print(f"wrote {path}")
+    return 0
 
 
 class Run:
@@ -319,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="model dtype (auto: bfloat16 on cuda, float32 on the CPU; --smoke: bfloat16)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models, a 4-step selector, context 256")
     ap.add_argument("--smoke-dir", default="runs/smoke/kaizen_table", help="--smoke's teacher and selector folder")
+    ap.add_argument("--replot", default=None, metavar="TABLE",
+                    help="only redraw TABLE's plot (to --plot, default next to it), the recipes of record in bold")
     args = ap.parse_args(argv)
+    if args.replot:
+        return replot(args.replot, args.plot)
     start = time.monotonic()
     try:
         args.method_options = parse_options(args.options)
@@ -408,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         save(not_run)
     bar.close()
     save(not_run)
-    print_summary(rows, out, plot, f"KV-Kaizen comparison, context {args.context}", start, x="factor", reference="control")
+    print_summary(rows, out, plot, f"KV-Kaizen comparison, context {args.context}", start, x="factor", reference="control",
+                  highlight=record_highlight(rows))
     return 0
 
 

@@ -118,10 +118,4 @@ PY
 fi
 existing=(); for p in "${parts[@]}"; do [ -f "$p" ] && existing+=("$p"); done
 python3 -m kvlearn.results merge "$OUT/kaizen_table.json" "${existing[@]}"
-python3 -c "
-import sys
-from kvlearn.eval.plots import plot_pareto
-from kvlearn.results import read_results
-rows = read_results(sys.argv[1])['rows']
-print('wrote', plot_pareto(rows, sys.argv[2], title='KV-Kaizen comparison, context 4096', x='factor', reference='control'))
-" "$OUT/kaizen_table.json" "$OUT/kaizen_table.png"
+python3 benchmarks/kaizen_table.py --replot "$OUT/kaizen_table.json" --plot "$OUT/kaizen_table.png"

@@ -321,3 +321,32 @@ def test_smaller_model_factor_and_its_errors(tmp_path):
         with pytest.raises(KVLearnError) as e:
             script.smaller_model_factor(save("t3", 8), bad)
         assert expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_replot_draws_the_recipes_of_record_present_and_fades_the_rest(tmp_path, monkeypatch, capsys):
+    """``--replot TABLE`` runs nothing and redraws the plot: the :data:`RECORD_SERIES` the rows hold are highlighted
+    under their labels (a record series the rows lack is left out), no other; a file that is not a results table is
+    a one-line error."""
+    from kvlearn.results import make_results, write_results
+
+    script = load_script()
+    base = dict(protocol="bounded", split="eval", budget=4096, compression=0.75, context=4096, n=4, task="vt")
+    rows = [dict(base, method="control", accuracy=1.0, factor=1.0, compression=0.0),
+            dict(base, method="kaizen", selector="kaizen4_share_auto", accuracy=1.0, factor=4.0, target=4.0),
+            dict(base, method="kaizen", selector="other_run", accuracy=0.5, factor=4.0, target=4.0),
+            dict(base, method="static", accuracy=0.9, factor=4.0, target=4.0)]
+    table = tmp_path / "kaizen_table.json"
+    write_results(table, make_results("accuracy", rows, device="cpu", command="test", commit="x"))
+    seen = {}
+    import kvlearn.eval.plots as plots
+    real = plots.plot_pareto
+    monkeypatch.setattr(plots, "plot_pareto", lambda r, path, **kw: seen.update(kw) or real(r, path, **kw))
+    assert script.main(["--replot", str(table)]) == 0
+    assert seen["highlight"] == {"kaizen [kaizen4_share_auto]": script.RECORD_SERIES["kaizen [kaizen4_share_auto]"]}
+    assert seen["x"] == "factor" and seen["reference"] == "control"
+    assert (tmp_path / "kaizen_table.png").stat().st_size > 5000
+    assert script.record_highlight([dict(r, selector=None) for r in rows]) == {}  # a fresh run's labels: none
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert script.main(["--replot", str(bad)]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"kaizen_table: error: --replot {bad}: not a readable results")

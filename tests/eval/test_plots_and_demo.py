@@ -84,6 +84,38 @@ def test_selectors_of_one_method_share_a_colour_and_one_legend_entry():
     assert style["kaizen+kvpop"][1] == "kaizen+kvpop (2 lines)" and style["kaizen+kvpop [retrofit_b4]"][1] is None
 
 
+
+def test_factor_pareto_highlights_named_series_and_fades_the_other_runs(tmp_path, monkeypatch):
+    """``highlight``: the named series drawn bold under their labels (two series sharing a label: one legend entry,
+    one marker), every other ``[...]`` series faded under one entry, plain methods as before; the legend lists the
+    full cache, the highlighted series, the rest, then the faded runs; a name the rows lack is a one-line error."""
+    import kvlearn.eval.plots as plots
+    from kvlearn.errors import KVLearnError
+
+    base = dict(protocol="bounded", split="eval", budget=4096, compression=0.75, context=4096, n=4, task="vt")
+    r = [dict(base, method="control", accuracy=1.0, factor=1.0, compression=0.0)]
+    r += [dict(base, method="kaizen", selector=s, accuracy=a, factor=f, target=f)
+          for s, a, f in (("s0", 0.9, 8.0), ("s1", 0.8, 8.0), ("old", 0.3, 8.0), ("k4", 1.0, 4.0))]
+    r += [dict(base, method="static", accuracy=0.5, factor=4.0, target=4.0)]
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    highlight = {"kaizen [s0]": "8x, 2 seeds", "kaizen [s1]": "8x, 2 seeds", "kaizen [k4]": "4x"}
+    plot_pareto(r, tmp_path / "h.png", x="factor", reference="control", highlight=highlight)
+    fig = figures[-1]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["control (full cache)", "kaizen: 8x, 2 seeds [bounded]", "kaizen: 4x [bounded]",
+                      "static [bounded]", plots.FADED_LABEL]
+    lines = {(round(ln.get_xdata()[0]), round(ln.get_ydata()[0], 2)): ln for ln in fig.axes[0].get_lines()
+             if len(ln.get_xdata()) == 1}
+    assert lines[(8, 0.3)].get_alpha() < 0.5 and lines[(8, 0.9)].get_alpha() > 0.9  # "old" faded, "s0" bold
+    assert lines[(8, 0.9)].get_marker() == lines[(8, 0.8)].get_marker() != lines[(4, 1.0)].get_marker()
+    assert lines[(8, 0.9)].get_color() == lines[(4, 1.0)].get_color()  # one colour per method
+    plot_pareto(r, tmp_path / "p.png", x="factor", reference="control")  # no highlight: one entry per method
+    assert [t.get_text() for t in figures[-1].legends[0].get_texts()] == [
+        "control (full cache)", "kaizen (4 lines) [bounded]", "static [bounded]"]
+    with pytest.raises(KVLearnError, match=r"highlight names series the rows lack: \['kaizen \[gone\]'\]"):
+        plot_pareto(r, tmp_path / "e.png", x="factor", reference="control", highlight={"kaizen [gone]": "x"})
+
 def tiny_model(seed=0):
     """A tiny random GQA model of the testbed's vocabulary."""
     torch.manual_seed(seed)

@@ -170,15 +170,25 @@ def series_legend(series: list[str]) -> dict[str, tuple[str, str | None]]:
     return out
 
 
+FADED_LABEL = "every other run (faded)"
+HIGHLIGHT_MARKERS = ("o", "s", "D", "^", "v", "P", "X", "h")
+
+
 def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy against compression",
-                x: str = "compression", reference: str = "dense") -> Path:
+                x: str = "compression", reference: str = "dense", highlight: dict[str, str] | None = None) -> Path:
     """Mean accuracy over families against the compression ratio ``1 - budget/context`` (``x="factor"``: against the
     rows' realised cache reduction ``factor``, log scale, points also split by ``target``, one line per trained
     ``selector`` or per ``series`` label of the rows (a row with both: its selector): :func:`by_selector`, all of a
     method's lines in its colour, :func:`series_legend`): one colour per
     method, one marker and line style per protocol; the full cache (method ``reference``) is a star at CR 0 (factor 1)
     and a dotted reference line. One panel per split, one legend for the figure. Points from runs cut short by a time
-    guard are drawn hollow."""
+    guard are drawn hollow.
+
+    ``highlight`` (``{series: legend label}``, series named as :func:`by_selector` names them, e.g. ``"kaizen
+    [kaizen4]"``): those series are drawn bold under their label (several series may share one label: one legend
+    entry), every other labelled series (a ``[...]`` one) faded under one legend entry, :data:`FADED_LABEL`; plain
+    method series keep their style. For a table of many runs, where the recipes of record should stand out. A name
+    the rows lack is a one-line error."""
     check(x in ("compression", "factor"), f"x={x!r} is invalid: expected 'compression' or 'factor'")
     by_factor = x == "factor"
     if by_factor:  # a row's ``series`` (e.g. a student retrofitted under its configuration) is a line of its own too
@@ -187,12 +197,24 @@ def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy again
     origin = 1.0 if by_factor else 0.0
     splits = list(dict.fromkeys(k[0] for k in agg))
     methods = [m for m in dict.fromkeys(k[1] for k in agg) if m != reference]
-    style = series_legend(methods)
+    highlight = dict(highlight or {})
+    missing = sorted(set(highlight) - set(methods))
+    check(not missing, f"highlight names series the rows lack: {missing}; the rows' series: {methods}")
+    faded = {m for m in methods if highlight and " [" in m and m not in highlight}
+    colour_of = method_colors(list(dict.fromkeys(m.split(" [", 1)[0] for m in methods)))
+    style = {m: (colour_of[m.split(" [", 1)[0]], label)  # one colour per method, whatever is faded
+             for m, (_, label) in series_legend([m for m in methods if m not in faded and m not in highlight]).items()}
+    style.update({m: (colour_of[m.split(" [", 1)[0]], f"{m.split(' [', 1)[0]}: {highlight[m]}") for m in highlight})
+    style.update({m: ("0.55", FADED_LABEL) for m in faded})
+    labels = list(dict.fromkeys(highlight.values()))  # each highlighted label its own marker, so one colour reads
+    marker_of = {m: HIGHLIGHT_MARKERS[labels.index(label) % len(HIGHLIGHT_MARKERS)] for m, label in highlight.items()}
     legend: dict[str, object] = {}  # label -> handle, over every panel
+    rank: dict[str, int] = {}  # legend order: the full cache, the highlighted series, the rest, the faded runs
 
-    def keep(handle, label):
+    def keep(handle, label, order=2):
         if label is not None and label not in legend:
             legend[label] = handle
+            rank[label] = order
 
     fig, axes = plt.subplots(1, len(splits), figsize=(5.2 * len(splits), 4.2), squeeze=False)
     for ax, split in zip(axes[0], splits):
@@ -200,24 +222,31 @@ def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy again
             if sp == split and m == reference:
                 ax.axhline(v["accuracy"], color="0.4", linestyle=":", linewidth=1)
                 keep(ax.plot([origin], [v["accuracy"]], marker="*", markersize=14, color="0.2", linestyle="none")[0],
-                     f"{reference} (full cache)")
+                     f"{reference} (full cache)", 0)
         for m in methods:
             colour, label = style[m]
             for proto in dict.fromkeys(k[2] for k in agg if k[0] == split and k[1] == m):
                 pts = sorted((v[x], v["accuracy"], v["incomplete"]) for k, v in agg.items()
                              if k[0] == split and k[1] == m and k[2] == proto)
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                line = ax.plot(xs, ys, color=colour, linestyle=LINESTYLES.get(proto, "-"), marker=MARKERS.get(proto, "^"),
-                               markersize=MARKERSIZES.get(proto, 7), markeredgecolor="black", markeredgewidth=0.6,
-                               alpha=0.85, zorder=3 if proto == "context" else 2)[0]
-                keep(line, None if label is None else f"{label} [{proto}]")
+                emphasis = ({"markersize": 5, "markeredgewidth": 0, "alpha": 0.3, "linewidth": 0.8, "zorder": 1}
+                            if m in faded else
+                            {"markersize": MARKERSIZES.get(proto, 7) + 3, "markeredgewidth": 1.0, "alpha": 0.95,
+                             "linewidth": 2.2, "zorder": 5} if m in highlight else
+                            {"markersize": MARKERSIZES.get(proto, 7), "markeredgewidth": 0.6, "alpha": 0.85,
+                             "zorder": 3 if proto == "context" else 2})
+                marker = marker_of.get(m, MARKERS.get(proto, "^"))
+                line = ax.plot(xs, ys, color=colour, linestyle=LINESTYLES.get(proto, "-"), marker=marker,
+                               markeredgecolor="black", **emphasis)[0]
+                keep(line, None if label is None else label if m in faded else f"{label} [{proto}]",
+                     3 if m in faded else 1 if m in highlight else 2)
                 hollow = [(x, y) for x, y, inc in pts if inc]
                 if hollow:
-                    ax.plot(*zip(*hollow), linestyle="none", marker=MARKERS.get(proto, "^"),
+                    ax.plot(*zip(*hollow), linestyle="none", marker=marker,
                             markersize=MARKERSIZES.get(proto, 7), markerfacecolor="white", color=colour, zorder=4)
         if any(v["incomplete"] for k, v in agg.items() if k[0] == split):
             keep(ax.plot([], [], linestyle="none", marker="o", markerfacecolor="white", color="0.3")[0],
-                 "hollow: run cut short (incomplete)")
+                 "hollow: run cut short (incomplete)", 4)
         ax.set_ylabel("accuracy, mean over task families")
         ax.set_ylim(-0.03, 1.05)
         if by_factor:
@@ -229,7 +258,8 @@ def plot_pareto(rows: list[dict], path: str | Path, title: str = "Accuracy again
             ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         ax.grid(alpha=0.3)
         ax.set_title(f"split: {split}", fontsize=9)
-    fig.legend(list(legend.values()), list(legend.keys()), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5),
+    order = sorted(legend, key=lambda label: rank[label])  # stable: first drawn first within a rank
+    fig.legend([legend[k] for k in order], order, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5),
                frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
