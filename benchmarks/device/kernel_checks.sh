@@ -8,9 +8,9 @@
 #      step (one CUDA graph replaying the eager steps) -> $OUT/gpu_tests_kernels.log
 #   2. unless TIMINGS=0, each alone on the GPU:
 #      a. the retrofit step against a plain distillation step (and the operators one step of each dispatches,
-#         --count-operators), with the variants STEP_VARIANTS (default
-#         scorer_kd,scorer_kd_compiled: the scorer distillation's cost, eager and compiled) and, with PROFILE=1, a
-#         kernel profile of one step per method (benchmarks/retrofit_step_speed.py --profile)
+#         --count-operators, and the host syncs of one step with where they are issued, --sync-sites), with the variants
+#         STEP_VARIANTS (default scorer_kd,scorer_kd_compiled: the scorer distillation's cost, eager and compiled)
+#         and, with PROFILE=1, a kernel profile of one step per method (benchmarks/retrofit_step_speed.py --profile)
 #         -> $OUT/retrofit_step_speed_h200.json[, $OUT/profile/*.txt]
 #      b. unless KIVI=0: the KIVI decode kernel against the bf16 cache and the read-back path, graph-replayed,
 #         16k-131k, 2 bits (benchmarks/packed_decode_speed.py --store kivi --graph) -> $OUT/kivi_decode_h200.json
@@ -45,7 +45,7 @@ fi
 if [ "${TIMINGS:-1}" != 0 ]; then
     profile=(); [ "${PROFILE:-0}" = 1 ] && profile=(--profile "$OUT/profile")
     timeout 200 python3 benchmarks/retrofit_step_speed.py --variants "${STEP_VARIANTS:-scorer_kd,scorer_kd_compiled}" \
-        --count-operators ${profile[@]+"${profile[@]}"} --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
+        --count-operators --sync-sites ${profile[@]+"${profile[@]}"} --out "$OUT/retrofit_step_speed_h200.json" > "$OUT/retrofit_step_speed.log" 2>&1
     echo "retrofit step speed rc=$?"; grep -vE "Warn|Loading weights|Writing model" "$OUT/retrofit_step_speed.log" | tail -n 8
     if [ "${KIVI:-1}" != 0 ]; then
         timeout 180 python3 benchmarks/packed_decode_speed.py --store kivi --bits 2 --graph \

@@ -297,6 +297,30 @@ class _ExpectedExtraKeysFilter(logging.Filter):
         return not rows or not all(self._expected(r) for r in rows)
 
 
+def unpadded_causal_masks(model) -> dict | None:
+    """The ``attention_mask`` argument for a forward of unpadded sequences from position 0 without a cache (a
+    training step): transformers' prepared per-layer-type mapping with every mask ``None``, which the model's attention
+    reads as plain causal attention, so the forward does not build it. Building it costs a host sync in an eager
+    step: ``find_packed_sequence_indices`` reads a device boolean to rule out packed sequences (transformers skips the
+    read only while tracing or capturing a CUDA graph), so the host waits for the GPU to drain before it issues the
+    rest of the forward, twice per distillation step (teacher and student).
+
+    ``None`` (transformers builds the mask, as without this) unless it is exact: the model's config lists its
+    ``layer_types`` (the forwards of transformers 5.17 that take a prepared mapping: Qwen2, Qwen3; Llama and Mistral
+    do not) and every one is full attention (a sliding window needs its mask), and the model's mask function itself
+    gives ``None`` for such a sequence (SDPA, flash and kvlearn's training attentions; eager attention needs its
+    mask). The last is checked by building that mask for a 2-token sequence on the CPU: no device work."""
+    from transformers.masking_utils import create_causal_mask
+
+    config = model.config
+    types = getattr(config, "layer_types", None)
+    if not types or set(types) != {"full_attention"}:
+        return None
+    probe = create_causal_mask(config=config, inputs_embeds=torch.zeros(1, 2, 1), attention_mask=None,
+                               past_key_values=None, position_ids=None)
+    return {"full_attention": None} if probe is None else None
+
+
 def _reason(err: BaseException) -> str:
     """An exception's cause in one line, without safetensors' generic prefix."""
     text = (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -315,6 +315,67 @@ def test_step_tensors_and_read_back_are_the_train_step(tmp_path):
         assert torch.equal(p, q)
 
 
+
+SYNC_PRIMITIVES = ("__bool__", "item", "__int__", "__float__", "tolist", "nonzero", "__index__")
+
+
+@pytest.mark.parametrize("method", ["dense", "mlp", "mlstm"])
+def test_step_device_part_never_reads_the_device(tmp_path, monkeypatch, method):
+    """What ``--variants graphed_step`` captures (``step_tensors`` / ``dense_step_tensors``) reads nothing back on the
+    CPU path: every sync primitive raises during the step (the optimizer is plain SGD: AdamW's non-capturable step
+    reads its step counts, the graphed step's capturable AdamW does not). Transformers' mask construction used to
+    read a device boolean in the teacher's and the student's forward (``find_packed_sequence_indices``: two host
+    syncs per eager step; it skips the read under CUDA-graph capture); ``hf.unpadded_causal_masks`` hands the
+    forwards the prepared mapping instead. The step's values equal those of the same step with transformers building
+    the masks."""
+    import copy
+
+    from kvlearn.config import KVpopConfig
+    from kvlearn.train import distill
+    from kvlearn.train.distill import (RetrofitConfig, build_models, dense_student, read_back, step_draws,
+                                       step_tensors, training_kvpop)
+
+    script = load_benchmark("retrofit_step_speed")
+    folder = script.random_model_folder("tiny", tmp_path / "tiny", str(script.REPO / "checkpoints" / "testbed-teacher"),
+                                        torch.device("cpu"))
+    config = RetrofitConfig(model=str(folder), out=str(tmp_path / "o"), batch_size=2, seq_len=256, device="cpu",
+                            kvpop=KVpopConfig(sinks=4, window=16, topk=44, scorer=method if method != "dense" else "mlp"),
+                            steps=4)
+    torch.manual_seed(0)
+    teacher, student = build_models(config, torch.device("cpu"))
+    if method == "dense":
+        student = dense_student(teacher)
+    twin = copy.deepcopy(student)
+    ids = torch.randint(3, 200, (2, 256))
+    kv = training_kvpop(config, student) if method != "dense" else None
+    draws = step_draws(config, kv, 0, torch.device("cpu")) if method != "dense" else None
+
+    def step(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if method == "dense":
+            return distill.dense_step_tensors(config, teacher, model, opt, ids, ids.clone())
+        summed, means, _ = step_tensors(config, teacher, model, opt, ids, ids.clone(), kv, draws, 0, 0.0)
+        return summed, means
+
+    with monkeypatch.context() as m:  # the reference: transformers builds every mask (and reads the device)
+        m.setattr(distill, "unpadded_causal_masks", lambda model: None)
+        expected = step(twin)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a host read of a device value in the step's device part")
+
+    with monkeypatch.context() as m:
+        for attr in SYNC_PRIMITIVES:
+            m.setattr(torch.Tensor, attr, forbidden)
+        m.setattr(torch, "nonzero", forbidden)
+        got = step(student)
+    if method == "dense":
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    else:
+        assert read_back(*got, torch.device("cpu")) == read_back(*expected, torch.device("cpu"))
+    for p, q in zip(student.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
 def test_graphed_step_replays_the_eager_steps_on_cuda(tmp_path, scorer):

@@ -74,7 +74,7 @@ from ..kvpop.scorer_kd import ScorerKD, scorer_kd_rows
 from ..kvpop.train_attention import SHARE, TrainForward, use_train_attention
 from ..ops.quant import BITS as KV_BITS
 from ..testbed.data import IGNORE_INDEX, TestbedStream, check_mixture, dense_share, shard_rows
-from ..hf import copy_tokenizer_files
+from ..hf import copy_tokenizer_files, unpadded_causal_masks
 from ..lineage import write_teacher_record
 from . import parallel
 from .schedule import warmup_cosine
@@ -392,13 +392,15 @@ def method_forward(config: RetrofitConfig, student, input_ids: torch.Tensor, ste
     generator seeded by ``(seed, step)`` (a resumed run draws the same noise); target closed fraction at
     ``fraction`` of the run."""
     if config.method == "streaming_plus":
-        logits = student(input_ids=input_ids, streaming_train=config.streaming, use_cache=False).logits
+        logits = student(input_ids=input_ids, attention_mask=unpadded_causal_masks(student),
+                         streaming_train=config.streaming, use_cache=False).logits
         return logits, torch.zeros((), device=logits.device), {}
     from ..dms.attention import DMSTrainForward, compression_loss
 
     gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step + 7)
     state = DMSTrainForward(config.dms, generator=gen, backend=config.dms.train_attention)
-    logits = student(input_ids=input_ids, dms_train=state, use_cache=False).logits
+    logits = student(input_ids=input_ids, attention_mask=unpadded_causal_masks(student), dms_train=state,
+                     use_cache=False).logits
     target = config.dms.target_fraction(fraction)
     loss, closed = compression_loss(state.records, target)
     return logits, loss, {"compression": float(loss.detach()), "closed_fraction": closed, "target_fraction": target}
@@ -423,7 +425,8 @@ def student_forward(student, input_ids: torch.Tensor, kvpop: KVpopConfig,
     and values at ``kv_bits`` (per layer; ``None``: unquantized), with the straight-through scorer distillation
     ``scorer_kd`` on its rows (``None``: off; the logits are the same either way)."""
     state = TrainForward(kvpop, kv_bits, scorer_kd)
-    logits = student(input_ids=input_ids, kvpop_train=state, use_cache=False).logits
+    logits = student(input_ids=input_ids, attention_mask=unpadded_causal_masks(student), kvpop_train=state,
+                     use_cache=False).logits
     return logits, state
 
 
@@ -791,7 +794,8 @@ def step_tensors(config: RetrofitConfig, teacher, student, optimizer, input_ids:
     reduce_sum = parallel.all_reduce_sum if d.world > 1 else None
     with torch.autocast(device_type=input_ids.device.type, dtype=torch.bfloat16, enabled=input_ids.device.type == "cuda"):
         with torch.no_grad():
-            teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+            teacher_logits = teacher(input_ids=input_ids, attention_mask=unpadded_causal_masks(teacher),
+                                     use_cache=False).logits  # [B, T, V]
         if config.method == "kvpop":
             bits = layer_kv_bits(config, student.config.num_hidden_layers)
             logits, state = student_forward(student, input_ids, kv, bits, draws.scorer_kd)
@@ -879,8 +883,10 @@ def dense_step_tensors(config: RetrofitConfig, teacher, student, optimizer, inpu
     device = input_ids.device
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         with torch.no_grad():
-            teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
-        logits = student(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+            teacher_logits = teacher(input_ids=input_ids, attention_mask=unpadded_causal_masks(teacher),
+                                     use_cache=False).logits  # [B, T, V]
+        logits = student(input_ids=input_ids, attention_mask=unpadded_causal_masks(student),
+                         use_cache=False).logits  # [B, T, V]
     kd = kd_loss(logits, teacher_logits, labels, config.kd_topk)
     kd.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
