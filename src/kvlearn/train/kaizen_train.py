@@ -77,6 +77,7 @@ from pathlib import Path
 import torch
 
 from ..errors import check, check_int, check_non_negative, check_positive
+from ..hf import unpadded_causal_masks
 from ..kaizen.actions import Backbone
 from ..kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
 from ..kaizen.budget import BudgetMultiplier
@@ -354,7 +355,8 @@ def step_losses(student, teacher_logits, input_ids, labels, targets: torch.Tenso
         g = -torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-7)))
         weights = gumbel_straight_through(logits + g, tau, noise=False)
     state = KaizenTrainForward(sel.space, weights)
-    out = student(input_ids=input_ids, kaizen_train=state, use_cache=False).logits
+    out = student(input_ids=input_ids, attention_mask=unpadded_causal_masks(student), kaizen_train=state,
+                  use_cache=False).logits
     kd = kd_loss(out, teacher_logits, labels, kd_topk, reduce_sum=reduce_sum)
     cost = sel.cost(weights.float())  # [B] bits per token (no metadata), hard forward
     target_bits = sel.target_bits(targets).to(cost.device)
@@ -442,7 +444,8 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
     tau = temperature(config, fraction)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         with torch.no_grad():
-            teacher_logits = teacher(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+            teacher_logits = teacher(input_ids=input_ids, attention_mask=unpadded_causal_masks(teacher),
+                                     use_cache=False).logits  # [B, T, V]
         parts = joint(teacher_logits, input_ids, labels, targets[rows.start:rows.stop], tau,
                       uniforms[rows.start:rows.stop])
     (parts["loss"] * d.world).backward()  # FSDP averages the gradients over the processes: the shares' sum
