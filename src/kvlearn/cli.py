@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -45,8 +46,13 @@ def _device(name: str) -> str:
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    check(name == "cpu" or name.startswith("cuda"), f"device={name!r} is invalid: expected auto, cpu or cuda[:N]")
+    match = re.fullmatch(r"cuda(?::(\d+))?", name)
+    check(name == "cpu" or match is not None, f"device={name!r} is invalid: expected auto, cpu or cuda[:N]")
     check(name == "cpu" or torch.cuda.is_available(), f"device={name!r} requested but CUDA is not available: use --device cpu")
+    if match is not None and match.group(1) is not None:
+        count = torch.cuda.device_count()
+        check(int(match.group(1)) < count, f"device={name!r} is invalid: this machine has {count} CUDA device(s), "
+                                           f"expected cuda or cuda:N with N in [0, {count - 1}]")
     return name
 
 
@@ -58,6 +64,9 @@ def _tasks(text: str) -> tuple[str, ...]:
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     unknown = [t for t in names if t not in FAMILIES]
     check(not unknown and names, f"--tasks {text!r}: unknown task(s) {', '.join(unknown) or '(none given)'}; expected a comma list of {', '.join(FAMILIES)} or 'all'")
+    repeated = sorted({t for t in names if names.count(t) > 1}, key=names.index)
+    check(not repeated, f"--tasks {text!r}: task(s) {', '.join(repeated)} given more than once; expected each of "
+                        f"{', '.join(FAMILIES)} at most once, or 'all'")
     return names
 
 
@@ -301,14 +310,26 @@ def _family_weights(text: str):
     return tuple(groups) if ";" in text else groups[0]
 
 
+def _number_list(text: str, option: str, kind: type, expected: str) -> tuple:
+    """``--stages`` / ``--stage-fractions``: a comma list of ``kind`` (int or float); a one-line error otherwise."""
+    try:
+        return tuple(kind(t) for t in text.split(","))
+    except ValueError:
+        raise KVLearnError(f"{option} {text!r} is invalid: expected {expected}") from None
+
+
 def cmd_pretrain(args) -> int:
     from .train.pretrain import PretrainConfig, pretrain
 
     config = PretrainConfig(**({"out": args.out} if args.out else {}), overwrite=args.overwrite, minutes=args.minutes, steps=args.steps, device=_device(args.device), seed=args.seed,
                             resume=args.resume, num_workers=args.num_workers, eval_n=args.eval_n,
                             tokens_per_step=args.tokens_per_step, lr=args.lr, dense_fraction=args.dense_fraction,
-                            **({"stages": tuple(int(s) for s in args.stages.split(","))} if args.stages else {}),
-                            **({"stage_fractions": tuple(float(s) for s in args.stage_fractions.split(","))} if args.stage_fractions else {}),
+                            **({"stages": _number_list(args.stages, "--stages", int, "a comma list of example "
+                                                       "lengths, e.g. 256,512,1024,2048,4096")} if args.stages else {}),
+                            **({"stage_fractions": _number_list(args.stage_fractions, "--stage-fractions", float,
+                                                                "a comma list of time fractions summing to 1, e.g. "
+                                                                "0.06,0.08,0.12,0.24,0.5")}
+                               if args.stage_fractions else {}),
                             **({"warmup_steps": args.warmup_steps} if args.warmup_steps is not None else {}),
                             **({"family_weights": _family_weights(args.family_weights)} if args.family_weights else {}),
                             **({"train_styles": tuple(args.train_styles.split(","))} if args.train_styles else {}),
@@ -379,7 +400,8 @@ def cmd_retrofit(args) -> int:
             method_kw[name] = getattr(args, name)
     if args.scorer_kd_compile:
         method_kw["scorer_kd_compile"] = True
-    length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
+    length = ({"minutes": args.minutes, "steps": None} if args.minutes is not None  # --steps 0 is refused, not 1000
+              else {"steps": 1000 if args.steps is None else args.steps})
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len,
                             **({"lr": args.lr} if args.lr is not None else {}),
@@ -427,13 +449,13 @@ def _gate_softcap(text: str) -> float | None:
 def cmd_reproduce(args) -> int:
     from .eval.reproduce import ReproduceConfig, reproduce_kvpop
 
-    budgets = []
-    for part in args.budgets.split(","):
-        check(part.strip().isdigit(), f"--budgets {args.budgets!r} is invalid: expected a comma list of integers")
-        budgets.append(int(part))
-    config = ReproduceConfig(out=args.out, budgets=tuple(budgets), minutes=args.minutes, steps=args.steps,
+    try:  # ReproduceConfig checks each budget's range
+        budgets = tuple(int(part) for part in args.budgets.split(","))
+    except ValueError:
+        raise KVLearnError(f"--budgets {args.budgets!r} is invalid: expected a comma list of integers") from None
+    config = ReproduceConfig(out=args.out, budgets=budgets, minutes=args.minutes, steps=args.steps,
                              n_per_task=args.n_per_task,
-                             device=args.device, model=args.model, retrofit_args=args.retrofit_args,
+                             device=_device(args.device), model=args.model, retrofit_args=args.retrofit_args,
                              table_args=args.table_args, overwrite=args.overwrite, resume=args.resume)
     print(f"wrote {reproduce_kvpop(config)}")
     return 0
@@ -479,7 +501,11 @@ def cmd_kaizen_train(args) -> int:
 
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
     targets = parse_targets(args.target)
-    length = {"minutes": args.minutes, "steps": None} if args.minutes is not None else {"steps": args.steps or 1000}
+    check(args.share_threshold is None or args.share_layers == "auto",
+          f"--share-threshold {args.share_threshold} is read only by the sensitivity pass: expected --share-layers auto "
+          f"with it (got --share-layers {args.share_layers})")
+    length = ({"minutes": args.minutes, "steps": None} if args.minutes is not None  # --steps 0 is refused, not 1000
+              else {"steps": 1000 if args.steps is None else args.steps})
     axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
     config = KaizenTrainConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                                targets=targets, axes=axes, batch_size=args.batch_size, seq_len=args.seq_len,

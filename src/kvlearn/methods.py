@@ -229,7 +229,12 @@ def make_config(name: str, budget: int | None = None, sinks: int = 4, context: i
         try:
             return method.config_from_budget(budget=budget, sinks=sinks, context=context, **extra)
         except TypeError as e:
-            raise KVLearnError(f"method {name!r}: bad config arguments ({e})") from None
+            # the options it takes, except for a composition (kaizen+...), whose other options go to its eviction's
+            # config, which the TypeError names
+            fields = sorted(f.name for f in dataclasses.fields(method.config_cls)) \
+                if dataclasses.is_dataclass(method.config_cls) else []
+            takes = f"; its config takes {', '.join(fields)}" if fields and "eviction" not in fields else ""
+            raise KVLearnError(f"method {name!r}: bad config arguments ({e}){takes}") from None
     check(budget is not None, f"method {name!r} needs a budget: expected sinks + 1 = {sinks + 1} <= budget"
           + (f" < context = {context}" if context is not None else ""))
     fields = {f.name for f in dataclasses.fields(method.config_cls)}

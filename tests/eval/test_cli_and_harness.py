@@ -38,6 +38,10 @@ def run_cli(capsys, *argv):
         (["eval", "--method", "streaming", "--budget", "4096", "--context", "4096"], "budget=4096 is invalid"),
         (["eval", "--method", "streaming"], "needs a budget"),
         (["eval", "--method", "dense", "--n-per-task", "0"], "n_per_task=0 is invalid"),
+        (["eval", "--method", "dense", "--tasks", "niah,vt,niah"], "--tasks 'niah,vt,niah': task(s) niah given more than once"),
+        (["eval", "--method", "dense", "--sinks", "-1"], "sinks=-1 is invalid: expected an integer >= 0"),
+        (["eval", "--method", "kaizen_static", "--window", "16"],
+         "unexpected keyword argument 'window'); its config takes axes, configuration, seed, target"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(capsys, tmp_path, argv, needle):
@@ -50,6 +54,19 @@ def test_bad_arguments_give_one_line_errors(capsys, tmp_path, argv, needle):
     assert code == 2
     assert len(err.splitlines()) == 1 and err.startswith("kvlearn: error:")
     assert needle in err
+
+
+def test_cuda_device_names_are_checked_against_the_machine(capsys, tmp_path, monkeypatch):
+    """``--device`` takes ``cuda`` or ``cuda:N`` with N below the device count (checked before any model loads): a
+    malformed name or a missing index is a one-line error naming it and the valid range, not a torch error later."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device, needle in (("cuda:abc", "device='cuda:abc' is invalid: expected auto, cpu or cuda[:N]"),
+                           ("cudafoo", "device='cudafoo' is invalid: expected auto, cpu or cuda[:N]"),
+                           ("cuda:1", "device='cuda:1' is invalid: this machine has 1 CUDA device(s), expected cuda "
+                                      "or cuda:N with N in [0, 0]")):
+        code, err = run_cli(capsys, "eval", "--method", "dense", "--model", str(tmp_path / "nope"), "--device", device)
+        assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
 
 
 def test_missing_checkpoint_and_unsupported_architecture(capsys, tmp_path):

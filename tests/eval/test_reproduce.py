@@ -118,10 +118,31 @@ def test_resume_keeps_the_finished_budgets_and_merges_them_all(tmp_path):
     (dict(budgets=()), "budgets is empty"), (dict(budgets=(3,)), "budget=3 is invalid"),
     (dict(minutes=-1), "minutes=-1 is invalid"), (dict(n_per_task=0), "n_per_task=0 is invalid"),
     (dict(steps=0), "steps=0 is invalid"),
-    (dict(device="tpu"), "device='tpu' is invalid: expected cuda or cpu")])
+    (dict(device="tpu"), "device='tpu' is invalid: expected cuda or cpu"),
+    (dict(model="/nonexistent/teacher"), "model path '/nonexistent/teacher' does not exist or is not a directory"),
+    (dict(model=__file__), "does not exist or is not a directory: expected a checkpoint folder")])
 def test_bad_input_is_one_line(bad, message, tmp_path):
     with pytest.raises(KVLearnError, match=message):
         ReproduceConfig(out=str(tmp_path / "x"), **bad)
+
+
+def test_cli_bad_input_is_one_line_before_any_chain_runs(tmp_path, capsys, monkeypatch):
+    """``kvlearn reproduce``: a budget out of range names its range, and ``--device cuda`` on a machine without CUDA
+    is refused before the first retrofit starts (nothing is written to ``--out``)."""
+    import torch
+
+    from kvlearn.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "r"
+    for argv, needle in ((["--budgets", "512,-1", "--device", "cpu"], "budget=-1 is invalid: expected an integer >= 6"),
+                         (["--budgets", "512,x", "--device", "cpu"], "--budgets '512,x' is invalid: expected a comma list of integers"),
+                         (["--device", "cuda"], "device='cuda' requested but CUDA is not available: use --device cpu"),
+                         ([], "device='cuda' requested but CUDA is not available")):  # cuda is the default
+        assert main(["reproduce", "kvpop", "--out", str(out), "--steps", "1", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+    assert not out.exists()
 
 
 @pytest.mark.slow

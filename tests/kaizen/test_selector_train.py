@@ -405,6 +405,10 @@ def test_cli_one_line_errors(teacher_path, tmp_path, capsys):
     assert code == 2 and "\n" not in err and "feasible range" in err
     code, err = run("kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "o"), "--target", "four")
     assert code == 2 and "\n" not in err and "--target" in err
+    code, err = run("kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "o"), "--share-threshold", "0.1")
+    assert code == 2 and "\n" not in err and err.endswith(
+        "--share-threshold 0.1 is read only by the sensitivity pass: expected --share-layers auto with it (got "
+        "--share-layers all)"), err
     code, err = run("eval", "--method", "kaizen", "--model", teacher_path, "--budget", "64", "--context", "256")
     assert code == 2 and "\n" not in err and "--target" in err
     code, err = run("eval", "--method", "streaming", "--model", teacher_path, "--budget", "64", "--context", "256",

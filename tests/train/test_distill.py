@@ -553,6 +553,28 @@ def test_dense_fraction_flag_reaches_both_trainers(teacher_path, tmp_path, monke
     assert err.count("\n") == 1 and "dense_fraction=1.5 is invalid: expected True, False or a share of dense rows in [0, 1]" in err
 
 
+def test_zero_steps_are_refused_not_replaced_by_the_default(teacher_path, tmp_path, monkeypatch, capsys):
+    """``--steps 0`` of ``kvlearn retrofit`` and ``kvlearn kaizen-train`` is a one-line error (it once became the
+    default 1000 steps: a real run on a nonsensical value); no ``--steps`` and no ``--minutes`` is still 1000."""
+    from kvlearn import cli
+    from kvlearn.train import distill as distill_module
+    from kvlearn.train import kaizen_train as kaizen_module
+
+    got = []
+    monkeypatch.setattr(distill_module, "retrofit", lambda c: got.append(c) or {"final": "f", "step": 0})
+    monkeypatch.setattr(kaizen_module, "kaizen_train", lambda c: got.append(c) or {"final": "f", "step": 0})
+    common = ["--model", teacher_path, "--seq-len", "128", "--device", "cpu"]
+    retro = ["retrofit", *common, "--out", str(tmp_path / "r"), "--budget", "52", "--window", "16"]
+    kaizen = ["kaizen-train", *common, "--out", str(tmp_path / "k")]
+    for argv in (retro, kaizen):
+        assert cli.main(argv) == 0 and got[-1].steps == 1000
+        capsys.readouterr()
+        assert cli.main([*argv, "--steps", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "steps=0 is invalid: expected an integer >= 1" in err, err
+    assert len(got) == 2
+
+
 def test_family_weights_draw_the_retrofits_batches(teacher_path, tmp_path, monkeypatch, capsys):
     """``family_weights`` (``kvlearn retrofit --family-weights``) set the family mixture of the retrofit's training
     stream: with all weight on vt, the batches the loop trains on are the testbed's vt-only batches of the same seeds

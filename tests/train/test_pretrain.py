@@ -31,6 +31,32 @@ def test_config_validation():
         PretrainConfig(dense_fraction=1.2)
 
 
+@pytest.mark.parametrize("bad, message", [
+    (dict(lr=-1.0), r"^lr=-1.0 is invalid: expected a finite number > 0$"),
+    (dict(lr=0.0), r"^lr=0.0 is invalid: expected a finite number > 0$"),
+    (dict(warmup_steps=-1), r"^warmup_steps=-1 is invalid: expected an integer >= 0$"),
+    (dict(seed=-1), r"^seed=-1 is invalid: expected an integer >= 0$"),
+    (dict(tokens_per_step=0), r"^tokens_per_step=0 is invalid: expected an integer >= 4096 \(a multiple of the longest stage 4096\)$"),
+    (dict(tokens_per_step=-4096), r"^tokens_per_step=-4096 is invalid: expected an integer >= 4096"),
+    (dict(resume="/nonexistent/run"), r"^resume='/nonexistent/run' is not a model folder \(no config.json\)"),
+])
+def test_bad_training_settings_are_one_line_errors_naming_the_value(bad, message, tmp_path):
+    """Values torch would refuse deep inside the run (a negative learning rate), take silently (a zero learning
+    rate, a negative warm-up) or report under another name (a negative seed or token count, as a derived one) are
+    refused when the config is made, naming the value given and the valid range."""
+    with pytest.raises(KVLearnError, match=message):
+        PretrainConfig(out=str(tmp_path / "t"), **bad)
+
+
+def test_cli_stage_lists_that_are_not_numbers_are_one_line_errors(tmp_path, capsys):
+    from kvlearn.cli import main
+
+    for flag, text in (("--stages", "a,b"), ("--stages", "256,,512"), ("--stage-fractions", "x")):
+        assert main(["pretrain", "--out", str(tmp_path / "t"), "--device", "cpu", flag, text]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"kvlearn: error: {flag} {text!r} is invalid: expected a comma list"), err
+
+
 def test_trace_checks_step_lines_and_answer_but_not_thinking():
     ex = tasks.generate("trace", tasks.example_seed("trace", "eval", 0), 400)
     checked = checked_answer_positions(ex)

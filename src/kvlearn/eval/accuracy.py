@@ -72,6 +72,7 @@ class EvalConfig:
         check(len(self.tasks) > 0, "tasks is empty: expected at least one of " + ", ".join(testbed_tasks.FAMILIES))
         unknown = [t for t in self.tasks if t not in testbed_tasks.FAMILIES]
         check(not unknown, f"task(s) {', '.join(map(repr, unknown))} unknown: expected any of {', '.join(testbed_tasks.FAMILIES)}")
+        check_int("sinks", self.sinks, 0)  # every method's, even one that ignores it (dense, the kaizen ones)
         check_int("n_per_task", self.n_per_task, 1)
         check_int("context", self.context, MIN_CONTEXT, testbed_tasks.MAX_LENGTH,
                   hint=f" (the testbed generates at most {testbed_tasks.MAX_LENGTH} tokens)")

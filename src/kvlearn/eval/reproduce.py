@@ -64,6 +64,10 @@ class ReproduceConfig:
             check_int("steps", self.steps, 1)
         check_int("n_per_task", self.n_per_task, 1)
         check(self.device in ("cuda", "cpu"), f"device={self.device!r} is invalid: expected cuda or cpu")
+        if self.model is not None:  # one-line errors for a missing folder, a file, an unsupported family
+            from ..hf import read_model_config
+
+            read_model_config(self.model)
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder")
         check(not (self.overwrite and self.resume),

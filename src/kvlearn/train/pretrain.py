@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from ..errors import check, check_int
+from ..errors import check, check_int, check_positive
 from ..testbed import tasks as testbed_tasks
 from ..testbed.data import TestbedStream, check_haystack_subset, dense_share
 from ..testbed.filler import TRAIN_STYLES
@@ -112,7 +112,12 @@ class PretrainConfig:
         check(self.num_heads % self.num_kv_heads == 0 and self.num_heads // self.num_kv_heads >= 2 and self.num_kv_heads >= 2,
               f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}: expected >= 2 KV heads and >= 2 query heads per KV head")
         self.dense_fraction = dense_share(self.dense_fraction, "dense_fraction")
+        check_int("tokens_per_step", self.tokens_per_step, max(self.stages),
+                  hint=f" (a multiple of the longest stage {max(self.stages)})")
         check(self.tokens_per_step % max(self.stages) == 0, f"tokens_per_step={self.tokens_per_step} must be a multiple of the longest stage {max(self.stages)}")
+        check_positive("lr", self.lr)
+        check_int("warmup_steps", self.warmup_steps, 0)
+        check_int("seed", self.seed, 0)
         check_int("eval_n", self.eval_n, 1)
         if isinstance(self.family_weights, str):
             check(self.family_weights in FAMILY_WEIGHT_MODES,
@@ -130,6 +135,9 @@ class PretrainConfig:
                                                 and self.multivalue_from in self.stages),
               f"multivalue_from={self.multivalue_from!r} is invalid: expected None (never) or one of the stage lengths "
               f"{', '.join(str(s) for s in self.stages)}")
+        check(self.resume is None or Path(self.resume, "config.json").is_file(),
+              f"resume={self.resume!r} is not a model folder (no config.json): expected the checkpoint folder of an "
+              "earlier kvlearn pretrain run")
         out = Path(self.out)
         check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoint")
         check(self.overwrite or not out.exists() or not any(out.iterdir()) or out == Path(self.resume or "\0"),
