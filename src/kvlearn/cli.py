@@ -166,6 +166,32 @@ def _eval_config(args, method: str, budget, tasks, model: str | None = None, tar
                       options=options or None)
 
 
+def untrained_modules_warning(method: str, model, model_path) -> str | None:
+    """One line when a learned ``method`` is evaluated on a model that carries none of its trained modules, so the
+    method runs freshly initialised ones (documented behaviour, e.g. the untrained-scorer ablation, but rarely what a
+    user means); ``None`` otherwise."""
+    if method in ("kvpop", "kaizen+kvpop"):
+        from .kvpop.apply import has_kvpop
+
+        if not has_kvpop(model):
+            return (f"--model {model_path} carries no trained KVpop scorers: --method {method} runs freshly initialised "
+                    "ones (zero-initialised: they rank by recency); pass a retrofitted student "
+                    "(e.g. checkpoints/testbed-kvpop) or --kvpop-scorers FOLDER")
+    elif method == "dms":
+        from .dms.apply import recorded_config
+
+        if recorded_config(model) is None:
+            return (f"--model {model_path} carries no trained DMS gates: --method dms runs freshly initialised ones; "
+                    "pass a student of `kvlearn retrofit --method dms`")
+    elif method == "kaizen":
+        from .kaizen.selector import SELECTOR_NAME
+
+        if getattr(model, SELECTOR_NAME, None) is None:
+            return (f"--model {model_path} carries no trained KV-Kaizen selector: --method kaizen runs a freshly "
+                    "initialised one (no trained choice); pass the final/ folder of `kvlearn kaizen-train`")
+    return None
+
+
 def cmd_eval(args) -> int:
     from .eval.accuracy import evaluate, format_table
     from .eval.plots import plot_accuracy
@@ -194,6 +220,9 @@ def cmd_eval(args) -> int:
         from .kvpop.apply import load_kvpop
 
         load_kvpop(model, scorers)
+    warning = untrained_modules_warning(args.method, model, args.model)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     start = time.perf_counter()
     rows = evaluate(model, config)
     wall = time.perf_counter() - start

@@ -219,3 +219,26 @@ def test_testbed_prints_the_training_format_with_its_supervised_spans(capsys):
     assert prompt.replace("[[ ", "").replace(" ]]", "") == tok.decode(ex.prompt_ids)
     assert main(["testbed", "--family", "trace", "--length", "1024"]) == 0
     assert "[[" not in capsys.readouterr().out
+
+
+def test_learned_methods_on_a_model_without_their_modules_are_warned_about(capsys):
+    """``kvlearn eval`` names it when a learned method would run freshly initialised modules (the plain teacher under
+    ``--method kvpop``, ``dms`` or ``kaizen``), and stays quiet once the model carries them or for a rule-based
+    method."""
+    from kvlearn import DMSConfig, KVpopConfig, apply_dms, apply_kvpop
+    from kvlearn.cli import untrained_modules_warning
+
+    model = tiny_testbed_model()
+    for method, what in (("kvpop", "KVpop scorers"), ("kaizen+kvpop", "KVpop scorers"), ("dms", "DMS gates"),
+                         ("kaizen", "KV-Kaizen selector")):
+        warning = untrained_modules_warning(method, model, "teacher/")
+        assert warning.startswith(f"--model teacher/ carries no trained {what}: --method {method} runs ")
+        assert "freshly initialised" in warning
+    for method in ("dense", "streaming", "snapkv", "kaizen_static", "kivi"):
+        assert untrained_modules_warning(method, model, "teacher/") is None
+    apply_kvpop(model, KVpopConfig(sinks=4, window=16, topk=44))
+    assert untrained_modules_warning("kvpop", model, "s/") is None
+    assert untrained_modules_warning("kaizen+kvpop", model, "s/") is None
+    other = tiny_testbed_model()
+    apply_dms(other, DMSConfig(sinks=4, window=16))
+    assert untrained_modules_warning("dms", other, "d/") is None
