@@ -240,7 +240,7 @@ def graphed_step_call(name: str, config: RetrofitConfig, teacher, student, optim
             kd, grad_norm = outputs[0]
             return {"loss": float(kd), "kd": float(kd), "grad_norm": float(grad_norm)}
         summed, means, grad_norm = outputs[0]
-        return {**read_back(summed, means, device), "grad_norm": float(grad_norm)}
+        return read_back(summed, means, device, grad_norm=grad_norm)
 
     return call
 

@@ -822,13 +822,24 @@ def step_tensors(config: RetrofitConfig, teacher, student, optimizer, input_ids:
     return {"loss": loss.detach(), "kd": kd.detach(), **shares}, means, grad_norm
 
 
-def read_back(summed: dict, means: dict, device: torch.device, d: parallel.DistInfo = parallel.DistInfo()) -> dict:
+def read_back(summed: dict, means: dict, device: torch.device, d: parallel.DistInfo = parallel.DistInfo(),
+              grad_norm: torch.Tensor | None = None) -> dict:
     """:func:`step_tensors`' values as floats in one read-back (one host sync): losses summed and metrics averaged
-    over the processes."""
+    over the processes, and ``grad_norm`` (the clipped gradients' global norm, the same on every process; a DTensor
+    under FSDP) as it is, under ``"grad_norm"`` when given."""
     logged = torch.stack([torch.as_tensor(v, device=device).float().reshape(()) for v in (*summed.values(), *means.values())])
-    logged = _global_sums([logged], d)[0]
-    totals, averaged = logged[:len(summed)], logged[len(summed):] / d.world
-    return {**{k: float(v) for k, v in zip(summed, totals)}, **{k: float(v) for k, v in zip(means, averaged)}}
+    if d.world > 1:
+        logged = parallel.all_reduce_sum(logged)
+    parts = [logged.detach().float()]
+    if grad_norm is not None:
+        full = getattr(grad_norm, "full_tensor", None)
+        parts.append((full() if full is not None else grad_norm).detach().float().reshape(1).to(device))
+    values = torch.cat(parts).cpu()  # the one host sync
+    totals, averaged = values[:len(summed)], values[len(summed):len(summed) + len(means)] / d.world
+    out = {**{k: float(v) for k, v in zip(summed, totals)}, **{k: float(v) for k, v in zip(means, averaged)}}
+    if grad_norm is not None:
+        out["grad_norm"] = float(values[-1])
+    return out
 
 
 def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -852,8 +863,8 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
     draws = step_draws(config, kv, step, device) if config.method == "kvpop" else None
     summed, means, grad_norm = step_tensors(config, teacher, student, optimizer, input_ids, labels, kv, draws, step,
                                             fraction, d)
-    return {**read_back(summed, means, device, d), "grad_norm": parallel.scalar(grad_norm), "lr": config.lr,
-            "lr_new": lr_new, "lr_decay": lr_decay}
+    return {**read_back(summed, means, device, d, grad_norm=grad_norm), "lr": config.lr, "lr_new": lr_new,
+            "lr_decay": lr_decay}
 
 
 def dense_student(teacher):
@@ -872,8 +883,8 @@ def dense_distill_step(config: RetrofitConfig, teacher, student, optimizer, inpu
     schedule. ``input_ids``, ``labels``: int64 ``[B, T]``. Returns ``{"loss", "kd", "grad_norm"}`` floats (loss =
     kd: 0 on the first step when ``student`` equals the teacher)."""
     kd, grad_norm = dense_step_tensors(config, teacher, student, optimizer, input_ids, labels)
-    value = float(kd)
-    return {"loss": value, "kd": value, "grad_norm": float(grad_norm)}
+    value, norm = torch.stack([kd.float(), grad_norm.float()]).tolist()  # one host sync
+    return {"loss": value, "kd": value, "grad_norm": norm}
 
 
 def dense_step_tensors(config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor,
@@ -989,7 +1000,3 @@ def readout_penalty_term(student) -> torch.Tensor:
     weights = [sc.a.full_tensor() if hasattr(sc.a, "full_tensor") else sc.a for sc in scorers]
     return torch.stack([a.float().pow(2).sum(-1).mean() for a in weights]).mean()
 
-
-def _global_sums(values: list[torch.Tensor], d) -> list[torch.Tensor]:
-    """Each tensor summed over the processes (itself with one process), on the CPU."""
-    return [(parallel.all_reduce_sum(v) if d.world > 1 else v).detach().float().cpu() for v in values]
