@@ -452,20 +452,24 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
     grad_norm = torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    # the global batch's rows [B, 3] (realised, sampled and target bits) and loss totals, on every process
-    per_row = parallel.all_gather_rows(
-        torch.stack([parts["bits"], parts["sampled_bits"], parts["target_bits"]], dim=1).float()).cpu()
+    # the global batch's rows [B, 3] (realised, sampled and target bits), the loss totals and the gradient norm, on
+    # every process, read back in one transfer (the step's one host sync)
+    rows = parallel.all_gather_rows(
+        torch.stack([parts["bits"], parts["sampled_bits"], parts["target_bits"]], dim=1).float())
     totals = parallel.all_reduce_sum(torch.stack([parts[k].detach().float() for k in ("loss", "kd", "penalty")]))
+    full = getattr(grad_norm, "full_tensor", None)  # a DTensor under FSDP
+    norm = (full() if full is not None else grad_norm).detach().float().reshape(1).to(rows.device)
+    host = torch.cat([rows.reshape(-1), totals.to(rows.device), norm]).cpu()
+    per_row = host[:rows.numel()].reshape(rows.shape)
     bits, sampled_bits, target_bits = per_row.unbind(1)
     beta_used = multiplier.beta
     multiplier.update(bits, target_bits)
     _check_same_beta(multiplier.beta, d, device)
-    loss, kd, penalty = (float(v) for v in totals.cpu())
+    loss, kd, penalty, grad_norm_value = host[rows.numel():].tolist()
     return {"loss": loss, "kd": kd, "penalty": penalty, "beta": beta_used, "beta_next": multiplier.beta, "tau": tau,
             "bits": float(bits.mean()), "factor": float((reference / bits.clamp(min=1)).mean()),
             "sampled_factor": float((reference / sampled_bits.clamp(min=1)).mean()),
-            "target": float(targets.mean()), "grad_norm": parallel.scalar(grad_norm), "lr": lr,
-            "lr_new": lr_new}
+            "target": float(targets.mean()), "grad_norm": grad_norm_value, "lr": lr, "lr_new": lr_new}
 
 
 RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed",

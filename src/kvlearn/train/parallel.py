@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 __all__ = ["DistInfo", "init_distributed", "close_distributed", "all_reduce_sum", "all_gather_rows", "agreed_fraction",
            "shard_model", "decoder_layers", "full_state_dict", "full_optimizer_state_dict", "load_optimizer_state_dict",
-           "world_size", "scalar"]
+           "world_size"]
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,3 @@ def load_optimizer_state_dict(model, optimizer, state: dict) -> None:
 
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
-
-def scalar(t) -> float:
-    """A float from a tensor that may be a DTensor (e.g. the gradient norm of a sharded model)."""
-    full = getattr(t, "full_tensor", None)
-    return float(full() if full is not None else t)
