@@ -530,10 +530,9 @@ def test_distill_losses_of_all_layers_at_once_equal_the_loop_over_layers(teacher
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_dense_fraction_flag_reaches_both_trainers(teacher_path, tmp_path, monkeypatch, capsys):
-    """``--dense-fraction`` of ``kvlearn retrofit`` and ``kvlearn kaizen-train`` lands in the config the trainer gets
-    (default 0.75); a share outside [0, 1] is a one-line error naming the value and the range."""
-    from kvlearn import cli
+def trainer_cli(teacher_path, tmp_path, monkeypatch):
+    """``(got, retrofit argv, kaizen-train argv)``: both trainers replaced by recorders of the config they get
+    (``got``), and the argument lists of a small run of each on the CPU."""
     from kvlearn.train import distill as distill_module
     from kvlearn.train import kaizen_train as kaizen_module
 
@@ -542,7 +541,15 @@ def test_dense_fraction_flag_reaches_both_trainers(teacher_path, tmp_path, monke
     monkeypatch.setattr(kaizen_module, "kaizen_train", lambda c: got.append(c) or {"final": "f", "step": 0})
     common = ["--model", teacher_path, "--seq-len", "128", "--device", "cpu"]
     retro = ["retrofit", *common, "--out", str(tmp_path / "r"), "--budget", "52", "--window", "16"]
-    kaizen = ["kaizen-train", *common, "--out", str(tmp_path / "k")]
+    return got, retro, ["kaizen-train", *common, "--out", str(tmp_path / "k")]
+
+
+def test_dense_fraction_flag_reaches_both_trainers(teacher_path, tmp_path, monkeypatch, capsys):
+    """``--dense-fraction`` of ``kvlearn retrofit`` and ``kvlearn kaizen-train`` lands in the config the trainer gets
+    (default 0.75); a share outside [0, 1] is a one-line error naming the value and the range."""
+    from kvlearn import cli
+
+    got, retro, kaizen = trainer_cli(teacher_path, tmp_path, monkeypatch)
     assert cli.main(retro) == 0 and got[-1].dense_fraction == 0.75
     assert cli.main([*retro, "--dense-fraction", "0.25"]) == 0 and got[-1].dense_fraction == 0.25
     assert cli.main([*kaizen, "--dense-fraction", "0"]) == 0 and got[-1].dense_fraction == 0.0
@@ -557,15 +564,8 @@ def test_zero_steps_are_refused_not_replaced_by_the_default(teacher_path, tmp_pa
     """``--steps 0`` of ``kvlearn retrofit`` and ``kvlearn kaizen-train`` is a one-line error (it once became the
     default 1000 steps: a real run on a nonsensical value); no ``--steps`` and no ``--minutes`` is still 1000."""
     from kvlearn import cli
-    from kvlearn.train import distill as distill_module
-    from kvlearn.train import kaizen_train as kaizen_module
 
-    got = []
-    monkeypatch.setattr(distill_module, "retrofit", lambda c: got.append(c) or {"final": "f", "step": 0})
-    monkeypatch.setattr(kaizen_module, "kaizen_train", lambda c: got.append(c) or {"final": "f", "step": 0})
-    common = ["--model", teacher_path, "--seq-len", "128", "--device", "cpu"]
-    retro = ["retrofit", *common, "--out", str(tmp_path / "r"), "--budget", "52", "--window", "16"]
-    kaizen = ["kaizen-train", *common, "--out", str(tmp_path / "k")]
+    got, retro, kaizen = trainer_cli(teacher_path, tmp_path, monkeypatch)
     for argv in (retro, kaizen):
         assert cli.main(argv) == 0 and got[-1].steps == 1000
         capsys.readouterr()
