@@ -26,6 +26,7 @@ import torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ..errors import check, check_int, check_positive
+from ..hf import unpadded_causal_masks
 from ..testbed import tasks as testbed_tasks
 from ..testbed.data import TestbedStream, check_haystack_subset, dense_share
 from ..testbed.filler import TRAIN_STYLES
@@ -453,7 +454,8 @@ def pretrain(config: PretrainConfig) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = ddp_model(input_ids=input_ids, labels=labels).loss
+            # the prepared causal masks: building them read a device bool every step (the step's only host sync)
+            loss = ddp_model(input_ids=input_ids, labels=labels, attention_mask=unpadded_causal_masks(model)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
