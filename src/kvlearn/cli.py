@@ -530,6 +530,10 @@ def cmd_kaizen_train(args) -> int:
 
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
     targets = parse_targets(args.target)
+    given = [f"--{k.replace('_', '-')} {v}" for k, v in (("select_n", args.select_n), ("select_from", args.select_from))
+             if v is not None]
+    check(not given or args.select_every, f"{', '.join(given)}: options of checkpoint selection, read only with "
+                                          "--select-every N (N >= 1): give it, or leave them out")
     check(args.share_threshold is None or args.share_layers == "auto",
           f"--share-threshold {args.share_threshold} is read only by the sensitivity pass: expected --share-layers auto "
           f"with it (got --share-layers {args.share_layers})")
@@ -548,7 +552,9 @@ def cmd_kaizen_train(args) -> int:
                                share_layers=parse_share_layers(args.share_layers),
                                family_weights=_mixture_weights(args.family_weights),
                                **({} if args.share_threshold is None else {"share_threshold": args.share_threshold}),
-                               select_every=args.select_every, select_n=args.select_n, select_from=args.select_from,
+                               select_every=args.select_every,
+                               **{k: v for k, v in (("select_n", args.select_n), ("select_from", args.select_from))
+                                  if v is not None},
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
     _threads(args.threads)
@@ -939,9 +945,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "evaluate the student as served (its selector's choices) on --select-n validation prompts per "
                          "family, disjoint from the eval and held-out ones; final/ is then the best one (best/, "
                          "selection.jsonl in --out; one process, one target) (default 0: off, final/ is the last step)")
-    sp.add_argument("--select-n", type=int, default=16, help="with --select-every: validation prompts per family")
-    sp.add_argument("--select-from", type=float, default=0.5,
-                    help="with --select-every: the fraction of the run from which the iterates are validated")
+    sp.add_argument("--select-n", type=int, default=None,
+                    help="with --select-every: validation prompts per family (default 16)")
+    sp.add_argument("--select-from", type=float, default=None,
+                    help="with --select-every: the fraction of the run from which the iterates are validated "
+                         "(default 0.5)")
     add_trainer_options(sp, "the backbone", "the selector", "constant, or the peak of --lr-schedule cosine",
                         lr_default="KaizenTrainConfig's, 1e-5")
     sp.set_defaults(func=cmd_kaizen_train)
