@@ -373,6 +373,23 @@ def cmd_pretrain(args) -> int:
 RETROFIT_METHODS = ("kvpop", "streaming_plus", "dms")
 
 
+# retrofit options read by some methods only: option -> (dest, the methods that read it)
+METHOD_OPTIONS = {"--window": ("window", ("kvpop", "dms")), "--scorer": ("scorer", ("kvpop",)),
+                  "--decay-init": ("decay_init", ("kvpop",)), "--lr-decay": ("lr_decay", ("kvpop",)),
+                  "--target-reduction": ("target_reduction", ("kvpop",)),
+                  "--target-count-normalize": ("target_count_normalize", ("kvpop",)),
+                  "--target-aggregation": ("target_aggregation", ("kvpop",)),
+                  "--target-cr": ("target_cr", ("dms",)), "--gate-hidden": ("gate_hidden", ("dms",)),
+                  "--compression-weight": ("compression_weight", ("dms",))}
+
+
+def ignored_retrofit_options(args, defaults: dict) -> list[str]:
+    """The ``--option value`` pairs set away from their default (``defaults``: dest -> default) that ``args.method``
+    does not read. Warned about, not refused: the Table 1 chain passes ``--window`` to every method on purpose."""
+    return [f"{flag} {getattr(args, dest)}" for flag, (dest, methods) in METHOD_OPTIONS.items()
+            if args.method not in methods and getattr(args, dest) != defaults.get(dest)]
+
+
 def cmd_retrofit(args) -> int:
     from .config import DMSConfig, KVpopConfig, StreamingConfig, retrofit_window
     from .train.distill import RetrofitConfig, retrofit
@@ -380,6 +397,9 @@ def cmd_retrofit(args) -> int:
     check(args.method in RETROFIT_METHODS,
           f"--method {args.method!r} is unknown: expected one of {', '.join(RETROFIT_METHODS)}")
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
+    ignored = ignored_retrofit_options(args, args.option_defaults)
+    if ignored:
+        print(f"warning: {', '.join(ignored)}: not read by --method {args.method} (ignored)", file=sys.stderr)
     mlstm_only = [f"{flag} {value}" for flag, value in (("--mlstm-skip", args.mlstm_skip), ("--readout", args.readout),
                                                       ("--state-in-budget", args.state_in_budget),
                                                       ("--mlstm-compile-mode", args.mlstm_compile_mode),
@@ -880,7 +900,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_trainer_options(sp, "the existing weights", "the new weights (KVpop, DMS gates)",
                         lr_default="RetrofitConfig's, 1e-4")
     sp.add_argument("--boundary-weight", type=float, default=1.0, help="weight of the boundary loss")
-    sp.set_defaults(func=cmd_retrofit)
+    sp.set_defaults(func=cmd_retrofit,  # the method-specific options' defaults, to tell which ones a user set
+                    option_defaults={dest: sp.get_default(dest) for dest, _ in METHOD_OPTIONS.values()})
 
     sp = sub.add_parser("reproduce", help="rebuild a paper table on the testbed from the committed teacher (GPU; "
                                           "kvpop: the KVpop paper's Table 1, ~27 minutes on one H200)")

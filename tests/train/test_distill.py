@@ -638,3 +638,22 @@ def test_cuda_graph_scorer_under_several_processes_is_one_line(teacher_path, tmp
     assert "expected mlstm_compile_mode='default'" in one_line(err) and not (tmp_path / "a").exists()
     monkeypatch.setattr(parallel, "init_distributed", lambda device: parallel.DistInfo(0, 1, 0))
     assert retrofit(make_config(teacher_path, tmp_path / "b", kvpop=kv, steps=1), progress=False)["step"] == 1
+
+
+def test_options_a_method_does_not_read_are_warned_about(teacher_path, tmp_path, monkeypatch, capsys):
+    """``kvlearn retrofit`` names the method-specific options set away from their defaults that the chosen method
+    ignores (one warning line; the run goes on, as the Table 1 chain passes ``--window`` to every method), and says
+    nothing when every option given is read."""
+    from kvlearn import cli
+
+    got, retro, _ = trainer_cli(teacher_path, tmp_path, monkeypatch)
+    base = [a for a in retro if a not in ("--window", "16")]  # ["retrofit", ..., "--budget", "52"]
+    assert cli.main([*base, "--window", "16", "--decay-init", "0.9999"]) == 0 and got[-1].method == "kvpop"
+    assert capsys.readouterr().err == ""
+    assert cli.main([*base, "--method", "streaming_plus", "--window", "16", "--scorer", "mlstm"]) == 0
+    err = capsys.readouterr().err
+    assert err == "warning: --window 16, --scorer mlstm: not read by --method streaming_plus (ignored)\n"
+    assert cli.main([*base, "--window", "16", "--target-cr", "8", "--gate-hidden", "4"]) == 0
+    assert capsys.readouterr().err == "warning: --target-cr 8.0, --gate-hidden 4: not read by --method kvpop (ignored)\n"
+    assert cli.main([*base, "--method", "dms", "--window", "16", "--gate-hidden", "4"]) == 0
+    assert capsys.readouterr().err == ""
