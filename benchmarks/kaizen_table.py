@@ -106,11 +106,14 @@ RECORD_SERIES = {
 }
 
 
-def record_highlight(rows: list[dict]) -> dict[str, str]:
-    """:data:`RECORD_SERIES` restricted to the series ``rows`` hold (named as the factor plot names them)."""
+def plot_options(rows: list[dict], context: int) -> dict:
+    """How the comparison is drawn (:func:`kvlearn.eval.plots.plot_pareto`'s options), after a run and by
+    ``--replot``: against the realised factor, the control as the reference, and :data:`RECORD_SERIES` restricted to
+    the series ``rows`` hold (named as the factor plot names them) in bold."""
     present = {f"{r['method']} [{r.get('selector') or r.get('series')}]" for r in rows
                if r.get("selector") or r.get("series")}
-    return {name: label for name, label in RECORD_SERIES.items() if name in present}
+    return dict(title=f"KV-Kaizen comparison, context {context}", x="factor", reference="control",
+                highlight={name: label for name, label in RECORD_SERIES.items() if name in present})
 
 
 def replot(table: str, plot: str | None) -> int:
@@ -124,10 +127,8 @@ def replot(table: str, plot: str | None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"kaizen_table: error: --replot {table}: not a readable results file ({e})", file=sys.stderr)
         return 2
-    path = Path(plot or Path(table).with_name("kaizen_table.png"))
-    path = plot_pareto(rows, path, title="KV-Kaizen comparison, context 4096", x="factor", reference="control",
-                       highlight=record_highlight(rows))
-    print(f"wrote {path}")
+    context = max((r.get("context", 0) for r in rows), default=0) or 4096
+    print(f"wrote {plot_pareto(rows, Path(plot or Path(table).with_name('kaizen_table.png')), **plot_options(rows, context))}")
     return 0
 
 
@@ -451,8 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         save(not_run)
     bar.close()
     save(not_run)
-    print_summary(rows, out, plot, f"KV-Kaizen comparison, context {args.context}", start, x="factor", reference="control",
-                  highlight=record_highlight(rows))
+    options = plot_options(rows, args.context)
+    print_summary(rows, out, plot, options.pop("title"), start, **options)
     return 0
 
 

@@ -345,7 +345,8 @@ def test_replot_draws_the_recipes_of_record_present_and_fades_the_rest(tmp_path,
     assert seen["highlight"] == {"kaizen [kaizen4_share_auto]": script.RECORD_SERIES["kaizen [kaizen4_share_auto]"]}
     assert seen["x"] == "factor" and seen["reference"] == "control"
     assert (tmp_path / "kaizen_table.png").stat().st_size > 5000
-    assert script.record_highlight([dict(r, selector=None) for r in rows]) == {}  # a fresh run's labels: none
+    assert seen["title"] == "KV-Kaizen comparison, context 4096"  # the rows' context
+    assert script.plot_options([dict(r, selector=None) for r in rows], 4096)["highlight"] == {}  # a fresh run: none
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert script.main(["--replot", str(bad)]) == 2
