@@ -14,7 +14,7 @@
 #         -> $OUT/retrofit_step_speed_h200.json[, $OUT/profile/*.txt]
 #      b. unless KIVI=0: the KIVI decode kernel against the bf16 cache and the read-back path, graph-replayed,
 #         16k-131k, 2 bits (benchmarks/packed_decode_speed.py --store kivi --graph) -> $OUT/kivi_decode_h200.json
-#      c. the packed-store decode kernel (bit planes; `fused_magic`: its dequant="magic" path) against the bf16 cache
+#      c. unless PACKED=0: the packed-store decode kernel (bit planes; `fused_magic`: its dequant="magic" path) against the bf16 cache
 #         and the read-back path, graph-replayed, at PACKED_BITS (default 4,2) -> $OUT/packed_decode_h200.json
 #      d. with MAGIC_SWEEP=1: the launch sweep of the packed kernel's magic path at 131k, 4 bits
 #         (packed_decode_speed.py --sweep-warps --sweep-dequant magic) -> $OUT/packed_decode_magic_sweep_h200.json
@@ -52,9 +52,11 @@ if [ "${TIMINGS:-1}" != 0 ]; then
             --out "$OUT/kivi_decode_h200.json" > "$OUT/kivi_decode.log" 2>&1
         echo "kivi decode speed rc=$?"; grep -v Warn "$OUT/kivi_decode.log" | cut -c1-400 | tail -n 4
     fi
-    timeout 180 python3 benchmarks/packed_decode_speed.py --bits "${PACKED_BITS:-4,2}" --graph \
-        --out "$OUT/packed_decode_h200.json" > "$OUT/packed_decode.log" 2>&1
-    echo "packed decode speed rc=$?"; grep -v Warn "$OUT/packed_decode.log" | cut -c1-400 | tail -n 4
+    if [ "${PACKED:-1}" != 0 ]; then
+        timeout 180 python3 benchmarks/packed_decode_speed.py --bits "${PACKED_BITS:-4,2}" --graph \
+            --out "$OUT/packed_decode_h200.json" > "$OUT/packed_decode.log" 2>&1
+        echo "packed decode speed rc=$?"; grep -v Warn "$OUT/packed_decode.log" | cut -c1-400 | tail -n 4
+    fi
     if [ "${MAGIC_SWEEP:-0}" = 1 ]; then  # the magic path's launches at 131k, 4 bits (tile x warps x stages x split)
         timeout 180 python3 benchmarks/packed_decode_speed.py --bits 4 --contexts 131072 --graph --sweep-warps \
             --sweep-dequant magic --out "$OUT/packed_decode_magic_sweep_h200.json" > "$OUT/packed_decode_magic_sweep.log" 2>&1
