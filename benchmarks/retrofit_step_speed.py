@@ -42,8 +42,9 @@ tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing me
 - ``mlstm_cudagraphs``: ``retrofit_kvpop_mlstm`` with ``KVpopConfig.mlstm_compile_mode="reduce-overhead"`` (the
   compiled mLSTM scorer's forward and backward replayed as CUDA graphs; on the CPU the scorer runs eagerly either way);
 - ``graphed_step`` (CUDA only): ``distill_dense``, ``retrofit_kvpop_mlp`` and ``retrofit_kvpop_mlstm`` with the
-  step's device part captured in one CUDA graph and replayed (:func:`graphed_step_call`; a probe of how much of each
-  step is the host's launch work, the trainer does not use it); the reference's own graphed row gives the ratio of
+  step's device part captured in one CUDA graph and replayed (:func:`graphed_step_call`: the retrofit rows are the
+  trainer's own ``retrofit --cuda-graph-step``, :class:`~kvlearn.train.graphed_step.GraphedRetrofitStep`, each call
+  a real step with its own query positions and learning rates); the reference's own graphed row gives the ratio of
   graphed to graphed (``ratio_to_reference_variant``);
 - ``dms_score_mod``: ``retrofit_dms`` with ``DMSConfig.train_attention="flex"``, the penalty as a FlexAttention
   score_mod whose backward accumulates its gradient into a captured buffer (the CUDA default before 7fce8b6's
@@ -100,8 +101,9 @@ from kvlearn.results import portable_path  # noqa: E402
 from kvlearn.testbed.data import TestbedStream  # noqa: E402
 from kvlearn.testbed.tasks import MAX_LENGTH, MIN_LENGTH  # noqa: E402
 from kvlearn.train.distill import (  # noqa: E402
-    NEW_MODULES, RetrofitConfig, build_models, decay_lr_at, dense_distill_step, dense_step_tensors, dense_student,
-    make_optimizer, new_lr_at, read_back, step_draws, step_tensors, train_step, training_kvpop)
+    NEW_MODULES, RetrofitConfig, build_models, dense_distill_step, dense_step_tensors, dense_student, make_optimizer,
+    train_step, training_kvpop)
+from kvlearn.train.graphed_step import EAGER_STEPS, CudaGraphStep, GraphedRetrofitStep  # noqa: E402
 from step_timing import (  # noqa: E402
     Timed, add_source_options, measure, measure_one_resident, model_shape, random_model_folder, resolve_source, results_saver,
     run_main)
@@ -202,46 +204,37 @@ def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Te
 
 
 def graphed_step_call(name: str, config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor,
-                      labels: torch.Tensor, kv, device: torch.device, warmup: int = 3):
-    """``--variants graphed_step``: method ``name``'s step (its device part, :func:`~kvlearn.train.distill.step_tensors`
-    or :func:`~kvlearn.train.distill.dense_step_tensors`, gradients zeroed in place) captured in one CUDA graph after
-    ``warmup`` eager steps on a side stream, then replayed; each call replays it and reads its values back once, as
-    the eager step does. The step's draws (query positions, scorer-distillation rows) are step 0's, moved to the
-    device before the capture (a capture may not copy from pageable host memory); the learning rates are the
-    schedule's at step 0. A probe of how much of the step is the host's launch work: the trainer does not use it."""
+                      labels: torch.Tensor, kv, device: torch.device):
+    """``--variants graphed_step``: method ``name``'s step replayed as one CUDA graph. A retrofit row is the trainer's
+    own :class:`~kvlearn.train.graphed_step.GraphedRetrofitStep` (``retrofit --cuda-graph-step``: each call a real
+    step, its query positions and learning rates those of its step number); the reference is
+    :func:`~kvlearn.train.distill.dense_step_tensors` in a :class:`~kvlearn.train.graphed_step.CudaGraphStep`. The
+    first call runs the eager steps and the capture (so that the warm-up, not the timing, holds them); each later
+    call is one replay and one read-back, as the eager step reads back once."""
     if name == REFERENCE:
-        def device_step():
-            return dense_step_tensors(config, teacher, student, optimizer, input_ids, labels, set_to_none=False)
-    else:
-        draws = step_draws(config, kv, 0, device)
-        draws = replace(draws, queries=draws.queries.to(device))
-        optimizer.param_groups[1]["lr"] = new_lr_at(config, 0, 0.0)
-        optimizer.param_groups[2]["lr"] = decay_lr_at(config, 0, 0.0)
+        graph = CudaGraphStep(lambda: dense_step_tensors(config, teacher, student, optimizer, input_ids, labels,
+                                                         set_to_none=False), device)
 
-        def device_step():
-            return step_tensors(config, teacher, student, optimizer, input_ids, labels, kv, draws, 0, 0.0,
-                                set_to_none=False)
-    graph, outputs = [], []
+        def one():
+            kd, grad_norm = graph()
+            value, norm = torch.stack([kd.float(), grad_norm.float()]).tolist()
+            return {"loss": value, "kd": value, "grad_norm": norm}
+    else:
+        step_fn = GraphedRetrofitStep(config, teacher, student, optimizer, kv, device)
+        step = [0]
+
+        def one():
+            n = step[0]
+            step[0] += 1
+            return step_fn(input_ids, labels, n, n / config.steps)
 
     def call() -> dict:
-        if not graph:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # allocations, compiles and autotuning outside the capture
-                for _ in range(warmup):
-                    device_step()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                outputs.append(device_step())
-            graph.append(g)
-        graph[0].replay()
-        if name == REFERENCE:
-            kd, grad_norm = outputs[0]
-            return {"loss": float(kd), "kd": float(kd), "grad_norm": float(grad_norm)}
-        summed, means, grad_norm = outputs[0]
-        return read_back(summed, means, device, grad_norm=grad_norm)
+        for _ in range(EAGER_STEPS if not calls else 0):  # the first call: the eager steps, then the capture
+            one()
+        calls.append(1)
+        return one()
 
+    calls: list = []
     return call
 
 

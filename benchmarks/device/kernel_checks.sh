@@ -5,7 +5,7 @@
 #      them), of the retrofit step (distillation, scorers, the sparse attention, the scorer distillation with its
 #      compiled rows), of the future-attention target kernel, of the caches' sparse chunk attention (the fused
 #      forward for a long prefill), of the compiled decode step (streaming, knorm, KVpop) and of the graphed retrofit
-#      step (one CUDA graph replaying the eager steps) -> $OUT/gpu_tests_kernels.log
+#      step (retrofit --cuda-graph-step: one CUDA graph replaying the eager steps; a graphed run killed and resumed) -> $OUT/gpu_tests_kernels.log
 #   2. unless TIMINGS=0, each alone on the GPU:
 #      a. the retrofit step against a plain distillation step (and the operators one step of each dispatches,
 #         --count-operators, and the host syncs of one step with where they are issued, --sync-sites), with the variants
@@ -38,7 +38,7 @@ if [ "${TESTS:-1}" != 0 ]; then
         tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py \
         tests/kvpop/test_attention.py tests/kvpop/test_scorer_kd.py tests/ops/test_future_target_triton.py \
         tests/eval/test_packed_decode_speed_script.py tests/kvpop/test_sparse_chunk_attention.py tests/cache/test_compile_gpu.py \
-        tests/train/test_retrofit_step_speed_script.py \
+        tests/train/test_retrofit_step_speed_script.py tests/train/test_graphed_step.py \
         > "$OUT/gpu_tests_kernels.log" 2>&1
     echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests_kernels.log"
 fi

@@ -449,6 +449,8 @@ def cmd_retrofit(args) -> int:
             method_kw[name] = getattr(args, name)
     if args.scorer_kd_compile:
         method_kw["scorer_kd_compile"] = True
+    if args.cuda_graph_step:
+        method_kw["cuda_graph_step"] = True
     length = ({"minutes": args.minutes, "steps": None} if args.minutes is not None  # --steps 0 is refused, not 1000
               else {"steps": 1000 if args.steps is None else args.steps})
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
@@ -857,6 +859,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--scorer-kd-compile", action="store_true",
                     help="kvpop, --scorer-kd: run the soft retention rows through torch.compile on CUDA (speed only; "
                          "the same values to float32 rounding; other devices run them eagerly)")
+    sp.add_argument("--cuda-graph-step", action="store_true",
+                    help="CUDA, one process, kvpop or streaming_plus: replay each step as one CUDA graph after 3 eager "
+                         "steps (the same updates, far fewer kernel launches: the testbed model's step is "
+                         "launch-bound; docs/DESIGN.md section 5, 'The step as one CUDA graph'); not with --scorer-kd "
+                         "or --mlstm-compile-mode reduce-overhead")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
                          "training and in the cache, the KVpop paper's Table 1 rule), 0 does not (default: "

@@ -376,47 +376,6 @@ def test_step_device_part_never_reads_the_device(tmp_path, monkeypatch, method):
     for p, q in zip(student.parameters(), twin.parameters()):
         assert torch.equal(p, q)
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
-def test_graphed_step_replays_the_eager_steps_on_cuda(tmp_path, scorer):
-    """``graphed_step_call`` on CUDA: 3 warm-up steps, the capture (which runs nothing), 2 replays = 5 updates; the
-    same 5 eager steps (same draws, gradients zeroed in place, capturable AdamW) on a copy of the student give the same
-    weights and the last step's logged loss."""
-    import copy
-
-    from kvlearn.config import KVpopConfig
-    from kvlearn.train.distill import (RetrofitConfig, build_models, make_optimizer, step_draws, step_tensors,
-                                       training_kvpop)
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (run with -m gpu on the device machine)")
-    device = torch.device("cuda")
-    script = load_benchmark("retrofit_step_speed")
-    folder = script.random_model_folder("tiny", tmp_path / "tiny", str(script.REPO / "checkpoints" / "testbed-teacher"),
-                                        device)
-    config = RetrofitConfig(model=str(folder), out=str(tmp_path / "o"), batch_size=2, seq_len=256, device="cuda",
-                            kvpop=KVpopConfig(sinks=4, window=16, topk=44, scorer=scorer), steps=8)
-    torch.manual_seed(0)
-    teacher, student = build_models(config, device)
-    twin = copy.deepcopy(student)
-    ids = torch.randint(3, 200, (2, 256), device=device)
-    labels = ids.clone()
-    kv = training_kvpop(config, student)
-    call = script.graphed_step_call("retrofit_kvpop_" + scorer, config, teacher, student,
-                                    make_optimizer(config, student, device, capturable=True), ids, labels, kv, device)
-    call()
-    graphed = call()
-    opt = make_optimizer(config, twin, device, capturable=True)
-    for i, lr in enumerate((config.lr, script.new_lr_at(config, 0, 0.0), script.decay_lr_at(config, 0, 0.0))):
-        opt.param_groups[i]["lr"] = lr
-    draws = step_draws(config, kv, 0, device)
-    for _ in range(5):
-        summed, _, _ = step_tensors(config, teacher, twin, opt, ids, labels, kv, draws, 0, 0.0, set_to_none=False)
-    assert graphed["loss"] == pytest.approx(float(summed["loss"]), rel=1e-3, abs=1e-4)
-    for p, q in zip(student.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3)
-
-
 def test_count_operators_adds_each_rows_count(tmp_path):
     """``--count-operators``: every row gains the operators one step dispatches; a retrofit step dispatches more than
     the plain distillation step it adds work to, and its KVpop sites are named."""

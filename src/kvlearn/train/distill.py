@@ -162,6 +162,10 @@ class RetrofitConfig:
     seed: int = 0
     device: str = "cpu"
     num_workers: int = 0  # data-generation worker processes
+    # replay each step's device part as one CUDA graph after a few eager steps (one CUDA process; kvpop and
+    # streaming_plus): the same updates, fewer host launches (:mod:`kvlearn.train.graphed_step`; speed only, a resumed
+    # run may change it)
+    cuda_graph_step: bool = False
 
     def __post_init__(self) -> None:
         check(self.method in METHODS, f"method={self.method!r} is unknown: expected one of {', '.join(METHODS)}")
@@ -229,6 +233,22 @@ class RetrofitConfig:
         check(self.scorer_kd or not self.scorer_kd_compile,
               "scorer_kd_compile=True compiles the scorer distillation, which is off (scorer_kd=0): give scorer_kd > 0 "
               "(--scorer-kd WEIGHT) too")
+        check(isinstance(self.cuda_graph_step, bool),
+              f"cuda_graph_step={self.cuda_graph_step!r} is invalid: expected True or False")
+        if self.cuda_graph_step:
+            from .graphed_step import GRAPHED_METHODS
+
+            check(self.method in GRAPHED_METHODS,
+                  f"cuda_graph_step=True is for methods {', '.join(GRAPHED_METHODS)}, not {self.method!r} (DMS draws "
+                  "its Gumbel noise and its compression target on the host every step)")
+            check(not self.scorer_kd, f"cuda_graph_step=True with scorer_kd={self.scorer_kd!r} is not supported: the "
+                                      "scorer distillation's rows are drawn per step outside the graph's inputs; "
+                                      "expected scorer_kd=0")
+            check(self.kvpop.mlstm_compile_mode == "default" or self.method != "kvpop",
+                  f"cuda_graph_step=True with mlstm_compile_mode={self.kvpop.mlstm_compile_mode!r}: the scorer's own "
+                  "CUDA graphs would be nested in the step's; expected mlstm_compile_mode='default'")
+            check(self.device.startswith("cuda"),
+                  f"cuda_graph_step=True on device={self.device!r}: a CUDA graph needs a CUDA device (device='cuda')")
         check_non_negative("compression_weight", self.compression_weight)
         check((self.steps is None) != (self.minutes is None),
               f"steps={self.steps!r}, minutes={self.minutes!r}: expected exactly one of them")
@@ -630,8 +650,10 @@ def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name:
     KVpop config, ``teacher.json`` naming the teacher and its weights' digest: :mod:`kvlearn.lineage`) and ``trainer_state.pt`` (optimizer state keyed by parameter name, step). Written to a temporary
     folder, then renamed. Under data parallelism every process calls it (the state is gathered collectively) and
     only ``main`` writes."""
+    from .graphed_step import plain_optimizer_groups
+
     weights = parallel.full_state_dict(student)
-    optimizer_state = parallel.full_optimizer_state_dict(student, optimizer)
+    optimizer_state = plain_optimizer_groups(parallel.full_optimizer_state_dict(student, optimizer))
     out = Path(config.out)
     if not main:
         return out / name
@@ -941,9 +963,15 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
     if d.world > 1:
         parallel.shard_model(teacher)
         parallel.shard_model(student)
-    optimizer = make_optimizer(config, student, device)
+    optimizer = make_optimizer(config, student, device, capturable=config.cuda_graph_step)
     if trainer_state is not None:
         parallel.load_optimizer_state_dict(student, optimizer, trainer_state["optimizer"])
+    graphed = None
+    if config.cuda_graph_step:  # after the state is loaded: its learning rates become device tensors
+        from .graphed_step import GraphedRetrofitStep, check_graph_step
+
+        check_graph_step(device, d.world)
+        graphed = GraphedRetrofitStep(config, teacher, student, optimizer, kv, device)
     log_path = out / LOG_FILE
     if d.main:  # drop the lines of steps that the resumed run will redo
         drop_log_lines_after(log_path, step)
@@ -968,7 +996,10 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
                 break
             input_ids, labels = next(batches)
             input_ids, labels = input_ids.to(device), labels.to(device)
-            values = train_step(config, teacher, student, optimizer, input_ids, labels, step, fraction, kv, d)
+            if graphed is not None:
+                values = graphed(input_ids, labels, step, fraction)
+            else:
+                values = train_step(config, teacher, student, optimizer, input_ids, labels, step, fraction, kv, d)
             step += 1
             last = {"step": step, **values, "seconds": round(seconds_done + time.time() - t0, 3)}
             log_file.write(json.dumps(last) + "\n")
