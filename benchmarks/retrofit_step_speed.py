@@ -504,10 +504,17 @@ def summarize(rows: list[dict]) -> dict:
     device_ratios = {r["name"]: r["device_busy_ratio"] for r in rows
                      if "device_busy_ratio" in r and r["name"] != REFERENCE}
     judged = ratios[f"{ACCEPTANCE_METHOD}_over_{REFERENCE}"]
+    acceptance = {"retrofit_step_le_1p5x_distill_step": None if judged is None else judged <= 1.5}
+    graphed = row_name(ACCEPTANCE_METHOD, "graphed_step")
+    if graphed in ms:  # retrofit --cuda-graph-step against the graphed and the eager distillation step
+        ref_graphed = ms.get(row_name(REFERENCE, "graphed_step"))
+        acceptance["graphed_over_graphed_distill_step"] = None if not ref_graphed else ms[graphed] / ref_graphed
+        acceptance["graphed_over_eager_distill_step"] = None if not ref else ms[graphed] / ref
+        acceptance["graphed_retrofit_step_le_1p5x_graphed_distill_step"] = (
+            None if not ref_graphed else ms[graphed] / ref_graphed <= 1.5)
     return {f"{REFERENCE}_ms": ref, **ratios, **({"variants": variants} if variants else {}),
             **({"device_busy_ratio": device_ratios} if device_ratios else {}),
-            "acceptance_method": ACCEPTANCE_METHOD,
-            "acceptance": {"retrofit_step_le_1p5x_distill_step": None if judged is None else judged <= 1.5}}
+            "acceptance_method": ACCEPTANCE_METHOD, "acceptance": acceptance}
 
 
 if __name__ == "__main__":

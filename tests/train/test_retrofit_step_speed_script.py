@@ -203,6 +203,22 @@ def test_device_busy_ratio_by_hand():
     assert "device_busy_ratio" not in script.summarize([{"name": "distill_dense", "ms": 50.0}])
 
 
+def test_summary_judges_the_graphed_step_like_for_like():
+    """With ``--variants graphed_step`` the acceptance also holds the graphed mLSTM step over the graphed and over the
+    eager distillation step, and the bar judged graphed to graphed."""
+    script = load_benchmark("retrofit_step_speed")
+    rows = [{"name": "distill_dense", "ms": 50.0}, {"name": "retrofit_kvpop_mlstm", "ms": 100.0},
+            {"name": "distill_dense+graphed_step", "ms": 30.0, "variant": "graphed_step"},
+            {"name": "retrofit_kvpop_mlstm+graphed_step", "ms": 48.0, "variant": "graphed_step"}]
+    acceptance = script.summarize(rows)["acceptance"]
+    assert acceptance == {"retrofit_step_le_1p5x_distill_step": False, "graphed_over_graphed_distill_step": 1.6,
+                          "graphed_over_eager_distill_step": 0.96,
+                          "graphed_retrofit_step_le_1p5x_graphed_distill_step": False}
+    rows[3]["ms"] = 42.0
+    assert script.summarize(rows)["acceptance"]["graphed_retrofit_step_le_1p5x_graphed_distill_step"] is True
+    assert set(script.summarize(rows[:2])["acceptance"]) == {"retrofit_step_le_1p5x_distill_step"}
+
+
 @pytest.mark.parametrize("shape, out, params", [("qwen3-0.6b", "results/retrofit_step_speed_0p6b_h200.json", 0.44e9),
                                                  ("qwen3-1.7b", "results/retrofit_step_speed_1p7b_h200.json", 1.41e9)])
 def test_each_shape_has_its_defaults_and_results_file(shape, out, params):
