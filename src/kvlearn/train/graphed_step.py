@@ -85,7 +85,8 @@ def cuda_graph_capture(device_part: Callable[[], object]) -> Callable[[], object
     """Record ``device_part`` in a CUDA graph (nothing runs) and return its replay: a call that launches the graph and
     returns the captured outputs (the same tensors every replay, overwritten in place)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: the data loader's pin-memory thread may allocate pinned memory while this thread captures
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = device_part()
 
     def replay():
