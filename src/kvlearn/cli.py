@@ -862,7 +862,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cuda-graph-step", action="store_true",
                     help="CUDA, one process, kvpop or streaming_plus: replay each step as one CUDA graph after 3 eager "
                          "steps (the same updates, far fewer kernel launches: the testbed model's step is "
-                         "launch-bound; docs/DESIGN.md section 5, 'The step as one CUDA graph'); not with --scorer-kd "
+                         "launch-bound; docs/DESIGN.md section 4, 'The step as one CUDA graph'); not with --scorer-kd "
                          "or --mlstm-compile-mode reduce-overhead")
     sp.add_argument("--state-in-budget", default=None, choices=("0", "1"),
                     help="kvpop, --scorer mlstm: 1 makes the recurrent state take its bytes' worth of top-k slots (in "
