@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Short GPU checks of what the CPU cannot measure, in one call (or as the PRE / WITH_EVAL / THEN / FALLBACK of
 # teacher_trial_then_tables.sh):
-#   1. unless TESTS=0: the GPU tests of the decode kernels (KIVI, packed store with both dequant paths, the caches over
+#   1. unless TESTS=0: the GPU tests (TEST_FILES: a space list of test files instead) of the decode kernels (KIVI, packed store with both dequant paths, the caches over
 #      them), of the retrofit step (distillation, scorers, the sparse attention, the scorer distillation with its
 #      compiled rows), of the future-attention target kernel, of the caches' sparse chunk attention (the fused
 #      forward for a long prefill), of the compiled decode step (streaming, knorm, KVpop) and of the graphed retrofit
@@ -34,11 +34,8 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)') triton $(python3 -c 'import triton; print(triton.__version__)' 2>/dev/null || echo none)"
 if [ "${TESTS:-1}" != 0 ]; then
-    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py \
-        tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py \
-        tests/kvpop/test_attention.py tests/kvpop/test_scorer_kd.py tests/ops/test_future_target_triton.py \
-        tests/eval/test_packed_decode_speed_script.py tests/kvpop/test_sparse_chunk_attention.py tests/cache/test_compile_gpu.py \
-        tests/train/test_retrofit_step_speed_script.py tests/train/test_graphed_step.py \
+    # shellcheck disable=SC2086
+    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_FILES:-tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py tests/kvpop/test_attention.py tests/kvpop/test_scorer_kd.py tests/ops/test_future_target_triton.py tests/eval/test_packed_decode_speed_script.py tests/kvpop/test_sparse_chunk_attention.py tests/cache/test_compile_gpu.py tests/train/test_retrofit_step_speed_script.py tests/train/test_graphed_step.py} \
         > "$OUT/gpu_tests_kernels.log" 2>&1
     echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests_kernels.log"
 fi
