@@ -43,7 +43,7 @@ tiny random GQA Qwen3 on the CPU (checks the script end to end, times nothing me
   compiled mLSTM scorer's forward and backward replayed as CUDA graphs; on the CPU the scorer runs eagerly either way);
 - ``graphed_step`` (CUDA only): ``distill_dense``, ``retrofit_kvpop_mlp`` and ``retrofit_kvpop_mlstm`` with the
   step's device part captured in one CUDA graph and replayed (:func:`graphed_step_call`: the retrofit rows are the
-  trainer's own ``retrofit --cuda-graph-step``, :class:`~kvlearn.train.graphed_step.GraphedRetrofitStep`, each call
+  trainer's own ``retrofit --cuda-graph-step``, :class:`~kvlearn.train.distill.GraphedRetrofitStep`, each call
   a real step with its own query positions and learning rates); the reference's own graphed row gives the ratio of
   graphed to graphed (``ratio_to_reference_variant``);
 - ``dms_score_mod``: ``retrofit_dms`` with ``DMSConfig.train_attention="flex"``, the penalty as a FlexAttention
@@ -101,9 +101,9 @@ from kvlearn.results import portable_path  # noqa: E402
 from kvlearn.testbed.data import TestbedStream  # noqa: E402
 from kvlearn.testbed.tasks import MAX_LENGTH, MIN_LENGTH  # noqa: E402
 from kvlearn.train.distill import (  # noqa: E402
-    NEW_MODULES, RetrofitConfig, build_models, dense_distill_step, dense_step_tensors, dense_student, make_optimizer,
-    train_step, training_kvpop)
-from kvlearn.train.graphed_step import EAGER_STEPS, CudaGraphStep, GraphedRetrofitStep  # noqa: E402
+    NEW_MODULES, GraphedRetrofitStep, RetrofitConfig, build_models, dense_distill_step, dense_step_tensors,
+    dense_student, make_optimizer, train_step, training_kvpop)
+from kvlearn.train.cuda_graph import EAGER_STEPS, CudaGraphStep  # noqa: E402
 from step_timing import (  # noqa: E402
     Timed, add_source_options, measure, measure_one_resident, model_shape, random_model_folder, resolve_source, results_saver,
     run_main)
@@ -206,9 +206,9 @@ def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Te
 def graphed_step_call(name: str, config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor,
                       labels: torch.Tensor, kv, device: torch.device):
     """``--variants graphed_step``: method ``name``'s step replayed as one CUDA graph. A retrofit row is the trainer's
-    own :class:`~kvlearn.train.graphed_step.GraphedRetrofitStep` (``retrofit --cuda-graph-step``: each call a real
+    own :class:`~kvlearn.train.distill.GraphedRetrofitStep` (``retrofit --cuda-graph-step``: each call a real
     step, its query positions and learning rates those of its step number); the reference is
-    :func:`~kvlearn.train.distill.dense_step_tensors` in a :class:`~kvlearn.train.graphed_step.CudaGraphStep`. The
+    :func:`~kvlearn.train.distill.dense_step_tensors` in a :class:`~kvlearn.train.cuda_graph.CudaGraphStep`. The
     first call runs the eager steps and the capture (so that the warm-up, not the timing, holds them); each later
     call is one replay and one read-back, as the eager step reads back once."""
     if name == REFERENCE:

@@ -62,6 +62,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -77,6 +78,7 @@ from ..testbed.data import IGNORE_INDEX, TestbedStream, check_mixture, dense_sha
 from ..hf import copy_tokenizer_files, unpadded_causal_masks
 from ..lineage import write_teacher_record
 from . import parallel
+from .cuda_graph import EAGER_STEPS, CudaGraphStep, check_graph_step, plain_optimizer_groups, prepare_capturable
 from .schedule import warmup_cosine
 from ..testbed.tasks import FAMILIES, MAX_LENGTH, MIN_LENGTH
 
@@ -163,7 +165,7 @@ class RetrofitConfig:
     device: str = "cpu"
     num_workers: int = 0  # data-generation worker processes
     # replay each step's device part as one CUDA graph after a few eager steps (one CUDA process; kvpop and
-    # streaming_plus): the same updates, fewer host launches (:mod:`kvlearn.train.graphed_step`; speed only, a resumed
+    # streaming_plus): the same updates, fewer host launches (:class:`GraphedRetrofitStep`; speed only, a resumed
     # run may change it)
     cuda_graph_step: bool = False
 
@@ -236,8 +238,6 @@ class RetrofitConfig:
         check(isinstance(self.cuda_graph_step, bool),
               f"cuda_graph_step={self.cuda_graph_step!r} is invalid: expected True or False")
         if self.cuda_graph_step:
-            from .graphed_step import GRAPHED_METHODS
-
             check(self.method in GRAPHED_METHODS,
                   f"cuda_graph_step=True is for methods {', '.join(GRAPHED_METHODS)}, not {self.method!r} (DMS draws "
                   "its Gumbel noise and its compression target on the host every step)")
@@ -650,8 +650,6 @@ def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name:
     KVpop config, ``teacher.json`` naming the teacher and its weights' digest: :mod:`kvlearn.lineage`) and ``trainer_state.pt`` (optimizer state keyed by parameter name, step). Written to a temporary
     folder, then renamed. Under data parallelism every process calls it (the state is gathered collectively) and
     only ``main`` writes."""
-    from .graphed_step import plain_optimizer_groups
-
     weights = parallel.full_state_dict(student)
     optimizer_state = plain_optimizer_groups(parallel.full_optimizer_state_dict(student, optimizer))
     out = Path(config.out)
@@ -889,6 +887,68 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
             "lr_decay": lr_decay}
 
 
+# the methods whose step draws nothing on the host but what GraphedRetrofitStep writes into the graph's inputs
+GRAPHED_METHODS = ("kvpop", "streaming_plus")
+
+
+class GraphedRetrofitStep:
+    """:func:`train_step` for one CUDA process (``RetrofitConfig.cuda_graph_step``), its device part
+    (:func:`step_tensors`) replayed as one CUDA graph after ``eager_steps`` eager steps
+    (:class:`~kvlearn.train.cuda_graph.CudaGraphStep`). Call it as ``train_step`` is called, without ``kv`` and ``d``:
+    ``step(input_ids, labels, step, fraction) -> dict`` of the same logged values.
+
+    Before each call the graph's static inputs are written: the batch (int64 ``[B, T]``, copied into device buffers
+    of the first batch's shape), the boundary loss's query positions (int64 ``[queries_per_step]``, drawn on the host
+    by :func:`step_draws` exactly as the eager step draws them) and the three learning rates (0-d device tensors read
+    by the run's ``optimizer``, made with ``capturable=True``: :func:`~kvlearn.train.cuda_graph.prepare_capturable`).
+    One-line errors for a method whose step draws on the host (DMS), a batch whose KD loss would select positions
+    (``B (T-1) V > KD_DENSE_ELEMENTS``: a data-dependent shape) and a batch of a new shape. ``capture``: see
+    ``CudaGraphStep`` (the CPU tests replay by running the step again)."""
+
+    def __init__(self, config, teacher, student, optimizer, kv, device: torch.device,
+                 eager_steps: int = EAGER_STEPS, capture: Callable | None = None):
+        check(config.method in GRAPHED_METHODS,
+              f"cuda_graph_step=True is for methods {', '.join(GRAPHED_METHODS)}, not {config.method!r} (DMS draws its "
+              "Gumbel noise and its compression target on the host every step)")
+        vocab = student.config.vocab_size
+        elements = config.batch_size * (config.seq_len - 1) * vocab
+        check(elements <= KD_DENSE_ELEMENTS,
+              f"cuda_graph_step=True with batch_size x (seq_len - 1) x vocab = {config.batch_size} x "
+              f"{config.seq_len - 1} x {vocab} = {elements} logits: expected <= {KD_DENSE_ELEMENTS} (above it "
+              "the KD loss selects the supervised positions, a shape a CUDA graph cannot replay); lower batch_size")
+        self.config, self.teacher, self.student, self.optimizer, self.kv = config, teacher, student, optimizer, kv
+        self.device = device
+        self.lrs = prepare_capturable(optimizer, device)
+        self.input_ids: torch.Tensor | None = None  # [B, T] int64, allocated on the first call
+        self.labels: torch.Tensor | None = None
+        self.queries = torch.zeros(config.queries_per_step, dtype=torch.int64, device=device)  # [n]
+        self.graph = CudaGraphStep(self._device_part, device, eager_steps, capture)
+
+    def _device_part(self):
+        draws = StepDraws(self.queries, None) if self.config.method == "kvpop" else None
+        return step_tensors(self.config, self.teacher, self.student, self.optimizer, self.input_ids,
+                                    self.labels, self.kv, draws, 0, 0.0, set_to_none=False)
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, step: int, fraction: float) -> dict:
+        if self.input_ids is None:
+            self.input_ids = torch.empty_like(input_ids, device=self.device)
+            self.labels = torch.empty_like(labels, device=self.device)
+        check(input_ids.shape == self.input_ids.shape and labels.shape == self.labels.shape,
+              f"cuda_graph_step: a batch of shape {tuple(input_ids.shape)} after batches of "
+              f"{tuple(self.input_ids.shape)}: a CUDA graph replays one shape; expected every batch alike")
+        self.input_ids.copy_(input_ids, non_blocking=True)
+        self.labels.copy_(labels, non_blocking=True)
+        config = self.config
+        if config.method == "kvpop":
+            self.queries.copy_(step_draws(config, self.kv, step, self.device).queries, non_blocking=True)
+        lr_new, lr_decay = new_lr_at(config, step, fraction), decay_lr_at(config, step, fraction)
+        for lr, value in zip(self.lrs, (config.lr, lr_new, lr_decay)):
+            lr.fill_(value)
+        summed, means, grad_norm = self.graph()
+        return {**read_back(summed, means, self.device, grad_norm=grad_norm), "lr": config.lr,
+                "lr_new": lr_new, "lr_decay": lr_decay}
+
+
 def dense_student(teacher):
     """A plain float32 copy of ``teacher`` to distil into (default attention, gradients on, train mode): the
     reference a retrofit step's cost is measured against (``benchmarks/retrofit_step_speed.py``)."""
@@ -968,8 +1028,6 @@ def retrofit(config: RetrofitConfig, stop_after: int | None = None, progress: bo
         parallel.load_optimizer_state_dict(student, optimizer, trainer_state["optimizer"])
     graphed = None
     if config.cuda_graph_step:  # after the state is loaded: its learning rates become device tensors
-        from .graphed_step import GraphedRetrofitStep, check_graph_step
-
         check_graph_step(device, d.world)
         graphed = GraphedRetrofitStep(config, teacher, student, optimizer, kv, device)
     log_path = out / LOG_FILE

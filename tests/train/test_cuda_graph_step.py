@@ -1,4 +1,5 @@
-"""The retrofit step replayed as one CUDA graph (``kvlearn.train.graphed_step``, ``retrofit --cuda-graph-step``).
+"""The retrofit step replayed as one CUDA graph (``kvlearn.train.cuda_graph``, ``distill.GraphedRetrofitStep``,
+``retrofit --cuda-graph-step``).
 
 On the CPU, where CUDA graphs do not exist, the buffer protocol is checked with a capture that replays by running the
 step function again: every step's batch, query positions and learning rates must reach the step through the static
@@ -16,9 +17,10 @@ from benchmark_loader import load_benchmark
 
 from kvlearn.config import KVpopConfig, StreamingConfig
 from kvlearn.errors import KVLearnError
-from kvlearn.train import distill, graphed_step
-from kvlearn.train.distill import RetrofitConfig, build_models, make_optimizer, train_step, training_kvpop
-from kvlearn.train.graphed_step import EAGER_STEPS, GraphedRetrofitStep, plain_optimizer_groups, prepare_capturable
+from kvlearn.train import cuda_graph, distill
+from kvlearn.train.cuda_graph import EAGER_STEPS, plain_optimizer_groups, prepare_capturable
+from kvlearn.train.distill import (GraphedRetrofitStep, RetrofitConfig, build_models, make_optimizer, train_step,
+                                   training_kvpop)
 
 
 def tiny_folder(tmp_path, device):
@@ -130,7 +132,7 @@ def test_config_refuses_what_a_graph_cannot_replay(tmp_path):
     with pytest.raises(KVLearnError, match="cuda_graph_step='yes' is invalid: expected True or False"):
         tiny_config(folder, tmp_path, cuda_graph_step="yes")
     with pytest.raises(KVLearnError, match="a CUDA graph needs a CUDA device"):
-        graphed_step.check_graph_step(torch.device("cpu"))
+        cuda_graph.check_graph_step(torch.device("cpu"))
 
 
 def test_step_refuses_a_batch_it_cannot_replay(tmp_path, monkeypatch):
