@@ -238,9 +238,7 @@ class RetrofitConfig:
         check(isinstance(self.cuda_graph_step, bool),
               f"cuda_graph_step={self.cuda_graph_step!r} is invalid: expected True or False")
         if self.cuda_graph_step:
-            check(self.method in GRAPHED_METHODS,
-                  f"cuda_graph_step=True is for methods {', '.join(GRAPHED_METHODS)}, not {self.method!r} (DMS draws "
-                  "its Gumbel noise and its compression target on the host every step)")
+            check_graphed_method(self.method)
             check(not self.scorer_kd, f"cuda_graph_step=True with scorer_kd={self.scorer_kd!r} is not supported: the "
                                       "scorer distillation's rows are drawn per step outside the graph's inputs; "
                                       "expected scorer_kd=0")
@@ -891,6 +889,13 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
 GRAPHED_METHODS = ("kvpop", "streaming_plus")
 
 
+def check_graphed_method(method: str) -> None:
+    """One-line error unless ``method``'s step can be replayed as a CUDA graph (:data:`GRAPHED_METHODS`)."""
+    check(method in GRAPHED_METHODS, f"cuda_graph_step=True is for methods {', '.join(GRAPHED_METHODS)}, not "
+                                     f"{method!r} (DMS draws its Gumbel noise and its compression target on the host "
+                                     "every step)")
+
+
 class GraphedRetrofitStep:
     """:func:`train_step` for one CUDA process (``RetrofitConfig.cuda_graph_step``), its device part
     (:func:`step_tensors`) replayed as one CUDA graph after ``eager_steps`` eager steps
@@ -907,9 +912,7 @@ class GraphedRetrofitStep:
 
     def __init__(self, config, teacher, student, optimizer, kv, device: torch.device,
                  eager_steps: int = EAGER_STEPS, capture: Callable | None = None):
-        check(config.method in GRAPHED_METHODS,
-              f"cuda_graph_step=True is for methods {', '.join(GRAPHED_METHODS)}, not {config.method!r} (DMS draws its "
-              "Gumbel noise and its compression target on the host every step)")
+        check_graphed_method(config.method)
         vocab = student.config.vocab_size
         elements = config.batch_size * (config.seq_len - 1) * vocab
         check(elements <= KD_DENSE_ELEMENTS,
@@ -926,8 +929,8 @@ class GraphedRetrofitStep:
 
     def _device_part(self):
         draws = StepDraws(self.queries, None) if self.config.method == "kvpop" else None
-        return step_tensors(self.config, self.teacher, self.student, self.optimizer, self.input_ids,
-                                    self.labels, self.kv, draws, 0, 0.0, set_to_none=False)
+        return step_tensors(self.config, self.teacher, self.student, self.optimizer, self.input_ids, self.labels,
+                            self.kv, draws, 0, 0.0, set_to_none=False)
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, step: int, fraction: float) -> dict:
         if self.input_ids is None:
