@@ -348,8 +348,11 @@ def run(args, tmp: Path, command: str) -> int:
                     t.fields["operator_count_error"] = f"{type(exc).__name__}: {exc}"[:300]
         results = save(partial=False)
     if args.sync_sites:
-        for t in timed:
-            t.fields.update(sync_sites(t.call))
+        for t in timed:  # a row whose counting step fails records why; the timings and the other rows stand
+            try:
+                t.fields.update(sync_sites(t.call))
+            except Exception as exc:  # noqa: BLE001
+                t.fields["host_sync_error"] = f"{type(exc).__name__}: {exc}"[:300]
         results = save(partial=False)
     if args.profile:
         for t, busy in zip(timed, profile_steps(timed, Path(args.profile), device)):

@@ -191,6 +191,14 @@ def test_cli_flag_reaches_the_config(tmp_path, capsys):
 # CUDA
 
 
+# A constant added to every score of a head (the MLP scorer's output bias b2, the mLSTM readout's bias b) changes no
+# ranking, hence neither the forward nor the boundary loss: its gradient is rounding noise (~1e-10 here), which Adam
+# scales up to steps of about the learning rate, of either sign. Two CUDA runs that round differently (fused AdamW
+# with a float32 tensor learning rate against a Python float, atomics in a backward) move it differently; the CPU test
+# above, which rounds alike, compares it too.
+SCORE_SHIFTS = (".scorer.b2", ".scorer.b")
+
+
 def cuda_or_skip():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (run with -m gpu on the device machine)")
@@ -219,7 +227,8 @@ def test_cuda_graph_replays_the_eager_steps(tmp_path, method, scorer):
             assert got[k] == pytest.approx(want[k], rel=2e-3, abs=1e-4), (step, k)
     assert graphed.graph.captured
     for (name, p), q in zip(student.named_parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3, msg=name)
+        if not name.endswith(SCORE_SHIFTS):
+            torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-3, msg=name)
 
 
 @pytest.mark.gpu
@@ -241,5 +250,6 @@ def test_graphed_retrofit_killed_and_resumed_equals_an_eager_run(tmp_path):
     a, b = distill.folder_weights(eager["final"]), distill.folder_weights(resumed["final"])
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=1e-3, msg=k)
+        if not k.endswith(SCORE_SHIFTS):
+            torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=1e-3, msg=k)
     assert resumed["log"]["kd"] == pytest.approx(eager["log"]["kd"], rel=2e-3, abs=1e-4)
