@@ -101,8 +101,8 @@ from kvlearn.results import portable_path  # noqa: E402
 from kvlearn.testbed.data import TestbedStream  # noqa: E402
 from kvlearn.testbed.tasks import MAX_LENGTH, MIN_LENGTH  # noqa: E402
 from kvlearn.train.distill import (  # noqa: E402
-    NEW_MODULES, GraphedRetrofitStep, RetrofitConfig, build_models, dense_distill_step, dense_step_tensors,
-    dense_student, make_optimizer, train_step, training_kvpop)
+    NEW_MODULES, GraphedRetrofitStep, RetrofitConfig, build_models, dense_distill_step, dense_read_back,
+    dense_step_tensors, dense_student, make_optimizer, train_step, training_kvpop)
 from kvlearn.train.cuda_graph import EAGER_STEPS, CudaGraphStep  # noqa: E402
 from step_timing import (  # noqa: E402
     Timed, add_source_options, measure, measure_one_resident, model_shape, random_model_folder, resolve_source, results_saver,
@@ -216,9 +216,7 @@ def graphed_step_call(name: str, config: RetrofitConfig, teacher, student, optim
                                                          set_to_none=False), device)
 
         def one():
-            kd, grad_norm = graph()
-            value, norm = torch.stack([kd.float(), grad_norm.float()]).tolist()
-            return {"loss": value, "kd": value, "grad_norm": norm}
+            return dense_read_back(*graph())
     else:
         step_fn = GraphedRetrofitStep(config, teacher, student, optimizer, kv, device)
         step = [0]

@@ -158,7 +158,7 @@ def test_step_refuses_a_batch_it_cannot_replay(tmp_path, monkeypatch):
 
 def test_checkpoint_of_a_graphed_optimizer_is_plain(tmp_path):
     """Device learning rates and ``capturable`` are the graphed run's own: the checkpoint holds float learning rates
-    and ``capturable=False``, so it loads into an eager optimizer, whose next step equals the graphed optimizer's."""
+    and ``capturable=False``, so it loads into an eager optimizer with those learning rates, which then steps."""
     device = torch.device("cpu")
     config = tiny_config(tiny_folder(tmp_path, device), tmp_path)
     torch.manual_seed(0)
@@ -172,6 +172,15 @@ def test_checkpoint_of_a_graphed_optimizer_is_plain(tmp_path):
     groups = saved["param_groups"]
     assert [type(g["lr"]) for g in groups] == [float] * 3 and groups[1]["lr"] == pytest.approx(5e-4)
     assert not any(g.get("capturable") for g in groups)
+    eager = make_optimizer(config, student, device)
+    distill.parallel.load_optimizer_state_dict(student, eager, saved)
+    assert [g["lr"] for g in eager.param_groups] == [g["lr"] for g in groups]
+    assert all(isinstance(g["lr"], float) and not g.get("capturable") for g in eager.param_groups)
+    for p in student.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in student.parameters()]
+    eager.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, student.parameters()) if p.requires_grad)
     state = {"param_groups": [{"lr": torch.tensor(1.0), "capturable": True}]}
     assert plain_optimizer_groups(state) == {"param_groups": [{"lr": 1.0, "capturable": False}]}
 

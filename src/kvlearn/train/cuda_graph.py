@@ -31,7 +31,7 @@ EAGER_STEPS = 3
 
 def check_graph_step(device: torch.device, world: int = 1) -> None:
     """One-line errors where a run's ``cuda_graph_step`` cannot apply: not CUDA, or several processes (the config's
-    own fields are checked by ``RetrofitConfig``, the batch's size by :class:`GraphedRetrofitStep`)."""
+    own fields are checked by ``RetrofitConfig``, the batch's size by :class:`~kvlearn.train.distill.GraphedRetrofitStep`)."""
     check(device.type == "cuda", f"cuda_graph_step=True on device {str(device)!r}: a CUDA graph needs a CUDA device "
                                  "(--device cuda); the CPU runs the eager step")
     check(world == 1, f"cuda_graph_step=True with {world} processes (FSDP) is not supported: the graph of a sharded "

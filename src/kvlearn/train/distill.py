@@ -967,8 +967,12 @@ def dense_distill_step(config: RetrofitConfig, teacher, student, optimizer, inpu
     optimizer step and ``zero_grad``, under :func:`train_step`'s bf16 autocast on CUDA; one process, no learning-rate
     schedule. ``input_ids``, ``labels``: int64 ``[B, T]``. Returns ``{"loss", "kd", "grad_norm"}`` floats (loss =
     kd: 0 on the first step when ``student`` equals the teacher)."""
-    kd, grad_norm = dense_step_tensors(config, teacher, student, optimizer, input_ids, labels)
-    value, norm = torch.stack([kd.float(), grad_norm.float()]).tolist()  # one host sync
+    return dense_read_back(*dense_step_tensors(config, teacher, student, optimizer, input_ids, labels))
+
+
+def dense_read_back(kd: torch.Tensor, grad_norm: torch.Tensor) -> dict:
+    """:func:`dense_step_tensors`' two 0-d tensors as ``{"loss", "kd", "grad_norm"}`` floats, in one host sync."""
+    value, norm = torch.stack([kd.float(), grad_norm.float()]).tolist()
     return {"loss": value, "kd": value, "grad_norm": norm}
 
 
