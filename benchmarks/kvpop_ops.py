@@ -61,6 +61,24 @@ def bench(fn, warmup=10, rep=50) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def graphed_bench(fn) -> float | None:
+    """``fn`` (a forward and backward) timed as a CUDA-graph replay: three eager calls on a side stream, one capture,
+    then :func:`bench` of the replay. This is the GPU time of ``fn`` without its host launches, as the retrofit runs it
+    with ``--cuda-graph-step`` (:class:`kvlearn.train.cuda_graph.CudaGraphStep`). None in --smoke (no CUDA graphs on
+    the CPU)."""
+    if SMOKE:
+        return None
+    from kvlearn.train.cuda_graph import CudaGraphStep
+
+    step = CudaGraphStep(fn, torch.device("cuda"))
+    for _ in range(step.eager_steps + 1):  # the eager calls, then the capture and a first replay
+        step()
+    torch.cuda.synchronize()
+    ms = bench(step)
+    del step  # the graph's private memory pool goes with it
+    return ms
+
+
 class _Rows(list):
     """Result rows, printed and saved (partial results file) as they are measured."""
 
@@ -171,6 +189,13 @@ def main() -> int:
     rows.append({"name": "attn_dense_sdpa_fwd_bwd", "ms": dense_ms, **common})
     dense_fwd_ms = bench(dense_fwd)
     rows.append({"name": "attn_dense_sdpa_fwd", "ms": dense_fwd_ms, **common})
+
+    def dense_graphed_row():  # the reference of the graphed additions below, replayed the same way
+        ms_g = graphed_bench(dense_fwd_bwd)
+        if ms_g is not None:
+            rows.append({"name": "attn_dense_sdpa_fwd_bwd_graphed", "ms": ms_g, "includes": "CUDA-graph replay", **common})
+
+    guarded("dense_graphed", dense_graphed_row)
 
     sparse_ms, lse_of = {}, {}
 
@@ -306,6 +331,10 @@ def main() -> int:
             scorer_ms[name] = bench(fwd_bwd)
             rows.append({"name": f"scorer_{name}_fwd_bwd", "ms": scorer_ms[name], "parameters_per_head": scorer.num_parameters_per_head(),
                          "first_call_s": first_s, **({"chunk_size": scorer.chunk_size, "compile": scorer.compile} if name == "mlstm" else {}), **common})
+            ms_g = graphed_bench(fwd_bwd) if name == "mlstm" else None
+            if ms_g is not None:  # the same fwd+bwd as one CUDA-graph replay: its GPU time without the host launches
+                rows.append({"name": "scorer_mlstm_fwd_bwd_graphed", "ms": ms_g, "includes": "CUDA-graph replay",
+                             "chunk_size": scorer.chunk_size, "compile": scorer.compile, **common})
 
         guarded(f"scorer_{name}", scorer_row)
 
@@ -339,11 +368,17 @@ def main() -> int:
             ms_m = bench(fwd_bwd)
             adds = ms_m + ms_of("cutoff_triton") + ms_of("target_pass")
             adds_trained = ms_m + ms_of("cutoff_triton") + ms_of(TRAINED_TARGET_ROW)
+            ms_g = graphed_bench(fwd_bwd)  # GPU time (replayed), over the replayed dense fwd+bwd
+            dense_g = ms_of("attn_dense_sdpa_fwd_bwd_graphed")
+            graphed = {} if ms_g is None else {
+                "ms_graphed": ms_g,
+                "kvpop_additions_trained_target_graphed_over_dense_fwd_bwd_graphed": (
+                    ms_g + ms_of("cutoff_triton") + ms_of(TRAINED_TARGET_ROW)) / dense_g}
             rows.append({
                 "name": f"scorer_mlstm_fwd_bwd_{mdt}", "ms": ms_m, "matmul_dtype": mdt, "first_call_s": first_s,
                 "over_dense_fwd_bwd": ms_m / dense_ms,
                 "kvpop_additions_ms": adds, "kvpop_additions_over_dense_fwd_bwd": adds / dense_ms,
-                "kvpop_additions_trained_target_over_dense_fwd_bwd": adds_trained / dense_ms,
+                "kvpop_additions_trained_target_over_dense_fwd_bwd": adds_trained / dense_ms, **graphed,
                 "scores_max_abs_err_vs_float32": None if ref_out is None else (out - ref_out).abs().max().item(),
                 "scores_max_abs_float32": None if ref_out is None else ref_out.abs().max().item(),
                 "grads_max_abs_err_vs_float32": None if ref_grads is None else max(
@@ -416,6 +451,12 @@ def main() -> int:
     additions_trained = (None if mlstm_ms is None or TRAINED_TARGET_ROW not in ms
                          else mlstm_ms + ms["cutoff_triton"] + ms[TRAINED_TARGET_ROW])
     dense_ms = ms["attn_dense_sdpa_fwd_bwd"]
+    # the same sum with the scorer replayed as a CUDA graph (its GPU time, as --cuda-graph-step runs it), over the
+    # replayed dense fwd+bwd: the eager scorer row is bound by the host's launches and moves with the host
+    mlstm_g = ms.get("scorer_mlstm_fwd_bwd_graphed")
+    dense_g = ms.get("attn_dense_sdpa_fwd_bwd_graphed")
+    additions_trained_g = (None if mlstm_g is None or dense_g is None or TRAINED_TARGET_ROW not in ms
+                           else mlstm_g + ms["cutoff_triton"] + ms[TRAINED_TARGET_ROW])
     summary = {
         "kvpop_additions_ms": additions,
         "kvpop_additions_over_dense_fwd_bwd": None if additions is None else additions / dense_ms,
@@ -424,6 +465,10 @@ def main() -> int:
         "kvpop_additions_trained_target_ms": additions_trained,
         "kvpop_additions_over_dense_fwd_bwd_trained_target": (
             None if additions_trained is None else additions_trained / dense_ms),
+        "kvpop_additions_trained_target_graphed_ms": additions_trained_g,
+        "kvpop_additions_over_dense_fwd_bwd_trained_target_graphed": (
+            None if additions_trained_g is None else additions_trained_g / dense_g),
+        "scorer_mlstm_graphed_over_eager": ratio("scorer_mlstm_fwd_bwd_graphed", "scorer_mlstm_fwd_bwd"),
         "kvpop_additions_with_lookahead_ms": additions_look,
         "kvpop_additions_over_dense_fwd_bwd_with_lookahead": None if additions_look is None else additions_look / dense_ms,
         "sparse_fwd_over_dense_fwd": ratio("attn_sparse_fwd", "attn_dense_sdpa_fwd"),
@@ -442,7 +487,8 @@ def main() -> int:
         "mlstm_matmul_dtype": {
             r["matmul_dtype"]: {key: r[key] for key in ("over_dense_fwd_bwd", "kvpop_additions_over_dense_fwd_bwd",
                                                          "kvpop_additions_trained_target_over_dense_fwd_bwd",
-                                                         "scores_max_abs_err_vs_float32", "grads_max_abs_err_vs_float32")}
+                                                         "kvpop_additions_trained_target_graphed_over_dense_fwd_bwd_graphed",
+                                                         "scores_max_abs_err_vs_float32", "grads_max_abs_err_vs_float32") if key in r}
             for r in rows if "matmul_dtype" in r},
     }
     # the acceptance of the KVpop-primitives issue, as measured in this run (None: a row is missing)
@@ -460,6 +506,8 @@ def main() -> int:
         "kvpop_additions_lt_0p45_dense_fwd_bwd": None if additions is None else additions / dense_ms < 0.45,
         "kvpop_additions_trained_target_lt_0p45_dense_fwd_bwd": (
             None if additions_trained is None else additions_trained / dense_ms < 0.45),
+        "kvpop_additions_trained_target_graphed_lt_0p45_dense_fwd_bwd_graphed": (
+            None if additions_trained_g is None else additions_trained_g / dense_g < 0.45),
     }
     results = make_results("ops", rows, device=str(dev), checks=checks, summary=summary, quick=args.quick,
                            torch=torch.__version__)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvlearn.config import KVpopConfig
 
@@ -47,3 +48,36 @@ def test_additions_with_the_trained_target(smoke):
         assert row["kvpop_additions_trained_target_over_dense_fwd_bwd"] == pytest.approx(
             (row["ms"] + ms["cutoff_triton"] + ms[f"target_pass_{reduction}"]) / dense)
     assert smoke["checks"][f"target_{reduction}_finite"] > 0
+
+
+def test_graphed_rows_are_absent_on_the_cpu(smoke):
+    """The CUDA-graph replay rows exist only on CUDA: on the CPU neither the rows nor a made-up sum are written."""
+    names = {r["name"] for r in smoke["rows"]}
+    assert "scorer_mlstm_fwd_bwd_graphed" not in names and "attn_dense_sdpa_fwd_bwd_graphed" not in names
+    summary = smoke["summary"]
+    assert summary["kvpop_additions_trained_target_graphed_ms"] is None
+    assert summary["kvpop_additions_over_dense_fwd_bwd_trained_target_graphed"] is None
+    assert summary["acceptance"]["kvpop_additions_trained_target_graphed_lt_0p45_dense_fwd_bwd_graphed"] is None
+
+
+@pytest.mark.gpu
+def test_graphed_bench_replays_the_work():
+    """``graphed_bench`` times a replay that really runs the captured work: a counter the function increments on the
+    GPU counts every eager call and every replay (a replay of nothing would leave it at the eager calls)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kvpop_ops
+
+    counter = torch.zeros((), device="cuda")
+    x = torch.randn(256, 256, device="cuda", requires_grad=True)
+
+    def fn():
+        counter.add_(1)
+        (x @ x).square().mean().backward()
+
+    ms = kvpop_ops.graphed_bench(fn)
+    torch.cuda.synchronize()
+    assert ms is not None and ms > 0
+    assert counter.item() > 4 + 5  # 3 eager calls + the capture's first replay + do_bench's (>= 5 estimate) replays
+    assert x.grad is not None and torch.isfinite(x.grad).all()
