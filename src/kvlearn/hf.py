@@ -297,6 +297,11 @@ class _ExpectedExtraKeysFilter(logging.Filter):
         return not rows or not all(self._expected(r) for r in rows)
 
 
+# (attention implementation, its mask function) -> whether that mask function gives None for an unpadded sequence,
+# as probed outside any trace or CUDA-graph capture (a memo of a pure function of those two: see unpadded_causal_masks)
+_UNPADDED_PROBES: dict[tuple, bool] = {}
+
+
 def unpadded_causal_masks(model) -> dict | None:
     """The ``attention_mask`` argument for a forward of unpadded sequences from position 0 without a cache (a
     training step): transformers' prepared per-layer-type mapping with every mask ``None``, which the model's attention
@@ -309,16 +314,31 @@ def unpadded_causal_masks(model) -> dict | None:
     ``layer_types`` (the forwards of transformers 5.17 that take a prepared mapping: Qwen2, Qwen3; Llama and Mistral
     do not) and every one is full attention (a sliding window needs its mask), and the model's mask function itself
     gives ``None`` for such a sequence (SDPA, flash and kvlearn's training attentions; eager attention needs its
-    mask). The last is checked by building that mask for a 2-token sequence on the CPU: no device work."""
-    from transformers.masking_utils import create_causal_mask
+    mask). The last is checked by building that mask for a 2-token sequence on the CPU: no device work.
+
+    That check is only meaningful outside a trace: while a CUDA graph is being captured (or dynamo traces),
+    transformers' SDPA mask function never skips the mask (it cannot rule out padding without reading the device), so
+    the probe would build one and this would return ``None``: the captured forward would then build the full
+    ``[B, 1, T, T]`` mask and run SDPA with it instead of its causal kernel (session 38: why the graphed distillation
+    step of ``retrofit --cuda-graph-step``'s reference took 1.5x the eager one). So the probe's answer is kept per
+    (attention implementation, its mask function) from a call outside any trace (the trainers' eager steps come before
+    the capture), and a call inside one uses it; inside a trace with no earlier answer, ``None``."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask
+    from transformers.utils.import_utils import is_tracing
 
     config = model.config
     types = getattr(config, "layer_types", None)
     if not types or set(types) != {"full_attention"}:
         return None
-    probe = create_causal_mask(config=config, inputs_embeds=torch.zeros(1, 2, 1), attention_mask=None,
-                               past_key_values=None, position_ids=None)
-    return {"full_attention": None} if probe is None else None
+    impl = config._attn_implementation
+    key = (impl, ALL_MASK_ATTENTION_FUNCTIONS.get(impl))
+    if key not in _UNPADDED_PROBES:
+        if is_tracing():  # transformers would answer "build the mask" whatever the mask function does
+            return None
+        probe = create_causal_mask(config=config, inputs_embeds=torch.zeros(1, 2, 1), attention_mask=None,
+                                   past_key_values=None, position_ids=None)
+        _UNPADDED_PROBES[key] = probe is None
+    return {"full_attention": None} if _UNPADDED_PROBES[key] else None
 
 
 def _reason(err: BaseException) -> str:
