@@ -197,20 +197,22 @@ def timed_method(name: str, config: RetrofitConfig, teacher, input_ids: torch.Te
     if graphed:
         fields["graphed_step"] = True
         return Timed(row_name(name, variant), graphed_step_call(name, config, teacher, student, optimizer, input_ids,
-                                                                labels, kv, device), fields, memory=True,
+                                                                labels, kv, device, fields), fields, memory=True,
                      first_key="first_step_s")
 
     return Timed(row_name(name, variant), call, fields, memory=True, first_key="first_step_s")
 
 
 def graphed_step_call(name: str, config: RetrofitConfig, teacher, student, optimizer, input_ids: torch.Tensor,
-                      labels: torch.Tensor, kv, device: torch.device):
+                      labels: torch.Tensor, kv, device: torch.device, fields: dict | None = None):
     """``--variants graphed_step``: method ``name``'s step replayed as one CUDA graph. A retrofit row is the trainer's
     own :class:`~kvlearn.train.distill.GraphedRetrofitStep` (``retrofit --cuda-graph-step``: each call a real
     step, its query positions and learning rates those of its step number); the reference is
     :func:`~kvlearn.train.distill.dense_step_tensors` in a :class:`~kvlearn.train.cuda_graph.CudaGraphStep`. The
     first call runs the eager steps and the capture (so that the warm-up, not the timing, holds them); each later
-    call is one replay and one read-back, as the eager step reads back once."""
+    call is one replay and one read-back, as the eager step reads back once. ``fields`` (the row's) gets
+    ``graph_pool_gib``: the memory the allocator reserved during the capture (the graph's private pool, which the
+    row's ``peak_memory_gib`` of the replays does not see: a replay allocates nothing)."""
     if name == REFERENCE:
         graph = CudaGraphStep(lambda: dense_step_tensors(config, teacher, student, optimizer, input_ids, labels,
                                                          set_to_none=False), device)
@@ -227,10 +229,16 @@ def graphed_step_call(name: str, config: RetrofitConfig, teacher, student, optim
             return step_fn(input_ids, labels, n, n / config.steps)
 
     def call() -> dict:
-        for _ in range(EAGER_STEPS if not calls else 0):  # the first call: the eager steps, then the capture
+        if calls:
+            return one()
+        for _ in range(EAGER_STEPS):  # the first call: the eager steps, then the capture
             one()
         calls.append(1)
-        return one()
+        reserved = torch.cuda.memory_reserved(device)
+        out = one()
+        if fields is not None:
+            fields["graph_pool_gib"] = round((torch.cuda.memory_reserved(device) - reserved) / 2**30, 3)
+        return out
 
     calls: list = []
     return call

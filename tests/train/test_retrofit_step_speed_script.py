@@ -403,3 +403,20 @@ def test_count_operators_adds_each_rows_count(tmp_path):
     assert 0 < dense["operators_per_step"] < mlp["operators_per_step"] < rows["retrofit_kvpop_mlstm"]["operators_per_step"]
     assert any(site.startswith("ops/") or site.startswith("kvpop/") for site in mlp["operator_sites"])
     assert sum(mlp["operator_sites"].values()) <= mlp["kvlearn_operators_per_step"] <= mlp["operators_per_step"]
+
+
+@pytest.mark.gpu
+def test_graphed_rows_on_cuda_record_the_graph_pool(tmp_path):
+    """On CUDA the graphed rows run (the reference's and a retrofit's) and each records the memory its capture reserved
+    (``graph_pool_gib``), which their replays' ``peak_memory_gib`` cannot see."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    script = load_benchmark("retrofit_step_speed")
+    out = tmp_path / "graphed.json"
+    assert script.main(["--smoke", "--device", "cuda", "--methods", "retrofit_kvpop_mlp", "--variants", "graphed_step",
+                        "--out", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    for name in ("distill_dense+graphed_step", "retrofit_kvpop_mlp+graphed_step"):
+        assert "error" not in rows[name] and rows[name]["ms"] > 0, rows[name]
+        assert rows[name]["graph_pool_gib"] > 0
+    assert "graph_pool_gib" not in rows["distill_dense"]
