@@ -3,7 +3,7 @@ graph must train the same student, not only time well).
 
 Reads the two runs' ``train_log.jsonl`` (same model, data, seed and steps; ``benchmarks/device/graphed_retrofit_compare.sh``
 trains them one after the other on the GPU) and, if given, their students' accuracy files (``kvlearn eval``), and
-writes one JSON with, per run: the steps, the median wall time of a step after the first ``--skip`` steps (both runs
+writes one results file whose rows are the two runs, each with: the steps, the median wall time of a step after the first ``--skip`` steps (both runs
 measured in the same call, so their ratio is the comparison), the mean of each loss term over each tenth and over the
 last tenth, and the mean accuracy per family. The comparison: the graphed run's time per step over the eager run's,
 the largest per-tenth difference of each loss term (relative to the eager run's), and the accuracy difference.
@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvlearn.errors import KVLearnError, check  # noqa: E402
+from kvlearn.results import make_results, write_results  # noqa: E402
 from train_log_summary import read_log, summarise  # noqa: E402
 
 METRICS = ("kd", "boundary", "recall")
@@ -51,7 +50,7 @@ def family_accuracy(path: str | Path) -> dict[str, float]:
 
 
 def compare(eager_log, graphed_log, skip: int, eager_eval=None, graphed_eval=None) -> dict:
-    """The comparison described in the module docstring, as a dict."""
+    """The comparison described in the module docstring: ``{"runs": {"eager": row, "graphed": row}, "comparison"}``."""
     e_rows, g_rows = read_log(eager_log), read_log(graphed_log)
     check(len(e_rows) == len(g_rows), f"the runs logged {len(e_rows)} and {len(g_rows)} steps: expected the same "
                                       "number (the same --steps)")
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--eager-eval", help="the eager student's kvlearn eval file")
     p.add_argument("--graphed-eval", help="the graphed student's kvlearn eval file")
     p.add_argument("--skip", type=int, default=20, help="steps left out of the step time (compilation, capture)")
-    p.add_argument("--device", default="", help="the device both runs used, recorded in the file")
+    p.add_argument("--device", default="cuda", help="the device both runs used (cuda or cpu), recorded by name")
     p.add_argument("--command", default="", help="the command that produced the runs, recorded in the file")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -95,16 +94,9 @@ def main(argv=None) -> int:
     except KVLearnError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    out = {"schema": "kvlearn.results.v1", "kind": "graphed_retrofit_compare",
-           "command": args.command or "python benchmarks/graphed_retrofit_compare.py " + " ".join(sys.argv[1:]),
-           "commit": commit or "unknown", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "device": args.device, **result}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    rows = [{"run": name, **row} for name, row in result["runs"].items()]
+    write_results(args.out, make_results("graphed_retrofit_compare", rows, device=args.device,
+                                         command=args.command or None, comparison=result["comparison"]))
     c = result["comparison"]
     print(f"graphed/eager step time {c['graphed_over_eager_step_time']:.3f}; kd last tenth "
           f"{c['kd_last_tenth']['eager']:.4f} / {c['kd_last_tenth']['graphed']:.4f}"

@@ -32,10 +32,9 @@ for run in eager graphed; do
         --out "$OUT/eval_$run.json" > "$OUT/eval_$run.log" 2>&1; echo "$run eval rc=$?"; } &
 done
 wait
-device=$(python3 -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')")
 python3 benchmarks/graphed_retrofit_compare.py --eager "$WORK/eager/train_log.jsonl" \
     --graphed "$WORK/graphed/train_log.jsonl" --eager-eval "$OUT/eval_eager.json" --graphed-eval "$OUT/eval_graphed.json" \
-    --skip "${SKIP:-20}" --device "$device" --out "$OUT/graphed_retrofit_compare.json" \
+    --skip "${SKIP:-20}" --device "$DEVICE" --out "$OUT/graphed_retrofit_compare.json" \
     --command "STEPS=$STEPS SCORER=$SCORER BUDGET=$BUDGET N=$N bash benchmarks/device/graphed_retrofit_compare.sh"
 for run in eager graphed; do gzip -c "$WORK/$run/train_log.jsonl" > "$OUT/train_log_$run.jsonl.gz"; done
 cat "$OUT/eval_eager.log" "$OUT/eval_graphed.log" >> "$OUT/retrofit_eager.log"; rm -f "$OUT"/eval_*.log

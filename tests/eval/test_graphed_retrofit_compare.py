@@ -70,9 +70,12 @@ def test_device_script_finds_two_runs_of_one_recipe_equal(make_teacher, tmp_path
                          text=True, timeout=600, cwd=ROOT)
     assert "eager retrofit rc=0" in run.stdout and "graphed retrofit rc=0" in run.stdout, run.stdout + run.stderr
     result = json.loads((out / "graphed_retrofit_compare.json").read_text())
+    assert result["schema"] == "kvlearn.results.v1" and result["device"].startswith("cpu")
+    assert result["command"].startswith("STEPS=14 SCORER=mlp") and result["commit"]
     c = result["comparison"]
-    assert result["runs"]["eager"]["steps"] == result["runs"]["graphed"]["steps"] == 14
+    runs = {r["run"]: r for r in result["rows"]}
+    assert runs["eager"]["steps"] == runs["graphed"]["steps"] == 14
     assert c["kd_max_tenth_rel_diff"] < 1e-5 and c["kd_first_step_abs_diff"] < 1e-6  # one recipe, one seed
     assert c["mean_accuracy_diff"] == 0.0
-    assert set(result["runs"]["eager"]["accuracy"]) == {"vt", "niah", "mean"}
+    assert set(runs["eager"]["accuracy"]) == {"vt", "niah", "mean"}
     assert (out / "train_log_graphed.jsonl.gz").is_file() and not list(out.glob("eval_*.log"))
