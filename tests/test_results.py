@@ -114,6 +114,24 @@ def test_merge_keeps_kaizen_rows_of_other_selectors_and_factors():
         ("kaizen", 8.0, "kaizen8"), ("untrained_backbone", 4.571429, "kaizen4")]
 
 
+def test_merge_keeps_rows_of_two_series_that_share_a_model_path():
+    """Two runs of one chain write their students to the same temporary path and differ only in their ``series``
+    label (results/kaizen_table.json's fromsel_1300 and fromsel_2600): merging the table again keeps both series'
+    rows, and a repeated row of one series is still dropped (hand-built rows)."""
+    from kvlearn.results import make_results, merge_results
+
+    def row(series, acc):
+        return {"method": "kaizen+kvpop", "protocol": "bounded", "split": "eval", "budget": 512, "task": "trace",
+                "factor": 64.0, "model": "$TMPDIR/retrofit_mlp_512_fromsel/final", "series": series, "accuracy": acc}
+
+    table = make_results("accuracy", [row("fromsel_1300", 0.92), row("fromsel_2600", 0.97)], device="cuda",
+                         command="t", commit="c1")
+    again = make_results("accuracy", [row("fromsel_2600", 0.97)], device="cuda", command="t2", commit="c2")
+    m = merge_results([table, again], "t && t2", across_runs=True)
+    assert [(r["series"], r["accuracy"], r["commit"]) for r in m["rows"]] == [
+        ("fromsel_1300", 0.92, "c1"), ("fromsel_2600", 0.97, "c1")]
+
+
 def test_merge_keeps_a_measured_row_over_a_failed_one():
     """A row that failed in one part (``error``) and was measured in another is kept as measured, in the failed
     row's place; a later failure never replaces a measured row."""

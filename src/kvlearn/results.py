@@ -148,11 +148,14 @@ def row_run_key(row: dict) -> str:
 
 def merge_key(row: dict) -> tuple:
     """What makes a results row one measurement when parts are merged: ``(method, protocol, split, budget, task)``,
-    and for rows that carry them (KV-Kaizen's) the ``selector``, the ``model`` weights and the realised ``factor``
-    (to 4 decimals): two selectors, or one baseline at two factors, share the first five and are different rows."""
+    and for rows that carry them (KV-Kaizen's) the ``selector``, the ``model`` weights, the realised ``factor`` (to 4
+    decimals) and the ``series`` label: two selectors, one baseline at two factors, or two runs of one chain whose
+    students were written to the same temporary path (series ``fromsel_1300`` and ``fromsel_2600``) share the first
+    five and are different rows."""
     factor = row.get("factor")
     return (row.get("method"), row.get("protocol"), row.get("split"), row.get("budget"), row.get("task"),
-            row.get("selector"), row.get("model"), None if factor is None else round(float(factor), 4))
+            row.get("selector"), row.get("model"), None if factor is None else round(float(factor), 4),
+            row.get("series"))
 
 
 def merge_results(parts: list[dict], command: str, across_runs: bool = False) -> dict:

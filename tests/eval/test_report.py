@@ -167,3 +167,24 @@ def test_acceptance_section_one_line_per_verdict(tmp_path):
     text = build(tmp_path)
     assert "| composed_64x_every_family | kaizen+kvpop | s | 64x | eval | 0.842 | lowest | 0.85 | no |" in text
     assert "| ahead_of_baselines | kvpop |  | 512 | eval | 0.900 (best other: snapkv 0.700) | mean |  | yes |" in text
+
+
+def test_graphed_compare_section_one_line_per_run(tmp_path):
+    """A graphed-against-eager retrofit file: each run's step time, loss terms over the last tenth and accuracy per
+    family in one line (not the nested fields dumped), then the comparison."""
+    def run(name, ms, kd, trace):
+        return {"run": name, "steps": 400, "step_ms_median": ms,
+                "metrics": {"kd": {"last_tenth": kd, "tenths": [1.0, kd]},
+                            "boundary": {"last_tenth": 0.58, "tenths": [0.8, 0.58]}},
+                "accuracy": {"trace": trace, "niah": 0.5, "mean": (trace + 0.5) / 2}}
+
+    data = {"schema": "kvlearn.results.v1", "kind": "graphed_retrofit_compare", "command": "bash x.sh",
+            "commit": "abc", "date": "d", "device": "NVIDIA H100 80GB HBM3",
+            "comparison": {"graphed_over_eager_step_time": 0.81},
+            "rows": [run("eager", 84.0000000000014, 0.06002, 0.95), run("graphed", 67.99999999999784, 0.06173, 0.97)]}
+    (tmp_path / "graphed_retrofit_compare_h100.json").write_text(json.dumps(data))
+    text = build(tmp_path)
+    assert "| run | steps | median step ms | kd (last tenth) | boundary (last tenth) | trace | niah | mean |" in text
+    assert "| eager | 400 | 84.0 | 0.0600 | 0.5800 | 0.95 | 0.50 | 0.7250 |" in text
+    assert "| graphed | 400 | 68.0 | 0.0617 | 0.5800 | 0.97 | 0.50 | 0.7350 |" in text
+    assert '"graphed_over_eager_step_time": 0.81' in text and "tenths" not in text

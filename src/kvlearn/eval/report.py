@@ -181,6 +181,26 @@ def acceptance_section(name: str, data: dict) -> str:
     return "\n".join(out)
 
 
+def graphed_compare_section(name: str, data: dict) -> str:
+    """``benchmarks/graphed_retrofit_compare.py``: one row per run (eager, graphed) with its median step time, its
+    loss terms over the last tenth of the steps and its accuracy per family, then the comparison's summary."""
+    rows = data["rows"]
+    tasks = list(dict.fromkeys(t for r in rows for t in r.get("accuracy", {}) if t != "mean"))
+    terms = list(dict.fromkeys(t for r in rows for t in r.get("metrics", {})))
+    out = [f"## A graphed retrofit against an eager one: {name.removesuffix('.json')}", "", _provenance(name, data), "",
+           "| run | steps | median step ms | " + " | ".join(f"{t} (last tenth)" for t in terms) + " | "
+           + " | ".join(tasks) + " | mean |",
+           "| --- | ---: | ---: |" + " ---: |" * (len(terms) + len(tasks) + 1)]
+    for r in rows:
+        acc = r.get("accuracy", {})
+        out.append(f"| {r['run']} | {r['steps']} | {r['step_ms_median']:.1f} | "
+                   + " | ".join(f"{r['metrics'][t]['last_tenth']:.4f}" for t in terms) + " | "
+                   + " | ".join(f"{acc[t]:.2f}" for t in tasks) + f" | {acc.get('mean', float('nan')):.4f} |")
+    if data.get("comparison"):
+        out += ["", "Comparison:", "", "```", json.dumps(data["comparison"], indent=1), "```"]
+    return "\n".join(out)
+
+
 def table_section(name: str, data: dict) -> str:
     """Any other kind of results file: its rows as one table (columns in first-seen order)."""
     rows = data["rows"]
@@ -215,6 +235,8 @@ def build(results_dir: Path) -> str:
             sections.append(kaizen_memory_section(path.name, data))
         elif data.get("kind") == "acceptance":
             sections.append(acceptance_section(path.name, data))
+        elif data.get("kind") == "graphed_retrofit_compare":
+            sections.append(graphed_compare_section(path.name, data))
         else:
             sections.append(table_section(path.name, data))
     return "\n\n".join(sections) + "\n"
