@@ -1,6 +1,6 @@
 """``kvlearn reproduce kvpop``: the per-budget chain environments (hand-written expectations), the merge of the
 tables the chains wrote (a fake runner), a failed budget named in ``not_run``, bad input as one line, and one real
-tiny run of the chain on the CPU."""
+tiny run of the chain on the CPU, through the device script."""
 
 import json
 import subprocess
@@ -146,21 +146,45 @@ def test_cli_bad_input_is_one_line_before_any_chain_runs(tmp_path, capsys, monke
 
 
 @pytest.mark.slow
-def test_a_tiny_real_run_on_the_cpu(tmp_path, monkeypatch):
-    """The real chain, tiny: the shipped teacher, budget 64 (window 16), retrofits of a few seconds, context 256,
-    one niah example on the eval split, no bf16 export of the students: every student and the teacher have rows in
-    the merged table, and every student trained exactly the 2 steps asked for (``--steps``)."""
-    monkeypatch.setenv("EXPORT_STUDENTS", "0")
-    config = ReproduceConfig(out=str(tmp_path / "r"), budgets=(64,), steps=2, n_per_task=1, device="cpu",
-                             retrofit_args="--seq-len 256 --batch-size 2 --window 16 --num-workers 0",
-                             table_args="--context 256 --tasks niah --baselines streaming --splits eval")
-    merged = json.loads(Path(reproduce_kvpop(config)).read_text())
+def test_a_tiny_real_run_through_the_device_script_on_the_cpu(tmp_path):
+    """The real chain, tiny, through ``benchmarks/device/reproduce_kvpop.sh`` (how the device runs it, a budget or
+    more per call): the shipped teacher, budget 64 (window 16), retrofits of 2 steps, context 256, one niah example on
+    the eval split, no bf16 export of the students. Every student and the teacher have rows in the merged table;
+    the packed folder keeps each student's training log (every student trained exactly the 2 steps asked for) and no
+    checkpoint; unpacked into a new folder, as the next call gets it, a resume keeps the budget without running its
+    chain again."""
+    import os
+    import tarfile
+
+    rep, out = tmp_path / "rep", tmp_path / "out"
+    settings = dict(steps=2, n_per_task=1, device="cpu", retrofit_args="--seq-len 256 --batch-size 2 --window 16 "
+                    "--num-workers 0", table_args="--context 256 --tasks niah --baselines streaming --splits eval")
+    env = {**os.environ, "OUT": str(out), "REP": str(rep), "BUDGETS": "64", "STEPS": "2", "N_PER_TASK": "1",
+           "DEVICE": "cpu", "RETROFIT_ARGS": settings["retrofit_args"], "TABLE_ARGS": settings["table_args"],
+           "EXPORT_STUDENTS": "0"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(["bash", "benchmarks/device/reproduce_kvpop.sh"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "reproduce rc=0" in done.stdout, done.stdout + done.stderr
+    with tarfile.open(out / "reproduce-kvpop.tar") as tar:
+        names = sorted(n.removeprefix("./") for n in tar.getnames())
+        unpacked = tmp_path / "unpacked"
+        tar.extractall(unpacked)
+    assert "kvpop_table.json" in names and "budget64/kvpop_table.json" in names, names
+    assert not [n for n in names if n.endswith((".safetensors", ".pt", ".bin"))], names
+    merged = json.loads((unpacked / "kvpop_table.json").read_text())
     methods = {r["method"] for r in merged["rows"]}
     assert {"teacher", "kvpop_mlp", "kvpop", "streaming_plus", "dms", "streaming"} <= methods, methods
     assert all(r["budget"] == 64 for r in merged["rows"] if r["method"] != "teacher")
-    kept = sorted(p.name for p in (tmp_path / "r" / "students").iterdir())  # the students stay with the table
-    assert kept == ["table_reproduce64_dms", "table_reproduce64_kvpop", "table_reproduce64_kvpop_mlp",
-                    "table_reproduce64_streaming_plus"], kept
-    for name in kept:  # the same steps for every method
-        log = (tmp_path / "r" / "students" / name / "train_log.jsonl").read_text().splitlines()
-        assert [json.loads(line)["step"] for line in log] == [1, 2], name
+    logs = sorted(n for n in names if n.endswith("train_log.jsonl"))
+    assert [n.split("/")[1] for n in logs] == ["table_reproduce64_dms", "table_reproduce64_kvpop",
+                                                "table_reproduce64_kvpop_mlp", "table_reproduce64_streaming_plus"], logs
+    for name in logs:  # the same steps for every method
+        steps = [json.loads(line)["step"] for line in (unpacked / name).read_text().splitlines()]
+        assert steps == [1, 2], name
+
+    def no_chain(*args, **kwargs):
+        raise AssertionError("the finished budget's chain ran again")
+
+    path = reproduce_kvpop(ReproduceConfig(out=str(unpacked), budgets=(64,), resume=True, **settings), run=no_chain)
+    assert json.loads(Path(path).read_text())["rows"] == merged["rows"]

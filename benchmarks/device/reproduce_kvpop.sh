@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `kvlearn reproduce kvpop` (issue #10 item 6: the KVpop Table 1 rebuilt from the committed teacher) on a device whose
+# calls are shorter than the whole run (about 9 minutes a budget by the chain's time guard, 27 for the three): each
+# call runs the budgets BUDGETS (default 1024) with --resume into REP (default carry_eval/reproduce-kvpop), so the
+# budgets an earlier call finished are kept, and the merged table covers every finished budget. At the end the
+# students' checkpoints are deleted (about 13 MB of weights each, and their optimizer states) but their
+# train_log.jsonl kept, and REP is packed as $OUT/reproduce-kvpop.tar: the per-budget tables and logs, the settings,
+# the students' training logs and the merged table.
+# Between calls: unpack the returned tar into REP on this machine and pass carry ["carry_eval"] to the next call,
+# e.g. BUDGETS=1024, then 1024,512, then 1024,512,256 (a budget an earlier call finished costs nothing). The budgets
+# of one table must come from one device model (the merge refuses parts of different devices).
+# Passed through: MINUTES (default 5, the committed recipe) or STEPS, N_PER_TASK (default 100), DEVICE (default cuda),
+# RETROFIT_ARGS and TABLE_ARGS (a CPU smoke run's tiny shapes: tests/eval/test_reproduce.py). LIMIT (default 580 s)
+# is the reproduce command's timeout, under the call's 600 s.
+# Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... BUDGETS=1024 bash benchmarks/device/reproduce_kvpop.sh
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+REP=${REP:-carry_eval/reproduce-kvpop}
+echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+mkdir -p "$REP"
+start=$(date +%s)
+length=(--minutes "${MINUTES:-5}"); [ -n "${STEPS:-}" ] && length=(--steps "$STEPS")
+timeout "${LIMIT:-580}" python3 -m kvlearn.cli reproduce kvpop --resume --out "$REP" --budgets "${BUDGETS:-1024}" \
+    "${length[@]}" --n-per-task "${N_PER_TASK:-100}" --device "${DEVICE:-cuda}" \
+    --retrofit-args "${RETROFIT_ARGS:-}" --table-args "${TABLE_ARGS:-}" > "$REP/reproduce.log" 2>&1
+echo "reproduce rc=$? after $(( $(date +%s) - start )) s"; grep -E "^\[|^wrote|Error" "$REP/reproduce.log" | tail -n 6
+[ -d "$REP/students" ] && find "$REP/students" -type f ! -name train_log.jsonl -delete && find "$REP/students" -type d -empty -delete
+for f in "$REP"/budget*/kvpop_table.json; do
+    [ -f "$f" ] && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], 'rows', len(d['rows']), 'complete', d.get('complete'), 'not_run', len(d.get('not_run', [])))" "$f"
+done
+tar -C "$REP" -cf "$OUT/reproduce-kvpop.tar" . && ls -la "$OUT/reproduce-kvpop.tar"
