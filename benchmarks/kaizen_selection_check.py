@@ -30,7 +30,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+from eviction_baselines import parse_list  # noqa: E402
 from kvlearn.errors import KVLearnError, check, check_int  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, evaluate  # noqa: E402
 from kvlearn.results import make_results, portable_path, write_results  # noqa: E402
@@ -51,14 +53,6 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="kaizen_selection_check.json")
     return ap.parse_args(argv)
-
-
-def parse_list(text: str, valid, what: str) -> tuple[str, ...]:
-    items = tuple(valid) if text == "all" else tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [x for x in items if x not in valid]
-    check(items and not bad, f"{what}={text!r} is invalid: expected a comma list of {', '.join(valid)}"
-                             + (" or 'all'" if what == "--tasks" else ""))
-    return items
 
 
 def parse_batches(text: str) -> tuple[int, ...]:
@@ -87,7 +81,7 @@ def autocast_for(serving: str, device: torch.device):
 def run(args) -> dict:
     from kvlearn.train.kaizen_train import SELECT_SEED_OFFSET
 
-    tasks = parse_list(args.tasks, testbed_tasks.FAMILIES, "--tasks")
+    tasks = parse_list(args.tasks, tuple(testbed_tasks.FAMILIES), "--tasks")
     servings = parse_list(args.servings, SERVINGS, "--servings")
     batches = parse_batches(args.batch_sizes)
     check_int("n_select", args.n_select, 1)

@@ -54,9 +54,9 @@ def test_every_cell_and_its_references(student, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tasks", "trace,bogus"], "--tasks='trace,bogus' is invalid"),
+    (["--tasks", "trace,bogus"], "--tasks 'trace,bogus': unknown bogus; expected a comma list of trace"),
     (["--batch-sizes", "16,x"], "--batch-sizes='16,x' is invalid: expected a comma list of integers >= 1"),
-    (["--servings", "fp8"], "--servings='fp8' is invalid"),
+    (["--servings", "fp8"], "--servings 'fp8': unknown fp8; expected a comma list of train_copy, served"),
     (["--n-eval", "0"], "n_eval=0 is invalid")])
 def test_bad_options_are_one_line(student, tmp_path, capsys, args, message):
     out, _ = student
