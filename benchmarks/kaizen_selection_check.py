@@ -9,8 +9,9 @@ measurements differ in three ways, and this script crosses them on one saved stu
 - the prompts: the validation's (eval-split format from example index ``SELECT_SEED_OFFSET`` on, ``--n-select`` per
   family) or the table's (index 0 on, ``--n-eval`` per family);
 - the weights and activations: ``train_copy`` loads the weights in float32 and runs under bf16 autocast on CUDA, as
-  the validation runs the training copy; ``served`` loads them in bf16, as the table and ``kvlearn eval`` serve a
-  checkpoint on CUDA (on the CPU both are float32 without autocast, as there);
+  the validation ran the training copy until session 39; ``served`` loads them in bf16, as the table and ``kvlearn
+  eval`` serve a checkpoint on CUDA, and as the validation has served the iterate since (on the CPU both are float32
+  without autocast);
 - the batch: the validation's ``min(n_select, 16)`` or the table's 64 (``--batch-sizes``).
 
 Each cell is one ``evaluate`` with method ``kaizen`` (the selector's choice per prompt, the compact cache of that
@@ -67,7 +68,9 @@ def load_student(path: str, serving: str, device: torch.device):
     """The student as ``serving`` runs it: float32 weights (``train_copy``) or bf16 weights on CUDA (``served``)."""
     import kvlearn
 
-    dtype = torch.bfloat16 if serving == "served" and device.type == "cuda" else torch.float32
+    from kvlearn.checkpoint import serving_dtype
+
+    dtype = serving_dtype(device) if serving == "served" else torch.float32
     return kvlearn.load(path, dtype=dtype, device=device)
 
 

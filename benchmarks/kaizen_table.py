@@ -79,6 +79,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from eviction_baselines import add_run_options, parse_list, print_summary, recorded_command, repo_relative  # noqa: E402
 
+from kvlearn.checkpoint import serving_dtype  # noqa: E402
 from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate  # noqa: E402
 from kvlearn.methods import trained_options  # noqa: E402
@@ -383,8 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped {what}: {why}")
 
     deadline = start + 60 * args.minutes
-    dtype = {"auto": torch.bfloat16 if args.device.startswith("cuda") else torch.float32, "bfloat16": torch.bfloat16,
-             "float32": torch.float32}[args.dtype]
+    dtype = {"auto": serving_dtype(args.device), "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     models: dict[tuple, torch.nn.Module] = {}
 
     def model_for(run: Run):

@@ -45,6 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from eviction_baselines import (parse_budgets, parse_list, add_run_options, print_summary, recorded_command,  # noqa: E402
                                 repo_relative, smoke_settings, tiny_model)
 
+from kvlearn.checkpoint import serving_dtype  # noqa: E402
 from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate  # noqa: E402
 from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method, trained_options  # noqa: E402
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.monotonic()
     deadline = start + 60 * args.minutes
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = serving_dtype(args.device)
     models: dict[str | None, torch.nn.Module] = {}
 
     def model_for(path: str | None):

@@ -20,6 +20,12 @@ import torch
 from .hf import load_model
 
 
+def serving_dtype(device: str | torch.device) -> torch.dtype:
+    """The dtype a checkpoint is served in on ``device`` by ``kvlearn eval`` and the table scripts: bf16 weights and
+    activations on CUDA, float32 elsewhere. Checkpoint selection validates in it too (``kaizen_train.validate``)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
     """The model saved in the folder ``path`` (``save_pretrained``), in eval mode, with KVpop re-applied when it was
     saved with it. Bad folders are one-line :class:`~kvlearn.errors.KVLearnError` s (see

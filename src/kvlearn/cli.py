@@ -79,12 +79,10 @@ def _threads(n: int) -> None:
 
 
 def _load(path: str, device: str):
-    import torch
-
     from .checkpoint import load as load_model
+    from .checkpoint import serving_dtype
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return load_model(path, dtype=dtype, device=device)
+    return load_model(path, dtype=serving_dtype(device), device=device)
 
 
 def display_path(path: str | os.PathLike) -> str:

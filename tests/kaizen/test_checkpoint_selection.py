@@ -119,6 +119,39 @@ def test_validation_equals_an_evaluation_of_the_saved_iterate(tmp_path):
     assert student.training and json.dumps(getattr(student.config, CONFIG_KEY), sort_keys=True) == recorded
 
 
+@pytest.mark.skipif(not (TEACHER / "model.safetensors").exists(), reason="no embedded teacher in this checkout")
+def test_validation_serves_the_iterate_as_a_checkpoint_in_the_serving_dtype(tmp_path, monkeypatch):
+    """On CUDA a checkpoint is served in bf16 (``serving_dtype``); here that rule is made the CPU's, so the
+    validation must load the iterate in bf16: it does (the load is watched), its accuracies equal ``evaluate`` of
+    the same weights loaded in bf16 from ``best/`` (the independent path), it leaves no ``.validate/`` folder, and the
+    float32 student it validated keeps its weights, dtype and training mode."""
+    import kvlearn.checkpoint as checkpoint
+
+    config = kt.KaizenTrainConfig(model=str(TEACHER), out=str(tmp_path), targets=(2.0,), steps=1, batch_size=2,
+                                  seq_len=512, lr=1e-7, lr_new=1e-7, warmup_steps=0, select_every=1, select_n=3,
+                                  device="cpu")
+    kt.kaizen_train(config, progress=False)
+    monkeypatch.setattr(checkpoint, "serving_dtype", lambda device: torch.bfloat16)
+    loaded, real_load = [], checkpoint.load
+
+    def watched(path, dtype=None, device="cpu"):
+        loaded.append(dtype)
+        return real_load(path, dtype=dtype, device=device)
+
+    monkeypatch.setattr(checkpoint, "load", watched)
+    student = kvlearn.load(str(tmp_path / kt.BEST), dtype=torch.float32)
+    student.train()
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    result = kt.validate(config, student, torch.device("cpu"))
+    assert loaded == [torch.bfloat16] and not (tmp_path / kt.VALIDATE_DIR).exists()
+    assert student.training and all(torch.equal(v, before[k]) for k, v in student.state_dict().items())
+    assert next(student.parameters()).dtype == torch.float32
+    reference = real_load(str(tmp_path / kt.BEST), dtype=torch.bfloat16)
+    rows = evaluate(reference, EvalConfig(method="kaizen", n_per_task=3, context=512, batch_size=3, split="eval",
+                                          seed_offset=kt.SELECT_SEED_OFFSET), progress=False)
+    assert result["per_task"] == {r["task"]: r["accuracy"] for r in rows} and result["accuracy"] > 0
+
+
 def test_bad_settings_are_one_line_errors(teacher_path, tmp_path, monkeypatch):
     base = dict(model=teacher_path, out=str(tmp_path / "x"), steps=2, **{**COMMON, "targets": (2.0,)})
     for change, match in [(dict(select_every=-1), "select_every"), (dict(select_every=1, select_n=0), "select_n"),

@@ -481,26 +481,37 @@ RESUME_DEFAULTS = {"share_layers": None, "share_threshold": DEFAULT_THRESHOLD,  
 BEST = "best"  # out/best/: the best-validated iterate so far (checkpoint selection)
 SELECT_LOG = "selection.jsonl"  # out/selection.jsonl: one line per validation
 SELECT_SEED_OFFSET = 1_000_000  # validation prompts: the eval split's generator from this example index on
+VALIDATE_DIR = ".validate"  # out/.validate/: the iterate as served during one validation, removed after it
 
 
 def validate(config: KaizenTrainConfig, student, device: torch.device) -> dict:
-    """``{"accuracy", "per_task", "factor"}``: greedy exact-match accuracy of ``student`` served as evaluation serves
-    it (method ``kaizen``: its selector's choice per prompt, the compact cache of that choice) on ``select_n``
-    prompts per family of the eval split's format, at ``seq_len``, drawn from example index
-    :data:`SELECT_SEED_OFFSET` on: disjoint from the evaluation's first million prompts and from the held-out split.
-    ``factor``: the mean realised compression. The student is returned to its training mode; its recorded config
-    stays as it was (the method's ``apply`` rewrites it with the same values, the target left unset)."""
+    """``{"accuracy", "per_task", "factor"}``: greedy exact-match accuracy of the iterate ``student`` served as
+    ``kvlearn eval`` serves a checkpoint (method ``kaizen``: its selector's choice per prompt, the compact cache of
+    that choice) on ``select_n`` prompts per family of the eval split's format, at ``seq_len``, drawn from example
+    index :data:`SELECT_SEED_OFFSET` on: disjoint from the evaluation's first million prompts and from the held-out
+    split. ``factor``: the mean realised compression.
+
+    Served, not run in place: the iterate is written to ``out/.validate/`` and loaded back by :func:`kvlearn.load` in
+    :func:`~kvlearn.checkpoint.serving_dtype` (on CUDA bf16 weights and activations, with the selector as loading
+    attaches it, where the training copy is float32 under autocast; on the CPU float32 either way), then the folder
+    is removed. Until session 39 the training copy itself was evaluated under autocast, and on CUDA it read trace
+    higher than the tables did (docs/DESIGN.md section 8, "Checkpoint selection"). The student is not touched: its
+    mode, weights and recorded config stay as they were."""
+    from ..checkpoint import load, serving_dtype
     from ..eval.accuracy import EvalConfig, evaluate
 
-    was_training = student.training
-    student.eval()
+    path = Path(config.out) / VALIDATE_DIR
+    if path.exists():
+        shutil.rmtree(path)
+    student.save_pretrained(path, safe_serialization=True)
     try:
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            rows = evaluate(student, EvalConfig(method="kaizen", n_per_task=config.select_n, context=config.seq_len,
-                                                batch_size=min(config.select_n, 16), split="eval",
-                                                seed_offset=SELECT_SEED_OFFSET), progress=False)
+        served = load(path, dtype=serving_dtype(device), device=device)
+        rows = evaluate(served, EvalConfig(method="kaizen", n_per_task=config.select_n, context=config.seq_len,
+                                           batch_size=min(config.select_n, 16), split="eval",
+                                           seed_offset=SELECT_SEED_OFFSET), progress=False)
+        del served
     finally:
-        student.train(was_training)
+        shutil.rmtree(path, ignore_errors=True)
     per_task = {r["task"]: r["accuracy"] for r in rows}
     return {"accuracy": sum(per_task.values()) / len(per_task), "per_task": per_task,
             "factor": sum(r["factor"] for r in rows) / len(rows)}
