@@ -79,8 +79,7 @@ def _threads(n: int) -> None:
 
 
 def _load(path: str, device: str):
-    from .checkpoint import load as load_model
-    from .checkpoint import serving_dtype
+    from .checkpoint import load as load_model, serving_dtype
 
     return load_model(path, dtype=serving_dtype(device), device=device)
 
