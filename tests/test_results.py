@@ -193,3 +193,25 @@ def test_merge_across_runs_clears_the_skipped_that_another_run_measured():
     assert [r["budget"] for r in m["rows"]] == [512, 256]
     same = make_results("accuracy", [row("kvpop", 256)], device="cuda", command="b", commit="c1", skipped={})
     assert set(merge_results([wide, same], "a; b")["skipped"]) == {"kvpop/bounded/eval/B=256", "dms/bounded/eval/B=256"}
+
+
+def test_merge_across_runs_replaces_a_family_a_guard_cut_and_keeps_every_run():
+    """A row a time guard stopped inside its family (``incomplete``, n=64 of 100) is replaced by a later run's whole
+    row, never the reverse; the merged file is complete only with no incomplete row left; merging a merge again
+    keeps the runs it already lists."""
+    from kvlearn.results import make_results, merge_results
+
+    cut = {"method": "h2o", "protocol": "bounded", "split": "eval", "budget": 1024, "task": "niah", "accuracy": 0.28,
+           "n": 64, "incomplete": True}
+    whole = {**{k: v for k, v in cut.items() if k != "incomplete"}, "accuracy": 0.3, "n": 100}
+    first = make_results("accuracy", [cut], device="cuda", command="a", commit="c1", not_run=[], complete=False)
+    second = make_results("accuracy", [whole], device="cuda", command="b", commit="c2", complete=True)
+    m = merge_results([first, second], "a; b", across_runs=True)
+    assert [(r["n"], r.get("incomplete")) for r in m["rows"]] == [(100, None)] and m["complete"] is True
+    m = merge_results([second, first], "b; a", across_runs=True)
+    assert [r["n"] for r in m["rows"]] == [100] and m["complete"] is True
+    alone = merge_results([first, first], "a; a", across_runs=True)
+    assert alone["complete"] is False
+    third = make_results("accuracy", [], device="cuda", command="c", commit="c3", complete=True)
+    again = merge_results([merge_results([first, second], "a; b", across_runs=True), third], "x", across_runs=True)
+    assert [r["command"] for r in again["runs"]] == ["a", "b", "c"]

@@ -8,7 +8,10 @@
 # the students' training logs and the merged table.
 # Between calls: unpack the returned tar into REP on this machine and pass carry ["carry_eval"] to the next call,
 # e.g. BUDGETS=1024, then 1024,512, then 1024,512,256 (a budget an earlier call finished costs nothing). The budgets
-# of one table must come from one device model (the merge refuses parts of different devices).
+# of one table must come from one device model (the merge refuses parts of different devices). A budget whose table
+# stage was cut by its time guard (the baselines' held-out runs, on an H100 in session 40) is finished by the next
+# call: only the runs it lacks are measured, the retrofits are not run again (a missing student run, whose
+# checkpoint this script deleted, would need the whole chain again).
 # Passed through: MINUTES (default 5, the committed recipe) or STEPS, N_PER_TASK (default 100), DEVICE (default cuda),
 # RETROFIT_ARGS and TABLE_ARGS (a CPU smoke run's tiny shapes: tests/eval/test_reproduce.py). LIMIT (default 580 s)
 # is the reproduce command's timeout, under the call's 600 s.

@@ -163,14 +163,15 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
 
     Rows are concatenated in order; a row whose :func:`merge_key` already appeared (the full cache, which every part
     measures first) is dropped, unless the kept one is an ``error`` row and this one
-    is not (a part that reran a failed row wins). ``not_run`` and ``skipped`` are united, ``complete``
+    is not (a part that reran a failed row wins), or the kept one is ``incomplete`` (a time guard stopped it inside
+    its family) and this one is whole. ``not_run`` and ``skipped`` are united, ``complete``
     holds when every part is complete, ``wall_seconds`` is the longest part's.
 
     ``across_runs``: the parts may come from different runs (commits, dates): every row gets its run's ``commit``,
     ``date`` and ``n_per_task`` (where the part has them), ``runs`` lists each part's ``commit``, ``date`` and
-    ``command``, and the file's ``commit`` names every commit (comma-separated, in order); a ``not_run`` entry that
+    ``command`` (a part that is itself such a merge contributes its own ``runs``), and the file's ``commit`` names every commit (comma-separated, in order); a ``not_run`` entry that
     another part measured is dropped (:func:`row_run_key`), and so is a ``skipped`` one, and ``complete`` holds when
-    no ``not_run`` entry and no ``error`` row is left. Same kind and device still."""
+    no ``not_run`` entry, no ``error`` row and no ``incomplete`` row is left. Same kind and device still."""
     from .errors import check
 
     check(len(parts) > 0, "merge_results: no results to merge")
@@ -182,7 +183,8 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
     merged["command"] = command
     if across_runs:
         merged["commit"] = ",".join(dict.fromkeys(str(p.get("commit")) for p in parts))
-        merged["runs"] = [{k: p.get(k) for k in ("commit", "date", "command")} for p in parts]
+        merged["runs"] = [run for p in parts  # a part merged before keeps the runs it lists
+                          for run in (p.get("runs") or [{k: p.get(k) for k in ("commit", "date", "command")}])]
     seen, rows = {}, []  # key -> index in rows
     for p in parts:
         for r in p["rows"]:
@@ -194,6 +196,8 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
                 rows.append(r)
             elif "error" in rows[seen[key]] and "error" not in r:  # a measured row beats a failed one
                 rows[seen[key]] = r
+            elif rows[seen[key]].get("incomplete") and not r.get("incomplete") and "error" not in r:
+                rows[seen[key]] = r  # and a whole family beats one a time guard stopped inside
     if any("not_run" in p for p in parts):
         merged["not_run"] = [x for p in parts for x in p.get("not_run", [])]
         if across_runs:  # a later run may have measured what an earlier one did not reach
@@ -207,7 +211,8 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
     if any("complete" in p for p in parts):
         merged["complete"] = all(p.get("complete", False) for p in parts)
         if across_runs:
-            merged["complete"] = not merged.get("not_run") and not any("error" in r for r in rows)
+            merged["complete"] = not merged.get("not_run") and not any("error" in r or r.get("incomplete")
+                                                                        for r in rows)
     if any("wall_seconds" in p for p in parts):
         merged["wall_seconds"] = max(p.get("wall_seconds", 0) for p in parts)
     merged["rows"] = rows

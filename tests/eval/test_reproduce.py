@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvlearn import KVLearnError
-from kvlearn.eval.reproduce import ReproduceConfig, budget_env, command_of, finished, reproduce_kvpop
+from kvlearn.eval.reproduce import (ReproduceConfig, budget_env, command_of, finish_parts, finished, missing_runs,
+                                    reproduce_kvpop)
 from kvlearn.results import make_results, write_results
 
 
@@ -112,6 +113,65 @@ def test_resume_keeps_the_finished_budgets_and_merges_them_all(tmp_path):
     # a table a time guard cut is run again: finished only when complete and nothing is listed as not run
     assert finished({"complete": True}) and finished({}) and not finished({"complete": False})
     assert not finished({"complete": True, "not_run": ["kvpop/bounded/eval"]})
+
+
+def row(method, split, task, budget=1024, n=100, **extra):
+    return {"method": method, "protocol": "bounded", "split": split, "budget": budget, "task": task,
+            "context": 4096, "compression": 0.75, "accuracy": 0.5, "n": n, "model": "teacher", **extra}
+
+
+def test_resume_measures_only_the_runs_a_guard_cut_and_needs_the_chain_only_without_the_student(tmp_path):
+    """Session 40's first device run of budget 1024: the chain's table stage stopped at its time guard with three
+    baselines' held-out runs not started and h2o's eval run stopped inside niah (64 of 100). The resume runs
+    ``kvpop_table.py`` for exactly those runs (grouped per split, never the chain), each part merged as it is
+    written: the whole niah row replaces the cut one, the table is complete, and the earlier runs stay listed. A
+    missing student run is measured from the student's checkpoint when it is there, else the whole chain reruns."""
+    out = tmp_path / "r"
+    config = ReproduceConfig(out=str(out), budgets=(1024,), resume=True)
+    (out / "budget1024").mkdir(parents=True)
+    rows = [row("teacher", s, t, budget=None) for s in ("eval", "heldout") for t in ("trace", "niah")]
+    rows += [row("h2o", "eval", "trace"), row("h2o", "eval", "niah", n=64, incomplete=True)]
+    not_run = ["streaming/bounded/heldout/B=1024", "h2o/bounded/heldout/B=1024"]
+    write_results(out / "budget1024" / "kvpop_table.json",
+                  make_results("accuracy", rows, device="cuda", command="chain", commit="c1", not_run=not_run,
+                               complete=False))
+    table = json.loads((out / "budget1024" / "kvpop_table.json").read_text())
+    assert missing_runs(table) == [("streaming", "bounded", "heldout"), ("h2o", "bounded", "heldout"),
+                                   ("h2o", "bounded", "eval")]
+    calls = []
+
+    def table_script(cmd, cwd, env, stdout, stderr, check):
+        assert cmd[0] != "bash", "the chain ran although only baseline runs were missing"
+        opts = {a: b for a, b in zip(cmd[2:], cmd[3:]) if a.startswith("--") and not b.startswith("--")}
+        calls.append((opts["--baselines"], opts["--splits"], "--no-teacher" in cmd))
+        new = [row(m, opts["--splits"], t, commit=None) for m in opts["--baselines"].split(",")
+               for t in ("trace", "niah")]
+        write_results(opts["--out"], make_results("accuracy", [{k: v for k, v in r.items() if k != "commit"}
+                                                               for r in new], device="cuda", command="part",
+                                                  commit="c2", complete=True))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    path = reproduce_kvpop(config, run=table_script)
+    assert calls == [("streaming,h2o", "heldout", True), ("h2o", "eval", True)]
+    budget = json.loads((out / "budget1024" / "kvpop_table.json").read_text())
+    assert budget["complete"] is True and budget["not_run"] == []
+    niah = [r for r in budget["rows"] if (r["method"], r["split"], r["task"]) == ("h2o", "eval", "niah")]
+    assert len(niah) == 1 and niah[0]["n"] == 100 and not niah[0].get("incomplete")
+    assert len(budget["rows"]) == len(rows) + 4 and [r["command"] for r in budget["runs"]] == [
+        "chain", "part", "part"]
+    assert not list((out / "budget1024").glob("finish_*.json"))  # each part is merged, then removed
+    assert json.loads(Path(path).read_text())["complete"] is True
+    # a missing student run: from its checkpoint when it is there (the chain's WORK_DIR), else only the chain helps
+    runs = [("kvpop", "bounded", "heldout"), ("teacher", "bounded", "eval")]
+    assert finish_parts(config, 1024, runs) is None
+    final = out / "students" / "table_reproduce1024_kvpop" / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text("{}")
+    assert finish_parts(config, 1024, runs) == [
+        ["--student", f"kvpop=kvpop:{final}", "--baselines", "none", "--no-teacher", "--protocols", "bounded",
+         "--splits", "heldout"],
+        ["--baselines", "none", "--protocols", "bounded", "--splits", "eval"]]
+    assert missing_runs({"rows": [], "not_run": ["every run at B=512 (its chain failed: see its log)"]}) is None
 
 
 @pytest.mark.parametrize("bad, message", [

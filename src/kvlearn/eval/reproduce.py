@@ -19,17 +19,20 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..config import retrofit_window
 from ..errors import check, check_int
-from ..results import merge_results, portable_path, read_results, repo_root, write_results
+from ..results import merge_results, portable_path, read_results, repo_root, row_run_key, write_results
 
 TABLE1_STUDENTS = "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
 CHAIN = Path("benchmarks") / "device" / "kvpop_table.sh"
+TABLE_SCRIPT = Path("benchmarks") / "kvpop_table.py"  # what finish_budget runs for the runs a table lacks
 SETTINGS = "reproduce_settings.json"  # in out: the settings a --resume must match
 EVAL_MINUTES = 4.0  # the table's share of a budget's run after the retrofits (n = 100, both splits, 6 parts)
 
@@ -41,7 +44,9 @@ class ReproduceConfig:
     the shared GPU slows each; the table then gets ``EVAL_MINUTES``, and the run's time is not bounded); ``n_per_task``: examples per family and split; ``device``: ``cuda`` (``cpu`` for
     a smoke run); ``model``: the teacher's folder (default the committed one). ``resume``: keep every budget whose
     complete table an earlier run with the same settings left in ``out`` and run only the others, so that the
-    budgets may run in separate sessions (e.g. device calls shorter than the whole run); the merge covers them all."""
+    budgets may run in separate sessions (e.g. device calls shorter than the whole run); the merge covers them all.
+    A budget whose table a time guard cut (runs under ``not_run``, rows marked ``incomplete``) gets only those runs
+    measured (:func:`finish_budget`), not its retrofits again, when every student they need is still in ``out``."""
 
     out: str = "runs/reproduce-kvpop"
     budgets: tuple[int, ...] = (1024, 512, 256)
@@ -97,6 +102,7 @@ def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
         "TOTAL_MINUTES": str(round(config.minutes + EVAL_MINUTES, 2)),
         "N_PER_TASK": str(config.n_per_task),
         "DEVICE": config.device,
+        "EXPORT_STUDENTS": "0",  # the students' final/ stay in out/students: no bf16 tar of each in the budget folder
         "RETROFIT_ARGS": f"--window {retrofit_window(budget)} {config.retrofit_args}".strip(),
         "TABLE_ARGS": f"--budgets {budget} {config.table_args}".strip(),
     }
@@ -105,6 +111,97 @@ def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
 def finished(table: dict) -> bool:
     """Whether a budget's table is whole: no run cut by a time guard (``not_run``) and not marked incomplete."""
     return table.get("complete", True) is True and not table.get("not_run")
+
+
+def student_dir(config: ReproduceConfig, budget: int, label: str) -> Path:
+    """Where a budget's chain leaves student ``label``'s checkpoint (``WORK_DIR/table<TAG>_<label>/final``)."""
+    return Path(config.out) / "students" / f"table_reproduce{budget}_{label}" / "final"
+
+
+def missing_runs(table: dict) -> list[tuple[str, str, str]] | None:
+    """``(label, protocol, split)`` of every run a budget's table lacks: its ``not_run`` entries (a time guard
+    stopped the table before them) and the runs of its ``incomplete`` rows (stopped inside a family). None when an
+    entry is not a run's name (``every run at B=...``: the chain itself failed), so only the whole chain can
+    finish the budget."""
+    keys = list(table.get("not_run", [])) + [row_run_key(r) for r in table["rows"] if r.get("incomplete")]
+    runs = []
+    for key in dict.fromkeys(keys):
+        parts = key.split("/")
+        if len(parts) not in (3, 4) or " " in key or (len(parts) == 4 and not parts[3].startswith("B=")):
+            return None
+        runs.append(tuple(parts[:3]))
+    return runs
+
+
+def finish_parts(config: ReproduceConfig, budget: int, runs: list[tuple[str, str, str]]) -> list[list[str]] | None:
+    """The ``kvpop_table.py`` options (after the common ones) that measure ``runs`` at ``budget``: one part per
+    protocol and split for the teacher, per student, and for the training-free baselines together. None when a run
+    needs a student whose checkpoint is gone (the device script keeps only the students' training logs): then only
+    the whole chain can finish the budget."""
+    from ..methods import EVICTION_METHODS
+
+    students = dict(s.split("=") for s in TABLE1_STUDENTS.split())
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for label, protocol, split in runs:
+        if label == "teacher":
+            who = "teacher"
+        elif label in students:
+            if not (student_dir(config, budget, label) / "config.json").is_file():
+                return None
+            who = f"student:{label}"
+        elif label in EVICTION_METHODS:
+            who = "baselines"
+        else:
+            return None
+        groups.setdefault((who, protocol, split), []).append(label)
+    parts = []
+    for (who, protocol, split), labels in groups.items():
+        if who == "teacher":
+            options = ["--baselines", "none"]
+        elif who == "baselines":
+            options = ["--baselines", ",".join(labels), "--no-teacher"]
+        else:
+            label = who.split(":", 1)[1]
+            options = ["--student", f"{label}={students[label]}:{student_dir(config, budget, label)}",
+                       "--baselines", "none", "--no-teacher"]
+        parts.append(options + ["--protocols", protocol, "--splits", split])
+    return parts
+
+
+def finishable(config: ReproduceConfig, budget: int) -> bool:
+    """Whether the budget's table lacks some runs and :func:`finish_budget` can measure every one of them."""
+    runs = missing_runs(read_results(Path(config.out) / f"budget{budget}" / "kvpop_table.json"))
+    return bool(runs) and finish_parts(config, budget, runs) is not None
+
+
+def finish_budget(config: ReproduceConfig, budget: int, run: Callable[..., subprocess.CompletedProcess]) -> bool:
+    """Measure only the runs the budget's table lacks (:func:`missing_runs`), with the students the chain trained,
+    and merge each part into the table as soon as it is written (a part's rows replace the table's incomplete ones;
+    a run it measured leaves ``not_run``), so that a call cut short keeps what it finished. Returns whether the table
+    is now :func:`finished`; False at once (nothing run) when only the whole chain can finish it (not
+    :func:`finishable`)."""
+    table_path = Path(config.out) / f"budget{budget}" / "kvpop_table.json"
+    runs = missing_runs(read_results(table_path))
+    parts = None if runs is None else finish_parts(config, budget, runs)
+    if not parts:
+        return False
+    model = config.model or str(repo_root() / "checkpoints" / "testbed-teacher")
+    for i, options in enumerate(parts):
+        part = table_path.with_name(f"finish_{i}.json")
+        part.unlink(missing_ok=True)
+        command = [sys.executable, str(repo_root() / TABLE_SCRIPT), "--model", model,
+                   "--n-per-task", str(config.n_per_task), "--device", config.device, "--budgets", str(budget),
+                   *shlex.split(config.table_args), *options, "--out", str(part), "--plot", str(part.with_suffix(".png"))]
+        print(f"    finishing budget {budget}: {' '.join(options[:-4])} ({options[-3]} {options[-1]})", flush=True)
+        with open(table_path.with_name(f"finish_{i}.log"), "w") as log:
+            run(command, cwd=repo_root(), env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT, check=False)
+        if part.is_file():
+            table = read_results(table_path)
+            merged = merge_results([table, read_results(part)], table["command"], across_runs=True)
+            write_results(table_path, merged)
+            part.unlink()
+            part.with_suffix(".png").unlink(missing_ok=True)
+    return finished(read_results(table_path))
 
 
 def command_of(config: ReproduceConfig) -> str:
@@ -148,6 +245,12 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
         table = out / f"budget{budget}" / "kvpop_table.json"
         if config.resume and table.is_file() and finished(read_results(table)):
             print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: kept from the earlier run ({table})", flush=True)
+            tables.append(table)
+            continue
+        if config.resume and table.is_file() and finishable(config, budget):
+            print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: the earlier run's table lacks "
+                  f"{len(missing_runs(read_results(table)))} run(s): measuring only those", flush=True)
+            finish_budget(config, budget, run)  # what it could not finish stays under the table's not_run
             tables.append(table)
             continue
         length = f"{config.steps} steps" if config.steps is not None else f"{config.minutes} min"
