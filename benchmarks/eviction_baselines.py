@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from kvlearn.checkpoint import serving_dtype  # noqa: E402
 from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
 from kvlearn.eval.plots import plot_pareto  # noqa: E402
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.monotonic()
     deadline = start + 60 * args.minutes
-    dtype = torch.bfloat16 if args.device.startswith("cuda") and not args.smoke else torch.float32
+    dtype = torch.float32 if args.smoke else serving_dtype(args.device)  # bf16 on CUDA, float32 elsewhere
     model_name = "tiny random Qwen3 (--smoke)" if args.smoke else repo_relative(args.model)
     rows: list[dict] = []
     command = recorded_command(argv)

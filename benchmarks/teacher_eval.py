@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from kvlearn.checkpoint import serving_dtype
 from kvlearn.eval.accuracy import EvalConfig, evaluate, format_table
 from kvlearn.eval.plots import plot_accuracy
 from kvlearn.results import make_results, write_results
@@ -33,7 +34,7 @@ def main() -> int:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = serving_dtype(args.device)  # the one serving rule: bf16 on CUDA, float32 elsewhere
     model = load_model(args.model, dtype=dtype, device=args.device)
     rows = []
     settings = [(split, method, budget) for split in args.splits.split(",")

@@ -215,3 +215,14 @@ def test_merge_across_runs_replaces_a_family_a_guard_cut_and_keeps_every_run():
     third = make_results("accuracy", [], device="cuda", command="c", commit="c3", complete=True)
     again = merge_results([merge_results([first, second], "a; b", across_runs=True), third], "x", across_runs=True)
     assert [r["command"] for r in again["runs"]] == ["a", "b", "c"]
+
+
+def test_merge_unites_the_students_of_every_part():
+    """The Table 1 chain evaluates each student in its own part: the merged file names every part's students, not
+    only the first part's (session 40's reproduce table named one student of four)."""
+    from kvlearn.results import make_results, merge_results
+
+    parts = [make_results("accuracy", [], device="cuda", command=c, commit="c1", students=s)
+             for c, s in (("a", {"kvpop_mlp": "kvpop:a"}), ("b", {"kvpop": "kvpop:b"}), ("c", {}))]
+    assert merge_results(parts, "m")["students"] == {"kvpop_mlp": "kvpop:a", "kvpop": "kvpop:b"}
+    assert "students" not in merge_results([make_results("accuracy", [], device="cuda", command="a", commit="c")], "m")

@@ -164,7 +164,7 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
     Rows are concatenated in order; a row whose :func:`merge_key` already appeared (the full cache, which every part
     measures first) is dropped, unless the kept one is an ``error`` row and this one
     is not (a part that reran a failed row wins), or the kept one is ``incomplete`` (a time guard stopped it inside
-    its family) and this one is whole. ``not_run`` and ``skipped`` are united, ``complete``
+    its family) and this one is whole. ``not_run``, ``skipped`` and ``students`` are united, ``complete``
     holds when every part is complete, ``wall_seconds`` is the longest part's.
 
     ``across_runs``: the parts may come from different runs (commits, dates): every row gets its run's ``commit``,
@@ -203,6 +203,8 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
         if across_runs:  # a later run may have measured what an earlier one did not reach
             measured = {row_run_key(r) for r in rows if "error" not in r}
             merged["not_run"] = list(dict.fromkeys(x for x in merged["not_run"] if x not in measured))
+    if any("students" in p for p in parts):  # each part of a table chain evaluates its own student(s)
+        merged["students"] = {k: v for p in parts for k, v in (p.get("students") or {}).items()}
     if any("skipped" in p for p in parts):
         merged["skipped"] = {k: v for p in parts for k, v in p.get("skipped", {}).items()}
         if across_runs:  # a run that could not take a budget (e.g. a student's window) and another run that did

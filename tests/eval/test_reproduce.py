@@ -248,3 +248,33 @@ def test_a_tiny_real_run_through_the_device_script_on_the_cpu(tmp_path):
 
     path = reproduce_kvpop(ReproduceConfig(out=str(unpacked), budgets=(64,), resume=True, **settings), run=no_chain)
     assert json.loads(Path(path).read_text())["rows"] == merged["rows"]
+
+
+def test_a_reproduction_is_compared_with_the_table_of_record_over_the_families_both_measured():
+    """Hand-computed: the teacher labelled ``teacher`` here and ``dense`` there (budget 4096 there) is one method;
+    the means cover only the families both have; a run only one side has, and an incomplete row, are left out; a
+    student row names each side's checkpoint, a baseline row none. RESULTS.md renders the comparison under the
+    reproduction's table."""
+    from kvlearn.eval.report import reproduction_section
+    from kvlearn.eval.reproduce import compare_tables, comparison_text
+
+    mine = [row("teacher", "eval", "niah", budget=None), row("teacher", "eval", "vt", budget=None),
+            {**row("kvpop", "eval", "niah"), "accuracy": 0.9, "model": "runs/a"},
+            {**row("kvpop", "eval", "vt"), "accuracy": 0.7, "model": "runs/a"},
+            {**row("kvpop", "eval", "trace"), "accuracy": 0.1, "model": "runs/a"},
+            row("tova", "eval", "niah"), {**row("h2o", "eval", "niah"), "incomplete": True}]
+    theirs = [{**row("dense", "eval", "niah", budget=4096), "model": None, "accuracy": 0.5},
+              {**row("dense", "eval", "vt", budget=4096), "model": None, "accuracy": 0.5},
+              {**row("kvpop", "eval", "niah"), "accuracy": 1.0, "model": "runs/b"},
+              {**row("kvpop", "eval", "vt"), "accuracy": 1.0, "model": "runs/b"},
+              row("h2o", "eval", "niah"), row("snapkv", "eval", "niah")]
+    compared = compare_tables(mine, theirs)
+    assert [(c["method"], c["budget"], c["tasks"], c["accuracy"], c["reference_accuracy"], c["difference"],
+             c["model"], c["reference_model"]) for c in compared] == [
+        ("teacher", None, ["niah", "vt"], 0.5, 0.5, 0.0, None, None),
+        ("kvpop", 1024, ["niah", "vt"], 0.8, 1.0, -0.2, "runs/a", "runs/b")]
+    assert "kvpop           bounded  eval        1024     0.800      1.000  -0.200" in comparison_text(compared, "x")
+    root = Path(__file__).resolve().parents[2]
+    section = reproduction_section({"reproduces": "results/kvpop_table.json", "rows": mine}, root)
+    assert "Against `results/kvpop_table.json`" in section
+    assert reproduction_section({"rows": mine}, root) == ""

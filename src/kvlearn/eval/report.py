@@ -201,6 +201,26 @@ def graphed_compare_section(name: str, data: dict) -> str:
     return "\n".join(out)
 
 
+def reproduction_section(data: dict, root: Path) -> str:
+    """For a reproduction (a file whose ``reproduces`` names the table of record, as ``kvlearn reproduce`` writes
+    it): each run's mean accuracy next to the table of record's, over the families both measured, with each side's
+    student checkpoint. Empty when the file reproduces nothing or the table of record is not there."""
+    from .reproduce import compare_tables
+
+    reference = root / str(data.get("reproduces", ""))
+    if not data.get("reproduces") or not reference.is_file():
+        return ""
+    compared = compare_tables(data["rows"], json.loads(reference.read_text())["rows"])
+    out = ["", "", f"Against `{data['reproduces']}` (mean accuracy over the families both measured; a difference in a "
+           "training-free row would mean the evaluation changed, one in a student row is the retrofit's):", "",
+           "| method | protocol | split | budget | this run | of record | difference | student (this run) | "
+           "student (of record) |", "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    out += [f"| {c['method']} | {c['protocol']} | {c['split']} | {c['budget'] or 'full'} | {c['accuracy']:.3f} | "
+            f"{c['reference_accuracy']:.3f} | {c['difference']:+.3f} | {c['model'] or ''} | {c['reference_model'] or ''} |"
+            for c in compared]
+    return "\n".join(out)
+
+
 def table_section(name: str, data: dict) -> str:
     """Any other kind of results file: its rows as one table (columns in first-seen order)."""
     rows = data["rows"]
@@ -226,7 +246,8 @@ def build(results_dir: Path) -> str:
         if data.get("schema") != SCHEMA:
             continue
         if data.get("kind") == "accuracy":
-            sections.append(accuracy_section(path.name, data) + plot_line(results_dir, path.name))
+            sections.append(accuracy_section(path.name, data) + reproduction_section(data, results_dir.parent)
+                            + plot_line(results_dir, path.name))
         elif data.get("kind") == "ops":
             sections.append(ops_section(path.name, data))
         elif data.get("kind") == "testbed":

@@ -28,11 +28,13 @@ from typing import Callable
 
 from ..config import retrofit_window
 from ..errors import check, check_int
-from ..results import merge_results, portable_path, read_results, repo_root, row_run_key, write_results
+from ..results import (FULL_CACHE_LABELS, merge_results, portable_path, read_results, repo_root, row_run_key,
+                       write_results)
 
 TABLE1_STUDENTS = "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
 CHAIN = Path("benchmarks") / "device" / "kvpop_table.sh"
 TABLE_SCRIPT = Path("benchmarks") / "kvpop_table.py"  # what finish_budget runs for the runs a table lacks
+COMMITTED_TABLE = Path("results") / "kvpop_table.json"  # the table of record a reproduction is compared with
 SETTINGS = "reproduce_settings.json"  # in out: the settings a --resume must match
 EVAL_MINUTES = 4.0  # the table's share of a budget's run after the retrofits (n = 100, both splits, 6 parts)
 
@@ -204,6 +206,49 @@ def finish_budget(config: ReproduceConfig, budget: int, run: Callable[..., subpr
     return finished(read_results(table_path))
 
 
+def compare_tables(rows: list[dict], reference: list[dict]) -> list[dict]:
+    """Per ``(method, protocol, split, budget)`` the mean accuracy of ``rows`` (a reproduction) and of ``reference``
+    (the table of record) over the task families both measured, with each side's student checkpoint (``model``),
+    in the order of ``rows``. The full cache is one method whatever its label (``teacher``, ``dense``) and
+    whatever its budget field. Runs only one side measured are left out."""
+    def groups(table: list[dict]) -> dict:
+        out: dict = {}
+        for r in table:
+            if "error" in r or r.get("incomplete"):
+                continue
+            full = r["method"] in FULL_CACHE_LABELS
+            key = ("teacher" if full else r["method"], r.get("protocol", "bounded"), r.get("split", "eval"),
+                   None if full else r.get("budget"))
+            student = None if full or r.get("model") in (None, "teacher") else r.get("model")
+            out.setdefault(key, {"tasks": {}, "model": student})["tasks"][r["task"]] = r["accuracy"]
+        return out
+
+    mine, theirs = groups(rows), groups(reference)
+    compared = []
+    for key, g in mine.items():
+        if key not in theirs:
+            continue
+        tasks = [t for t in g["tasks"] if t in theirs[key]["tasks"]]
+        if not tasks:
+            continue
+        a = sum(g["tasks"][t] for t in tasks) / len(tasks)
+        b = sum(theirs[key]["tasks"][t] for t in tasks) / len(tasks)
+        compared.append({"method": key[0], "protocol": key[1], "split": key[2], "budget": key[3], "tasks": tasks,
+                         "accuracy": round(a, 4), "reference_accuracy": round(b, 4), "difference": round(a - b, 4),
+                         "model": g["model"], "reference_model": theirs[key]["model"]})
+    return compared
+
+
+def comparison_text(compared: list[dict], reference: str) -> str:
+    """:func:`compare_tables`'s rows as a fixed-width table for the terminal."""
+    lines = [f"against {reference} (mean accuracy over the families both measured):",
+             f"{'method':<16}{'protocol':<9}{'split':<9}{'budget':>7}{'this run':>10}{'of record':>11}{'diff':>8}"]
+    for c in compared:
+        lines.append(f"{c['method']:<16}{c['protocol']:<9}{c['split']:<9}{str(c['budget'] or 'full'):>7}"
+                     f"{c['accuracy']:>10.3f}{c['reference_accuracy']:>11.3f}{c['difference']:>+8.3f}")
+    return "\n".join(lines)
+
+
 def command_of(config: ReproduceConfig) -> str:
     """The ``kvlearn reproduce kvpop`` command line of ``config`` (recorded in the merged table)."""
     parts = ["kvlearn reproduce kvpop", f"--out {portable_path(config.out)}",
@@ -267,6 +312,11 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     if missing:
         merged["not_run"] = merged.get("not_run", []) + [f"every run at {m} (its chain failed: see its log)" for m in missing]
         merged["complete"] = False
+    committed = repo_root() / COMMITTED_TABLE
+    if committed.is_file():
+        merged["reproduces"] = str(COMMITTED_TABLE)
     path = write_results(out / "kvpop_table.json", merged)
     plot_pareto(merged["rows"], out / "kvpop_table.png", title="KVpop Table 1 on the testbed (kvlearn reproduce kvpop)")
+    if committed.is_file():
+        print(comparison_text(compare_tables(merged["rows"], read_results(committed)["rows"]), str(COMMITTED_TABLE)))
     return path
