@@ -11,7 +11,8 @@
 # of one table must come from one device model (the merge refuses parts of different devices). A budget whose table
 # stage was cut by its time guard (the baselines' held-out runs, on an H100 in session 40) is finished by the next
 # call: only the runs it lacks are measured, the retrofits are not run again (a missing student run, whose
-# checkpoint this script deleted, would need the whole chain again).
+# checkpoint this script deleted, would need the whole chain again). A chain this call's LIMIT killed inside its
+# table stage leaves its parts in the budget folder; the next call merges them before finishing.
 # Passed through: MINUTES (default 5, the committed recipe) or STEPS, N_PER_TASK (default 100), DEVICE (default cuda),
 # RETROFIT_ARGS and TABLE_ARGS (a CPU smoke run's tiny shapes: tests/eval/test_reproduce.py). LIMIT (default 580 s)
 # is the reproduce command's timeout, under the call's 600 s.

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvlearn import KVLearnError
-from kvlearn.eval.reproduce import (ReproduceConfig, budget_env, command_of, finish_parts, finished, missing_runs,
-                                    reproduce_kvpop)
+from kvlearn.eval.reproduce import (CHAIN_PARTS, ReproduceConfig, budget_env, command_of, finish_parts, finished,
+                                    missing_runs, reproduce_kvpop)
 from kvlearn.results import make_results, write_results
 
 
@@ -248,6 +248,58 @@ def test_a_tiny_real_run_through_the_device_script_on_the_cpu(tmp_path):
 
     path = reproduce_kvpop(ReproduceConfig(out=str(unpacked), budgets=(64,), resume=True, **settings), run=no_chain)
     assert json.loads(Path(path).read_text())["rows"] == merged["rows"]
+
+
+def test_resume_merges_the_parts_of_a_chain_killed_in_its_table_stage_only_when_every_part_is_there(tmp_path):
+    """A device call's timeout killed the chain inside its table stage: every part had written its file (rows so
+    far, the rest under ``not_run``) but nothing merged them. The resume merges them as the chain would and measures
+    only what the parts list as not run. With one part's file missing (it never started, so its runs are listed
+    nowhere) nothing is merged and the chain runs again."""
+    out = tmp_path / "r"
+    folder = out / "budget1024"
+    folder.mkdir(parents=True)
+
+    def write_parts(names):
+        for name in names:
+            label = name if name in ("kvpop_mlp", "kvpop", "streaming_plus", "dms") else "streaming"
+            not_run = ["streaming/bounded/heldout/B=1024"] if name == "baselines_a" else []
+            write_results(folder / f"part_{name}.json",
+                          make_results("accuracy", [row(label, "eval", "niah")], device="cuda", command=name,
+                                       commit="c1", not_run=not_run, complete=not not_run))
+            (folder / f"part_{name}.png").write_text("png")
+
+    write_parts(CHAIN_PARTS)
+    assert CHAIN_PARTS == ("kvpop_mlp", "kvpop", "streaming_plus", "dms", "baselines_a", "baselines_b")
+    calls = []
+
+    def runner(cmd, cwd, env, stdout, stderr, check):
+        calls.append("chain" if cmd[0] == "bash" else "table")
+        if cmd[0] == "bash":
+            write_results(Path(env["OUT"]) / "kvpop_table.json",
+                          make_results("accuracy", [row("kvpop", "eval", "vt")], device="cuda", command="chain",
+                                       commit="c3", complete=True))
+            return subprocess.CompletedProcess(cmd, 0)
+        opts = {a: b for a, b in zip(cmd[2:], cmd[3:]) if a.startswith("--") and not b.startswith("--")}
+        write_results(opts["--out"], make_results("accuracy", [row("streaming", "heldout", "niah")], device="cuda",
+                                                  command="finish", commit="c2", complete=True))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    config = ReproduceConfig(out=str(out), budgets=(1024,), resume=True)
+    reproduce_kvpop(config, run=runner)
+    assert calls == ["table"]
+    table = json.loads((folder / "kvpop_table.json").read_text())
+    assert table["complete"] is True and table["not_run"] == []
+    assert sorted((r["method"], r["split"]) for r in table["rows"]) == [
+        ("dms", "eval"), ("kvpop", "eval"), ("kvpop_mlp", "eval"), ("streaming", "eval"), ("streaming", "heldout"),
+        ("streaming_plus", "eval")]
+    assert not list(folder.glob("part_*"))
+    # one part never started: no merge, the whole chain runs again
+    (folder / "kvpop_table.json").unlink()
+    write_parts(CHAIN_PARTS[:-1])
+    reproduce_kvpop(config, run=runner)
+    assert calls == ["table", "chain"]
+    assert [r["task"] for r in json.loads((folder / "kvpop_table.json").read_text())["rows"]] == ["vt"]
+    assert not list(folder.glob("part_*"))  # the earlier chain's parts went before the chain ran again
 
 
 def test_a_reproduction_is_compared_with_the_table_of_record_over_the_families_both_measured():

@@ -48,7 +48,8 @@ class ReproduceConfig:
     complete table an earlier run with the same settings left in ``out`` and run only the others, so that the
     budgets may run in separate sessions (e.g. device calls shorter than the whole run); the merge covers them all.
     A budget whose table a time guard cut (runs under ``not_run``, rows marked ``incomplete``) gets only those runs
-    measured (:func:`finish_budget`), not its retrofits again, when every student they need is still in ``out``."""
+    measured (:func:`finish_budget`), not its retrofits again, when every student they need is still in ``out``;
+    a chain killed inside its table stage leaves parts that are merged first (:func:`salvage_parts`)."""
 
     out: str = "runs/reproduce-kvpop"
     budgets: tuple[int, ...] = (1024, 512, 256)
@@ -170,6 +171,27 @@ def finish_parts(config: ReproduceConfig, budget: int, runs: list[tuple[str, str
     return parts
 
 
+CHAIN_PARTS = tuple(s.split("=")[0] for s in TABLE1_STUDENTS.split()) + ("baselines_a", "baselines_b")
+
+
+def salvage_parts(folder: Path) -> bool:
+    """Merge the table parts a chain killed in its table stage left in ``folder`` (``part_<name>.json``, one per
+    name of :data:`CHAIN_PARTS`) into ``folder/kvpop_table.json``, as the chain would have, and remove them; returns
+    whether it did. Each part is written before its first run and after every run, so a killed part lists what it
+    did not reach under ``not_run``; but a part that never started left no file and its runs would be listed
+    nowhere, so nothing is merged unless every part is there (the chain then runs again)."""
+    parts = [folder / f"part_{name}.json" for name in CHAIN_PARTS]
+    if not all(p.is_file() for p in parts):
+        return False
+    merged = merge_results([read_results(p) for p in parts], "benchmarks/device/kvpop_table.sh (killed in its table "
+                           "stage; its parts merged by kvlearn reproduce --resume)")
+    write_results(folder / "kvpop_table.json", merged)
+    for p in parts:
+        p.unlink()
+        p.with_suffix(".png").unlink(missing_ok=True)
+    return True
+
+
 def finishable(config: ReproduceConfig, budget: int) -> bool:
     """Whether the budget's table lacks some runs and :func:`finish_budget` can measure every one of them."""
     runs = missing_runs(read_results(Path(config.out) / f"budget{budget}" / "kvpop_table.json"))
@@ -288,6 +310,9 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     tables, missing = [], []
     for i, budget in enumerate(config.budgets):
         table = out / f"budget{budget}" / "kvpop_table.json"
+        if config.resume and not table.is_file() and salvage_parts(table.parent):
+            print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: merged the table parts a killed chain left",
+                  flush=True)
         if config.resume and table.is_file() and finished(read_results(table)):
             print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: kept from the earlier run ({table})", flush=True)
             tables.append(table)
@@ -302,6 +327,8 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
         print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: 4 retrofits of {length}, then the table "
               f"(log: {out / f'budget{budget}.log'})", flush=True)
         table.unlink(missing_ok=True)  # a chain that fails now must not leave an earlier run's table standing
+        for stale in table.parent.glob("part_*"):  # nor an earlier chain's parts for salvage_parts to mix with its own
+            stale.unlink()
         with open(out / f"budget{budget}.log", "w") as log:
             run(["bash", str(chain)], cwd=repo_root(), env={**os.environ, **budget_env(config, budget)},
                 stdout=log, stderr=subprocess.STDOUT, check=False)
