@@ -913,8 +913,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="runs/reproduce-kvpop", help="folder for the runs and the merged kvpop_table.json")
     sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
     sp.add_argument("--resume", action="store_true",
-                    help="keep the budgets an earlier run with the same settings finished in --out and run the others "
-                         "(the budgets may then run in separate sessions); the merged table covers them all")
+                    help="keep the budgets an earlier run with the same settings finished in --out, measure only the "
+                         "runs a time guard left out of a budget's table (its students still in --out), and run the "
+                         "other budgets (which may then run in separate sessions); the merged table covers them all")
     sp.add_argument("--budgets", default="1024,512,256", help="comma list of budgets (tokens per KV head)")
     sp.add_argument("--minutes", type=float, default=5.0, help="training minutes of each retrofit")
     sp.add_argument("--steps", type=int, default=None,

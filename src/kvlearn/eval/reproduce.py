@@ -32,6 +32,7 @@ from ..results import (FULL_CACHE_LABELS, merge_results, portable_path, read_res
                        write_results)
 
 TABLE1_STUDENTS = "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
+STUDENT_METHODS = dict(s.split("=") for s in TABLE1_STUDENTS.split())  # label -> registered method
 CHAIN = Path("benchmarks") / "device" / "kvpop_table.sh"
 TABLE_SCRIPT = Path("benchmarks") / "kvpop_table.py"  # what finish_budget runs for the runs a table lacks
 COMMITTED_TABLE = Path("results") / "kvpop_table.json"  # the table of record a reproduction is compared with
@@ -143,12 +144,11 @@ def finish_parts(config: ReproduceConfig, budget: int, runs: list[tuple[str, str
     the whole chain can finish the budget."""
     from ..methods import EVICTION_METHODS
 
-    students = dict(s.split("=") for s in TABLE1_STUDENTS.split())
     groups: dict[tuple[str, str, str], list[str]] = {}
     for label, protocol, split in runs:
         if label == "teacher":
             who = "teacher"
-        elif label in students:
+        elif label in STUDENT_METHODS:
             if not (student_dir(config, budget, label) / "config.json").is_file():
                 return None
             who = f"student:{label}"
@@ -165,13 +165,13 @@ def finish_parts(config: ReproduceConfig, budget: int, runs: list[tuple[str, str
             options = ["--baselines", ",".join(labels), "--no-teacher"]
         else:
             label = who.split(":", 1)[1]
-            options = ["--student", f"{label}={students[label]}:{student_dir(config, budget, label)}",
+            options = ["--student", f"{label}={STUDENT_METHODS[label]}:{student_dir(config, budget, label)}",
                        "--baselines", "none", "--no-teacher"]
         parts.append(options + ["--protocols", protocol, "--splits", split])
     return parts
 
 
-CHAIN_PARTS = tuple(s.split("=")[0] for s in TABLE1_STUDENTS.split()) + ("baselines_a", "baselines_b")
+CHAIN_PARTS = (*STUDENT_METHODS, "baselines_a", "baselines_b")  # the table parts kvpop_table.sh writes for reproduce
 
 
 def salvage_parts(folder: Path) -> bool:
@@ -216,7 +216,7 @@ def finish_budget(config: ReproduceConfig, budget: int, run: Callable[..., subpr
         command = [sys.executable, str(repo_root() / TABLE_SCRIPT), "--model", model,
                    "--n-per-task", str(config.n_per_task), "--device", config.device, "--budgets", str(budget),
                    *shlex.split(config.table_args), *options, "--out", str(part), "--plot", str(part.with_suffix(".png"))]
-        print(f"    finishing budget {budget}: {' '.join(options[:-4])} ({options[-3]} {options[-1]})", flush=True)
+        print(f"    finishing budget {budget}: {TABLE_SCRIPT} {' '.join(options)}", flush=True)
         with open(table_path.with_name(f"finish_{i}.log"), "w") as log:
             run(command, cwd=repo_root(), env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT, check=False)
         if part.is_file():
