@@ -579,9 +579,21 @@ def cmd_kaizen_train(args) -> int:
     _threads(args.threads)
     result = kaizen_train(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
-        print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model "
-              f"{result['final']} --method kaizen --target {targets[0]}")
+        print(kaizen_final_message(result, targets[0], config.select_n))
     return 0
+
+
+def kaizen_final_message(result: dict, target: float, select_n: int) -> str:
+    """What ``kaizen-train`` prints at the end: where ``final/`` is, which step's weights it holds under checkpoint
+    selection (with the caveat that the picked validation overrates it), and the command that evaluates it."""
+    holds = f"step {result['step']}"
+    selected = result.get("selected")
+    if selected is not None:
+        holds = (f"trained {result['step']} steps; holds step {selected['step']}, whose validation read "
+                 f"{selected['accuracy']:.3f} on {select_n} prompts per family: the best of several small draws, so "
+                 "expect the evaluation to read lower")
+    return (f"wrote {result['final']} ({holds}); evaluate it with: kvlearn eval --model {result['final']} "
+            f"--method kaizen --target {target}")
 
 
 def cmd_convert_mla(args) -> int:

@@ -67,13 +67,26 @@ def test_final_holds_the_best_iterate(teacher_path, tmp_path, monkeypatch):
     assert state["step"] == 4 and state["selected"]["step"] == 2 and state["selected"]["accuracy"] == 0.6
     assert torch.load(tmp_path / kt.BEST / "trainer_state.pt", weights_only=False)["selected"]["step"] == 2
     assert result["final"] == str(tmp_path / "final")
+    assert result["selected"]["step"] == 2 and result["selected"]["accuracy"] == 0.6
+    from kvlearn.cli import kaizen_final_message
+
+    assert kaizen_final_message(result, 8.0, 16) == (
+        f"wrote {tmp_path / 'final'} (trained 4 steps; holds step 2, whose validation read 0.600 on 16 prompts per "
+        "family: the best of several small draws, so expect the evaluation to read lower); evaluate it with: "
+        f"kvlearn eval --model {tmp_path / 'final'} --method kaizen --target 8.0")
     kvlearn.load(str(tmp_path / "final"))  # a loadable model folder
 
 
 def test_without_selection_final_is_the_last_iterate(teacher_path, tmp_path, monkeypatch):
     weights = []
     _scripted(monkeypatch, [], weights)
-    kt.kaizen_train(kt.KaizenTrainConfig(model=teacher_path, out=str(tmp_path), steps=2, **COMMON), progress=False)
+    result = kt.kaizen_train(kt.KaizenTrainConfig(model=teacher_path, out=str(tmp_path), steps=2, **COMMON),
+                             progress=False)
+    assert result["selected"] is None
+    from kvlearn.cli import kaizen_final_message
+
+    assert kaizen_final_message(result, 4.0, 16) == (f"wrote {tmp_path / 'final'} (step 2); evaluate it with: kvlearn "
+                                                     f"eval --model {tmp_path / 'final'} --method kaizen --target 4.0")
     assert not weights and not (tmp_path / kt.BEST).exists() and not (tmp_path / kt.SELECT_LOG).exists()
     assert "selected" not in torch.load(tmp_path / "final" / "trainer_state.pt", weights_only=False)
 

@@ -544,8 +544,9 @@ def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
 
 def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progress: bool = True) -> dict:
     """Run the training (one process, or one of ``torchrun``'s: module docstring, "Processes"); returns ``{"step",
-    "final", "log", "betas"}`` (``final`` None when ``stop_after`` ended it early; ``log`` the last step's log line,
-    global values; ``betas`` the multiplier this process held after each step of this call)."""
+    "final", "log", "betas", "selected"}`` (``final`` None when ``stop_after`` ended it early; ``log`` the last step's
+    log line, global values; ``betas`` the multiplier this process held after each step of this call; ``selected``
+    the validation record of the iterate ``final/`` holds under checkpoint selection, else None)."""
     d = parallel.init_distributed(config.device)
     device = torch.device(f"cuda:{d.local_rank}" if d.world > 1 and config.device.startswith("cuda") else config.device)
     rows = shard_rows(config.batch_size, d.rank, d.world)  # one-line error unless batch_size % world == 0
@@ -631,7 +632,8 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
     bar.close()
     del teacher, student, joint, optimizer, batches  # the sharded modules go before their process group
     parallel.close_distributed(d)
-    return {"step": step, "final": None if final is None else str(final), "log": last, "betas": betas}
+    return {"step": step, "final": None if final is None else str(final), "log": last, "betas": betas,
+            "selected": best if finished and config.select_every else None}
 
 
 def _select(config: KaizenTrainConfig, student, optimizer, step: int, device: torch.device, multiplier, last: dict,
