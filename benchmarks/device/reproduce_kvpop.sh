@@ -28,7 +28,8 @@ length=(--minutes "${MINUTES:-5}"); [ -n "${STEPS:-}" ] && length=(--steps "$STE
 timeout "${LIMIT:-580}" python3 -m kvlearn.cli reproduce kvpop --resume --out "$REP" --budgets "${BUDGETS:-1024}" \
     "${length[@]}" --n-per-task "${N_PER_TASK:-100}" --device "${DEVICE:-cuda}" \
     --retrofit-args "${RETROFIT_ARGS:-}" --table-args "${TABLE_ARGS:-}" > "$REP/reproduce.log" 2>&1
-echo "reproduce rc=$? after $(( $(date +%s) - start )) s"; grep -E "^\[|^wrote|Error" "$REP/reproduce.log" | tail -n 6
+echo "reproduce rc=$? after $(( $(date +%s) - start )) s"; grep -E "^\[|^    finishing|^wrote|Error" "$REP/reproduce.log" | tail -n 8
+sed -n '/^against /,$p' "$REP/reproduce.log"  # the merged table next to results/kvpop_table.json
 [ -d "$REP/students" ] && find "$REP/students" -type f ! -name train_log.jsonl -delete && find "$REP/students" -type d -empty -delete
 for f in "$REP"/budget*/kvpop_table.json; do
     [ -f "$f" ] && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1], 'rows', len(d['rows']), 'complete', d.get('complete'), 'not_run', len(d.get('not_run', [])))" "$f"
