@@ -553,6 +553,8 @@ def cmd_kaizen_train(args) -> int:
              if v is not None]
     check(not given or args.select_every, f"{', '.join(given)}: options of checkpoint selection, read only with "
                                           "--select-every N (N >= 1): give it, or leave them out")
+    check(args.ema_from is None or args.ema_decay, f"--ema-from {args.ema_from}: an option of weight averaging, read "
+                                                    "only with --ema-decay D (0 < D < 1): give it, or leave it out")
     check(args.share_threshold is None or args.share_layers == "auto",
           f"--share-threshold {args.share_threshold} is read only by the sensitivity pass: expected --share-layers auto "
           f"with it (got --share-layers {args.share_layers})")
@@ -572,8 +574,9 @@ def cmd_kaizen_train(args) -> int:
                                family_weights=_mixture_weights(args.family_weights),
                                **({} if args.share_threshold is None else {"share_threshold": args.share_threshold}),
                                select_every=args.select_every,
-                               **{k: v for k, v in (("select_n", args.select_n), ("select_from", args.select_from))
-                                  if v is not None},
+                               **{k: v for k, v in (("select_n", args.select_n), ("select_from", args.select_from),
+                                                    ("ema_from", args.ema_from)) if v is not None},
+                               ema_decay=args.ema_decay,
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
     _threads(args.threads)
@@ -587,6 +590,8 @@ def kaizen_final_message(result: dict, target: float, select_n: int) -> str:
     """What ``kaizen-train`` prints at the end: where ``final/`` is, which step's weights it holds under checkpoint
     selection (with the caveat that the picked validation overrates it), and the command that evaluates it."""
     holds = f"step {result['step']}"
+    if result.get("averaged_since") is not None:
+        holds = f"trained {result['step']} steps; holds the average of its weights from step {result['averaged_since']} on"
     selected = result.get("selected")
     if selected is not None:
         holds = (f"trained {result['step']} steps; holds step {selected['step']}, whose validation read "
@@ -988,6 +993,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--select-from", type=float, default=None,
                     help="with --select-every: the fraction of the run from which the iterates are validated "
                          "(default 0.5)")
+    sp.add_argument("--ema-decay", type=float, default=0.0, metavar="D",
+                    help="weight averaging: from --ema-from of the run on, keep an exponential moving average of every "
+                         "weight (backbone and selector), decay D per step (e.g. 0.998: about the last 500 steps), and "
+                         "make final/ that average (one process; not with --select-every) (default 0: off)")
+    sp.add_argument("--ema-from", type=float, default=None,
+                    help="with --ema-decay: the fraction of the run from which the average runs (default 0.5)")
     add_trainer_options(sp, "the backbone", "the selector", "constant, or the peak of --lr-schedule cosine",
                         lr_default="KaizenTrainConfig's, 1e-5")
     sp.set_defaults(func=cmd_kaizen_train)

@@ -33,7 +33,8 @@ loop. ``docs/DESIGN.md`` section 8, "Training".
   ``resume=True`` continues from the newest ``step-<N>``. With ``select_every`` (checkpoint selection,
   :func:`select_iterate`) the iterates are validated on prompts disjoint from the evaluation's, each result a line of
   ``selection.jsonl``, the best so far kept as ``best/``, and ``final/`` takes its weights (the validations' time
-  counts toward ``minutes``).
+  counts toward ``minutes``). With ``ema_decay`` instead (weight averaging, :class:`WeightAverage`) ``final/``
+  holds an exponential moving average of the iterates from ``ema_from`` of the run on.
 * **Processes**: one, or several under ``torchrun --nproc_per_node N -m kvlearn.cli kaizen-train ...``
   (:mod:`kvlearn.train.parallel`, as :func:`kvlearn.train.distill.retrofit`). ``batch_size`` is the global batch:
   process ``r`` trains on rows :func:`~kvlearn.testbed.data.shard_rows` ``(batch_size, r, N)`` of the same stream
@@ -155,6 +156,10 @@ class KaizenTrainConfig:
     select_every: int = 0  # 0: off (final/ is the last iterate)
     select_n: int = 16
     select_from: float = 0.5
+    # weight averaging (WeightAverage): from ema_from of the run on, an exponential moving average of every parameter
+    # (backbone and selector) with decay ema_decay per step; final/ holds the average instead of the last iterate
+    ema_decay: float = 0.0  # 0: off
+    ema_from: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, (int, float)):
@@ -201,6 +206,12 @@ class KaizenTrainConfig:
         check_int("select_n", self.select_n, 1)
         check(0 <= self.select_from <= 1, f"select_from={self.select_from!r} is invalid: expected a fraction of the "
                                           "run in [0, 1]")
+        check(0 <= self.ema_decay < 1, f"ema_decay={self.ema_decay!r} is invalid: expected 0 (off) or a decay per step "
+                                       "in (0, 1), e.g. 0.998")
+        check(0 <= self.ema_from < 1, f"ema_from={self.ema_from!r} is invalid: expected a fraction of the run in [0, 1)")
+        check(not (self.ema_decay and self.select_every),
+              f"ema_decay={self.ema_decay} with select_every={self.select_every}: final/ holds either the weight "
+              "average or the best-validated iterate; expected one of them")
         check(not self.select_every or len(self.targets) == 1,
               f"select_every={self.select_every} with targets={self.targets}: checkpoint selection validates one "
               "target; expected a single target")
@@ -474,10 +485,10 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
 
 RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed",
                  "share_layers", "share_threshold", "family_weights", "budget_scope", "select_every", "select_n",
-                 "select_from")
+                 "select_from", "ema_decay", "ema_from")
 RESUME_DEFAULTS = {"share_layers": None, "share_threshold": DEFAULT_THRESHOLD,  # checkpoints from before the fields
                    "family_weights": None, "budget_scope": "sequence", "select_every": 0, "select_n": 16,
-                   "select_from": 0.5}
+                   "select_from": 0.5, "ema_decay": 0.0, "ema_from": 0.5}
 BEST = "best"  # out/best/: the best-validated iterate so far (checkpoint selection)
 SELECT_LOG = "selection.jsonl"  # out/selection.jsonl: one line per validation
 SELECT_SEED_OFFSET = 1_000_000  # validation prompts: the eval split's generator from this example index on
@@ -533,6 +544,44 @@ def select_iterate(config: KaizenTrainConfig, student, optimizer, step: int, dev
     return result, result
 
 
+class WeightAverage:
+    """An exponential moving average of a student's parameters, ``avg <- decay * avg + (1 - decay) * param`` after
+    each step from the first :meth:`update` on (the average starts as that step's iterate, so the weights from before
+    ``ema_from`` never enter it). Float32 copies on the parameters' device, keyed by parameter name; one process.
+    ``state_dict`` / ``load_state_dict`` carry it through a checkpoint, so a resumed run continues the same average."""
+
+    def __init__(self, student, decay: float) -> None:
+        self.decay = decay
+        self.params = dict(student.named_parameters())
+        self.average: dict[str, torch.Tensor] | None = None
+        self.since: int | None = None  # the step it started at
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        if self.average is None:
+            self.average = {k: p.detach().float().clone() for k, p in self.params.items()}
+            self.since = step
+            return
+        names = list(self.average)
+        torch._foreach_lerp_([self.average[k] for k in names], [self.params[k].detach().float() for k in names],
+                             1.0 - self.decay)
+
+    @torch.no_grad()
+    def copy_to_student(self) -> None:
+        """Put the average into the student's parameters (nothing when no step was averaged)."""
+        for k, v in (self.average or {}).items():
+            self.params[k].copy_(v)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "since": self.since,
+                "average": None if self.average is None else {k: v.cpu() for k, v in self.average.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.since = state["since"]
+        device = next(iter(self.params.values())).device
+        self.average = None if state["average"] is None else {k: v.to(device) for k, v in state["average"].items()}
+
+
 def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
     """Load the student weights of checkpoint ``path`` and return its trainer state; one-line error when it was
     trained with other settings."""
@@ -546,13 +595,17 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
     """Run the training (one process, or one of ``torchrun``'s: module docstring, "Processes"); returns ``{"step",
     "final", "log", "betas", "selected"}`` (``final`` None when ``stop_after`` ended it early; ``log`` the last step's
     log line, global values; ``betas`` the multiplier this process held after each step of this call; ``selected``
-    the validation record of the iterate ``final/`` holds under checkpoint selection, else None)."""
+    the validation record of the iterate ``final/`` holds under checkpoint selection, else None; ``averaged_since``
+    the first step of the weight average ``final/`` holds, else None)."""
     d = parallel.init_distributed(config.device)
     device = torch.device(f"cuda:{d.local_rank}" if d.world > 1 and config.device.startswith("cuda") else config.device)
     rows = shard_rows(config.batch_size, d.rank, d.world)  # one-line error unless batch_size % world == 0
     check(d.world == 1 or not config.select_every,
           f"select_every={config.select_every} with {d.world} processes (FSDP) is not supported: checkpoint selection "
           "evaluates the whole student on one process; expected one process, or select_every=0")
+    check(d.world == 1 or not config.ema_decay,
+          f"ema_decay={config.ema_decay} with {d.world} processes (FSDP) is not supported: the weight average keeps "
+          "whole parameters on one process; expected one process, or ema_decay=0")
     torch.manual_seed(config.seed)
     out = Path(config.out)
     if d.main:
@@ -580,6 +633,9 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
     optimizer = make_optimizer(config, student)
     if trainer_state is not None:
         parallel.load_optimizer_state_dict(student, optimizer, trainer_state["optimizer"])
+    average = WeightAverage(student, config.ema_decay) if config.ema_decay else None
+    if average is not None and trainer_state is not None and trainer_state.get("weight_average") is not None:
+        average.load_state_dict(trainer_state["weight_average"])
     log_path = out / LOG_FILE
     if d.main:  # drop the lines of steps that the resumed run will redo
         drop_log_lines_after(log_path, step)
@@ -612,12 +668,15 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
             log_file.flush()
             bar.update(1)
             bar.set_postfix(kd=f"{last['kd']:.3f}", factor=f"{last['factor']:.2f}", beta=f"{multiplier.beta:.3g}")
+            if average is not None and fraction >= config.ema_from:
+                average.update(step)
             if config.select_every and step % config.select_every == 0 and fraction >= config.select_from:
                 best, validated = _select(config, student, optimizer, step, device, multiplier, last, best, bar,
                                           progress), step
             if step % config.save_interval == 0:  # every process gathers, the main one writes
                 save_checkpoint(config, student, optimizer, step, f"step-{step}",
-                                {"seconds": last["seconds"], "multiplier": multiplier.state_dict()}, d.main)
+                                {"seconds": last["seconds"], "multiplier": multiplier.state_dict(),
+                                 **({} if average is None else {"weight_average": average.state_dict()})}, d.main)
                 if d.main:
                     prune_checkpoints(out)
     final = None
@@ -628,12 +687,16 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
                 best = _select(config, student, optimizer, step, device, multiplier, last, best, bar, progress)
             load_student_weights(out / BEST, student)
             extra["selected"] = best
+        if average is not None:  # final/ holds the average; its record says since which step (no tensors)
+            average.copy_to_student()
+            extra["weight_average"] = {**average.state_dict(), "average": None}
         final = save_checkpoint(config, student, optimizer, step, FINAL, extra, d.main)
     bar.close()
     del teacher, student, joint, optimizer, batches  # the sharded modules go before their process group
     parallel.close_distributed(d)
     return {"step": step, "final": None if final is None else str(final), "log": last, "betas": betas,
-            "selected": best if finished and config.select_every else None}
+            "selected": best if finished and config.select_every else None,
+            "averaged_since": average.since if finished and average is not None else None}
 
 
 def _select(config: KaizenTrainConfig, student, optimizer, step: int, device: torch.device, multiplier, last: dict,
