@@ -689,7 +689,7 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
             extra["selected"] = best
         if average is not None:  # final/ holds the average; its record says since which step (no tensors)
             average.copy_to_student()
-            extra["weight_average"] = {**average.state_dict(), "average": None}
+            extra["weight_average"] = {"decay": average.decay, "since": average.since, "average": None}
         final = save_checkpoint(config, student, optimizer, step, FINAL, extra, d.main)
     bar.close()
     del teacher, student, joint, optimizer, batches  # the sharded modules go before their process group
