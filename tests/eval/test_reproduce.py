@@ -10,7 +10,7 @@ import pytest
 
 from kvlearn import KVLearnError
 from kvlearn.eval.reproduce import (CHAIN_PARTS, ReproduceConfig, budget_env, command_of, finish_parts, finished,
-                                    missing_runs, reproduce_kvpop)
+                                    missing_runs, reproduce_kvpop, student_steps)
 from kvlearn.results import make_results, write_results
 
 
@@ -242,6 +242,7 @@ def test_a_tiny_real_run_through_the_device_script_on_the_cpu(tmp_path):
     for name in logs:  # the same steps for every method
         steps = [json.loads(line)["step"] for line in (unpacked / name).read_text().splitlines()]
         assert steps == [1, 2], name
+    assert merged["student_steps"] == {"64": {"kvpop_mlp": 2, "kvpop": 2, "streaming_plus": 2, "dms": 2}}
 
     def no_chain(*args, **kwargs):
         raise AssertionError("the finished budget's chain ran again")
@@ -330,3 +331,21 @@ def test_a_reproduction_is_compared_with_the_table_of_record_over_the_families_b
     section = reproduction_section({"reproduces": "results/kvpop_table.json", "rows": mine}, root)
     assert "Against `results/kvpop_table.json`" in section
     assert reproduction_section({"rows": mine}, root) == ""
+    steps = reproduction_section({"reproduces": "results/kvpop_table.json", "rows": mine,
+                                  "student_steps": {"1024": {"kvpop": 701, "dms": 481}}}, root)
+    assert steps.endswith("Students' optimizer steps at budget 1024 (this run): kvpop 701, dms 481.")
+
+
+def test_the_students_steps_are_read_from_their_train_logs(tmp_path, capsys):
+    """In minutes the device decides each student's steps: the merged table records them per budget (the last line
+    of each ``train_log.jsonl``; a student without a log is left out) and the run prints them."""
+    out = tmp_path / "r"
+    for label, steps in (("kvpop", 3), ("dms", 1)):
+        log = out / "students" / f"table_reproduce1024_{label}" / "train_log.jsonl"
+        log.parent.mkdir(parents=True)
+        log.write_text("".join(json.dumps({"step": i + 1, "kd": 0.1}) + "\n" for i in range(steps)))
+    config = ReproduceConfig(out=str(out), budgets=(1024,), resume=True)
+    assert student_steps(config) == {"1024": {"kvpop": 3, "dms": 1}}
+    path = reproduce_kvpop(config, run=fake_chain(tmp_path))
+    assert json.loads(Path(path).read_text())["student_steps"] == {"1024": {"kvpop": 3, "dms": 1}}
+    assert "students' optimizer steps at budget 1024: kvpop 3, dms 1" in capsys.readouterr().out

@@ -218,6 +218,9 @@ def reproduction_section(data: dict, root: Path) -> str:
     out += [f"| {c['method']} | {c['protocol']} | {c['split']} | {c['budget'] or 'full'} | {c['accuracy']:.3f} | "
             f"{c['reference_accuracy']:.3f} | {c['difference']:+.3f} | {c['model'] or ''} | {c['reference_model'] or ''} |"
             for c in compared]
+    for budget, steps in (data.get("student_steps") or {}).items():
+        out += ["", f"Students' optimizer steps at budget {budget} (this run): "
+                + ", ".join(f"{label} {n}" for label, n in steps.items()) + "."]
     return "\n".join(out)
 
 

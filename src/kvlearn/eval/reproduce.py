@@ -342,8 +342,26 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     committed = repo_root() / COMMITTED_TABLE
     if committed.is_file():
         merged["reproduces"] = str(COMMITTED_TABLE)
+    merged["student_steps"] = student_steps(config)
     path = write_results(out / "kvpop_table.json", merged)
     plot_pareto(merged["rows"], out / "kvpop_table.png", title="KVpop Table 1 on the testbed (kvlearn reproduce kvpop)")
     if committed.is_file():
         print(comparison_text(compare_tables(merged["rows"], read_results(committed)["rows"]), str(COMMITTED_TABLE)))
+    for budget, steps in merged["student_steps"].items():  # in minutes the device decides the steps: say how many
+        print(f"students' optimizer steps at budget {budget}: "
+              + ", ".join(f"{label} {n}" for label, n in steps.items()))
     return path
+
+
+def student_steps(config: ReproduceConfig) -> dict[str, dict[str, int]]:
+    """``{budget: {student: steps}}``: the optimizer steps each budget's students trained, from the last line of
+    their ``train_log.jsonl`` in ``out/students/`` (a student with no log is left out). In ``--minutes`` the device
+    decides them (four students share one GPU), so a reproduction states them next to its accuracies."""
+    found: dict[str, dict[str, int]] = {}
+    for budget in config.budgets:
+        for label in STUDENT_METHODS:
+            log = Path(config.out) / "students" / f"table_reproduce{budget}_{label}" / "train_log.jsonl"
+            lines = log.read_text().splitlines() if log.is_file() else []
+            if lines:
+                found.setdefault(str(budget), {})[label] = int(json.loads(lines[-1])["step"])
+    return found
