@@ -92,13 +92,23 @@ class ReproduceConfig:
                 "model": self.model, "retrofit_args": self.retrofit_args, "table_args": self.table_args}
 
 
+def teacher_of(config: ReproduceConfig) -> str:
+    """The teacher every budget retrofits from and evaluates: ``config.model``, else the committed one."""
+    return config.model or str(repo_root() / "checkpoints" / "testbed-teacher")
+
+
+def budget_table(config: ReproduceConfig, budget: int) -> Path:
+    """Where a budget's chain writes its table: ``out/budget<B>/kvpop_table.json`` (``OUT`` of :func:`budget_env`)."""
+    return Path(config.out) / f"budget{budget}" / "kvpop_table.json"
+
+
 def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
     """The environment of ``kvpop_table.sh`` for one budget's run (its options are environment variables)."""
     return {
-        "OUT": str(Path(config.out).resolve() / f"budget{budget}"),
+        "OUT": str(budget_table(config, budget).parent.resolve()),
         "TAG": f"_reproduce{budget}",
         "WORK_DIR": str(Path(config.out).resolve() / "students"),  # the retrofits' checkpoints, kept with the table
-        "MODEL": config.model or str(repo_root() / "checkpoints" / "testbed-teacher"),
+        "MODEL": teacher_of(config),
         "BUDGET": str(budget),
         "STUDENTS": TABLE1_STUDENTS,
         "RETROFIT_MINUTES": str(config.minutes),
@@ -194,7 +204,7 @@ def salvage_parts(folder: Path) -> bool:
 
 def finishable(config: ReproduceConfig, budget: int) -> bool:
     """Whether the budget's table lacks some runs and :func:`finish_budget` can measure every one of them."""
-    runs = missing_runs(read_results(Path(config.out) / f"budget{budget}" / "kvpop_table.json"))
+    runs = missing_runs(read_results(budget_table(config, budget)))
     return bool(runs) and finish_parts(config, budget, runs) is not None
 
 
@@ -204,12 +214,12 @@ def finish_budget(config: ReproduceConfig, budget: int, run: Callable[..., subpr
     a run it measured leaves ``not_run``), so that a call cut short keeps what it finished. Returns whether the table
     is now :func:`finished`; False at once (nothing run) when only the whole chain can finish it (not
     :func:`finishable`)."""
-    table_path = Path(config.out) / f"budget{budget}" / "kvpop_table.json"
+    table_path = budget_table(config, budget)
     runs = missing_runs(read_results(table_path))
     parts = None if runs is None else finish_parts(config, budget, runs)
     if not parts:
         return False
-    model = config.model or str(repo_root() / "checkpoints" / "testbed-teacher")
+    model = teacher_of(config)
     for i, options in enumerate(parts):
         part = table_path.with_name(f"finish_{i}.json")
         part.unlink(missing_ok=True)
@@ -309,7 +319,7 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     settings_file.write_text(json.dumps(settings, indent=1) + "\n")
     tables, missing = [], []
     for i, budget in enumerate(config.budgets):
-        table = out / f"budget{budget}" / "kvpop_table.json"
+        table = budget_table(config, budget)
         if config.resume and not table.is_file() and salvage_parts(table.parent):
             print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: merged the table parts a killed chain left",
                   flush=True)
@@ -360,7 +370,7 @@ def student_steps(config: ReproduceConfig) -> dict[str, dict[str, int]]:
     found: dict[str, dict[str, int]] = {}
     for budget in config.budgets:
         for label in STUDENT_METHODS:
-            log = Path(config.out) / "students" / f"table_reproduce{budget}_{label}" / "train_log.jsonl"
+            log = student_dir(config, budget, label).parent / "train_log.jsonl"
             lines = log.read_text().splitlines() if log.is_file() else []
             if lines:
                 found.setdefault(str(budget), {})[label] = int(json.loads(lines[-1])["step"])

@@ -593,7 +593,7 @@ def load_trainer_state(path: Path, student, config: KaizenTrainConfig) -> dict:
 
 def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progress: bool = True) -> dict:
     """Run the training (one process, or one of ``torchrun``'s: module docstring, "Processes"); returns ``{"step",
-    "final", "log", "betas", "selected"}`` (``final`` None when ``stop_after`` ended it early; ``log`` the last step's
+    "final", "log", "betas", "selected", "averaged_since"}`` (``final`` None when ``stop_after`` ended it early; ``log`` the last step's
     log line, global values; ``betas`` the multiplier this process held after each step of this call; ``selected``
     the validation record of the iterate ``final/`` holds under checkpoint selection, else None; ``averaged_since``
     the first step of the weight average ``final/`` holds, else None)."""
