@@ -37,10 +37,10 @@ sys.path.insert(0, str(REPO / "src"))
 
 from kvlearn.checkpoint import serving_dtype  # noqa: E402
 from kvlearn.errors import KVLearnError, check  # noqa: E402
-from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table  # noqa: E402
+from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table, tasks_not_started  # noqa: E402
 from kvlearn.eval.plots import plot_pareto  # noqa: E402
 from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method  # noqa: E402
-from kvlearn.results import portable_path, make_results, run_key, write_results  # noqa: E402
+from kvlearn.results import portable_path, make_results, run_key, settle_run, write_results  # noqa: E402
 
 
 def repo_relative(arg: str) -> str:
@@ -210,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"time guard ({args.minutes} min): {len(not_run)} run(s) not started", flush=True)
             break
         bar.set_description(describe(config))
-        rows += evaluate(model, config, progress=False, deadline=deadline, bar=bar)
-        not_run = not_run[1:]
+        new = evaluate(model, config, progress=False, deadline=deadline, bar=bar)
+        rows += new
+        not_run = settle_run(not_run, describe(config), tasks_not_started(config, new))
         save(not_run)
     bar.close()
     save(not_run)

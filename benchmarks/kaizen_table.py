@@ -81,9 +81,9 @@ from eviction_baselines import add_run_options, parse_list, print_summary, recor
 
 from kvlearn.checkpoint import serving_dtype  # noqa: E402
 from kvlearn.errors import KVLearnError, check  # noqa: E402
-from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate  # noqa: E402
+from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, tasks_not_started  # noqa: E402
 from kvlearn.methods import trained_options  # noqa: E402
-from kvlearn.results import make_results, write_results  # noqa: E402
+from kvlearn.results import make_results, settle_run, write_results  # noqa: E402
 
 BASELINES = ("static", "dp_search", "random", "kivi", "posthoc_quant")  # priority order within a factor
 COMPOSED = ("kaizen+snapkv", "kaizen+kvpop")
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["factor"] = r["target"] = round(smaller_factor, 6)
             r.setdefault("factor", 1.0)  # control: the dense cache
         rows += new
-        not_run = not_run[1:]
+        not_run = settle_run(not_run, run.describe(), tasks_not_started(run.config, new))
         save(not_run)
     bar.close()
     save(not_run)

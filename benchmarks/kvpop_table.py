@@ -47,9 +47,9 @@ from eviction_baselines import (parse_budgets, parse_list, add_run_options, prin
 
 from kvlearn.checkpoint import serving_dtype  # noqa: E402
 from kvlearn.errors import KVLearnError, check  # noqa: E402
-from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate  # noqa: E402
+from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, tasks_not_started  # noqa: E402
 from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method, trained_options  # noqa: E402
-from kvlearn.results import make_results, run_key, write_results  # noqa: E402
+from kvlearn.results import make_results, run_key, settle_run, write_results  # noqa: E402
 
 
 def parse_student(text: str) -> tuple[str, str, str]:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             r["registry_method"], r["method"] = r["method"], label
             r["model"] = "teacher" if path is None else repo_relative(path)
         rows += new
-        not_run = not_run[1:]
+        not_run = settle_run(not_run, describe(label, config), tasks_not_started(config, new))
         save(not_run)
     bar.close()
     save(not_run)

@@ -99,3 +99,23 @@ def crashing_evaluate():
         return evaluate
 
     return make
+
+
+@pytest.fixture
+def deadline_between_families():
+    """``make(real, at) -> evaluate``: a stand-in for a table script's ``evaluate`` whose call number ``at`` (from 0)
+    returns only its first family's rows, as :func:`kvlearn.eval.accuracy.evaluate` does when its deadline comes
+    between families (the families never started are left out); the other calls are real."""
+
+    def make(real, at: int):
+        calls = []
+
+        def evaluate(*a, **k):
+            calls.append(1)
+            rows = real(*a, **k)
+            return [r for r in rows if r["task"] == rows[0]["task"]] if len(calls) == at + 1 else rows
+
+        return evaluate
+
+    return make
+

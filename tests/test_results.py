@@ -226,3 +226,32 @@ def test_merge_unites_the_students_of_every_part():
              for c, s in (("a", {"kvpop_mlp": "kvpop:a"}), ("b", {"kvpop": "kvpop:b"}), ("c", {}))]
     assert merge_results(parts, "m")["students"] == {"kvpop_mlp": "kvpop:a", "kvpop": "kvpop:b"}
     assert "students" not in merge_results([make_results("accuracy", [], device="cuda", command="a", commit="c")], "m")
+
+
+def test_a_run_cut_between_families_stays_until_a_later_run_measures_those_families():
+    """``settle_run``: a run whose every family was measured leaves ``not_run``; one cut between families stays as
+    ``run:task,task``. Merged across runs, that entry goes only when every family it names is measured whole."""
+    from kvlearn.results import make_results, merge_results, settle_run, split_not_run
+
+    plan = ["teacher/bounded/eval", "tova/bounded/heldout/B=512"]
+    assert settle_run(plan, "teacher/bounded/eval", []) == ["tova/bounded/heldout/B=512"]
+    cut = settle_run(plan, "tova/bounded/heldout/B=512", ["vt", "recall"])
+    assert cut == ["teacher/bounded/eval", "tova/bounded/heldout/B=512:vt,recall"]
+    assert split_not_run(cut[1]) == ("tova/bounded/heldout/B=512", ("vt", "recall"))
+    assert split_not_run("teacher/bounded/eval") == ("teacher/bounded/eval", ())
+
+    def row(task, **extra):
+        return {"method": "tova", "protocol": "bounded", "split": "heldout", "budget": 512, "task": task,
+                "accuracy": 0.5, "n": 100, **extra}
+
+    first = make_results("accuracy", [row("niah")], device="cuda", command="a", commit="c1",
+                         not_run=["tova/bounded/heldout/B=512:vt,recall"], complete=False)
+    only_vt = make_results("accuracy", [row("vt"), row("recall", n=40, incomplete=True)], device="cuda",
+                           command="b", commit="c2", not_run=[], complete=False)
+    merged = merge_results([first, only_vt], "m", across_runs=True)
+    assert merged["not_run"] == ["tova/bounded/heldout/B=512:vt,recall"] and merged["complete"] is False
+    whole = make_results("accuracy", [row("vt"), row("recall")], device="cuda", command="b", commit="c2",
+                         not_run=[], complete=True)
+    merged = merge_results([first, whole], "m", across_runs=True)
+    assert merged["not_run"] == [] and merged["complete"] is True
+    assert [r["task"] for r in merged["rows"]] == ["niah", "vt", "recall"]

@@ -146,6 +146,26 @@ def row_run_key(row: dict) -> str:
     return run_key(row.get("method"), row.get("protocol"), row.get("split"), None if full else row.get("budget"))
 
 
+def settle_run(not_run: list[str], run: str, tasks_not_started: list[str]) -> list[str]:
+    """``not_run`` after a table script ran ``run`` (one of its entries): without it when every family was measured;
+    else with the entry ``run:task,task`` naming the families its deadline left unstarted (the file is then not
+    complete, and :func:`split_not_run` reads the entry back)."""
+    rest = list(not_run)
+    i = rest.index(run)
+    if tasks_not_started:
+        rest[i] = f"{run}:{','.join(tasks_not_started)}"
+    else:
+        del rest[i]
+    return rest
+
+
+def split_not_run(entry: str) -> tuple[str, tuple[str, ...]]:
+    """A ``not_run`` entry as ``(run key, families)``: ``families`` empty for a run not started at all, else the
+    families of a run its deadline cut between families (:func:`settle_run`'s ``run:task,task``)."""
+    run, _, tasks = entry.partition(":")
+    return run, tuple(t for t in tasks.split(",") if t)
+
+
 def merge_key(row: dict) -> tuple:
     """What makes a results row one measurement when parts are merged: ``(method, protocol, split, budget, task)``,
     and for rows that carry them (KV-Kaizen's) the ``selector``, the ``model`` weights, the realised ``factor`` (to 4
@@ -170,7 +190,8 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
     ``across_runs``: the parts may come from different runs (commits, dates): every row gets its run's ``commit``,
     ``date`` and ``n_per_task`` (where the part has them), ``runs`` lists each part's ``commit``, ``date`` and
     ``command`` (a part that is itself such a merge contributes its own ``runs``), and the file's ``commit`` names every commit (comma-separated, in order); a ``not_run`` entry that
-    another part measured is dropped (:func:`row_run_key`), and so is a ``skipped`` one, and ``complete`` holds when
+    another part measured is dropped (one cut between families, ``run:task,task``, once those families are measured
+    whole) (:func:`row_run_key`), and so is a ``skipped`` one, and ``complete`` holds when
     no ``not_run`` entry, no ``error`` row and no ``incomplete`` row is left. Same kind and device still."""
     from .errors import check
 
@@ -202,7 +223,13 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
         merged["not_run"] = [x for p in parts for x in p.get("not_run", [])]
         if across_runs:  # a later run may have measured what an earlier one did not reach
             measured = {row_run_key(r) for r in rows if "error" not in r}
-            merged["not_run"] = list(dict.fromkeys(x for x in merged["not_run"] if x not in measured))
+            families = {(row_run_key(r), r.get("task")) for r in rows if "error" not in r and not r.get("incomplete")}
+
+            def reached(entry: str) -> bool:  # a run cut between families: every family it lacked is now there
+                run, tasks = split_not_run(entry)
+                return all((run, t) in families for t in tasks) if tasks else run in measured
+
+            merged["not_run"] = list(dict.fromkeys(x for x in merged["not_run"] if not reached(x)))
     if any("students" in p for p in parts):  # each part of a table chain evaluates its own student(s)
         merged["students"] = {k: v for p in parts for k, v in (p.get("students") or {}).items()}
     if any("skipped" in p for p in parts):

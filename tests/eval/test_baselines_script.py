@@ -66,3 +66,17 @@ def test_recorded_paths_name_no_machine_folder(tmp_path):
     assert script.repo_relative(f"kvpop=kvpop:{tmp / 's'}") == "kvpop=kvpop:$TMPDIR/s"
     assert script.repo_relative(str(script.REPO / "checkpoints" / "testbed-teacher")) == "checkpoints/testbed-teacher"
     assert script.repo_relative("--budgets") == "--budgets"
+
+
+def test_a_run_its_deadline_cut_between_families_stays_under_not_run(tmp_path, monkeypatch, deadline_between_families):
+    """A run whose deadline came after its first family (``evaluate`` leaves out the families it never started)
+    stays under ``not_run``, and the file is not complete."""
+    script = load_script()
+    monkeypatch.setattr(script, "evaluate", deadline_between_families(script.evaluate, 1))
+    out = tmp_path / "t.json"
+    assert script.main(["--smoke", "--methods", "streaming", "--protocols", "bounded", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len([r for r in data["rows"] if r["method"] == "streaming" and r["budget"] == 96]) == 1
+    assert len([r for r in data["rows"] if r["method"] == "streaming" and r["budget"] == 48]) > 1
+    later = [r["task"] for r in data["rows"] if r["method"] == "streaming" and r["budget"] == 48][1:]
+    assert data["complete"] is False and data["not_run"] == ["streaming/bounded/eval/B=96:" + ",".join(later)]

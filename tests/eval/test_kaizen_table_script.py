@@ -351,3 +351,20 @@ def test_replot_draws_the_recipes_of_record_present_and_fades_the_rest(tmp_path,
     bad.write_text("{}")
     assert script.main(["--replot", str(bad)]) == 2
     assert capsys.readouterr().err.strip().startswith(f"kaizen_table: error: --replot {bad}: not a readable results")
+
+
+def test_a_run_its_deadline_cut_between_families_stays_under_not_run(smoke, tmp_path, monkeypatch,
+                                                                    deadline_between_families):
+    """Session 41's selector parts: the untrained-backbone held-out run stopped after one family at the time guard,
+    and the file said ``complete: true, not_run: []``. Such a run now stays under ``not_run``."""
+    work, _ = smoke
+    script = load_script()
+    monkeypatch.setattr(script, "evaluate", deadline_between_families(script.evaluate, 1))
+    out = tmp_path / "t.json"
+    assert script.main(["--smoke", "--smoke-dir", str(tmp_path), "--selector", f"k4={work / 'kaizen-t4' / 'final'}",
+                        "--splits", "eval", "--baselines", "static", "--factors", "4", "--compose-factors", "none",
+                        "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len([r for r in data["rows"] if r["method"] == "kaizen"]) == 1
+    later = [r["task"] for r in data["rows"] if r["method"] == "control"][1:]  # the families after the first
+    assert data["complete"] is False and data["not_run"] == ["kaizen[k4]/bounded/eval/F=4:" + ",".join(later)]

@@ -145,3 +145,18 @@ def test_a_process_killed_mid_table_leaves_a_file_listing_the_runs_not_done(done
                                        for m in ("kvpop_untrained", "streaming", "tova")]
     assert data["complete"] is False and data["not_run"] == plan[done:]
     assert {r["method"] for r in data["rows"]} == ({"teacher"} if done else set())
+
+
+def test_a_run_its_deadline_cut_between_families_stays_under_not_run(tmp_path, monkeypatch, deadline_between_families):
+    """A run whose deadline came after its first family returns no row for the others (``evaluate`` leaves out the
+    families it never started): the run stays under ``not_run`` and the file is not complete (it used to count as
+    done, and a file missing whole families said ``complete: true``)."""
+    script = load_script()
+    monkeypatch.setattr(script, "evaluate", deadline_between_families(script.evaluate, 1))
+    out = tmp_path / "t.json"
+    assert script.main(["--smoke", "--splits", "eval", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    cut = [r for r in data["rows"] if r["method"] == "kvpop_untrained" and r["budget"] == 48]
+    assert len(cut) == 1 and len({r["task"] for r in data["rows"] if r["method"] == "teacher"}) > 1
+    later = [r["task"] for r in data["rows"] if r["method"] == "teacher"][1:]  # the families after the first
+    assert data["complete"] is False and data["not_run"] == ["kvpop_untrained/bounded/eval/B=48:" + ",".join(later)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlearn.errors import KVLearnError
-from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate
+from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, tasks_not_started
 from kvlearn.eval.protocols import layout, question_start
 from kvlearn.methods import DenseConfig, Method, get_method, make_config
 from kvlearn.testbed import tasks
@@ -115,6 +115,7 @@ def test_deadline_stops_cleanly_and_marks_incomplete_rows():
     ticks = iter([0.0, 0.0, 1e6, 1e6, 1e6, 1e6])  # the deadline passes after the first batch
     rows = evaluate(model, config, progress=False, deadline=10.0, clock=lambda: next(ticks))
     assert len(rows) == 1 and rows[0]["n"] == 1 and rows[0]["incomplete"] is True
+    assert tasks_not_started(config, rows) == ["recall"] and tasks_not_started(config, []) == ["vt", "recall"]
     assert rows[0]["protocol"] == "context" and rows[0]["split"] == "eval"
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvlearn import KVLearnError
-from kvlearn.eval.reproduce import (CHAIN_PARTS, ReproduceConfig, budget_env, command_of, finish_parts, finished,
-                                    missing_runs, reproduce_kvpop, student_steps)
+from kvlearn.eval.reproduce import (CHAIN_PARTS, STEPS_OF_RECORD, ReproduceConfig, budget_env, command_of,
+                                    finish_parts, finished, missing_runs, reproduce_kvpop, short_students,
+                                    student_steps)
 from kvlearn.results import make_results, write_results
 
 
@@ -48,6 +49,27 @@ def test_steps_give_every_method_the_same_steps_and_the_table_its_minutes(tmp_pa
     assert "--steps 800" in command_of(config) and "--minutes" not in command_of(config)
 
 
+def test_the_default_is_the_table_of_records_steps(tmp_path):
+    """Without --steps or --minutes every student trains the steps the committed Table 1's students trained (1,300,
+    read off its recipe in ``benchmarks/device/kvpop_table.sh``), not a wall clock that the slower methods' steps
+    would lose to (DMS: 481-488 steps in 5 minutes on one H100)."""
+    recipe = (Path(__file__).resolve().parents[2] / "benchmarks" / "device" / "kvpop_table.sh").read_text()
+    assert f"Table 1 of record (results/kvpop_table.json, CR 75% / 88%, session 22): RETROFIT_STEPS={STEPS_OF_RECORD} " in recipe
+    config = ReproduceConfig(out=str(tmp_path / "r"))
+    assert config.steps == 1300 and config.minutes is None
+    env = budget_env(config, 512)
+    assert env["RETROFIT_STEPS"] == "1300" and "RETROFIT_MINUTES" not in env and "TOTAL_MINUTES" not in env
+    assert "--steps 1300" in command_of(config)
+    with pytest.raises(KVLearnError, match="minutes=5.0 and steps=1300: give one of them"):
+        ReproduceConfig(out=str(tmp_path / "r"), minutes=5.0, steps=1300)
+
+
+def test_short_students_are_those_under_the_steps_of_record():
+    steps = {"1024": {"kvpop_mlp": 1164, "dms": 481}, "512": {"streaming_plus": 1376, "dms": 1300, "kvpop": 1299}}
+    assert short_students(steps) == [("1024", "kvpop_mlp", 1164), ("1024", "dms", 481), ("512", "kvpop", 1299)]
+    assert short_students({}) == []
+
+
 def fake_chain(tmp_path, fail_budgets=()):
     """A runner that writes what kvpop_table.sh writes (one row per budget) unless the budget is to fail."""
     def run(cmd, cwd, env, stdout, stderr, check):
@@ -56,7 +78,8 @@ def fake_chain(tmp_path, fail_budgets=()):
             rows = [{"method": "kvpop_mlp", "protocol": "bounded", "split": "eval", "budget": budget, "task": "niah",
                      "context": 4096, "compression": 1 - budget / 4096, "accuracy": budget / 1024, "n": 1}]
             write_results(Path(env["OUT"]) / "kvpop_table.json",
-                          make_results("accuracy", rows, device="cuda", command="x", commit="c", complete=True))
+                          make_results("accuracy", rows, device="cuda", command="x", commit="c", complete=True,
+                                       students={"kvpop_mlp": f"kvpop:{env['WORK_DIR']}/table_reproduce{budget}"}))
         return subprocess.CompletedProcess(cmd, 0)
     return run
 
@@ -67,6 +90,9 @@ def test_the_tables_of_every_budget_are_merged_and_a_failed_budget_is_named(tmp_
     merged = json.loads(Path(path).read_text())
     assert [r["budget"] for r in merged["rows"]] == [1024, 256]
     assert merged["complete"] is False and any("B=512" in x for x in merged["not_run"])
+    work = tmp_path.resolve() / "r" / "students"  # each budget's students by budget, not one label's last path
+    assert merged["students"] == {"1024": {"kvpop_mlp": f"kvpop:{work}/table_reproduce1024"},
+                                  "256": {"kvpop_mlp": f"kvpop:{work}/table_reproduce256"}}
     assert (tmp_path / "r" / "kvpop_table.png").is_file() and (tmp_path / "r" / "budget512.log").is_file()
     with pytest.raises(KVLearnError, match="already holds files"):
         ReproduceConfig(out=str(tmp_path / "r"))
@@ -172,6 +198,9 @@ def test_resume_measures_only_the_runs_a_guard_cut_and_needs_the_chain_only_with
          "--splits", "heldout"],
         ["--baselines", "none", "--protocols", "bounded", "--splits", "eval"]]
     assert missing_runs({"rows": [], "not_run": ["every run at B=512 (its chain failed: see its log)"]}) is None
+    # a run its deadline cut between families (results.settle_run) is measured again whole
+    assert missing_runs({"rows": [], "not_run": ["teacher/bounded/eval:vt,recall", "tova/bounded/heldout/B=512:vt"]}) \
+        == [("teacher", "bounded", "eval"), ("tova", "bounded", "heldout")]
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -333,7 +362,9 @@ def test_a_reproduction_is_compared_with_the_table_of_record_over_the_families_b
     assert reproduction_section({"rows": mine}, root) == ""
     steps = reproduction_section({"reproduces": "results/kvpop_table.json", "rows": mine,
                                   "student_steps": {"1024": {"kvpop": 701, "dms": 481}}}, root)
-    assert steps.endswith("Students' optimizer steps at budget 1024 (this run): kvpop 701, dms 481.")
+    assert steps.endswith("Students' optimizer steps at budget 1024 (this run): kvpop 701, dms 481.\n\n"
+                          "Not like for like: the students of record trained 1,300 steps each, and here kvpop at 1024 "
+                          "trained 701, dms at 1024 trained 481.")
 
 
 def test_the_students_steps_are_read_from_their_train_logs(tmp_path, capsys):
@@ -348,4 +379,7 @@ def test_the_students_steps_are_read_from_their_train_logs(tmp_path, capsys):
     assert student_steps(config) == {"1024": {"kvpop": 3, "dms": 1}}
     path = reproduce_kvpop(config, run=fake_chain(tmp_path))
     assert json.loads(Path(path).read_text())["student_steps"] == {"1024": {"kvpop": 3, "dms": 1}}
-    assert "students' optimizer steps at budget 1024: kvpop 3, dms 1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "students' optimizer steps at budget 1024: kvpop 3, dms 1" in printed
+    assert ("not like for like with results/kvpop_table.json, whose students trained 1,300 steps each: kvpop at 1024 "
+            "(3 steps); dms at 1024 (1 steps)") in printed

@@ -274,6 +274,14 @@ def answer_batch(model, config: EvalConfig, examples: list, pad_id: int = 0, eos
 
 
 @torch.no_grad()
+def tasks_not_started(config: EvalConfig, rows: list[dict]) -> list[str]:
+    """The families of ``config.tasks`` that :func:`evaluate`'s ``rows`` have no row for: its deadline came before
+    they started. A table script keeps such a run under ``not_run`` (its file is then not ``complete``) instead of
+    counting it as done."""
+    measured = {r["task"] for r in rows}
+    return [task for task in config.tasks if task not in measured]
+
+
 def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float | None = None, bar=None,
              clock=time.monotonic) -> list[dict]:
     """Greedy exact-match accuracy per task family; returns result rows of schema ``kvlearn.results.v1``.
@@ -281,7 +289,7 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
     Examples run in batches of ``config.batch_size`` (:func:`answer_batch`; a prompt-dependent method in groups of
     equal choice within each batch). ``deadline`` (a ``clock()`` value, ``time.monotonic`` by default): no new batch
     starts after it; the rows measured so far are returned, those with fewer than ``n_per_task`` examples marked
-    ``"incomplete": True`` (tasks never started are left out). ``bar``: an outer tqdm bar to advance instead of a
+    ``"incomplete": True`` (tasks never started are left out: :func:`tasks_not_started` names them). ``bar``: an outer tqdm bar to advance instead of a
     bar of this call.
     """
     method = get_method(config.method)

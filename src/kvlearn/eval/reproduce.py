@@ -2,7 +2,8 @@
 
 For each budget (default 1024, 512, 256: CR 75%, 88%, 94% at context 4096), one run of
 ``benchmarks/device/kvpop_table.sh`` (the repository's Table 1 chain): four students retrofitted side by side from
-the teacher for ``minutes`` each with the measured recipes (KVpop with the MLP and with the mLSTM scorer, both on the
+the teacher, each for ``steps`` optimizer steps (default :data:`STEPS_OF_RECORD`, the table of record's: the same
+for every method) or, with ``minutes``, for that much wall clock each, with the measured recipes (KVpop with the MLP and with the mLSTM scorer, both on the
 peak target from ``--decay-init 0.99999``, the mLSTM under ``--readout-penalty 30 --scorer-kd 1``, the chain's defaults;
 StreamingLLM+; DMS), the window :func:`kvlearn.config.retrofit_window` gives (256 from budget 512 up, half the budget below),
 then the table at that budget: the teacher, the students under the pattern each was trained for, and every
@@ -10,7 +11,11 @@ training-free baseline, both splits, ``n_per_task`` per family. The budgets run 
 retrofits share the GPU at a time); their tables are merged into ``out/kvpop_table.json`` with its plot, and the
 students' checkpoints stay in ``out/students/`` (``table_reproduce<budget>_<student>/final``).
 
-Device time on one H200: about ``minutes + 4`` per budget, 27 minutes for the defaults. The chain is a shell script
+Device time: with ``minutes``, about ``minutes + 4`` per budget. With steps, as long as the slowest student (DMS's
+step is the slowest: 481-488 steps in 5 minutes beside the three others on one H100, so at most about 13 minutes
+for 1,300 at that rate, less once the others finish; an estimate, not a measured run) plus 4 minutes of table. In
+minutes the device decides each student's steps, and DMS then trains far fewer than the students of record
+(:func:`short_students` names them; session 41 measured what that costs at budget 512). The chain is a shell script
 of the repository checkout (the editable install the README sets up); ``retrofit_args`` / ``table_args`` pass more
 options to every retrofit / table process (a CPU smoke run uses them for tiny shapes).
 """
@@ -29,7 +34,7 @@ from typing import Callable
 from ..config import retrofit_window
 from ..errors import check, check_int
 from ..results import (FULL_CACHE_LABELS, merge_results, portable_path, read_results, repo_root, row_run_key,
-                       write_results)
+                       split_not_run, write_results)
 
 TABLE1_STUDENTS = "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
 STUDENT_METHODS = dict(s.split("=") for s in TABLE1_STUDENTS.split())  # label -> registered method
@@ -38,13 +43,16 @@ TABLE_SCRIPT = Path("benchmarks") / "kvpop_table.py"  # what finish_budget runs 
 COMMITTED_TABLE = Path("results") / "kvpop_table.json"  # the table of record a reproduction is compared with
 SETTINGS = "reproduce_settings.json"  # in out: the settings a --resume must match
 EVAL_MINUTES = 4.0  # the table's share of a budget's run after the retrofits (n = 100, both splits, 6 parts)
+STEPS_OF_RECORD = 1300  # every student of results/kvpop_table.json trained this many steps (docs/DESIGN.md section 5)
 
 
 @dataclass
 class ReproduceConfig:
-    """``out``: folder for the per-budget runs and the merged table; ``budgets``: tokens per KV head; ``minutes``:
-    each retrofit's training time; ``steps``: instead, each retrofit's steps (the same for every method, however
-    the shared GPU slows each; the table then gets ``EVAL_MINUTES``, and the run's time is not bounded); ``n_per_task``: examples per family and split; ``device``: ``cuda`` (``cpu`` for
+    """``out``: folder for the per-budget runs and the merged table; ``budgets``: tokens per KV head; ``steps``:
+    each retrofit's optimizer steps (the same for every method, however the shared GPU slows each; the table then
+    gets ``EVAL_MINUTES``, and the run's time is not bounded), :data:`STEPS_OF_RECORD` when neither it nor
+    ``minutes`` is given; ``minutes``: instead, each retrofit's training time (a bounded run; the GPU then decides
+    the steps, and the slower methods train fewer than the table of record's students); ``n_per_task``: examples per family and split; ``device``: ``cuda`` (``cpu`` for
     a smoke run); ``model``: the teacher's folder (default the committed one). ``resume``: keep every budget whose
     complete table an earlier run with the same settings left in ``out`` and run only the others, so that the
     budgets may run in separate sessions (e.g. device calls shorter than the whole run); the merge covers them all.
@@ -54,7 +62,7 @@ class ReproduceConfig:
 
     out: str = "runs/reproduce-kvpop"
     budgets: tuple[int, ...] = (1024, 512, 256)
-    minutes: float = 5.0
+    minutes: float | None = None
     steps: int | None = None
     n_per_task: int = 100
     device: str = "cuda"
@@ -68,7 +76,12 @@ class ReproduceConfig:
         check(len(self.budgets) > 0, "budgets is empty: expected one or more budgets, e.g. 1024,512,256")
         for b in self.budgets:
             check_int("budget", b, 6)
-        check(self.minutes > 0, f"minutes={self.minutes!r} is invalid: expected > 0")
+        check(self.minutes is None or self.steps is None, f"minutes={self.minutes!r} and steps={self.steps!r}: "
+              "give one of them (steps: the same for every student; minutes: the same wall clock)")
+        if self.minutes is None and self.steps is None:
+            self.steps = STEPS_OF_RECORD
+        if self.minutes is not None:
+            check(self.minutes > 0, f"minutes={self.minutes!r} is invalid: expected > 0")
         if self.steps is not None:
             check_int("steps", self.steps, 1)
         check_int("n_per_task", self.n_per_task, 1)
@@ -111,9 +124,8 @@ def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
         "MODEL": teacher_of(config),
         "BUDGET": str(budget),
         "STUDENTS": TABLE1_STUDENTS,
-        "RETROFIT_MINUTES": str(config.minutes),
-        **({"RETROFIT_STEPS": str(config.steps), "TABLE_MINUTES": str(EVAL_MINUTES)} if config.steps is not None else {}),
-        "TOTAL_MINUTES": str(round(config.minutes + EVAL_MINUTES, 2)),
+        **({"RETROFIT_STEPS": str(config.steps), "TABLE_MINUTES": str(EVAL_MINUTES)} if config.steps is not None else
+           {"RETROFIT_MINUTES": str(config.minutes), "TOTAL_MINUTES": str(round(config.minutes + EVAL_MINUTES, 2))}),
         "N_PER_TASK": str(config.n_per_task),
         "DEVICE": config.device,
         "EXPORT_STUDENTS": "0",  # the students' final/ stay in out/students: no bf16 tar of each in the budget folder
@@ -137,7 +149,8 @@ def missing_runs(table: dict) -> list[tuple[str, str, str]] | None:
     stopped the table before them) and the runs of its ``incomplete`` rows (stopped inside a family). None when an
     entry is not a run's name (``every run at B=...``: the chain itself failed), so only the whole chain can
     finish the budget."""
-    keys = list(table.get("not_run", [])) + [row_run_key(r) for r in table["rows"] if r.get("incomplete")]
+    keys = ([split_not_run(x)[0] for x in table.get("not_run", [])]  # a run cut between families: all of it again
+            + [row_run_key(r) for r in table["rows"] if r.get("incomplete")])
     runs = []
     for key in dict.fromkeys(keys):
         parts = key.split("/")
@@ -344,8 +357,11 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
                 stdout=log, stderr=subprocess.STDOUT, check=False)
         (tables if table.is_file() else missing).append(table if table.is_file() else f"B={budget}")
     check(tables, f"no budget's chain wrote a table: see the logs in {out}")
-    merged = merge_results([read_results(t) for t in tables], command_of(config),
-                           across_runs=config.resume)  # resumed budgets may come from other commits
+    parts = [read_results(t) for t in tables]
+    merged = merge_results(parts, command_of(config), across_runs=config.resume)  # resumed budgets: other commits
+    # each budget has its own four students under the same labels: name them per budget (a union by label kept one)
+    merged["students"] = {table.parent.name.removeprefix("budget"): part.get("students", {})
+                          for table, part in zip(tables, parts) if part.get("students")}
     if missing:
         merged["not_run"] = merged.get("not_run", []) + [f"every run at {m} (its chain failed: see its log)" for m in missing]
         merged["complete"] = False
@@ -360,7 +376,20 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     for budget, steps in merged["student_steps"].items():  # in minutes the device decides the steps: say how many
         print(f"students' optimizer steps at budget {budget}: "
               + ", ".join(f"{label} {n}" for label, n in steps.items()))
+    short = short_students(merged["student_steps"])
+    if short:
+        print(f"not like for like with {COMMITTED_TABLE}, whose students trained {STEPS_OF_RECORD:,} steps each: "
+              + "; ".join(f"{label} at {budget} ({n} steps)" for budget, label, n in short)
+              + f" (--steps {STEPS_OF_RECORD}, the default, gives every student the steps of record)")
     return path
+
+
+def short_students(steps: dict[str, dict[str, int]]) -> list[tuple[str, str, int]]:
+    """``(budget, label, steps)`` of every student that trained fewer optimizer steps than the students of record
+    (:data:`STEPS_OF_RECORD`), from :func:`student_steps`' ``{budget: {label: steps}}``: their rows are not a like
+    for like reproduction (a ``--minutes`` run on a GPU too slow for the slower methods' steps)."""
+    return [(budget, label, n) for budget, by_label in steps.items() for label, n in by_label.items()
+            if n < STEPS_OF_RECORD]
 
 
 def student_steps(config: ReproduceConfig) -> dict[str, dict[str, int]]:
