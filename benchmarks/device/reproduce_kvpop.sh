@@ -13,7 +13,9 @@
 # call: only the runs it lacks are measured, the retrofits are not run again (a missing student run, whose
 # checkpoint this script deleted, would need the whole chain again). A chain this call's LIMIT killed inside its
 # table stage leaves its parts in the budget folder; the next call merges them before finishing.
-# Passed through: MINUTES (default 5, the committed recipe) or STEPS, N_PER_TASK (default 100), DEVICE (default cuda),
+# Passed through: MINUTES (default 5: a budget's chain fits one device call; not the table of record's recipe, whose
+# students trained 1,300 steps each: in 5 minutes beside three others on one H100 DMS trains 481-488, session 41) or
+# STEPS (`kvlearn reproduce`'s own default is 1,300 steps, longer than one call here), N_PER_TASK (default 100), DEVICE (default cuda),
 # RETROFIT_ARGS and TABLE_ARGS (a CPU smoke run's tiny shapes: tests/eval/test_reproduce.py). LIMIT (default 580 s)
 # is the reproduce command's timeout, under the call's 600 s.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... BUDGETS=1024 bash benchmarks/device/reproduce_kvpop.sh
