@@ -502,7 +502,7 @@ def cmd_reproduce(args) -> int:
     except ValueError:
         raise KVLearnError(f"--budgets {args.budgets!r} is invalid: expected a comma list of integers") from None
     config = ReproduceConfig(out=args.out, budgets=budgets, minutes=args.minutes, steps=args.steps,
-                             n_per_task=args.n_per_task,
+                             n_per_task=args.n_per_task, students=tuple(args.students.split(",")),
                              device=_device(args.device), model=args.model, retrofit_args=args.retrofit_args,
                              table_args=args.table_args, overwrite=args.overwrite, resume=args.resume)
     print(f"wrote {reproduce_kvpop(config)}")
@@ -942,6 +942,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "the steps: DMS, the slowest step, trained 481-488 in 5 minutes on one H100, and its rows "
                          "fell short of the table of record's)")
     sp.add_argument("--n-per-task", type=int, default=100, help="examples per family and split")
+    sp.add_argument("--students", default="kvpop_mlp,kvpop,streaming_plus,dms",
+                    help="which of the four students this run trains (comma list); with --resume a later run adds the "
+                         "others to each budget's table (a machine whose runs are too short for four at once)")
     sp.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (cpu: a smoke run)")
     sp.add_argument("--model", default=None, help="the teacher's folder (default: checkpoints/testbed-teacher)")
     sp.add_argument("--retrofit-args", default="", help="more options for every retrofit (e.g. '--seq-len 256')")

@@ -75,8 +75,9 @@ def fake_chain(tmp_path, fail_budgets=()):
     def run(cmd, cwd, env, stdout, stderr, check):
         budget = int(env["BUDGET"])
         if budget not in fail_budgets:
-            rows = [{"method": "kvpop_mlp", "protocol": "bounded", "split": "eval", "budget": budget, "task": "niah",
-                     "context": 4096, "compression": 1 - budget / 4096, "accuracy": budget / 1024, "n": 1}]
+            rows = [{"method": s.split("=")[0], "protocol": "bounded", "split": "eval", "budget": budget,
+                     "task": "niah", "context": 4096, "compression": 1 - budget / 4096, "accuracy": budget / 1024,
+                     "n": 1} for s in env["STUDENTS"].split()]
             write_results(Path(env["OUT"]) / "kvpop_table.json",
                           make_results("accuracy", rows, device="cuda", command="x", commit="c", complete=True,
                                        students={"kvpop_mlp": f"kvpop:{env['WORK_DIR']}/table_reproduce{budget}"}))
@@ -88,7 +89,7 @@ def test_the_tables_of_every_budget_are_merged_and_a_failed_budget_is_named(tmp_
     config = ReproduceConfig(out=str(tmp_path / "r"), budgets=(1024, 512, 256))
     path = reproduce_kvpop(config, run=fake_chain(tmp_path, fail_budgets=(512,)))
     merged = json.loads(Path(path).read_text())
-    assert [r["budget"] for r in merged["rows"]] == [1024, 256]
+    assert [r["budget"] for r in merged["rows"]] == [1024] * 4 + [256] * 4  # the four students of each budget
     assert merged["complete"] is False and any("B=512" in x for x in merged["not_run"])
     work = tmp_path.resolve() / "r" / "students"  # each budget's students by budget, not one label's last path
     assert merged["students"] == {"1024": {"kvpop_mlp": f"kvpop:{work}/table_reproduce1024"},
@@ -125,11 +126,12 @@ def test_resume_keeps_the_finished_budgets_and_merges_them_all(tmp_path):
     path = reproduce_kvpop(ReproduceConfig(out=out, budgets=(1024, 512), resume=True), run=counting((512,)))
     assert calls == [1024, 512, 512]
     merged = json.loads(Path(path).read_text())
-    assert [r["method"] for r in merged["rows"]] == ["kvpop_mlp"] and any("B=512" in x for x in merged["not_run"])
+    assert [r["method"] for r in merged["rows"]] == ["kvpop_mlp", "kvpop", "streaming_plus", "dms"]
+    assert any("B=512" in x for x in merged["not_run"])
     path = reproduce_kvpop(ReproduceConfig(out=out, budgets=(1024, 512), resume=True), run=counting(()))
     assert calls == [1024, 512, 512, 512]
     merged = json.loads(Path(path).read_text())
-    assert [r["budget"] for r in merged["rows"]] == [1024, 512] and merged["complete"] is True
+    assert [r["budget"] for r in merged["rows"]] == [1024] * 4 + [512] * 4 and merged["complete"] is True
     assert merged["command"].endswith("--resume")
     with pytest.raises(KVLearnError, match=r"--resume: n_per_task=50 differ from the earlier run's n_per_task=100"):
         reproduce_kvpop(ReproduceConfig(out=out, budgets=(256,), n_per_task=50, resume=True), run=counting(()))
@@ -156,6 +158,8 @@ def test_resume_measures_only_the_runs_a_guard_cut_and_needs_the_chain_only_with
     config = ReproduceConfig(out=str(out), budgets=(1024,), resume=True)
     (out / "budget1024").mkdir(parents=True)
     rows = [row("teacher", s, t, budget=None) for s in ("eval", "heldout") for t in ("trace", "niah")]
+    rows += [row(student, s, t) for student in ("kvpop_mlp", "kvpop", "streaming_plus", "dms")
+             for s in ("eval", "heldout") for t in ("trace", "niah")]  # the chain measured every student
     rows += [row("h2o", "eval", "trace"), row("h2o", "eval", "niah", n=64, incomplete=True)]
     not_run = ["streaming/bounded/heldout/B=1024", "h2o/bounded/heldout/B=1024"]
     write_results(out / "budget1024" / "kvpop_table.json",
@@ -226,6 +230,8 @@ def test_cli_bad_input_is_one_line_before_any_chain_runs(tmp_path, capsys, monke
     out = tmp_path / "r"
     for argv, needle in ((["--budgets", "512,-1", "--device", "cpu"], "budget=-1 is invalid: expected an integer >= 6"),
                          (["--budgets", "512,x", "--device", "cpu"], "--budgets '512,x' is invalid: expected a comma list of integers"),
+                         (["--students", "dms,h2o", "--device", "cpu"], "students='dms,h2o' is invalid: expected one or more of"),
+                         (["--minutes", "5", "--device", "cpu"], "minutes=5.0 and steps=1: give one of them"),
                          (["--device", "cuda"], "device='cuda' requested but CUDA is not available: use --device cpu"),
                          ([], "device='cuda' requested but CUDA is not available")):  # cuda is the default
         assert main(["reproduce", "kvpop", "--out", str(out), "--steps", "1", *argv]) == 2
@@ -383,3 +389,52 @@ def test_the_students_steps_are_read_from_their_train_logs(tmp_path, capsys):
     assert "students' optimizer steps at budget 1024: kvpop 3, dms 1" in printed
     assert ("not like for like with results/kvpop_table.json, whose students trained 1,300 steps each: kvpop at 1024 "
             "(3 steps); dms at 1024 (1 steps)") in printed
+
+
+def students_chain(calls):
+    """A runner that writes what kvpop_table.sh writes for the students in ``STUDENTS`` (one row each) and, unless
+    ``BASELINES=0``, the teacher's and a baseline's rows; records each call's (students, baselines, OUT)."""
+    def run(cmd, cwd, env, stdout, stderr, check):
+        budget, labels = int(env["BUDGET"]), [s.split("=")[0] for s in env["STUDENTS"].split()]
+        calls.append((labels, env["BASELINES"], Path(env["OUT"]).name))
+        rows = [{"method": label, "protocol": "bounded", "split": "eval", "budget": budget, "task": "niah",
+                 "context": 4096, "compression": 0.5, "accuracy": 0.9, "n": 1} for label in labels]
+        if env["BASELINES"] != "0":
+            rows += [{"method": m, "protocol": "bounded", "split": "eval", "budget": b, "task": "niah",
+                      "context": 4096, "compression": c, "accuracy": 0.5, "n": 1}
+                     for m, b, c in (("teacher", 4096, 0.0), ("tova", budget, 0.5))]
+        write_results(Path(env["OUT"]) / "kvpop_table.json",
+                      make_results("accuracy", rows, device="cuda", command="x", commit="c", complete=True))
+        return subprocess.CompletedProcess(cmd, 0)
+    return run
+
+
+def test_students_trained_over_several_runs_are_added_to_each_budgets_table(tmp_path):
+    """``--students``: a machine whose runs are too short for four retrofits trains some students per run. The first
+    run trains DMS with the teacher and the baselines, and the merged file names the three others under ``not_run``;
+    a ``--resume`` run with the others trains them alone (no teacher, no baselines, their own folder) and adds their
+    rows to the budget's table; a third run has nothing left to do."""
+    calls = []
+    out = str(tmp_path / "r")
+    path = reproduce_kvpop(ReproduceConfig(out=out, budgets=(512,), students=("dms",)), run=students_chain(calls))
+    merged = json.loads(Path(path).read_text())
+    assert calls == [(["dms"], "1", "budget512")]
+    assert {r["method"] for r in merged["rows"]} == {"dms", "teacher", "tova"} and merged["complete"] is False
+    assert [x.split(" (")[0] for x in merged["not_run"]] == [
+        f"every run of student {label} at B=512" for label in ("kvpop_mlp", "kvpop", "streaming_plus")]
+    others = ("kvpop_mlp", "kvpop", "streaming_plus")
+    config = ReproduceConfig(out=out, budgets=(512,), students=others, resume=True)
+    assert "--students kvpop_mlp,kvpop,streaming_plus" in command_of(config)
+    merged = json.loads(Path(reproduce_kvpop(config, run=students_chain(calls))).read_text())
+    assert calls[1] == (list(others), "0", "add_kvpop_mlp_kvpop_streaming_plus")
+    assert sorted(r["method"] for r in merged["rows"]) == sorted(["dms", "teacher", "tova", *others])
+    assert merged["complete"] is True and merged.get("not_run", []) == []
+    reproduce_kvpop(ReproduceConfig(out=out, budgets=(512,), resume=True), run=students_chain(calls))
+    assert len(calls) == 2  # every student is in the table: kept
+
+
+def test_students_must_be_table_1_labels(tmp_path):
+    for bad in ((), ("dms", "dms"), ("h2o",)):
+        with pytest.raises(KVLearnError, match="students=.* is invalid: expected one or more of "
+                                               "kvpop_mlp,kvpop,streaming_plus,dms, each once"):
+            ReproduceConfig(out=str(tmp_path / "x"), students=bad)

@@ -58,7 +58,11 @@ class ReproduceConfig:
     budgets may run in separate sessions (e.g. device calls shorter than the whole run); the merge covers them all.
     A budget whose table a time guard cut (runs under ``not_run``, rows marked ``incomplete``) gets only those runs
     measured (:func:`finish_budget`), not its retrofits again, when every student they need is still in ``out``;
-    a chain killed inside its table stage leaves parts that are merged first (:func:`salvage_parts`)."""
+    a chain killed inside its table stage leaves parts that are merged first (:func:`salvage_parts`). ``students``:
+    which of the four Table 1 students (labels of :data:`STUDENT_METHODS`) this run trains; with ``resume``, a
+    budget whose table lacks some of them gets those added (:func:`add_students`), so a machine whose runs are too
+    short for four retrofits at once can train them over several runs; until then the merged file lists the
+    missing students under ``not_run``."""
 
     out: str = "runs/reproduce-kvpop"
     budgets: tuple[int, ...] = (1024, 512, 256)
@@ -71,6 +75,7 @@ class ReproduceConfig:
     table_args: str = ""
     overwrite: bool = False
     resume: bool = False
+    students: tuple[str, ...] = tuple(STUDENT_METHODS)
 
     def __post_init__(self) -> None:
         check(len(self.budgets) > 0, "budgets is empty: expected one or more budgets, e.g. 1024,512,256")
@@ -85,6 +90,11 @@ class ReproduceConfig:
         if self.steps is not None:
             check_int("steps", self.steps, 1)
         check_int("n_per_task", self.n_per_task, 1)
+        self.students = tuple(self.students)
+        check(len(self.students) > 0 and all(label in STUDENT_METHODS for label in self.students)
+              and len(set(self.students)) == len(self.students),
+              f"students={','.join(self.students)!r} is invalid: expected one or more of {','.join(STUDENT_METHODS)}, "
+              "each once")
         check(self.device in ("cuda", "cpu"), f"device={self.device!r} is invalid: expected cuda or cpu")
         if self.model is not None:  # one-line errors for a missing folder, a file, an unsupported family
             from ..hf import read_model_config
@@ -100,7 +110,8 @@ class ReproduceConfig:
               "budgets, or choose a new folder")
 
     def settings(self) -> dict:
-        """What decides a budget's rows (all but ``out``, ``budgets`` and the two flags): a resumed run must match."""
+        """What decides a budget's rows (all but ``out``, ``budgets``, ``students`` and the two flags): a resumed run
+        must match. ``students`` may differ between runs: each trains some of a budget's students."""
         return {"minutes": self.minutes, "steps": self.steps, "n_per_task": self.n_per_task, "device": self.device,
                 "model": self.model, "retrofit_args": self.retrofit_args, "table_args": self.table_args}
 
@@ -115,15 +126,21 @@ def budget_table(config: ReproduceConfig, budget: int) -> Path:
     return Path(config.out) / f"budget{budget}" / "kvpop_table.json"
 
 
-def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
-    """The environment of ``kvpop_table.sh`` for one budget's run (its options are environment variables)."""
+def budget_env(config: ReproduceConfig, budget: int, students: tuple[str, ...] | None = None,
+               out: Path | None = None) -> dict[str, str]:
+    """The environment of ``kvpop_table.sh`` for one budget's run (its options are environment variables):
+    ``students`` (default ``config.students``) are retrofitted and tabled; with ``out`` (a folder other than the
+    budget's) the chain adds those students to a budget whose table exists: no teacher, no baselines
+    (``BASELINES=0``), its own table in ``out`` to merge."""
+    students = config.students if students is None else students
     return {
-        "OUT": str(budget_table(config, budget).parent.resolve()),
+        "OUT": str((budget_table(config, budget).parent if out is None else out).resolve()),
+        "BASELINES": "1" if out is None else "0",
         "TAG": f"_reproduce{budget}",
         "WORK_DIR": str(Path(config.out).resolve() / "students"),  # the retrofits' checkpoints, kept with the table
         "MODEL": teacher_of(config),
         "BUDGET": str(budget),
-        "STUDENTS": TABLE1_STUDENTS,
+        "STUDENTS": " ".join(f"{label}={STUDENT_METHODS[label]}" for label in students),
         **({"RETROFIT_STEPS": str(config.steps), "TABLE_MINUTES": str(EVAL_MINUTES)} if config.steps is not None else
            {"RETROFIT_MINUTES": str(config.minutes), "TOTAL_MINUTES": str(round(config.minutes + EVAL_MINUTES, 2))}),
         "N_PER_TASK": str(config.n_per_task),
@@ -137,6 +154,34 @@ def budget_env(config: ReproduceConfig, budget: int) -> dict[str, str]:
 def finished(table: dict) -> bool:
     """Whether a budget's table is whole: no run cut by a time guard (``not_run``) and not marked incomplete."""
     return table.get("complete", True) is True and not table.get("not_run")
+
+
+def students_missing(table: dict) -> list[str]:
+    """The Table 1 students (:data:`STUDENT_METHODS`' labels, in order) with no row in a budget's table: a run with
+    ``--students`` trained the others, and a later ``--resume`` run adds these."""
+    have = {r.get("method") for r in table["rows"]}
+    return [label for label in STUDENT_METHODS if label not in have]
+
+
+def add_students(config: ReproduceConfig, budget: int, labels: list[str],
+                 run: Callable[..., subprocess.CompletedProcess]) -> bool:
+    """Retrofit and table ``labels`` (students the budget's table lacks) with the chain in ``budget<B>/add_<labels>``
+    (no teacher, no baselines: the table has them) and merge their rows into the budget's table. Returns whether
+    the chain wrote its table."""
+    table_path = budget_table(config, budget)
+    folder = table_path.parent / f"add_{'_'.join(labels)}"
+    part = folder / "kvpop_table.json"
+    part.unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(table_path.parent / f"{folder.name}.log", "w") as log:
+        run(["bash", str(repo_root() / CHAIN)], cwd=repo_root(),
+            env={**os.environ, **budget_env(config, budget, tuple(labels), out=folder)},
+            stdout=log, stderr=subprocess.STDOUT, check=False)
+    if not part.is_file():
+        return False
+    table = read_results(table_path)
+    write_results(table_path, merge_results([table, read_results(part)], table["command"], across_runs=True))
+    return True
 
 
 def student_dir(config: ReproduceConfig, budget: int, label: str) -> Path:
@@ -305,6 +350,8 @@ def command_of(config: ReproduceConfig) -> str:
     for name, value in (("--retrofit-args", config.retrofit_args), ("--table-args", config.table_args)):
         if value:
             parts.append(f"{name} '{value}'")
+    if config.students != tuple(STUDENT_METHODS):
+        parts.append(f"--students {','.join(config.students)}")
     if config.resume:
         parts.append("--resume")
     return " ".join(parts)
@@ -336,19 +383,24 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
         if config.resume and not table.is_file() and salvage_parts(table.parent):
             print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: merged the table parts a killed chain left",
                   flush=True)
-        if config.resume and table.is_file() and finished(read_results(table)):
-            print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: kept from the earlier run ({table})", flush=True)
-            tables.append(table)
-            continue
-        if config.resume and table.is_file() and finishable(config, budget):
-            print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: the earlier run's table lacks "
-                  f"{len(missing_runs(read_results(table)))} run(s): measuring only those", flush=True)
-            finish_budget(config, budget, run)  # what it could not finish stays under the table's not_run
-            tables.append(table)
-            continue
         length = f"{config.steps} steps" if config.steps is not None else f"{config.minutes} min"
-        print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: 4 retrofits of {length}, then the table "
-              f"(log: {out / f'budget{budget}.log'})", flush=True)
+        if config.resume and table.is_file() and (finished(read_results(table)) or finishable(config, budget)):
+            if not finished(read_results(table)):
+                print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: the earlier run's table lacks "
+                      f"{len(missing_runs(read_results(table)))} run(s): measuring only those", flush=True)
+                finish_budget(config, budget, run)  # what it could not finish stays under the table's not_run
+            add = [label for label in students_missing(read_results(table)) if label in config.students]
+            if add:
+                print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: adding student(s) {', '.join(add)} "
+                      f"({len(add)} retrofit(s) of {length}, then their rows)", flush=True)
+                add_students(config, budget, add, run)
+            elif finished(read_results(table)):
+                print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: kept from the earlier run ({table})",
+                      flush=True)
+            tables.append(table)
+            continue
+        print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: {len(config.students)} retrofit(s) of {length}, "
+              f"then the table (log: {out / f'budget{budget}.log'})", flush=True)
         table.unlink(missing_ok=True)  # a chain that fails now must not leave an earlier run's table standing
         for stale in table.parent.glob("part_*"):  # nor an earlier chain's parts for salvage_parts to mix with its own
             stale.unlink()
@@ -364,6 +416,12 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
                           for table, part in zip(tables, parts) if part.get("students")}
     if missing:
         merged["not_run"] = merged.get("not_run", []) + [f"every run at {m} (its chain failed: see its log)" for m in missing]
+        merged["complete"] = False
+    untrained = [f"every run of student {label} at B={table.parent.name.removeprefix('budget')} (not trained yet: "
+                 "a later --resume run with it in --students adds it)"
+                 for table, part in zip(tables, parts) for label in students_missing(part)]
+    if untrained:
+        merged["not_run"] = merged.get("not_run", []) + untrained
         merged["complete"] = False
     committed = repo_root() / COMMITTED_TABLE
     if committed.is_file():
