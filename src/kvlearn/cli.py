@@ -555,9 +555,11 @@ def cmd_kaizen_train(args) -> int:
                                           "--select-every N (N >= 1): give it, or leave them out")
     check(args.ema_from is None or args.ema_decay, f"--ema-from {args.ema_from}: an option of weight averaging, read "
                                                     "only with --ema-decay D (0 < D < 1): give it, or leave it out")
-    check(args.share_threshold is None or args.share_layers == "auto",
-          f"--share-threshold {args.share_threshold} is read only by the sensitivity pass: expected --share-layers auto "
-          f"with it (got --share-layers {args.share_layers})")
+    for name, value in (("--share-threshold", args.share_threshold), ("--share-rows", args.share_rows),
+                        ("--share-seed", args.share_seed)):
+        check(value is None or args.share_layers == "auto",
+              f"{name} {value} is read only by the sensitivity pass: expected --share-layers auto with it (got "
+              f"--share-layers {args.share_layers})")
     length = ({"minutes": args.minutes, "steps": None} if args.minutes is not None  # --steps 0 is refused, not 1000
               else {"steps": 1000 if args.steps is None else args.steps})
     axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
@@ -573,6 +575,8 @@ def cmd_kaizen_train(args) -> int:
                                share_layers=parse_share_layers(args.share_layers),
                                family_weights=_mixture_weights(args.family_weights),
                                **({} if args.share_threshold is None else {"share_threshold": args.share_threshold}),
+                               **({} if args.share_rows is None else {"share_rows": args.share_rows}),
+                               share_seed=args.share_seed,
                                select_every=args.select_every,
                                **{k: v for k, v in (("select_n", args.select_n), ("select_from", args.select_from),
                                                     ("ema_from", args.ema_from)) if v is not None},
@@ -986,6 +990,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--share-threshold", type=float, default=None,
                     help="with --share-layers auto: the largest increase of the distillation loss (nats per "
                          "supervised token) a shared layer may cost (default 0.05)")
+    sp.add_argument("--share-rows", type=int, default=None,
+                    help="with --share-layers auto: calibration rows of the sensitivity pass (default 16; each "
+                         "layer's increase is reported with its standard error over the rows)")
+    sp.add_argument("--share-seed", type=int, default=None,
+                    help="with --share-layers auto: the calibration rows' stream seed (default: --seed), e.g. one "
+                         "fixed seed so that runs of several --seed values get the same mask")
     sp.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
                     help="the backbone's learning rate over the run: --lr throughout, or a cosine from --lr down to a "
                          "tenth of it (no warm-up)")

@@ -409,6 +409,10 @@ def test_cli_one_line_errors(teacher_path, tmp_path, capsys):
     assert code == 2 and "\n" not in err and err.endswith(
         "--share-threshold 0.1 is read only by the sensitivity pass: expected --share-layers auto with it (got "
         "--share-layers all)"), err
+    code, err = run("kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "o"), "--share-rows", "64")
+    assert code == 2 and "\n" not in err and err.endswith(
+        "--share-rows 64 is read only by the sensitivity pass: expected --share-layers auto with it (got "
+        "--share-layers all)"), err
     code, err = run("kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "o"), "--select-n", "8",
                     "--select-from", "0.9")  # ignored without --select-every: refused, not run without them
     assert code == 2 and "\n" not in err and err.endswith(

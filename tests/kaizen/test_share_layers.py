@@ -27,7 +27,8 @@ from kvlearn.kaizen.actions import (Backbone, KaizenConfig, LayerAction, action_
                                     feasible_range)
 from kvlearn.kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
 from kvlearn.kaizen.selector import KaizenSelector, gumbel_straight_through
-from kvlearn.kaizen.share_sensitivity import allowed_share_layers, calibration_rows, share_increases
+from kvlearn.kaizen.share_sensitivity import (allowed_share_layers, calibration_rows, increase_stats,
+                                              share_increases, share_sensitivity)
 from kvlearn.kaizen.sharing import attach
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
 from kvlearn.train.kaizen_train import SHARE_REPORT, KaizenTrainConfig, kaizen_train
@@ -153,6 +154,32 @@ def test_share_increases_equal_an_independent_forward(teacher4):
     assert share_increases(model, ids, labels, VOCAB_SIZE, batch_size=3) == pytest.approx(got, abs=1e-6)
 
 
+def test_increase_stats_by_hand():
+    """Three rows, one layer that can share: increases 1, 2, 3 on rows of 1, 1 and 2 supervised tokens."""
+    increases, errors = increase_stats(torch.tensor([[0.0, 0.0, 0.0], [1.0, 2.0, 3.0]]), torch.tensor([1, 1, 2]))
+    # weights 1/4, 1/4, 1/2: mean 2.25; variance 3/2 * (1.25^2 / 16 + 0.25^2 / 16 + 0.75^2 / 4) = 0.36328125
+    assert increases == [None, pytest.approx(2.25)] and errors == [None, pytest.approx(0.36328125 ** 0.5)]
+    assert increase_stats(torch.tensor([[0.0], [0.7]]), torch.tensor([5]))[1] == [None, 0.0]  # one row: no spread
+
+
+def test_share_sensitivity_errors_follow_the_rows_measured_one_by_one(teacher4):
+    """The standard errors come from each row's own increase: measured here by running the pass on each row alone
+    (:func:`share_increases` of one row), then reduced by the formula by hand."""
+    model = attach(kvlearn.load(teacher4, dtype=torch.float32)).eval()
+    ids, labels = calibration_rows(3, SEQ, seed=1)
+    increases, errors = share_sensitivity(model, ids, labels, kd_topk=VOCAB_SIZE, batch_size=2)
+    assert increases == pytest.approx(share_increases(model, ids, labels, VOCAB_SIZE, batch_size=3), abs=1e-6)
+    per_row = [share_increases(model, ids[r:r + 1], labels[r:r + 1], VOCAB_SIZE) for r in range(3)]
+    tokens = [int((labels[r, 1:] != -100).sum()) for r in range(3)]
+    w = [t / sum(tokens) for t in tokens]
+    for layer in range(1, 4):
+        d = [row[layer] for row in per_row]
+        mean = sum(wi * di for wi, di in zip(w, d))
+        se = (1.5 * sum(wi ** 2 * (di - mean) ** 2 for wi, di in zip(w, d))) ** 0.5
+        assert increases[layer] == pytest.approx(mean, abs=1e-5) and errors[layer] == pytest.approx(se, abs=1e-5)
+        assert errors[layer] > 1e-5  # the rows differ: the check has teeth
+
+
 def test_auto_share_layers_training_records_and_respects_them(teacher4, tmp_path):
     model = attach(kvlearn.load(teacher4, dtype=torch.float32))
     ids, labels = calibration_rows(4, SEQ, seed=0)
@@ -168,6 +195,11 @@ def test_auto_share_layers_training_records_and_respects_them(teacher4, tmp_path
     report = json.loads((out / SHARE_REPORT).read_text())
     assert report["allowed"] == list(expected) and report["threshold"] == threshold
     assert report["increases"][1:] == pytest.approx(increases[1:], abs=1e-5)
+    errors = report["standard_errors"]
+    assert errors[0] is None and all(e > 0 for e in errors[1:])
+    assert report["near_threshold"] == [l for l in range(1, 4) if abs(report["increases"][l] - threshold) <= 2 * errors[l]]
+    setter = min(range(1, 4), key=lambda l: abs(increases[l] - threshold))
+    assert setter in report["near_threshold"]  # the layer that sets the threshold lies on it
     trained = kvlearn.load(result["final"])
     assert trained.config.kaizen["share_layers"] == list(expected)
     sel = selector_of(trained)
@@ -188,3 +220,56 @@ def test_auto_share_layers_training_records_and_respects_them(teacher4, tmp_path
     with pytest.raises(KVLearnError) as e:
         kaizen_train(KaizenTrainConfig(**{**config.__dict__, "resume": True, "share_layers": (1,)}), progress=False)
     assert "share_layers" in one_line(e)
+
+
+def test_the_spread_script_pools_the_seeds_rows(teacher4, tmp_path, capsys):
+    """``benchmarks/kaizen_share_sensitivity_spread.py``: each seed's report is the pass on that seed's rows, the
+    pooled one the pass on every seed's rows together, and a layer is listed as differing when the seeds' masks
+    disagree on it; bad seeds are one line."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kaizen_share_sensitivity_spread.py"
+    spec = importlib.util.spec_from_file_location("spread_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "s.json"
+    assert script.main(["--model", str(teacher4), "--seeds", "0,1", "--rows", "2", "--seq-len", str(SEQ),
+                        "--threshold", "0.5", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    model = attach(kvlearn.load(teacher4, dtype=torch.float32)).eval()
+    rows = [calibration_rows(2, SEQ, seed) for seed in (0, 1)]
+    for report, (ids, labels) in zip(data["per_seed"], rows):
+        assert report["increases"][1:] == pytest.approx(share_increases(model, ids, labels)[1:], abs=1e-5)
+    ids, labels = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+    pooled = share_increases(model, ids, labels)
+    assert data["pooled"]["increases"][1:] == pytest.approx(pooled[1:], abs=1e-5) and data["pooled"]["rows"] == 4
+    assert data["pooled"]["allowed"] == list(allowed_share_layers(pooled, 0.5))
+    masks = [set(r["allowed"]) for r in data["per_seed"]]
+    assert data["layers_whose_mask_differs_between_seeds"] == sorted(masks[0] ^ masks[1])
+    assert script.main(["--seeds", "0,x", "--out", str(out)]) == 2
+    assert "--seeds '0,x' is invalid: expected a comma list of integers >= 0" in capsys.readouterr().err
+
+
+def test_share_seed_fixes_the_calibration_rows_whatever_the_training_seed(teacher4, tmp_path):
+    """``share_seed``: the mask of runs with different ``seed`` comes from the same rows (by default each run's own
+    seed's rows, as before the option)."""
+    from kvlearn.train.kaizen_train import resolve_share_layers
+
+    model = attach(kvlearn.load(teacher4, dtype=torch.float32)).eval()
+    common = dict(model=teacher4, targets=(4.0,), steps=1, batch_size=2, seq_len=SEQ, share_layers="auto",
+                  share_threshold=0.3, share_rows=2)
+    reports = {}
+    for seed, share_seed in ((3, 0), (5, 0), (5, None)):
+        config = KaizenTrainConfig(out=str(tmp_path / f"r{seed}_{share_seed}"), seed=seed, share_seed=share_seed,
+                                   **common)
+        reports[seed, share_seed] = resolve_share_layers(config, model, torch.device("cpu"))[1]
+    assert reports[3, 0]["seed"] == reports[5, 0]["seed"] == 0 and reports[5, None]["seed"] == 5
+    assert reports[3, 0]["increases"] == reports[5, 0]["increases"]
+    assert reports[5, None]["increases"] != reports[5, 0]["increases"]
+    ids, labels = calibration_rows(2, SEQ, seed=0)
+    assert reports[3, 0]["increases"][1:] == pytest.approx(share_increases(model, ids, labels)[1:], abs=1e-5)
+    with pytest.raises(KVLearnError, match="share_seed=-1 is invalid"):
+        KaizenTrainConfig(out=str(tmp_path / "bad"), share_seed=-1, **common)
+

@@ -82,7 +82,7 @@ from ..hf import unpadded_causal_masks
 from ..kaizen.actions import Backbone
 from ..kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
 from ..kaizen.budget import BudgetMultiplier
-from ..kaizen.share_sensitivity import DEFAULT_THRESHOLD, allowed_share_layers, calibration_rows, share_increases
+from ..kaizen.share_sensitivity import DEFAULT_THRESHOLD, allowed_share_layers, calibration_rows, share_sensitivity
 from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight_through
 from ..kaizen.sharing import KaizenTrainForward
 from ..testbed.data import IGNORE_INDEX, TestbedStream, shard_rows
@@ -147,6 +147,7 @@ class KaizenTrainConfig:
     share_layers: tuple[int, ...] | str | None = None  # layers that may share: None all, "auto" the sensitivity pass
     share_threshold: float = DEFAULT_THRESHOLD  # "auto": nats per token a sharing may cost
     share_rows: int = 16  # "auto": calibration rows
+    share_seed: int | None = None  # "auto": the calibration rows' stream seed; None: ``seed`` (the training seed)
     save_interval: int = 200
     seed: int = 0
     device: str = "cpu"
@@ -196,6 +197,8 @@ class KaizenTrainConfig:
               "(add depth to the axes, or leave share_layers out)")
         check_non_negative("share_threshold", self.share_threshold)
         check_int("share_rows", self.share_rows, 1)
+        if self.share_seed is not None:
+            check_int("share_seed", self.share_seed, 0)
         check(self.lr_schedule in LR_SCHEDULES,
               f"lr_schedule={self.lr_schedule!r} is invalid: expected one of {', '.join(LR_SCHEDULES)}")
         check(self.penalty_cost in PENALTY_COSTS,
@@ -274,13 +277,22 @@ def resolve_share_layers(config: KaizenTrainConfig, model, device: torch.device)
     (``increases``, ``threshold``, ``allowed``, ``rows``, ``seq_len``)."""
     if config.share_layers != "auto":
         return config.share_layers, None
-    ids, labels = calibration_rows(config.share_rows, config.seq_len, config.seed)
+    seed = config.seed if config.share_seed is None else config.share_seed
+    ids, labels = calibration_rows(config.share_rows, config.seq_len, seed)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        increases = share_increases(model, ids, labels, config.kd_topk, batch_size=min(config.batch_size, 8))
+        increases, errors = share_sensitivity(model, ids, labels, config.kd_topk, batch_size=min(config.batch_size, 8))
     allowed = allowed_share_layers(increases, config.share_threshold)
-    report = {"increases": [None if v is None else round(v, 6) for v in increases], "threshold": config.share_threshold,
-              "allowed": list(allowed), "rows": config.share_rows, "seq_len": config.seq_len, "seed": config.seed}
+    report = {"increases": [None if v is None else round(v, 6) for v in increases],
+              "standard_errors": [None if v is None else round(v, 6) for v in errors], "threshold": config.share_threshold,
+              "allowed": list(allowed), "near_threshold": near_threshold(increases, errors, config.share_threshold),
+              "rows": config.share_rows, "seq_len": config.seq_len, "seed": seed}
     return allowed, report
+
+
+def near_threshold(increases: list[float | None], errors: list[float | None], threshold: float) -> list[int]:
+    """The layers whose increase lies within two standard errors of ``threshold``: other calibration rows could
+    well put them on the other side of it, so the mask is not settled for them (more ``share_rows`` narrow it)."""
+    return [l for l, (v, e) in enumerate(zip(increases, errors)) if v is not None and abs(v - threshold) <= 2 * e]
 
 
 def build_models(config: KaizenTrainConfig, device: torch.device):
@@ -484,9 +496,10 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
 
 
 RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed",
-                 "share_layers", "share_threshold", "family_weights", "budget_scope", "select_every", "select_n",
-                 "select_from", "ema_decay", "ema_from")
+                 "share_layers", "share_threshold", "share_rows", "share_seed", "family_weights", "budget_scope",
+                 "select_every", "select_n", "select_from", "ema_decay", "ema_from")
 RESUME_DEFAULTS = {"share_layers": None, "share_threshold": DEFAULT_THRESHOLD,  # checkpoints from before the fields
+                   "share_rows": 16, "share_seed": None,
                    "family_weights": None, "budget_scope": "sequence", "select_every": 0, "select_n": 16,
                    "select_from": 0.5, "ema_decay": 0.0, "ema_from": 0.5}
 BEST = "best"  # out/best/: the best-validated iterate so far (checkpoint selection)
@@ -619,6 +632,11 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
         if progress:
             print(f"kaizen-train: sharing allowed at layers {share_report['allowed'] or 'none'} (increase in KD per "
                   f"layer {share_report['increases']}, threshold {config.share_threshold})", flush=True)
+            if share_report["near_threshold"]:
+                print(f"kaizen-train: layer(s) {share_report['near_threshold']} lie within two standard errors of the "
+                      f"threshold on these {config.share_rows} calibration rows (standard errors "
+                      f"{share_report['standard_errors']}): other rows may well decide them otherwise; --share-rows "
+                      "more rows narrows the estimate", flush=True)
     multiplier = make_multiplier(config)
     step, trainer_state = 0, None
     if config.resume:  # into the unsharded student, on every process
