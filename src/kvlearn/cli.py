@@ -576,7 +576,7 @@ def cmd_kaizen_train(args) -> int:
                                family_weights=_mixture_weights(args.family_weights),
                                **({} if args.share_threshold is None else {"share_threshold": args.share_threshold}),
                                **({} if args.share_rows is None else {"share_rows": args.share_rows}),
-                               share_seed=args.share_seed,
+                               **({} if args.share_seed is None else {"share_seed": args.share_seed}),
                                select_every=args.select_every,
                                **{k: v for k, v in (("select_n", args.select_n), ("select_from", args.select_from),
                                                     ("ema_from", args.ema_from)) if v is not None},
@@ -991,11 +991,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --share-layers auto: the largest increase of the distillation loss (nats per "
                          "supervised token) a shared layer may cost (default 0.05)")
     sp.add_argument("--share-rows", type=int, default=None,
-                    help="with --share-layers auto: calibration rows of the sensitivity pass (default 16; each "
+                    help="with --share-layers auto: calibration rows of the sensitivity pass (default 64; each "
                          "layer's increase is reported with its standard error over the rows)")
     sp.add_argument("--share-seed", type=int, default=None,
-                    help="with --share-layers auto: the calibration rows' stream seed (default: --seed), e.g. one "
-                         "fixed seed so that runs of several --seed values get the same mask")
+                    help="with --share-layers auto: the calibration rows' stream seed (default 0 for every --seed, so "
+                         "that runs of several seeds get one mask; --share-rows 16 --share-seed S with --seed S is "
+                         "the pass of runs before session 41)")
     sp.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
                     help="the backbone's learning rate over the run: --lr throughout, or a cosine from --lr down to a "
                          "tenth of it (no warm-up)")

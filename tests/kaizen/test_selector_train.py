@@ -724,3 +724,20 @@ def test_target_head_round_trips_and_old_records_load_without_it(teacher_path, t
     assert cfg["kaizen"].pop("target_head") is False
     cfg_path.write_text(_json.dumps(cfg))
     assert selector_of(kvlearn.load(single["final"])).target_weight is None
+
+
+def test_a_run_from_before_the_share_fields_resumes(teacher_path, tmp_path):
+    """A checkpoint written before ``share_rows`` / ``share_seed`` existed (its state records neither) resumes when
+    the run does not use the sensitivity pass, although the fields' defaults changed (16 rows of the run's seed
+    then, 64 of seed 0 now): only ``--share-layers auto`` reads them."""
+    from kvlearn.train.distill import STATE_FILE
+
+    out = tmp_path / "old"
+    kaizen_train(train_config(teacher_path, out, steps=4, save_interval=2), stop_after=2, progress=False)
+    state_path = out / "step-2" / STATE_FILE
+    state = torch.load(state_path, weights_only=False)
+    assert state["config"]["share_rows"] == 64 and state["config"]["share_seed"] == 0
+    del state["config"]["share_rows"], state["config"]["share_seed"]
+    torch.save(state, state_path)
+    resumed = kaizen_train(train_config(teacher_path, out, steps=4, save_interval=2, resume=True), progress=False)
+    assert resumed["step"] == 4

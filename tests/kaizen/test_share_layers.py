@@ -253,14 +253,15 @@ def test_the_spread_script_pools_the_seeds_rows(teacher4, tmp_path, capsys):
 
 
 def test_share_seed_fixes_the_calibration_rows_whatever_the_training_seed(teacher4, tmp_path):
-    """``share_seed``: the mask of runs with different ``seed`` comes from the same rows (by default each run's own
-    seed's rows, as before the option)."""
+    """``share_seed``: the mask of runs with different ``seed`` comes from the same rows (the default, 0); ``None``
+    takes each run's own seed's rows, the rule before session 41."""
     from kvlearn.train.kaizen_train import resolve_share_layers
 
     model = attach(kvlearn.load(teacher4, dtype=torch.float32)).eval()
     common = dict(model=teacher4, targets=(4.0,), steps=1, batch_size=2, seq_len=SEQ, share_layers="auto",
                   share_threshold=0.3, share_rows=2)
     reports = {}
+    assert KaizenTrainConfig(out=str(tmp_path / "d"), **common).share_seed == 0  # the default: one seed for all
     for seed, share_seed in ((3, 0), (5, 0), (5, None)):
         config = KaizenTrainConfig(out=str(tmp_path / f"r{seed}_{share_seed}"), seed=seed, share_seed=share_seed,
                                    **common)
