@@ -184,6 +184,34 @@ def add_students(config: ReproduceConfig, budget: int, labels: list[str],
     return True
 
 
+def length_of(config: ReproduceConfig) -> str:
+    """How long each retrofit trains, for the progress lines: ``1300 steps`` or ``5.0 min``."""
+    return f"{config.steps} steps" if config.steps is not None else f"{config.minutes} min"
+
+
+def resume_budget(config: ReproduceConfig, budget: int, run: Callable[..., subprocess.CompletedProcess],
+                  say: str) -> bool:
+    """For ``--resume``, a budget whose table an earlier run left: measure the runs a time guard cut
+    (:func:`finish_budget`) and train the students it lacks that ``config.students`` names (:func:`add_students`).
+    Returns False, doing nothing, when only the whole chain can finish the table (not :func:`finished` and not
+    :func:`finishable`); ``say`` prefixes the progress lines."""
+    table = budget_table(config, budget)
+    if not finished(read_results(table)):
+        if not finishable(config, budget):
+            return False
+        print(f"{say} the earlier run's table lacks {len(missing_runs(read_results(table)))} run(s): measuring only "
+              "those", flush=True)
+        finish_budget(config, budget, run)  # what it could not finish stays under the table's not_run
+    add = [label for label in students_missing(read_results(table)) if label in config.students]
+    if add:
+        print(f"{say} adding student(s) {', '.join(add)} ({len(add)} retrofit(s) of {length_of(config)}, then their "
+              "rows)", flush=True)
+        add_students(config, budget, add, run)
+    elif finished(read_results(table)):
+        print(f"{say} kept from the earlier run ({table})", flush=True)
+    return True
+
+
 def student_dir(config: ReproduceConfig, budget: int, label: str) -> Path:
     """Where a budget's chain leaves student ``label``'s checkpoint (``WORK_DIR/table<TAG>_<label>/final``)."""
     return Path(config.out) / "students" / f"table_reproduce{budget}_{label}" / "final"
@@ -377,51 +405,38 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
                            f"the earlier run's {', '.join(f'{k}={earlier.get(k)!r}' for k in changed)} "
                            f"({settings_file}): resume with the same settings, or start a new --out")
     settings_file.write_text(json.dumps(settings, indent=1) + "\n")
-    tables, missing = [], []
+    written, missing = {}, []  # budget -> its table; budgets whose chain wrote none
     for i, budget in enumerate(config.budgets):
         table = budget_table(config, budget)
+        say = f"[{i + 1}/{len(config.budgets)}] budget {budget}:"
         if config.resume and not table.is_file() and salvage_parts(table.parent):
-            print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: merged the table parts a killed chain left",
-                  flush=True)
-        length = f"{config.steps} steps" if config.steps is not None else f"{config.minutes} min"
-        if config.resume and table.is_file() and (finished(read_results(table)) or finishable(config, budget)):
-            if not finished(read_results(table)):
-                print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: the earlier run's table lacks "
-                      f"{len(missing_runs(read_results(table)))} run(s): measuring only those", flush=True)
-                finish_budget(config, budget, run)  # what it could not finish stays under the table's not_run
-            add = [label for label in students_missing(read_results(table)) if label in config.students]
-            if add:
-                print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: adding student(s) {', '.join(add)} "
-                      f"({len(add)} retrofit(s) of {length}, then their rows)", flush=True)
-                add_students(config, budget, add, run)
-            elif finished(read_results(table)):
-                print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: kept from the earlier run ({table})",
-                      flush=True)
-            tables.append(table)
+            print(f"{say} merged the table parts a killed chain left", flush=True)
+        if config.resume and table.is_file() and resume_budget(config, budget, run, say):
+            written[budget] = table
             continue
-        print(f"[{i + 1}/{len(config.budgets)}] budget {budget}: {len(config.students)} retrofit(s) of {length}, "
-              f"then the table (log: {out / f'budget{budget}.log'})", flush=True)
+        print(f"{say} {len(config.students)} retrofit(s) of {length_of(config)}, then the table "
+              f"(log: {out / f'budget{budget}.log'})", flush=True)
         table.unlink(missing_ok=True)  # a chain that fails now must not leave an earlier run's table standing
         for stale in table.parent.glob("part_*"):  # nor an earlier chain's parts for salvage_parts to mix with its own
             stale.unlink()
         with open(out / f"budget{budget}.log", "w") as log:
             run(["bash", str(chain)], cwd=repo_root(), env={**os.environ, **budget_env(config, budget)},
                 stdout=log, stderr=subprocess.STDOUT, check=False)
-        (tables if table.is_file() else missing).append(table if table.is_file() else f"B={budget}")
-    check(tables, f"no budget's chain wrote a table: see the logs in {out}")
-    parts = [read_results(t) for t in tables]
-    merged = merge_results(parts, command_of(config), across_runs=config.resume)  # resumed budgets: other commits
+        if table.is_file():
+            written[budget] = table
+        else:
+            missing.append(budget)
+    check(written, f"no budget's chain wrote a table: see the logs in {out}")
+    parts = {budget: read_results(table) for budget, table in written.items()}
+    merged = merge_results(list(parts.values()), command_of(config),
+                           across_runs=config.resume)  # resumed budgets may come from other commits
     # each budget has its own four students under the same labels: name them per budget (a union by label kept one)
-    merged["students"] = {table.parent.name.removeprefix("budget"): part.get("students", {})
-                          for table, part in zip(tables, parts) if part.get("students")}
-    if missing:
-        merged["not_run"] = merged.get("not_run", []) + [f"every run at {m} (its chain failed: see its log)" for m in missing]
-        merged["complete"] = False
-    untrained = [f"every run of student {label} at B={table.parent.name.removeprefix('budget')} (not trained yet: "
-                 "a later --resume run with it in --students adds it)"
-                 for table, part in zip(tables, parts) for label in students_missing(part)]
-    if untrained:
-        merged["not_run"] = merged.get("not_run", []) + untrained
+    merged["students"] = {str(b): part["students"] for b, part in parts.items() if part.get("students")}
+    not_run = ([f"every run at B={b} (its chain failed: see its log)" for b in missing]
+               + [f"every run of student {label} at B={b} (not trained yet: a later --resume run with it in "
+                  "--students adds it)" for b, part in parts.items() for label in students_missing(part)])
+    if not_run:
+        merged["not_run"] = merged.get("not_run", []) + not_run
         merged["complete"] = False
     committed = repo_root() / COMMITTED_TABLE
     if committed.is_file():
