@@ -15,7 +15,9 @@
 # table stage leaves its parts in the budget folder; the next call merges them before finishing.
 # Passed through: MINUTES (default 5: a budget's chain fits one device call; not the table of record's recipe, whose
 # students trained 1,300 steps each: in 5 minutes beside three others on one H100 DMS trains 481-488, session 41) or
-# STEPS (`kvlearn reproduce`'s own default is 1,300 steps, longer than one call here), N_PER_TASK (default 100), DEVICE (default cuda),
+# STEPS (`kvlearn reproduce`'s own default is 1,300 steps: four students and the table are longer than one call here;
+# session 42 ran budget 512 with STEPS=1300 as STUDENT_LABELS=dms, then kvpop_mlp,kvpop, then streaming_plus: 375, 363
+# and 177 s of reproduce command, results/reproduce_kvpop_1300_h100.json), N_PER_TASK (default 100), DEVICE (default cuda),
 # STUDENT_LABELS (default all four: kvpop_mlp,kvpop,streaming_plus,dms) -> --students: the students this call trains;
 # a later call with the others adds them to each budget's table (e.g. STEPS=1300 with STUDENT_LABELS=dms, then
 # STUDENT_LABELS=kvpop_mlp,kvpop,streaming_plus: the recipe of record in calls of 10 minutes),
