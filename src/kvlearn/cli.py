@@ -668,10 +668,12 @@ def cmd_testbed(args) -> int:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help with its default, except required options (which have none)."""
+    """Every option's help with its default, except where the default says nothing: required options (none), an
+    unset default (``None``: the help says what happens then, e.g. "default: the method's") and an off flag."""
 
     def _get_help_string(self, action):
-        return action.help if action.required else super()._get_help_string(action)
+        unset = action.default is None or (action.nargs == 0 and action.default is False)
+        return action.help if action.required or unset else super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -107,6 +107,17 @@ def test_version_help_defaults_and_methods_listing(capsys):
     for needle in ("--n-per-task N_PER_TASK examples per task family (default: 10)", "(default: bounded)",
                    "{" + ",".join(method_names()) + "}", "(default: 4096)"):
         assert needle in text
+    # an unset default or an off flag adds nothing: the help states what happens (e.g. "default: the method's")
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: the method's)" in text
+    for command in ("retrofit", "kaizen-train", "reproduce", "pretrain", "convert-mla", "demo", "testbed"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        sub = " ".join(capsys.readouterr().out.split())
+        assert "(default: None)" not in sub and "(default: False)" not in sub, command
+    with pytest.raises(SystemExit):
+        main(["retrofit", "--help"])
+    assert "steps between checkpoints (default: 200)" in " ".join(capsys.readouterr().out.split())  # a set one shows
     assert main(["methods"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split()[0] for line in lines] == list(method_names())
