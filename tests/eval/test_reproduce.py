@@ -2,16 +2,20 @@
 tables the chains wrote (a fake runner), a failed budget named in ``not_run``, bad input as one line, and one real
 tiny run of the chain on the CPU, through the device script."""
 
+import io
 import json
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from kvlearn import KVLearnError
-from kvlearn.eval.reproduce import (CHAIN_PARTS, STEPS_OF_RECORD, ReproduceConfig, budget_env, command_of,
-                                    finish_parts, finished, missing_runs, reproduce_kvpop, short_students,
-                                    student_steps)
+from kvlearn.eval import reproduce as reproduce_module
+from kvlearn.eval.reproduce import (CHAIN_PARTS, STEPS_OF_RECORD, ReproduceConfig, RetrofitProgress, budget_env,
+                                    command_of, finish_parts, finished, last_step, missing_runs, reproduce_kvpop,
+                                    short_students, student_steps)
 from kvlearn.results import make_results, write_results
 
 
@@ -438,3 +442,68 @@ def test_students_must_be_table_1_labels(tmp_path):
         with pytest.raises(KVLearnError, match="students=.* is invalid: expected one or more of "
                                                "kvpop_mlp,kvpop,streaming_plus,dms, each once"):
             ReproduceConfig(out=str(tmp_path / "x"), students=bad)
+
+
+def write_log(path, steps, partial=""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": i + 1, "kd": 0.1, "pad": "x" * 90}) + "\n" for i in range(steps))
+                    + partial)
+
+
+def test_last_step_reads_the_last_whole_line_of_a_log_being_written(tmp_path):
+    log = tmp_path / "train_log.jsonl"
+    assert last_step(log) is None  # no log yet
+    write_log(log, 0)
+    assert last_step(log) is None  # no line yet
+    write_log(log, 300, partial='{"step": 301, "kd"')  # 300 lines of ~120 bytes: past the 8 KiB read from the end
+    lines = log.read_text().splitlines()
+    assert last_step(log) == json.loads(lines[-2])["step"] == 300  # the line being written is not read
+    write_log(log, 300)
+    assert last_step(log) == 300 and last_step(log, since=time.time() - 60) == 300
+    old = time.time() - 3600
+    os.utime(log, (old, old))
+    assert last_step(log, since=time.time() - 60) is None  # an earlier run's log
+
+
+def test_the_progress_bar_counts_the_students_steps_as_their_logs_grow(tmp_path):
+    """While the chain runs, the bar shows the sum of its students' last logged steps, of steps x students; a
+    log an earlier run left (older than the chain) counts nothing."""
+    logs = [tmp_path / name / "train_log.jsonl" for name in ("a", "b", "stale")]
+    write_log(logs[2], 40)
+    old = time.time() - 3600
+    os.utime(logs[2], (old, old))
+    shown = io.StringIO()
+    with RetrofitProgress(logs, total=30, desc="budget 512: 3 retrofit(s)", interval=0.01, disable=False,
+                          file=shown) as progress:
+        assert progress.steps() == 0
+        write_log(logs[0], 4)
+        time.sleep(0.2)
+        assert progress.bar.n == 4  # the thread picked it up
+        write_log(logs[1], 7)
+        write_log(logs[2], 2)  # the third student's retrofit starts over its old log
+    assert progress.bar.n == 4 + 7 + 2
+    text = shown.getvalue()
+    assert "budget 512: 3 retrofit(s)" in text and "13/30" in text
+    assert not progress._thread.is_alive()
+
+
+def test_each_chain_runs_under_a_bar_over_its_own_students(tmp_path, monkeypatch):
+    """The first run of a budget counts every student it trains; a resumed run that adds students counts those."""
+    seen = []
+
+    class Recording(RetrofitProgress):
+        def __init__(self, logs, total, desc, **kwargs):
+            seen.append(([Path(p).parent.name for p in logs], total, desc))
+            super().__init__(logs, total, desc, **kwargs)
+
+    monkeypatch.setattr(reproduce_module, "RetrofitProgress", Recording)
+    calls, out = [], str(tmp_path / "r")
+    reproduce_kvpop(ReproduceConfig(out=out, budgets=(512,), students=("dms",)), run=students_chain(calls))
+    reproduce_kvpop(ReproduceConfig(out=out, budgets=(512,), students=("kvpop_mlp", "kvpop"), resume=True),
+                    run=students_chain(calls))
+    assert seen == [(["table_reproduce512_dms"], STEPS_OF_RECORD, "budget 512: 1 retrofit(s)"),
+                    (["table_reproduce512_kvpop_mlp", "table_reproduce512_kvpop"], 2 * STEPS_OF_RECORD,
+                     "budget 512: 2 retrofit(s)")]
+    reproduce_kvpop(ReproduceConfig(out=str(tmp_path / "m"), budgets=(256,), minutes=1.0, students=("dms",)),
+                    run=students_chain(calls))
+    assert seen[-1][1] is None  # in minutes the steps are not known in advance

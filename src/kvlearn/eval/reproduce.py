@@ -11,11 +11,13 @@ training-free baseline, both splits, ``n_per_task`` per family. The budgets run 
 retrofits share the GPU at a time); their tables are merged into ``out/kvpop_table.json`` with its plot, and the
 students' checkpoints stay in ``out/students/`` (``table_reproduce<budget>_<student>/final``).
 
-Device time: with ``minutes``, about ``minutes + 4`` per budget. With steps, as long as the slowest student (DMS's
-step is the slowest: 481-488 steps in 5 minutes beside the three others on one H100, so at most about 13 minutes
-for 1,300 at that rate, less once the others finish; an estimate, not a measured run) plus 4 minutes of table. In
-minutes the device decides each student's steps, and DMS then trains far fewer than the students of record
-(:func:`short_students` names them; session 41 measured what that costs at budget 512). The chain is a shell script
+Device time: with ``minutes``, about ``minutes + 4`` per budget. With steps, as long as the slowest student beside
+the others plus 4 minutes of table: on one H100 DMS made 481-488 steps in 5 minutes beside the three others, and
+1,300 alone in 152 s (session 42, which ran budget 512 with ``students`` in three runs of 375, 363 and 177 s:
+DMS alone with the teacher and baselines, the two KVpop students side by side, StreamingLLM+ alone). In minutes
+the device decides each student's steps, and DMS then trains far fewer than the students of record
+(:func:`short_students` names them; session 41 measured what that costs at budget 512). While a chain runs, a
+progress bar counts its students' steps (:class:`RetrofitProgress`, from their ``train_log.jsonl``). The chain is a shell script
 of the repository checkout (the editable install the README sets up); ``retrofit_args`` / ``table_args`` pass more
 options to every retrofit / table process (a CPU smoke run uses them for tiny shapes).
 """
@@ -27,6 +29,8 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -173,7 +177,7 @@ def add_students(config: ReproduceConfig, budget: int, labels: list[str],
     part = folder / "kvpop_table.json"
     part.unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
-    with open(table_path.parent / f"{folder.name}.log", "w") as log:
+    with open(table_path.parent / f"{folder.name}.log", "w") as log, retrofit_progress(config, budget, labels):
         run(["bash", str(repo_root() / CHAIN)], cwd=repo_root(),
             env={**os.environ, **budget_env(config, budget, tuple(labels), out=folder)},
             stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -419,7 +423,7 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
         table.unlink(missing_ok=True)  # a chain that fails now must not leave an earlier run's table standing
         for stale in table.parent.glob("part_*"):  # nor an earlier chain's parts for salvage_parts to mix with its own
             stale.unlink()
-        with open(out / f"budget{budget}.log", "w") as log:
+        with open(out / f"budget{budget}.log", "w") as log, retrofit_progress(config, budget, config.students):
             run(["bash", str(chain)], cwd=repo_root(), env={**os.environ, **budget_env(config, budget)},
                 stdout=log, stderr=subprocess.STDOUT, check=False)
         if table.is_file():
@@ -472,8 +476,77 @@ def student_steps(config: ReproduceConfig) -> dict[str, dict[str, int]]:
     found: dict[str, dict[str, int]] = {}
     for budget in config.budgets:
         for label in STUDENT_METHODS:
-            log = student_dir(config, budget, label).parent / "train_log.jsonl"
-            lines = log.read_text().splitlines() if log.is_file() else []
-            if lines:
-                found.setdefault(str(budget), {})[label] = int(json.loads(lines[-1])["step"])
+            step = last_step(student_dir(config, budget, label).parent / "train_log.jsonl")
+            if step is not None:
+                found.setdefault(str(budget), {})[label] = step
     return found
+
+
+def last_step(log: Path, since: float | None = None) -> int | None:
+    """The ``step`` of the last whole line of a trainer's ``train_log.jsonl`` (the trainer may be writing the next
+    one), read from the file's end; None when there is no log, no whole line yet, or (with ``since``, a
+    :func:`time.time`) the log was last written before then, i.e. by an earlier run."""
+    try:
+        if since is not None and log.stat().st_mtime < since:
+            return None
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read()
+    except FileNotFoundError:
+        return None
+    for line in reversed(tail.split(b"\n")):  # a line the 8 KiB cut through is no JSON object either
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue  # an empty, cut or partly written line
+    return None
+
+
+def retrofit_progress(config: ReproduceConfig, budget: int, labels: tuple[str, ...] | list[str]) -> "RetrofitProgress":
+    """The bar over the retrofits of students ``labels`` at ``budget`` (their logs where the chain puts them,
+    :func:`student_dir`), of ``steps x students`` steps when the run is in steps."""
+    return RetrofitProgress([student_dir(config, budget, label).parent / "train_log.jsonl" for label in labels],
+                            total=config.steps * len(labels) if config.steps is not None else None,
+                            desc=f"budget {budget}: {len(labels)} retrofit(s)")
+
+
+class RetrofitProgress:
+    """A progress bar over a chain's retrofits while it runs (the chain writes to its log, not the terminal): a
+    thread reads the last step of each student's ``train_log.jsonl`` every ``interval`` seconds (logs an earlier run
+    left are not counted) and shows their sum, of ``total`` (steps x students, or None in minutes). Use as a context
+    manager around the chain; on leaving, it shows the final count and closes. ``disable=None``: tqdm's rule (no bar
+    when the output is not a terminal)."""
+
+    def __init__(self, logs: list[Path], total: int | None, desc: str, interval: float = 5.0,
+                 disable: bool | None = None, file=None):
+        self.logs, self.total, self.desc, self.interval = list(logs), total, desc, interval
+        self.disable, self.file = disable, file
+        self._stop = threading.Event()
+
+    def steps(self) -> int:
+        """The students' steps so far, summed (0 for a student whose retrofit has not logged a step yet)."""
+        return sum(last_step(log, since=self.started) or 0 for log in self.logs)
+
+    def _show(self) -> None:
+        self.bar.n = self.steps()
+        self.bar.refresh()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._show()
+
+    def __enter__(self) -> "RetrofitProgress":
+        from tqdm.auto import tqdm
+
+        self.started = time.time() - 1.0  # a file system's coarse mtime must not hide a log written at once
+        self.bar = tqdm(total=self.total, desc=self.desc, unit="step", disable=self.disable, file=self.file,
+                        dynamic_ncols=True)
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._show()
+        self.bar.close()
