@@ -7,7 +7,9 @@ for every method) or, with ``minutes``, for that much wall clock each, with the 
 peak target from ``--decay-init 0.99999``, the mLSTM under ``--readout-penalty 30 --scorer-kd 1``, the chain's defaults;
 StreamingLLM+; DMS), the window :func:`kvlearn.config.retrofit_window` gives (256 from budget 512 up, half the budget below),
 then the table at that budget: the teacher, the students under the pattern each was trained for, and every
-training-free baseline, both splits, ``n_per_task`` per family. The budgets run one after another (four
+training-free baseline under the ``bounded`` protocol, both splits, ``n_per_task`` per family (the table of record's
+``context`` rows, eval split only, came from a separate run of ``benchmarks/device/eviction_baselines.sh`` and are not
+rebuilt: SnapKV and PyramidKV, which define only ``context``, have no row here). The budgets run one after another (four
 retrofits share the GPU at a time); their tables are merged into ``out/kvpop_table.json`` with its plot, and the
 students' checkpoints stay in ``out/students/`` (``table_reproduce<budget>_<student>/final``).
 
