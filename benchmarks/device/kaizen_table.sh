@@ -35,7 +35,8 @@
 # separated by ';' run as that many processes side by side, the first measuring the control, the others with
 # --no-control (e.g. '--factors 2 --baselines static,dp_search,random --compose-factors none;--factors 16 ...');
 # 'none': no training-free part (the selectors alone get the GPU; their rows are compared with a committed control).
-# Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... bash benchmarks/device/kaizen_table.sh
+# PACK=1 (the end of the script) packs what a device call can return into $OUT/kaizen_table.tar.
+# Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... PACK=1 bash benchmarks/device/kaizen_table.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -119,3 +120,12 @@ fi
 existing=(); for p in "${parts[@]}"; do [ -f "$p" ] && existing+=("$p"); done
 python3 -m kvlearn.results merge "$OUT/kaizen_table.json" "${existing[@]}"
 python3 benchmarks/kaizen_table.py --replot "$OUT/kaizen_table.json" --plot "$OUT/kaizen_table.png"
+# PACK=1, for a device call (it returns at most 8 files, each at most 16 MiB): the selectors' weights and trainer
+# states are deleted (about 54 MB a selector: the call cannot return them) and everything else, tables, logs, train
+# logs, sensitivity reports and the plot, is packed as $OUT/kaizen_table.tar. A selector to keep for a later call is
+# trained and exported by benchmarks/device/kaizen_kvpop_from_selector.sh (SELECTOR_ONLY=1) instead.
+if [ "${PACK:-0}" = 1 ]; then
+    find "$OUT" -path "$OUT/kaizen-t*" -type f \( -name '*.safetensors' -o -name '*.pt' \) -delete
+    . "$(dirname "$0")/pack_out.sh"
+    pack_out "$OUT" kaizen_table
+fi

@@ -280,6 +280,33 @@ def test_device_script_trains_each_target_once_per_seed(tmp_path):
     assert sorted(r["selector"] for r in merged["rows"]) == ["kaizen8_s1", "kaizen8_s2"]
 
 
+def test_pack_leaves_one_tar_without_the_selectors_weights(tmp_path):
+    """PACK=1 (a device call returns at most 8 files of <= 16 MiB): the selectors' weights and trainer states are
+    deleted and everything else is in $OUT/kaizen_table.tar, the only file left."""
+    import os
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    final = tmp_path / "kaizen-t8_s1" / "final"  # what a trained selector leaves (the dry run trains none)
+    final.mkdir(parents=True)
+    for name, text in (("model.safetensors", "w"), ("trainer_state.pt", "s"), ("config.json", "{}")):
+        (final / name).write_text(text)
+    (tmp_path / "kaizen-t8_s1" / "share_sensitivity.json").write_text("{}")
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(repo / "src"), "PACK": "1",
+           "TARGETS": "8", "SEEDS": "1", "BASELINE_PARTS": "none"}
+    out = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["kaizen_table.tar"]
+    with tarfile.open(tmp_path / "kaizen_table.tar") as tar:
+        names = {n.removeprefix("./") for n in tar.getnames() if tar.getmember(n).isfile()}
+    assert {"kaizen_table.json", "kaizen_table.png", "kaizen_table_selector_t8_s1.json", "kaizen_train_t8_s1.log",
+            "kaizen-t8_s1/final/config.json", "kaizen-t8_s1/share_sensitivity.json"} <= names, names
+    assert not [n for n in names if n.endswith((".safetensors", ".pt"))], names
+
+
 def test_merge_across_runs_clears_the_runs_a_later_kaizen_table_measured(smoke, tmp_path):
     """A table cut by its guard (``--minutes 0``: every run under ``not_run``), merged across runs with a complete
     table of the same plan, leaves nothing under ``not_run``: :func:`kvlearn.results.row_run_key` names each Kaizen
