@@ -120,6 +120,12 @@ fi
 if [ "${BASELINES:-1}" = 1 ]; then
     table baselines_a --baselines streaming,tova,h2o & parts+=("$OUT/part_baselines_a.json")
     table baselines_b --baselines snapkv,pyramidkv,knorm,random --no-teacher & parts+=("$OUT/part_baselines_b.json")
+    # CONTEXT_BASELINES=1: the table of record's context rows too, every training-free baseline under the context
+    # protocol on the eval split (they came from eviction_baselines.sh; `kvlearn reproduce kvpop --context-rows`)
+    if [ "${CONTEXT_BASELINES:-0}" = 1 ]; then
+        table baselines_context --baselines all --no-teacher --protocols context --splits eval &
+        parts+=("$OUT/part_baselines_context.json")
+    fi
 fi
 wait
 existing=(); for p in "${parts[@]}"; do [ -f "$p" ] && existing+=("$p"); done

@@ -21,6 +21,7 @@
 # STUDENT_LABELS (default all four: kvpop_mlp,kvpop,streaming_plus,dms) -> --students: the students this call trains;
 # a later call with the others adds them to each budget's table (e.g. STEPS=1300 with STUDENT_LABELS=dms, then
 # STUDENT_LABELS=kvpop_mlp,kvpop,streaming_plus: the recipe of record in calls of 10 minutes),
+# CONTEXT_ROWS=1 -> --context-rows (the table of record's context rows of the training-free baselines, eval split),
 # RETROFIT_ARGS and TABLE_ARGS (a CPU smoke run's tiny shapes: tests/eval/test_reproduce.py). LIMIT (default 580 s)
 # is the reproduce command's timeout, under the call's 600 s.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... BUDGETS=1024 bash benchmarks/device/reproduce_kvpop.sh
@@ -32,9 +33,10 @@ echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; prin
 mkdir -p "$REP"
 start=$(date +%s)
 length=(--minutes "${MINUTES:-5}"); [ -n "${STEPS:-}" ] && length=(--steps "$STEPS")
+context=(); [ "${CONTEXT_ROWS:-0}" = 1 ] && context=(--context-rows)
 timeout "${LIMIT:-580}" python3 -m kvlearn.cli reproduce kvpop --resume --out "$REP" --budgets "${BUDGETS:-1024}" \
     "${length[@]}" --n-per-task "${N_PER_TASK:-100}" --device "${DEVICE:-cuda}" \
-    --students "${STUDENT_LABELS:-kvpop_mlp,kvpop,streaming_plus,dms}" \
+    --students "${STUDENT_LABELS:-kvpop_mlp,kvpop,streaming_plus,dms}" ${context[@]+"${context[@]}"} \
     --retrofit-args "${RETROFIT_ARGS:-}" --table-args "${TABLE_ARGS:-}" > "$REP/reproduce.log" 2>&1
 echo "reproduce rc=$? after $(( $(date +%s) - start )) s"; grep -E "^\[|^    finishing|^wrote|Error" "$REP/reproduce.log" | tail -n 8
 sed -n '/^against /,$p' "$REP/reproduce.log"  # the merged table next to results/kvpop_table.json

@@ -504,7 +504,8 @@ def cmd_reproduce(args) -> int:
     config = ReproduceConfig(out=args.out, budgets=budgets, minutes=args.minutes, steps=args.steps,
                              n_per_task=args.n_per_task, students=tuple(args.students.split(",")),
                              device=_device(args.device), model=args.model, retrofit_args=args.retrofit_args,
-                             table_args=args.table_args, overwrite=args.overwrite, resume=args.resume)
+                             table_args=args.table_args, overwrite=args.overwrite, resume=args.resume,
+                             context_rows=args.context_rows)
     print(f"wrote {reproduce_kvpop(config)}")
     return 0
 
@@ -951,6 +952,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--students", default="kvpop_mlp,kvpop,streaming_plus,dms",
                     help="which of the four students this run trains (comma list); with --resume a later run adds the "
                          "others to each budget's table (a machine whose runs are too short for four at once)")
+    sp.add_argument("--context-rows", action="store_true",
+                    help="also the table of record's context rows: every training-free baseline under the context "
+                         "protocol on the eval split (SnapKV and PyramidKV define only that one); with --resume, "
+                         "added to budgets an earlier run left without them")
     sp.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (cpu: a smoke run)")
     sp.add_argument("--model", default=None, help="the teacher's folder (default: checkpoints/testbed-teacher)")
     sp.add_argument("--retrofit-args", default="", help="more options for every retrofit (e.g. '--seq-len 256')")

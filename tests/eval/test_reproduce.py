@@ -14,8 +14,8 @@ import pytest
 from kvlearn import KVLearnError
 from kvlearn.eval import reproduce as reproduce_module
 from kvlearn.eval.reproduce import (CHAIN_PARTS, STEPS_OF_RECORD, ReproduceConfig, RetrofitProgress, budget_env,
-                                    command_of, finish_parts, finished, last_step, missing_runs, reproduce_kvpop,
-                                    short_students, student_steps)
+                                    command_of, context_runs_missing, finish_parts, finished, last_step, missing_runs,
+                                    reproduce_kvpop, short_students, student_steps)
 from kvlearn.results import make_results, write_results
 
 
@@ -260,7 +260,7 @@ def test_a_tiny_real_run_through_the_device_script_on_the_cpu(tmp_path):
                     "--num-workers 0", table_args="--context 256 --tasks niah --baselines streaming --splits eval")
     env = {**os.environ, "OUT": str(out), "REP": str(rep), "BUDGETS": "64", "STEPS": "2", "N_PER_TASK": "1",
            "DEVICE": "cpu", "RETROFIT_ARGS": settings["retrofit_args"], "TABLE_ARGS": settings["table_args"],
-           "EXPORT_STUDENTS": "0"}
+           "EXPORT_STUDENTS": "0", "CONTEXT_ROWS": "1"}
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(["bash", "benchmarks/device/reproduce_kvpop.sh"], cwd=root, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -275,6 +275,9 @@ def test_a_tiny_real_run_through_the_device_script_on_the_cpu(tmp_path):
     methods = {r["method"] for r in merged["rows"]}
     assert {"teacher", "kvpop_mlp", "kvpop", "streaming_plus", "dms", "streaming"} <= methods, methods
     assert all(r["budget"] == 64 for r in merged["rows"] if r["method"] != "teacher")
+    # CONTEXT_ROWS=1: the context part too (TABLE_ARGS' --baselines streaming narrows it to that baseline here)
+    assert {(r["method"], r["split"]) for r in merged["rows"] if r["protocol"] == "context"} == {("streaming", "eval")}
+    assert "--context-rows" in merged["command"]
     logs = sorted(n for n in names if n.endswith("train_log.jsonl"))
     assert [n.split("/")[1] for n in logs] == ["table_reproduce64_dms", "table_reproduce64_kvpop",
                                                 "table_reproduce64_kvpop_mlp", "table_reproduce64_streaming_plus"], logs
@@ -507,3 +510,49 @@ def test_each_chain_runs_under_a_bar_over_its_own_students(tmp_path, monkeypatch
     reproduce_kvpop(ReproduceConfig(out=str(tmp_path / "m"), budgets=(256,), minutes=1.0, students=("dms",)),
                     run=students_chain(calls))
     assert seen[-1][1] is None  # in minutes the steps are not known in advance
+
+
+def test_context_rows_are_a_part_of_the_chain_and_added_to_a_budget_left_without_them(tmp_path):
+    """``--context-rows``: the first chain of a budget gets the context part (``CONTEXT_BASELINES=1``; a chain that
+    adds students does not); a resumed budget whose table has no context rows gets exactly those runs measured, every
+    training-free baseline under ``context`` on the eval split, in one ``kvpop_table.py`` part (never the chain); a
+    second resume has nothing left to do."""
+    from kvlearn.methods import EVICTION_METHODS
+
+    out = tmp_path / "r"
+    config = ReproduceConfig(out=str(out), budgets=(512,), resume=True, context_rows=True)
+    assert budget_env(config, 512)["CONTEXT_BASELINES"] == "1"
+    assert budget_env(config, 512, ("dms",), out=tmp_path / "add")["CONTEXT_BASELINES"] == "0"
+    assert budget_env(ReproduceConfig(out=str(tmp_path / "p")), 512)["CONTEXT_BASELINES"] == "0"
+    assert command_of(config).endswith("--context-rows --resume")
+    (out / "budget512").mkdir(parents=True)
+    rows = [row("teacher", s, "niah", budget=None) for s in ("eval", "heldout")]
+    rows += [row(m, s, "niah", budget=512) for m in ("kvpop_mlp", "kvpop", "streaming_plus", "dms", "tova")
+             for s in ("eval", "heldout")]
+    rows += [row("tova", "eval", "niah", budget=512, protocol="context")]  # one context run already there
+    write_results(out / "budget512" / "kvpop_table.json",
+                  make_results("accuracy", rows, device="cuda", command="chain", commit="c1", complete=True))
+    table = json.loads((out / "budget512" / "kvpop_table.json").read_text())
+    assert finished(table) and missing_runs(table) == []
+    assert context_runs_missing(table) == [(m, "context", "eval") for m in EVICTION_METHODS if m != "tova"]
+    calls = []
+
+    def table_script(cmd, cwd, env, stdout, stderr, check):
+        assert cmd[0] != "bash", "the chain ran although only the context rows were missing"
+        opts = {a: b for a, b in zip(cmd[2:], cmd[3:]) if a.startswith("--") and not b.startswith("--")}
+        calls.append((opts["--baselines"], opts["--protocols"], opts["--splits"], "--no-teacher" in cmd))
+        new = [{k: v for k, v in row(m, "eval", "niah", budget=512, protocol="context").items() if k != "commit"}
+               for m in opts["--baselines"].split(",")]
+        write_results(opts["--out"], make_results("accuracy", new, device="cuda", command="part", commit="c2",
+                                                  complete=True))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    path = reproduce_kvpop(config, run=table_script)
+    assert calls == [(",".join(m for m in EVICTION_METHODS if m != "tova"), "context", "eval", True)]
+    budget = json.loads((out / "budget512" / "kvpop_table.json").read_text())
+    assert context_runs_missing(budget) == [] and finished(budget) and len(budget["rows"]) == len(rows) + 6
+    assert json.loads(Path(path).read_text())["complete"] is True
+    reproduce_kvpop(config, run=table_script)
+    assert len(calls) == 1  # nothing left: kept
+    reproduce_kvpop(ReproduceConfig(out=str(out), budgets=(512,), resume=True), run=table_script)
+    assert len(calls) == 1  # without --context-rows a resume never asks for them

@@ -8,8 +8,8 @@ peak target from ``--decay-init 0.99999``, the mLSTM under ``--readout-penalty 3
 StreamingLLM+; DMS), the window :func:`kvlearn.config.retrofit_window` gives (256 from budget 512 up, half the budget below),
 then the table at that budget: the teacher, the students under the pattern each was trained for, and every
 training-free baseline under the ``bounded`` protocol, both splits, ``n_per_task`` per family (the table of record's
-``context`` rows, eval split only, came from a separate run of ``benchmarks/device/eviction_baselines.sh`` and are not
-rebuilt: SnapKV and PyramidKV, which define only ``context``, have no row here). The budgets run one after another (four
+``context`` rows, eval split only, came from a separate run of ``benchmarks/device/eviction_baselines.sh``; with
+``context_rows`` the chain measures them too, SnapKV and PyramidKV among them, which define only ``context``). The budgets run one after another (four
 retrofits share the GPU at a time); their tables are merged into ``out/kvpop_table.json`` with its plot, and the
 students' checkpoints stay in ``out/students/`` (``table_reproduce<budget>_<student>/final``).
 
@@ -68,7 +68,10 @@ class ReproduceConfig:
     which of the four Table 1 students (labels of :data:`STUDENT_METHODS`) this run trains; with ``resume``, a
     budget whose table lacks some of them gets those added (:func:`add_students`), so a machine whose runs are too
     short for four retrofits at once can train them over several runs; until then the merged file lists the
-    missing students under ``not_run``."""
+    missing students under ``not_run``. ``context_rows``: also the table of record's ``context`` rows, every
+    training-free baseline under the ``context`` protocol on the eval split (SnapKV and PyramidKV define only that
+    protocol): one more part of a budget's chain, and with ``resume`` measured for a budget an earlier run left
+    without them (:func:`context_runs_missing`)."""
 
     out: str = "runs/reproduce-kvpop"
     budgets: tuple[int, ...] = (1024, 512, 256)
@@ -82,6 +85,7 @@ class ReproduceConfig:
     overwrite: bool = False
     resume: bool = False
     students: tuple[str, ...] = tuple(STUDENT_METHODS)
+    context_rows: bool = False
 
     def __post_init__(self) -> None:
         check(len(self.budgets) > 0, "budgets is empty: expected one or more budgets, e.g. 1024,512,256")
@@ -142,6 +146,7 @@ def budget_env(config: ReproduceConfig, budget: int, students: tuple[str, ...] |
     return {
         "OUT": str((budget_table(config, budget).parent if out is None else out).resolve()),
         "BASELINES": "1" if out is None else "0",
+        "CONTEXT_BASELINES": "1" if config.context_rows and out is None else "0",
         "TAG": f"_reproduce{budget}",
         "WORK_DIR": str(Path(config.out).resolve() / "students"),  # the retrofits' checkpoints, kept with the table
         "MODEL": teacher_of(config),
@@ -208,12 +213,16 @@ def resume_budget(config: ReproduceConfig, budget: int, run: Callable[..., subpr
         print(f"{say} the earlier run's table lacks {len(missing_runs(read_results(table)))} run(s): measuring only "
               "those", flush=True)
         finish_budget(config, budget, run)  # what it could not finish stays under the table's not_run
+    lacking = context_runs_missing(read_results(table)) if config.context_rows else []
+    if lacking:
+        print(f"{say} measuring the table of record's context rows it lacks ({len(lacking)} run(s))", flush=True)
+        finish_budget(config, budget, run, runs=lacking)
     add = [label for label in students_missing(read_results(table)) if label in config.students]
     if add:
         print(f"{say} adding student(s) {', '.join(add)} ({len(add)} retrofit(s) of {length_of(config)}, then their "
               "rows)", flush=True)
         add_students(config, budget, add, run)
-    elif finished(read_results(table)):
+    elif finished(read_results(table)) and not lacking:
         print(f"{say} kept from the earlier run ({table})", flush=True)
     return True
 
@@ -237,6 +246,19 @@ def missing_runs(table: dict) -> list[tuple[str, str, str]] | None:
             return None
         runs.append(tuple(parts[:3]))
     return runs
+
+
+CONTEXT_SPLITS = ("eval",)  # the splits of the table of record's context rows
+
+
+def context_runs_missing(table: dict) -> list[tuple[str, str, str]]:
+    """``(baseline, "context", split)`` of the table of record's ``context`` runs (every training-free baseline on
+    :data:`CONTEXT_SPLITS`) of which a budget's table has no row, e.g. a table an earlier run made without
+    ``context_rows`` (a run a guard cut is already :func:`missing_runs`')."""
+    from ..methods import EVICTION_METHODS
+
+    have = {(r["method"], r.get("protocol", "bounded"), r.get("split", "eval")) for r in table["rows"]}
+    return [(m, "context", s) for m in EVICTION_METHODS for s in CONTEXT_SPLITS if (m, "context", s) not in have]
 
 
 def finish_parts(config: ReproduceConfig, budget: int, runs: list[tuple[str, str, str]]) -> list[list[str]] | None:
@@ -274,15 +296,16 @@ def finish_parts(config: ReproduceConfig, budget: int, runs: list[tuple[str, str
 
 
 CHAIN_PARTS = (*STUDENT_METHODS, "baselines_a", "baselines_b")  # the table parts kvpop_table.sh writes for reproduce
+CONTEXT_PART = "baselines_context"  # and with CONTEXT_BASELINES=1 (``context_rows``)
 
 
-def salvage_parts(folder: Path) -> bool:
+def salvage_parts(folder: Path, names: tuple[str, ...] = CHAIN_PARTS) -> bool:
     """Merge the table parts a chain killed in its table stage left in ``folder`` (``part_<name>.json``, one per
-    name of :data:`CHAIN_PARTS`) into ``folder/kvpop_table.json``, as the chain would have, and remove them; returns
+    of ``names``: :data:`CHAIN_PARTS`, and :data:`CONTEXT_PART` with ``context_rows``) into ``folder/kvpop_table.json``, as the chain would have, and remove them; returns
     whether it did. Each part is written before its first run and after every run, so a killed part lists what it
     did not reach under ``not_run``; but a part that never started left no file and its runs would be listed
     nowhere, so nothing is merged unless every part is there (the chain then runs again)."""
-    parts = [folder / f"part_{name}.json" for name in CHAIN_PARTS]
+    parts = [folder / f"part_{name}.json" for name in names]
     if not all(p.is_file() for p in parts):
         return False
     merged = merge_results([read_results(p) for p in parts], "benchmarks/device/kvpop_table.sh (killed in its table "
@@ -300,14 +323,15 @@ def finishable(config: ReproduceConfig, budget: int) -> bool:
     return bool(runs) and finish_parts(config, budget, runs) is not None
 
 
-def finish_budget(config: ReproduceConfig, budget: int, run: Callable[..., subprocess.CompletedProcess]) -> bool:
-    """Measure only the runs the budget's table lacks (:func:`missing_runs`), with the students the chain trained,
+def finish_budget(config: ReproduceConfig, budget: int, run: Callable[..., subprocess.CompletedProcess],
+                  runs: list[tuple[str, str, str]] | None = None) -> bool:
+    """Measure only the runs the budget's table lacks (``runs``, default :func:`missing_runs`), with the students the chain trained,
     and merge each part into the table as soon as it is written (a part's rows replace the table's incomplete ones;
     a run it measured leaves ``not_run``), so that a call cut short keeps what it finished. Returns whether the table
     is now :func:`finished`; False at once (nothing run) when only the whole chain can finish it (not
     :func:`finishable`)."""
     table_path = budget_table(config, budget)
-    runs = missing_runs(read_results(table_path))
+    runs = missing_runs(read_results(table_path)) if runs is None else runs
     parts = None if runs is None else finish_parts(config, budget, runs)
     if not parts:
         return False
@@ -386,6 +410,8 @@ def command_of(config: ReproduceConfig) -> str:
             parts.append(f"{name} '{value}'")
     if config.students != tuple(STUDENT_METHODS):
         parts.append(f"--students {','.join(config.students)}")
+    if config.context_rows:
+        parts.append("--context-rows")
     if config.resume:
         parts.append("--resume")
     return " ".join(parts)
@@ -415,7 +441,8 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     for i, budget in enumerate(config.budgets):
         table = budget_table(config, budget)
         say = f"[{i + 1}/{len(config.budgets)}] budget {budget}:"
-        if config.resume and not table.is_file() and salvage_parts(table.parent):
+        names = (*CHAIN_PARTS, CONTEXT_PART) if config.context_rows else CHAIN_PARTS
+        if config.resume and not table.is_file() and salvage_parts(table.parent, names):
             print(f"{say} merged the table parts a killed chain left", flush=True)
         if config.resume and table.is_file() and resume_budget(config, budget, run, say):
             written[budget] = table
