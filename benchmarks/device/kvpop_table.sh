@@ -24,7 +24,8 @@
 # Students trained earlier: STUDENTS_FROM=<folder> (its <name>/ checkpoints, carried to the device) skips the
 # retrofits and evaluates them; STUDENTS (default 'kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms',
 # name=method pairs) picks which; SPLIT_PARTS=1 runs each student's eval and held-out splits as two processes;
-# BASELINES=0 leaves the training-free baselines out.
+# BASELINES=0 leaves the training-free baselines out; CONTEXT_BASELINES=1 adds a part with every one of them under the
+# context protocol on the eval split (the table of record's context rows; `kvlearn reproduce kvpop --context-rows`).
 # EXTRA_PARTS: more table processes beside the students' (ablations on the same students), ';'-separated
 # 'name|kvpop_table.py options', where {student} is that student's checkpoint folder, e.g.
 # 'mlstm_fullk|--student kvpop_fullk=kvpop:{kvpop} --state-in-budget 0 --baselines none --no-teacher'.

@@ -13,9 +13,9 @@ import pytest
 
 from kvlearn import KVLearnError
 from kvlearn.eval import reproduce as reproduce_module
-from kvlearn.eval.reproduce import (CHAIN_PARTS, STEPS_OF_RECORD, ReproduceConfig, RetrofitProgress, budget_env,
+from kvlearn.eval.reproduce import (CHAIN_PARTS, CONTEXT_PART, STEPS_OF_RECORD, ReproduceConfig, RetrofitProgress, budget_env,
                                     command_of, context_runs_missing, finish_parts, finished, last_step, missing_runs,
-                                    reproduce_kvpop, short_students, student_steps)
+                                    reproduce_kvpop, salvage_parts, short_students, student_steps)
 from kvlearn.results import make_results, write_results
 
 
@@ -343,6 +343,12 @@ def test_resume_merges_the_parts_of_a_chain_killed_in_its_table_stage_only_when_
     assert calls == ["table", "chain"]
     assert [r["task"] for r in json.loads((folder / "kvpop_table.json").read_text())["rows"]] == ["vt"]
     assert not list(folder.glob("part_*"))  # the earlier chain's parts went before the chain ran again
+    # with --context-rows the chain has one more part: the six without it are not enough to merge
+    assert salvage_parts(folder, CHAIN_PARTS) is False  # (no parts now)
+    write_parts(CHAIN_PARTS)
+    assert salvage_parts(folder, (*CHAIN_PARTS, CONTEXT_PART)) is False and len(list(folder.glob("part_*.json"))) == 6
+    write_parts((CONTEXT_PART,))
+    assert salvage_parts(folder, (*CHAIN_PARTS, CONTEXT_PART)) is True and not list(folder.glob("part_*"))
 
 
 def test_a_reproduction_is_compared_with_the_table_of_record_over_the_families_both_measured():
