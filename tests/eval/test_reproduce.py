@@ -13,9 +13,9 @@ import pytest
 
 from kvlearn import KVLearnError
 from kvlearn.eval import reproduce as reproduce_module
-from kvlearn.eval.reproduce import (CHAIN_PARTS, CONTEXT_PART, STEPS_OF_RECORD, ReproduceConfig, RetrofitProgress, budget_env,
-                                    command_of, context_runs_missing, finish_parts, finished, last_step, missing_runs,
-                                    reproduce_kvpop, salvage_parts, short_students, student_steps)
+from kvlearn.eval.reproduce import (CHAIN_PARTS, CONTEXT_PART, STEPS_OF_RECORD, ReproduceConfig, RetrofitProgress,
+                                    budget_env, command_of, context_runs_missing, finish_parts, finished, last_step,
+                                    missing_runs, reproduce_kvpop, salvage_parts, short_students, student_steps)
 from kvlearn.results import make_results, write_results
 
 
