@@ -581,7 +581,9 @@ def cmd_kaizen_train(args) -> int:
                                select_every=args.select_every,
                                **{k: v for k, v in (("select_n", args.select_n), ("select_from", args.select_from),
                                                     ("ema_from", args.ema_from)) if v is not None},
-                               ema_decay=args.ema_decay,
+                               ema_decay=args.ema_decay, init_student=args.init_student,
+                               **{k: v for k, v in (("tau_start", args.tau_start), ("tau_end", args.tau_end))
+                                  if v is not None},
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
     _threads(args.threads)
@@ -719,6 +721,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .eval.accuracy import eval_splits
     from .eval.protocols import DEFAULT_PREFILL_CHUNK
+    from .kaizen.selector import TAU_END, TAU_START
     from .methods import PROTOCOLS, method_names
     from .testbed import tasks
     from .testbed.filler import TRAIN_STYLES
@@ -1023,6 +1026,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "make final/ that average (one process; not with --select-every) (default 0: off)")
     sp.add_argument("--ema-from", type=float, default=None,
                     help="with --ema-decay: the fraction of the run from which the average runs (default 0.5)")
+    sp.add_argument("--init-student", default=None, metavar="FOLDER",
+                    help="refine a trained selector: start the student (backbone and selector) from FOLDER, the "
+                         "final/ of a kaizen-train run from the same --model (or its export), with a new optimizer, "
+                         "multiplier and schedules; its selector settings and sharing mask are kept (--share-layers "
+                         "left out). Give another --seed than its run's, so that the refinement reads new batches, and "
+                         "--tau-start 0.1 to continue at the end temperature instead of reheating to 2.0")
+    sp.add_argument("--tau-start", type=float, default=None,
+                    help=f"Gumbel temperature at the start of the run, annealed geometrically to --tau-end (default "
+                         f"{TAU_START})")
+    sp.add_argument("--tau-end", type=float, default=None,
+                    help=f"Gumbel temperature at the end of the run (default {TAU_END})")
     add_trainer_options(sp, "the backbone", "the selector", "constant, or the peak of --lr-schedule cosine",
                         lr_default="KaizenTrainConfig's, 1e-5")
     sp.set_defaults(func=cmd_kaizen_train)

@@ -30,7 +30,10 @@ loop. ``docs/DESIGN.md`` section 8, "Training".
   with the optimizer, the multiplier and the step), ``final/`` (loadable by :func:`kvlearn.load`, evaluable with
   ``kvlearn eval --method kaizen``), ``train_log.jsonl`` (``kd``, ``penalty``, ``beta``, ``tau``, ``bits``: the
   realised bits per token, ``factor``: the realised compression ``C_ref / C``, ``target``, ``sampled_factor``).
-  ``resume=True`` continues from the newest ``step-<N>``. With ``select_every`` (checkpoint selection,
+  ``resume=True`` continues from the newest ``step-<N>``. ``init_student`` starts the student from a trained
+  selector's folder instead of the teacher (a refinement, e.g. a second device call's more steps: backbone and
+  selector weights, with a new optimizer, multiplier and schedules; the selector's sharing mask is the trained one's,
+  :func:`recorded_selector`). With ``select_every`` (checkpoint selection,
   :func:`select_iterate`) the iterates are validated on prompts disjoint from the evaluation's, each result a line of
   ``selection.jsonl``, the best so far kept as ``best/``, and ``final/`` takes its weights (the validations' time
   counts toward ``minutes``). With ``ema_decay`` instead (weight averaging, :class:`WeightAverage`) ``final/``
@@ -162,6 +165,9 @@ class KaizenTrainConfig:
     # (backbone and selector) with decay ema_decay per step; final/ holds the average instead of the last iterate
     ema_decay: float = 0.0  # 0: off
     ema_from: float = 0.5
+    # a refinement: the student starts from this trained selector's folder (kaizen-train final/ or its export) instead
+    # of the teacher's weights; its selector settings and sharing mask are kept (recorded_selector, check_init_fits)
+    init_student: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, (int, float)):
@@ -222,13 +228,23 @@ class KaizenTrainConfig:
         check_trainer_fields(self)
         from ..hf import read_model_config
 
-        self.method_config().check_targets(Backbone.from_config(read_model_config(self.model)))
+        if self.init_student is not None:
+            check_init_fits(self, recorded_selector(self.init_student))
+        self.method_config(self.init_share_layers()).check_targets(Backbone.from_config(read_model_config(self.model)))
         check_out_folder(self)
+
+    def init_share_layers(self) -> tuple[int, ...] | None:
+        """The sharing mask of ``init_student``'s selector (``None``: every layer may share, or no ``init_student``)."""
+        if self.init_student is None:
+            return None
+        mask = recorded_selector(self.init_student).get("share_layers")
+        return None if mask is None else tuple(mask)
 
     def method_config(self, share_layers=None) -> KaizenMethodConfig:
         """The selector's recorded config; ``share_layers``: the resolved layers when ``self.share_layers`` is
-        ``"auto"`` (before resolution ``None``: every layer, for the range checks)."""
-        layers = share_layers if self.share_layers == "auto" else self.share_layers
+        ``"auto"`` (before resolution ``None``: every layer, for the range checks) or there is an ``init_student``
+        (its mask)."""
+        layers = share_layers if self.share_layers == "auto" or self.init_student is not None else self.share_layers
         return KaizenMethodConfig(target=None, axes=self.axes, width=self.width, heads=self.heads, blocks=self.blocks,
                                   max_positions=max(self.seq_len, 8192), init_margin=self.init_margin,
                                   train_targets=self.targets, target_head=self.target_head, share_layers=layers)
@@ -251,6 +267,56 @@ def penalised_cost(sel, logits: torch.Tensor, weights: torch.Tensor, penalty_cos
     check(penalty_cost == "sampled",
           f"penalty_cost={penalty_cost!r} is invalid: expected one of {', '.join(PENALTY_COSTS)}")
     return sel.cost(weights.float())
+
+
+# the fields of a trained selector's recorded config that decide its weights' shapes and meaning (init_student)
+INIT_FIELDS = ("axes", "width", "heads", "blocks", "max_positions", "target_head")
+# the backbone's shape: init_student's must equal the teacher's
+SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size")
+
+
+def recorded_selector(path: str) -> dict:
+    """The KV-Kaizen config recorded in model folder ``path``'s ``config.json`` (``kaizen``: the selector's settings
+    and ``share_layers``, its sharing mask); one-line error when ``path`` is no model folder or has no selector."""
+    cfg = Path(path, "config.json")
+    check(cfg.is_file(), f"init_student={path!r} is not a model folder (no config.json): expected the final/ folder of "
+                         "a kvlearn kaizen-train run, or its export")
+    recorded = json.loads(cfg.read_text()).get("kaizen")
+    check(isinstance(recorded, dict), f"init_student={path!r} has no KV-Kaizen selector (its config.json records no "
+                                      "kaizen): expected the final/ folder of a kvlearn kaizen-train run, or its export")
+    return recorded
+
+
+def check_init_fits(config: KaizenTrainConfig, recorded: dict) -> None:
+    """One-line errors unless ``config.init_student`` (whose recorded selector config is ``recorded``) can start this
+    run: the teacher's backbone shape, the selector's settings (``INIT_FIELDS``) and, unless left to it (``None`` or
+    ``"auto"``), the sharing mask must be the trained selector's. Its training targets may differ (a refinement toward
+    another budget): they enter the losses, not the weights' shapes, unless the selector has a target head."""
+    from ..hf import read_model_config
+
+    path = config.init_student
+    mask = recorded.get("share_layers")
+    mask = None if mask is None else tuple(mask)
+    check(config.share_layers in (None, "auto") or tuple(config.share_layers) == mask,
+          f"share_layers={config.share_layers!r} with init_student={path!r}, whose selector may share layers "
+          f"{'all' if mask is None else list(mask)}: a refinement keeps the trained selector's mask; leave "
+          "share_layers out (or 'auto')")
+    teacher, trained = read_model_config(config.model), read_model_config(path)
+    for name in SHAPE_FIELDS:
+        have, want = getattr(trained, name, None), getattr(teacher, name, None)
+        check(have == want, f"init_student={path!r} has {name}={have}, the teacher {config.model!r} {want}: expected a "
+                            "selector trained from this teacher (the same backbone shape)")
+    mine = json.loads(json.dumps(asdict(config.method_config(mask))))
+    for name in INIT_FIELDS:
+        have = json.loads(json.dumps(recorded.get(name)))
+        check(have == mine[name], f"init_student={path!r} was trained with {name}={have!r}, this run has "
+                                  f"{name}={mine[name]!r}: expected the same (the selector's weights depend on it)")
+    if mine["target_head"]:
+        have = [float(t) for t in recorded.get("train_targets") or []]
+        check(have == list(config.targets), f"init_student={path!r} was trained with targets {have}, this run has "
+                                            f"{list(config.targets)}: a selector with a target head refines at its "
+                                            "own targets")
 
 
 def backbone_lr_at(config: KaizenTrainConfig, fraction: float) -> float:
@@ -276,6 +342,8 @@ def resolve_share_layers(config: KaizenTrainConfig, model, device: torch.device)
     on ``model`` (the dense model with the Kaizen attention attached) allows (:mod:`kvlearn.kaizen.share_sensitivity`:
     ``share_rows`` evaluation-format training rows of ``seq_len`` tokens, stream ``seed``) and its report
     (``increases``, ``threshold``, ``allowed``, ``rows``, ``seq_len``)."""
+    if config.init_student is not None:  # a refinement keeps the trained selector's mask (check_init_fits)
+        return config.init_share_layers(), None
     if config.share_layers != "auto":
         return config.share_layers, None
     seed = config.seed if config.share_seed is None else config.share_seed
@@ -298,8 +366,9 @@ def near_threshold(increases: list[float | None], errors: list[float | None], th
 
 def build_models(config: KaizenTrainConfig, device: torch.device):
     """``(teacher, student, share_report)``: the frozen dense model, a float32 copy with the selector applied (in
-    train mode) and, for ``share_layers="auto"``, the sensitivity pass's report (:func:`resolve_share_layers`; run
-    on the copy before the selector exists) else ``None``."""
+    train mode; with ``init_student`` holding that trained selector's weights, backbone and selector) and, for
+    ``share_layers="auto"``, the sensitivity pass's report (:func:`resolve_share_layers`; run on the copy before the
+    selector exists) else ``None``."""
     from ..checkpoint import load as load_model
     from ..kaizen.sharing import attach
 
@@ -308,6 +377,8 @@ def build_models(config: KaizenTrainConfig, device: torch.device):
     student = copy.deepcopy(teacher)
     share_layers, report = resolve_share_layers(config, attach(student), device)
     apply_kaizen(student, config.method_config(share_layers))  # checks the targets against the allowed sharing
+    if config.init_student is not None:
+        load_student_weights(Path(config.init_student), student)
     student.requires_grad_(True)
     student.train()
     return teacher, student, report
@@ -498,11 +569,11 @@ def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, opt
 
 RESUME_FIELDS = ("targets", "axes", "width", "heads", "blocks", "steps", "minutes", "seq_len", "batch_size", "seed",
                  "share_layers", "share_threshold", "share_rows", "share_seed", "family_weights", "budget_scope",
-                 "select_every", "select_n", "select_from", "ema_decay", "ema_from")
+                 "select_every", "select_n", "select_from", "ema_decay", "ema_from", "init_student")
 RESUME_DEFAULTS = {"share_layers": None, "share_threshold": DEFAULT_THRESHOLD,  # checkpoints from before the fields
                    "share_rows": 16, "share_seed": None,
                    "family_weights": None, "budget_scope": "sequence", "select_every": 0, "select_n": 16,
-                   "select_from": 0.5, "ema_decay": 0.0, "ema_from": 0.5}
+                   "select_from": 0.5, "ema_decay": 0.0, "ema_from": 0.5, "init_student": None}
 BEST = "best"  # out/best/: the best-validated iterate so far (checkpoint selection)
 SELECT_LOG = "selection.jsonl"  # out/selection.jsonl: one line per validation
 SELECT_SEED_OFFSET = 1_000_000  # validation prompts: the eval split's generator from this example index on

@@ -1,0 +1,128 @@
+"""A refinement of a trained KV-Kaizen selector (``kvlearn kaizen-train --init-student``, ``KaizenTrainConfig.init_student``):
+the student starts from the trained folder's weights (backbone and selector), not the teacher's; the trained
+selector's sharing mask is kept without a sensitivity pass and recorded again; its settings must fit (one-line errors
+otherwise); the CLI's ``--tau-start`` sets the first step's temperature; a resumed refinement must name the same
+folder. Tiny random GQA Qwen3 (2 KV heads, 2 query heads per KV head) of 3 layers, so that a mask can leave a layer
+out."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvlearn import KVLearnError
+from kvlearn.cli import main
+from kvlearn.kaizen.apply import CONFIG_KEY
+from kvlearn.train import kaizen_train as kt
+
+COMMON = dict(targets=(2.0,), batch_size=2, seq_len=256, warmup_steps=0, lr=1e-3, lr_new=1e-2, save_interval=100,
+              device="cpu")
+
+
+@pytest.fixture(scope="module")
+def trained(make_teacher, tmp_path_factory):
+    """``(teacher, final)``: a 3-layer tiny teacher and the final/ of a 3-step kaizen-train run from it whose selector
+    may share layer 2 only."""
+    teacher = make_teacher(3, 1)
+    out = tmp_path_factory.mktemp("first")
+    result = kt.kaizen_train(kt.KaizenTrainConfig(model=teacher, out=str(out), steps=3, share_layers=(2,), **COMMON),
+                             progress=False)
+    return teacher, result["final"]
+
+
+def _weights(folder: str) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    return state
+
+
+def test_the_student_starts_from_the_trained_weights(trained, tmp_path):
+    teacher_path, final = trained
+    config = kt.KaizenTrainConfig(model=teacher_path, out=str(tmp_path), steps=1, init_student=final, **COMMON)
+    teacher, student, report = kt.build_models(config, torch.device("cpu"))
+    saved, mine = _weights(final), student.state_dict()
+    assert any(k.startswith("kaizen_selector.") for k in saved)  # the selector's weights are among them
+    for k, v in saved.items():
+        assert torch.equal(mine[k], v.to(mine[k].dtype)), k
+    # and not the teacher's: the first run moved the backbone
+    backbone = [k for k in saved if not k.startswith("kaizen_selector.")]
+    t = teacher.state_dict()
+    assert any(not torch.equal(t[k], mine[k]) for k in backbone)
+    assert report is None  # no sensitivity pass
+
+
+def test_the_trained_mask_is_kept_and_recorded(trained, tmp_path, monkeypatch):
+    teacher_path, final = trained
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a refinement runs no sensitivity pass")
+
+    monkeypatch.setattr(kt, "share_sensitivity", no_pass)
+    for share in (None, "auto", (2,)):
+        out = tmp_path / str(share)
+        result = kt.kaizen_train(kt.KaizenTrainConfig(model=teacher_path, out=str(out), steps=1, init_student=final,
+                                                      share_layers=share, seed=7, **COMMON), progress=False)
+        recorded = json.loads(Path(result["final"], "config.json").read_text())[CONFIG_KEY]
+        assert recorded["share_layers"] == [2]
+        assert not (out / kt.SHARE_REPORT).exists()
+
+
+def test_a_refinement_may_aim_at_another_target(trained, tmp_path):
+    teacher_path, final = trained
+    result = kt.kaizen_train(kt.KaizenTrainConfig(model=teacher_path, out=str(tmp_path), steps=1, init_student=final,
+                                                  **{**COMMON, "targets": (3.0,)}), progress=False)
+    recorded = json.loads(Path(result["final"], "config.json").read_text())[CONFIG_KEY]
+    assert recorded["train_targets"] == [3.0]
+
+
+def test_cli_tau_start_and_init_student(trained, tmp_path):
+    teacher_path, final = trained
+    out = tmp_path / "cli"
+    assert main(["kaizen-train", "--model", teacher_path, "--out", str(out), "--target", "2", "--init-student", final,
+                 "--tau-start", "0.1", "--tau-end", "0.05", "--steps", "2", "--seq-len", "256", "--batch-size", "2",
+                 "--device", "cpu", "--seed", "3"]) == 0
+    taus = [json.loads(line)["tau"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert taus[0] == pytest.approx(0.1)  # step 1 at fraction 0
+    assert taus[1] == pytest.approx(0.1 * (0.05 / 0.1) ** 0.5)  # step 2 at fraction 1/2: geometric
+
+
+def test_a_resumed_refinement_names_the_same_folder(trained, tmp_path):
+    teacher_path, final = trained
+    other = tmp_path / "copy"
+    shutil.copytree(final, other)
+    base = dict(model=teacher_path, out=str(tmp_path / "run"), steps=2, **{**COMMON, "save_interval": 1})
+    kt.kaizen_train(kt.KaizenTrainConfig(init_student=final, **base), stop_after=1, progress=False)
+    with pytest.raises(KVLearnError, match="init_student") as err:
+        kt.kaizen_train(kt.KaizenTrainConfig(init_student=str(other), resume=True, **base), progress=False)
+    assert len(str(err.value).splitlines()) == 1
+    result = kt.kaizen_train(kt.KaizenTrainConfig(init_student=final, resume=True, **base), progress=False)
+    assert result["step"] == 2
+
+
+def test_bad_init_student_is_a_one_line_error(trained, tmp_path):
+    teacher_path, final = trained
+    base = dict(model=teacher_path, out=str(tmp_path / "x"), steps=1, **COMMON)
+    wider = tmp_path / "wider"
+    shutil.copytree(final, wider)
+    cfg = json.loads((wider / "config.json").read_text())
+    cfg[CONFIG_KEY]["width"] = 2 * cfg[CONFIG_KEY]["width"]
+    (wider / "config.json").write_text(json.dumps(cfg))
+    other_shape = tmp_path / "other_shape"
+    shutil.copytree(final, other_shape)
+    cfg = json.loads((other_shape / "config.json").read_text())
+    cfg["intermediate_size"] = 2 * cfg["intermediate_size"]
+    (other_shape / "config.json").write_text(json.dumps(cfg))
+    for change, match in [(dict(init_student=str(tmp_path / "nowhere")), "no config.json"),
+                          (dict(init_student=teacher_path), "no KV-Kaizen selector"),
+                          (dict(init_student=final, share_layers=(1, 2)), r"may share layers \[2\]"),
+                          (dict(init_student=str(wider)), "width=128"),
+                          (dict(init_student=str(other_shape)), "intermediate_size=192")]:
+        with pytest.raises(KVLearnError, match=match) as err:
+            kt.KaizenTrainConfig(**{**base, **change})
+        assert len(str(err.value).splitlines()) == 1
+    assert main(["kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "cli"), "--init-student",
+                 str(tmp_path / "nowhere"), "--steps", "1", "--seq-len", "256"]) == 2
