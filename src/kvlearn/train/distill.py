@@ -353,19 +353,19 @@ def build_models(config: RetrofitConfig, device: torch.device):
     return teacher, student
 
 
-def init_backbone(student, path: str) -> None:
+def init_backbone(student, path: str, option: str = "init_backbone") -> None:
     """Copy every weight of ``student`` (still the teacher's copy, before any method's modules) from the safetensors
     of model folder ``path``, in place. The folder may hold more (a selector, scorers: left out); each of the
     student's weights must be there with its shape, except a tied ``lm_head`` (saved once, as the embeddings). One-line
-    error otherwise."""
+    error otherwise, naming ``option`` (the setting that gave ``path``)."""
     state = folder_weights(path)
-    check(len(state) > 0, f"init_backbone={path!r} holds no *.safetensors weights: expected a saved model folder")
+    check(len(state) > 0, f"{option}={path!r} holds no *.safetensors weights: expected a saved model folder")
     target = student.state_dict()
     tied = bool(getattr(student.config, "tie_word_embeddings", False))
     missing = sorted(k for k in target if k not in state and not (tied and k.startswith("lm_head")))
     misfit = sorted(k for k in target if k in state and state[k].shape != target[k].shape)
     check(not (missing or misfit),
-          f"init_backbone={path!r} does not fit the teacher's shape: "
+          f"{option}={path!r} does not fit the teacher's shape: "
           + "; ".join(f"{what} {keys[0]}" + (f" (+{len(keys) - 1} more)" if len(keys) > 1 else "")
                       for what, keys in (("missing", missing), ("other shape", misfit)) if keys)
           + " (expected a model of the teacher's architecture, e.g. one trained from it)")

@@ -83,7 +83,7 @@ import torch
 from ..errors import check, check_int, check_non_negative, check_positive
 from ..hf import unpadded_causal_masks
 from ..kaizen.actions import Backbone
-from ..kaizen.apply import KaizenMethodConfig, apply_kaizen, selector_of
+from ..kaizen.apply import CONFIG_KEY, KaizenMethodConfig, apply_kaizen, selector_of
 from ..kaizen.budget import BudgetMultiplier
 from ..kaizen.share_sensitivity import DEFAULT_THRESHOLD, allowed_share_layers, calibration_rows, share_sensitivity
 from ..kaizen.selector import SELECTOR_NAME, TAU_END, TAU_START, gumbel_straight_through
@@ -93,8 +93,8 @@ from ..testbed.tasks import MAX_LENGTH, MIN_LENGTH
 from . import parallel
 from .schedule import warmup_cosine
 from .distill import (FINAL, LOG_FILE, STATE_FILE, check_out_folder, check_trainer_fields, clear_run_outputs,
-                      drop_log_lines_after, kd_loss, latest_checkpoint, load_student_weights, new_lr_at,
-                      prune_checkpoints, read_trainer_state, save_checkpoint)
+                      drop_log_lines_after, folder_weights, init_backbone, kd_loss, latest_checkpoint,
+                      load_student_weights, new_lr_at, prune_checkpoints, read_trainer_state, save_checkpoint)
 
 __all__ = ["KaizenTrainConfig", "kaizen_train", "kaizen_train_step", "build_models", "step_losses", "temperature",
            "KaizenStep", "make_optimizer", "make_multiplier", "penalised_cost", "PENALTY_COSTS", "validate",
@@ -271,9 +271,6 @@ def penalised_cost(sel, logits: torch.Tensor, weights: torch.Tensor, penalty_cos
 
 # the fields of a trained selector's recorded config that decide its weights' shapes and meaning (init_student)
 INIT_FIELDS = ("axes", "width", "heads", "blocks", "max_positions", "target_head")
-# the backbone's shape: init_student's must equal the teacher's
-SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "vocab_size")
 
 
 def recorded_selector(path: str) -> dict:
@@ -282,7 +279,7 @@ def recorded_selector(path: str) -> dict:
     cfg = Path(path, "config.json")
     check(cfg.is_file(), f"init_student={path!r} is not a model folder (no config.json): expected the final/ folder of "
                          "a kvlearn kaizen-train run, or its export")
-    recorded = json.loads(cfg.read_text()).get("kaizen")
+    recorded = json.loads(cfg.read_text()).get(CONFIG_KEY)
     check(isinstance(recorded, dict), f"init_student={path!r} has no KV-Kaizen selector (its config.json records no "
                                       "kaizen): expected the final/ folder of a kvlearn kaizen-train run, or its export")
     return recorded
@@ -290,11 +287,10 @@ def recorded_selector(path: str) -> dict:
 
 def check_init_fits(config: KaizenTrainConfig, recorded: dict) -> None:
     """One-line errors unless ``config.init_student`` (whose recorded selector config is ``recorded``) can start this
-    run: the teacher's backbone shape, the selector's settings (``INIT_FIELDS``) and, unless left to it (``None`` or
-    ``"auto"``), the sharing mask must be the trained selector's. Its training targets may differ (a refinement toward
-    another budget): they enter the losses, not the weights' shapes, unless the selector has a target head."""
-    from ..hf import read_model_config
-
+    run: the selector's settings (``INIT_FIELDS``) and, unless left to it (``None`` or ``"auto"``), the sharing mask
+    must be the trained selector's. Its training targets may differ (a refinement toward another budget): they enter
+    the losses, not the weights' shapes, unless the selector has a target head. The backbone's shape is checked on
+    the weights when they are loaded (:func:`build_models`, through :func:`kvlearn.train.distill.init_backbone`)."""
     path = config.init_student
     mask = recorded.get("share_layers")
     mask = None if mask is None else tuple(mask)
@@ -302,11 +298,6 @@ def check_init_fits(config: KaizenTrainConfig, recorded: dict) -> None:
           f"share_layers={config.share_layers!r} with init_student={path!r}, whose selector may share layers "
           f"{'all' if mask is None else list(mask)}: a refinement keeps the trained selector's mask; leave "
           "share_layers out (or 'auto')")
-    teacher, trained = read_model_config(config.model), read_model_config(path)
-    for name in SHAPE_FIELDS:
-        have, want = getattr(trained, name, None), getattr(teacher, name, None)
-        check(have == want, f"init_student={path!r} has {name}={have}, the teacher {config.model!r} {want}: expected a "
-                            "selector trained from this teacher (the same backbone shape)")
     mine = json.loads(json.dumps(asdict(config.method_config(mask))))
     for name in INIT_FIELDS:
         have = json.loads(json.dumps(recorded.get(name)))
@@ -375,10 +366,14 @@ def build_models(config: KaizenTrainConfig, device: torch.device):
     teacher = load_model(config.model, dtype=torch.float32, device=device)
     teacher.requires_grad_(False)
     student = copy.deepcopy(teacher)
+    if config.init_student is not None:  # the backbone, checked against the teacher's shape (one-line error)
+        init_backbone(student, config.init_student, "init_student")
     share_layers, report = resolve_share_layers(config, attach(student), device)
     apply_kaizen(student, config.method_config(share_layers))  # checks the targets against the allowed sharing
-    if config.init_student is not None:
-        load_student_weights(Path(config.init_student), student)
+    if config.init_student is not None:  # then the selector (its settings were checked: check_init_fits)
+        prefix = SELECTOR_NAME + "."
+        selector_of(student).load_state_dict({k[len(prefix):]: v for k, v in folder_weights(config.init_student).items()
+                                              if k.startswith(prefix)})
     student.requires_grad_(True)
     student.train()
     return teacher, student, report
