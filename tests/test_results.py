@@ -88,6 +88,8 @@ def test_merge_across_runs_keeps_each_rows_run(tmp_path):
     assert results_main(["merge", str(tmp_path / "m.json"), str(pa), str(pb)]) == 2  # different commits
     assert results_main(["merge", "--across-runs", str(tmp_path / "m.json"), str(pa), str(pb)]) == 0
     assert read_results(tmp_path / "m.json")["commit"] == "c1,c2"
+    c = make_results("accuracy", [row("h2o", 0.3)], device="cuda", command="c", commit="c2")
+    assert merge_results([m, c], "m; c", across_runs=True)["commit"] == "c1,c2"  # a merged part's list, once each
 
 
 def test_merge_keeps_kaizen_rows_of_other_selectors_and_factors():

@@ -189,7 +189,7 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
 
     ``across_runs``: the parts may come from different runs (commits, dates): every row gets its run's ``commit``,
     ``date`` and ``n_per_task`` (where the part has them), ``runs`` lists each part's ``commit``, ``date`` and
-    ``command`` (a part that is itself such a merge contributes its own ``runs``), and the file's ``commit`` names every commit (comma-separated, in order); a ``not_run`` entry that
+    ``command`` (a part that is itself such a merge contributes its own ``runs``), and the file's ``commit`` names every commit once (comma-separated, in order; a merged part's list is split); a ``not_run`` entry that
     another part measured is dropped (one cut between families, ``run:task,task``, once those families are measured
     whole) (:func:`row_run_key`), and so is a ``skipped`` one, and ``complete`` holds when
     no ``not_run`` entry, no ``error`` row and no ``incomplete`` row is left. Same kind and device still."""
@@ -203,7 +203,7 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
     merged = {k: v for k, v in parts[0].items() if k != "rows"}
     merged["command"] = command
     if across_runs:
-        merged["commit"] = ",".join(dict.fromkeys(str(p.get("commit")) for p in parts))
+        merged["commit"] = ",".join(dict.fromkeys(c.strip() for p in parts for c in str(p.get("commit")).split(",")))
         merged["runs"] = [run for p in parts  # a part merged before keeps the runs it lists
                           for run in (p.get("runs") or [{k: p.get(k) for k in ("commit", "date", "command")}])]
     seen, rows = {}, []  # key -> index in rows

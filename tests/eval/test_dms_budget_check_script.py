@@ -1,0 +1,33 @@
+"""``benchmarks/device/dms_budget_check.sh`` (issue #10's DMS budget check) as a CPU smoke test on a tiny GQA Qwen3: two
+DMS students trained side by side, each one's head load at two budgets, the first served at two budgets; every file
+is written and each student was trained for its own budget."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_file_is_written_and_each_student_has_its_budget(make_teacher, tmp_path):
+    teacher = make_teacher(2, 0)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "WORK_DIR": str(tmp_path), "DEVICE": "cpu", "CONTEXT": "256",
+           "MODEL": teacher, "STEPS": "2", "BUDGETS": "64 48", "LOAD_BUDGETS": "64,128", "EVAL_BUDGETS": "64 128",
+           "N": "1", "N_LOAD": "1", "EVAL_ARGS": "--tasks vt --threads 1",
+           "RETROFIT_ARGS": "--seq-len 128 --batch-size 2 --num-workers 0"}
+    run = subprocess.run(["bash", "benchmarks/device/dms_budget_check.sh"], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert run.returncode == 0 and "done" in run.stdout, run.stdout + run.stderr
+    for b in (64, 48):
+        load = json.loads((out / f"dms_load_b{b}.json").read_text())
+        alls = {r["budget"]: r for r in load["rows"] if r["family"] == "all"}
+        assert sorted(alls) == [64, 128] and all(r["trained_budget"] == b for r in alls.values())
+        assert alls[64]["target_cr"] == 128 / b  # kvlearn retrofit's default: seq_len / budget
+        assert (out / f"dms_load_b{b}.png").stat().st_size > 1000
+        assert (out / f"dms_train_log_{b}.jsonl").read_text().count("\n") == 2
+    for eb in (64, 128):
+        (row,) = json.loads((out / f"dms64_eval_b{eb}.json").read_text())["rows"]
+        assert row["method"] == "dms" and row["budget"] == eb and row["task"] == "vt"
+    assert "rc=0" in run.stdout and "rc=1" not in run.stdout and "rc=2" not in run.stdout
