@@ -137,9 +137,16 @@ def test_resume_keeps_the_finished_budgets_and_merges_them_all(tmp_path):
     merged = json.loads(Path(path).read_text())
     assert [r["budget"] for r in merged["rows"]] == [1024] * 4 + [512] * 4 and merged["complete"] is True
     assert merged["command"].endswith("--resume")
+    # a later run of one more budget keeps the folder's others in its table (they are not run again); without
+    # --resume a new folder is needed, so nothing else is ever merged
+    path = reproduce_kvpop(ReproduceConfig(out=out, budgets=(256,), resume=True), run=counting(()))
+    assert calls == [1024, 512, 512, 512, 256]
+    merged = json.loads(Path(path).read_text())
+    assert [r["budget"] for r in merged["rows"]] == [256] * 4 + [1024] * 4 + [512] * 4
+    assert sorted(merged["students"]) == ["1024", "256", "512"] and merged["complete"] is True
     with pytest.raises(KVLearnError, match=r"--resume: n_per_task=50 differ from the earlier run's n_per_task=100"):
-        reproduce_kvpop(ReproduceConfig(out=out, budgets=(256,), n_per_task=50, resume=True), run=counting(()))
-    assert calls == [1024, 512, 512, 512]
+        reproduce_kvpop(ReproduceConfig(out=out, budgets=(128,), n_per_task=50, resume=True), run=counting(()))
+    assert calls == [1024, 512, 512, 512, 256]
     with pytest.raises(KVLearnError, match="--overwrite and --resume exclude each other"):
         ReproduceConfig(out=out, overwrite=True, resume=True)
     # a table a time guard cut is run again: finished only when complete and nothing is listed as not run

@@ -61,7 +61,8 @@ class ReproduceConfig:
     the steps, and the slower methods train fewer than the table of record's students); ``n_per_task``: examples per family and split; ``device``: ``cuda`` (``cpu`` for
     a smoke run); ``model``: the teacher's folder (default the committed one). ``resume``: keep every budget whose
     complete table an earlier run with the same settings left in ``out`` and run only the others, so that the
-    budgets may run in separate sessions (e.g. device calls shorter than the whole run); the merge covers them all.
+    budgets may run in separate sessions (e.g. device calls shorter than the whole run); the merge covers them all,
+    and the budgets of ``out`` that this run's ``budgets`` does not name too (:func:`earlier_budgets`).
     A budget whose table a time guard cut (runs under ``not_run``, rows marked ``incomplete``) gets only those runs
     measured (:func:`finish_budget`), not its retrofits again, when every student they need is still in ``out``;
     a chain killed inside its table stage leaves parts that are merged first (:func:`salvage_parts`). ``students``:
@@ -134,6 +135,19 @@ def teacher_of(config: ReproduceConfig) -> str:
 def budget_table(config: ReproduceConfig, budget: int) -> Path:
     """Where a budget's chain writes its table: ``out/budget<B>/kvpop_table.json`` (``OUT`` of :func:`budget_env`)."""
     return Path(config.out) / f"budget{budget}" / "kvpop_table.json"
+
+
+def earlier_budgets(config: ReproduceConfig) -> dict[int, Path]:
+    """``{budget: table}`` of the budget tables in ``out`` that ``config.budgets`` does not name (``out/budget<B>/
+    kvpop_table.json``, an earlier run's), largest budget first. A ``--resume`` run merges them too, so the folder's
+    table holds every budget its runs measured whichever ``--budgets`` the last run named (the settings check already
+    holds them to the same settings)."""
+    found = {}
+    for table in Path(config.out).glob("budget*/kvpop_table.json"):
+        name = table.parent.name[len("budget"):]
+        if name.isdigit() and int(name) not in config.budgets:
+            found[int(name)] = table
+    return dict(sorted(found.items(), reverse=True))
 
 
 def budget_env(config: ReproduceConfig, budget: int, students: tuple[str, ...] | None = None,
@@ -460,6 +474,10 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
         else:
             missing.append(budget)
     check(written, f"no budget's chain wrote a table: see the logs in {out}")
+    if config.resume:  # the folder's other budgets, from earlier runs with the same settings, stay in its table
+        for budget, table in earlier_budgets(config).items():
+            print(f"budget {budget}: merged from an earlier run in {out} (not in --budgets)", flush=True)
+            written[budget] = table
     parts = {budget: read_results(table) for budget, table in written.items()}
     merged = merge_results(list(parts.values()), command_of(config),
                            across_runs=config.resume)  # resumed budgets may come from other commits
@@ -474,7 +492,7 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     committed = repo_root() / COMMITTED_TABLE
     if committed.is_file():
         merged["reproduces"] = str(COMMITTED_TABLE)
-    merged["student_steps"] = student_steps(config)
+    merged["student_steps"] = student_steps(config, tuple(written))
     path = write_results(out / "kvpop_table.json", merged)
     plot_pareto(merged["rows"], out / "kvpop_table.png", title="KVpop Table 1 on the testbed (kvlearn reproduce kvpop)")
     if committed.is_file():
@@ -498,12 +516,13 @@ def short_students(steps: dict[str, dict[str, int]]) -> list[tuple[str, str, int
             if n < STEPS_OF_RECORD]
 
 
-def student_steps(config: ReproduceConfig) -> dict[str, dict[str, int]]:
-    """``{budget: {student: steps}}``: the optimizer steps each budget's students trained, from the last line of
-    their ``train_log.jsonl`` in ``out/students/`` (a student with no log is left out). In ``--minutes`` the device
-    decides them (four students share one GPU), so a reproduction states them next to its accuracies."""
+def student_steps(config: ReproduceConfig, budgets: tuple[int, ...] | None = None) -> dict[str, dict[str, int]]:
+    """``{budget: {student: steps}}``: the optimizer steps each budget's students trained (``budgets``, default
+    ``config.budgets``), from the last line of their ``train_log.jsonl`` in ``out/students/`` (a student with no log
+    is left out). In ``--minutes`` the device decides them (four students share one GPU), so a reproduction states
+    them next to its accuracies."""
     found: dict[str, dict[str, int]] = {}
-    for budget in config.budgets:
+    for budget in config.budgets if budgets is None else budgets:
         for label in STUDENT_METHODS:
             step = last_step(student_dir(config, budget, label).parent / "train_log.jsonl")
             if step is not None:
