@@ -377,7 +377,8 @@ METHOD_OPTIONS = {"--window": ("window", ("kvpop", "dms")), "--scorer": ("scorer
                   "--target-count-normalize": ("target_count_normalize", ("kvpop",)),
                   "--target-aggregation": ("target_aggregation", ("kvpop",)),
                   "--target-cr": ("target_cr", ("dms",)), "--gate-hidden": ("gate_hidden", ("dms",)),
-                  "--compression-weight": ("compression_weight", ("dms",))}
+                  "--compression-weight": ("compression_weight", ("dms",)),
+                  "--compression-scope": ("compression_scope", ("dms",))}
 
 
 def ignored_retrofit_options(args, defaults: dict) -> list[str]:
@@ -422,9 +423,13 @@ def cmd_retrofit(args) -> int:
                              scorer=args.scorer, decay_init=args.decay_init, **_target_options(args))
                  if args.method == "kvpop" else KVpopConfig(scorer=args.scorer))
     if args.method == "dms":
-        target_cr = args.target_cr if args.target_cr is not None else args.seq_len / args.budget
+        # the model scope's closed fraction is the budget's share of the context (the paper's compression ratio); the
+        # head scope holds each head to its own long-range slots, so its default is the context over those
+        slots = args.budget if args.compression_scope == "model" else args.budget - args.sinks - window
+        target_cr = args.target_cr if args.target_cr is not None else args.seq_len / slots
         method_kw["dms"] = DMSConfig(sinks=args.sinks, window=window, budget=args.budget,
-                                     gate_hidden=args.gate_hidden, target_cr=target_cr)
+                                     gate_hidden=args.gate_hidden, target_cr=target_cr,
+                                     compression_scope=args.compression_scope)
         method_kw["compression_weight"] = args.compression_weight
     if args.kv_bits is not None:
         try:
@@ -836,10 +841,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop (learned scorers), streaming_plus (KD under the sinks + window mask, no new modules) "
                          "or dms (learned eviction gates, KD + compression hinge)")
     sp.add_argument("--target-cr", type=float, default=None,
-                    help="dms: final compression ratio of the ramped target (default: seq-len / budget)")
+                    help="dms: final compression ratio of the ramped target (default: seq-len / budget; with "
+                         "--compression-scope head seq-len / (budget - sinks - window), the long-range slots)")
     sp.add_argument("--gate-hidden", type=int, default=0,
                     help="dms: width of the gate MLP (0: the reference Linear(hidden, kv_heads) gate)")
     sp.add_argument("--compression-weight", type=float, default=1.0, help="dms: weight of the compression hinge")
+    sp.add_argument("--compression-scope", default="model", choices=("model", "head"),
+                    help="dms: what the hinge holds to the target: the closed fraction over the whole model (the "
+                         "reference; heads may differ) or each layer's KV head on its own (what a budget per KV head "
+                         "asks)")
     sp.add_argument("--scorer", default="mlp", choices=("linear", "mlp", "mlstm"),
                     help="KVpop scorer (mlstm: the paper's stateful scorer with the delayed readout)")
     sp.add_argument("--mlstm-skip", default=None, choices=("0", "1"),

@@ -258,6 +258,10 @@ class KVpopConfig:
 # elsewhere), the materialised bias, FlexAttention with the penalty in a score_mod, or as one more key channel
 # (mask_mod only), and that channel under a dense mask (the CPU check of its gradients)
 DMS_TRAIN_ATTENTIONS = ("auto", "dense", "flex", "flex_channel", "dense_channel")
+# what DMS's compression hinge holds to the target (kvlearn.dms.attention.compression_loss): the closed fraction over
+# the whole model (the reference: layers, KV heads and keys of a row), or each (row, layer, KV head)'s own, which a
+# budget per KV head needs (docs/DESIGN.md section 9, "Does the cap bind?")
+DMS_COMPRESSION_SCOPES = ("model", "head")
 
 
 @dataclass(frozen=True)
@@ -273,7 +277,10 @@ class DMSConfig:
 
     Training: Gumbel-sigmoid with temperature ``tau`` (straight-through decisions for the compression loss), the
     one-sided hinge ``clamp(target - closed_fraction, min=0)`` with the target closed fraction ``1 - 1/cr`` and
-    ``cr`` ramped linearly from 1 to ``target_cr`` over the first ``ramp_fraction`` of the run.
+    ``cr`` ramped linearly from 1 to ``target_cr`` over the first ``ramp_fraction`` of the run. ``compression_scope``:
+    ``"model"`` (the reference) holds a row's closed fraction over all layers, KV heads and keys to the target, so
+    the gates may give some heads many tokens and others none; ``"head"`` holds each layer's KV head to it (the hinge
+    averaged over rows, layers and KV heads), what a ``budget`` per KV head asks.
 
     Inference: a key leaving the window is dropped iff its logit > 0. ``budget`` (optional): a hard per-(row, KV
     head) limit for like-for-like comparisons; when the ``topk = budget - sinks - window`` long-range slots are full,
@@ -292,10 +299,14 @@ class DMSConfig:
     ramp_fraction: float = 0.9
     context: int | None = None
     train_attention: str = "auto"  # the training attention's execution (kvlearn.dms.attention.dms_attention's backend)
+    compression_scope: str = "model"  # what the hinge holds to the target: the mean over layers and heads, or each head
 
     def __post_init__(self) -> None:
         import math
 
+        check(self.compression_scope in DMS_COMPRESSION_SCOPES,
+              f"compression_scope={self.compression_scope!r} is invalid: expected one of "
+              f"{', '.join(DMS_COMPRESSION_SCOPES)}")
         check(self.train_attention in DMS_TRAIN_ATTENTIONS,
               f"train_attention={self.train_attention!r} is invalid: expected one of {', '.join(DMS_TRAIN_ATTENTIONS)}")
         check_int("sinks", self.sinks, 0)

@@ -238,6 +238,16 @@ def test_compression_hinge_hand_computed():
     assert closed == pytest.approx(0.5)
     loss, _ = compression_loss(records, target=0.2)
     assert float(loss) == 0.0
+    # per head: layer 0 row 0 heads close 1, 1; row 1 0.5, 0; layer 1 row 0 0.5, 0.5; row 1 0, 0.5 -> with target
+    # 0.5 the gaps are 0, 0, 0, 0.5, 0, 0, 0.5, 0 over the 8 (layer, row, head): a head over the target pays nothing
+    # for one under it, unlike the model scope, where row 0's closing heads cover row 0's open ones
+    loss, closed = compression_loss(records, target=0.5, scope="head")
+    assert float(loss) == pytest.approx(1.0 / 8) and closed == pytest.approx(0.5)
+    lopsided = {0: rec([[[1, 1], [0, 0]]])}  # one row, two heads: the first closes everything, the second nothing
+    assert float(compression_loss(lopsided, target=0.5)[0]) == 0.0
+    assert float(compression_loss(lopsided, target=0.5, scope="head")[0]) == pytest.approx(0.25)
+    with pytest.raises(KVLearnError, match="scope='layer' is invalid"):
+        compression_loss(records, target=0.5, scope="layer")
     ramp = DMSConfig(target_cr=4.0, ramp_fraction=0.5)
     assert ramp.target_fraction(0.0) == 0.0
     assert ramp.target_fraction(0.25) == pytest.approx(1 - 1 / 2.5)
@@ -300,7 +310,8 @@ def test_bad_input_is_one_line():
     with pytest.raises(KVLearnError) as err:
         make_config("dms", budget=300, sinks=4, context=256)
     assert "budget=300" in one_line(err) and "context = 256" in one_line(err)
-    for bad in (dict(tau=0), dict(target_cr=0.5), dict(ramp_fraction=0), dict(gate_hidden=-1)):
+    for bad in (dict(tau=0), dict(target_cr=0.5), dict(ramp_fraction=0), dict(gate_hidden=-1),
+                dict(compression_scope="layer")):
         with pytest.raises(KVLearnError) as err:
             DMSConfig(**bad)
         name, value = next(iter(bad.items()))

@@ -1,6 +1,7 @@
-"""``benchmarks/device/dms_budget_check.sh`` (issue #10's DMS budget check) as a CPU smoke test on a tiny GQA Qwen3: two
-DMS students trained side by side, each one's head load at two budgets, the first served at two budgets; every file
-is written and each student was trained for its own budget."""
+"""``benchmarks/device/dms_budget_check.sh`` (issue #10's DMS budget check) as a CPU smoke test on a tiny GQA Qwen3: three
+DMS students trained side by side (two budgets, one of them also with the head scope), each one's head load at two
+budgets, the first budget's students served at two budgets; every file is written and each student was trained
+for its own budget and scope."""
 
 import json
 import os
@@ -14,20 +15,25 @@ def test_every_file_is_written_and_each_student_has_its_budget(make_teacher, tmp
     teacher = make_teacher(2, 0)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "WORK_DIR": str(tmp_path), "DEVICE": "cpu", "CONTEXT": "256",
-           "MODEL": teacher, "STEPS": "2", "BUDGETS": "64 48", "LOAD_BUDGETS": "64,128", "EVAL_BUDGETS": "64 128",
+           "MODEL": teacher, "STEPS": "2", "STUDENTS": "64 48 64:head", "LOAD_BUDGETS": "64,128", "EVAL_BUDGETS": "64 128",
            "N": "1", "N_LOAD": "1", "EVAL_ARGS": "--tasks vt --threads 1",
            "RETROFIT_ARGS": "--seq-len 128 --batch-size 2 --num-workers 0"}
     run = subprocess.run(["bash", "benchmarks/device/dms_budget_check.sh"], env=env, capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert run.returncode == 0 and "done" in run.stdout, run.stdout + run.stderr
-    for b in (64, 48):
-        load = json.loads((out / f"dms_load_b{b}.json").read_text())
+    for label, b, scope, cr in (("dms_64", 64, "model", 128 / 64), ("dms_48", 48, "model", 128 / 48),
+                                ("dms_64_head", 64, "head", 128 / (64 - 4 - 32))):  # retrofit's window: half of 64
+        load = json.loads((out / f"dms_load_{label}.json").read_text())
         alls = {r["budget"]: r for r in load["rows"] if r["family"] == "all"}
         assert sorted(alls) == [64, 128] and all(r["trained_budget"] == b for r in alls.values())
-        assert alls[64]["target_cr"] == 128 / b  # kvlearn retrofit's default: seq_len / budget
-        assert (out / f"dms_load_b{b}.png").stat().st_size > 1000
-        assert (out / f"dms_train_log_{b}.jsonl").read_text().count("\n") == 2
-    for eb in (64, 128):
-        (row,) = json.loads((out / f"dms64_eval_b{eb}.json").read_text())["rows"]
-        assert row["method"] == "dms" and row["budget"] == eb and row["task"] == "vt"
+        assert alls[64]["target_cr"] == cr  # kvlearn retrofit's default for the scope
+        saved = json.loads((tmp_path / f"check_{label}" / "final" / "config.json").read_text())["dms"]
+        assert saved["compression_scope"] == scope
+        assert (out / f"dms_load_{label}.png").stat().st_size > 1000
+        assert (out / f"train_log_{label}.jsonl").read_text().count("\n") == 2
+    for label in ("dms_64", "dms_64_head"):
+        for eb in (64, 128):
+            (row,) = json.loads((out / f"{label}_eval_b{eb}.json").read_text())["rows"]
+            assert row["method"] == "dms" and row["budget"] == eb and row["task"] == "vt"
+    assert not (out / "dms_48_eval_b64.json").exists()  # only the first entry's budget is served
     assert "rc=0" in run.stdout and "rc=1" not in run.stdout and "rc=2" not in run.stdout

@@ -294,3 +294,75 @@ def test_lr_default_is_the_configs(teacher_path, tmp_path):
         assert main([*base, "--out", str(tmp_path / out), *extra]) == 0
         state = torch.load(tmp_path / out / "step-1" / STATE_FILE, map_location="cpu", weights_only=False)
         assert state["config"]["lr"] == want
+
+
+def test_compression_scope_head_holds_each_head_to_the_target(teacher_path, tmp_path, monkeypatch):
+    """``--compression-scope head`` is saved with the DMS checkpoint, and the trainer's DMS loss is then the hinge
+    per (row, layer, KV head), recounted here from the forward's recorded decisions; ``model`` (the default) is the
+    hinge on each row's mean. A value outside the two is argparse's one-line error."""
+    from kvlearn.dms import attention as dms_attention
+    from kvlearn.train.distill import build_models, method_forward
+
+    assert cli_retrofit(teacher_path, tmp_path / "h", "dms", "--compression-scope", "head") == 0
+    saved = json.loads((tmp_path / "h" / "final" / "config.json").read_text())["dms"]
+    assert saved["compression_scope"] == "head" and saved["target_cr"] == SEQ / (48 - 4 - 16)  # the long-range slots
+    assert cli_retrofit(teacher_path, tmp_path / "h8", "dms", "--compression-scope", "head", "--target-cr", "8") == 0
+    assert json.loads((tmp_path / "h8" / "final" / "config.json").read_text())["dms"]["target_cr"] == 8.0
+    with pytest.raises(SystemExit):
+        cli_retrofit(teacher_path, tmp_path / "x", "dms", "--compression-scope", "layer")
+
+    states = []
+
+    class Recording(dms_attention.DMSTrainForward):  # a subclass: the gate hook checks the state's type
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            states.append(self)
+
+    monkeypatch.setattr(dms_attention, "DMSTrainForward", Recording)
+    ids = torch.randint(3, VOCAB_SIZE, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    losses = {}
+    for scope in ("model", "head"):
+        config = RetrofitConfig(model=teacher_path, out="unused", method="dms", seq_len=SEQ, steps=1, device="cpu",
+                                dms=DMSConfig(sinks=4, window=16, budget=48, compression_scope=scope))
+        _, student = build_models(config, torch.device("cpu"))
+        for gate in dms_gates(student):  # KV head 0 closes about 0.4 of its keys, KV head 1 almost none
+            torch.nn.init.normal_(gate.proj.weight, std=0.05, generator=torch.Generator().manual_seed(4))
+            with torch.no_grad():
+                gate.proj.weight[1] *= 0.01
+        with torch.no_grad():  # at 0.15 of the run the target (1/3: cr 1.5 of 4) lies between the two heads'
+            _, loss, log = method_forward(config, student, ids, step=0, fraction=0.15)
+        target = config.dms.target_fraction(0.15)
+        assert target == pytest.approx(1 / 3)
+        d = torch.stack([states[-1].records[i].decisions.float() for i in sorted(states[-1].records)])  # [L,B,H,T-1]
+        per_head = d.mean(-1)  # [L, B, H]
+        if scope == "model":
+            want = (target - per_head.mean(dim=(0, 2))).clamp(min=0).mean()
+        else:
+            want = (target - per_head).clamp(min=0).mean()
+        assert float(loss) == pytest.approx(float(want), abs=1e-6)
+        assert log["closed_fraction"] == pytest.approx(float(per_head.mean()), abs=1e-6)
+        losses[scope] = float(loss)
+    assert losses["head"] > losses["model"] + 0.01  # in the model scope head 0's closing pays for head 1
+
+
+def test_a_dms_run_from_before_compression_scope_resumes_and_another_scope_is_refused(teacher_path, tmp_path,
+                                                                                      capsys):
+    """A trainer state saved before ``compression_scope`` existed (its DMS config lacks the field) resumes under the
+    default, which is what it trained with; resuming it with ``--compression-scope head`` is a one-line error."""
+    out = tmp_path / "run"
+    assert cli_retrofit(teacher_path, out, "dms") == 0
+    import shutil
+
+    shutil.rmtree(out / "step-2")  # resume from step 1, whose state lacks the field
+    shutil.rmtree(out / "final")
+    state_path = out / "step-1" / "trainer_state.pt"
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    del state["config"]["dms"]["compression_scope"]
+    torch.save(state, state_path)
+    capsys.readouterr()
+    assert cli_retrofit(teacher_path, out, "dms", "--compression-scope", "head", "--resume") == 2
+    (err,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("kvlearn: error")]
+    assert "was trained with dms=" in err and "'compression_scope': 'model'" in err and "'head'" in err
+    assert cli_retrofit(teacher_path, out, "dms", "--resume") == 0
+    assert [json.loads(x)["step"] for x in (out / LOG_FILE).read_text().splitlines()] == [1, 2]
+    assert (out / "final" / "config.json").is_file()

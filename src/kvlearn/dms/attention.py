@@ -17,6 +17,7 @@ Per layer, with ``alpha [B, Hkv, T]`` the gate logits (:class:`~kvlearn.dms.gate
 * **Compression loss** (:func:`compression_loss`): per layer the closed fraction ``mean(d)`` over KV heads and keys
   ``0..T-2`` (the keys that have a decision), per batch row, averaged over layers; the one-sided hinge
   ``mean_b clamp(target - closed_b, min=0)``; ``target = 1 - 1/cr`` ramped (:meth:`kvlearn.config.DMSConfig.target_fraction`).
+  With ``DMSConfig.compression_scope="head"`` the hinge is taken per (row, layer, KV head) and averaged.
 
 Three executions of the bias (:func:`dms_attention`): ``"dense"`` materialises it (the CPU reference; memory
 ``B * Hq * T^2`` per layer); ``"flex"`` is FlexAttention with a causal block mask and a
@@ -247,13 +248,18 @@ class DMSTrainForward:
         self.records[layer_idx] = DMSRecord(alpha, z, decisions)
 
 
-def compression_loss(records: dict[int, DMSRecord], target: float) -> tuple[Tensor, float]:
-    """``(loss, closed)``: the one-sided hinge ``mean_b clamp(target - closed_b, min=0)`` with ``closed_b`` the mean
-    straight-through decision over layers, KV heads and keys of row ``b``; ``closed`` its batch mean (a float)."""
+def compression_loss(records: dict[int, DMSRecord], target: float, scope: str = "model") -> tuple[Tensor, float]:
+    """``(loss, closed)``: the one-sided hinge on the closed fraction, the mean straight-through decision over keys.
+    ``scope="model"`` (the reference): ``mean_b clamp(target - closed_b, min=0)`` with ``closed_b`` over the layers,
+    KV heads and keys of row ``b`` (a head over the target pays for one under it). ``scope="head"``:
+    ``mean_{b,l,h} clamp(target - closed_{b,l,h}, min=0)``, each layer's KV head held to the target on its own.
+    ``closed`` is the batch mean over the model either way (a float)."""
     check(len(records) > 0, "compression_loss: no DMS gate ran in this forward (apply_dms first)")
-    per_layer = torch.stack([r.decisions.float().mean(dim=(1, 2)) for _, r in sorted(records.items())])  # [L, B]
-    closed = per_layer.mean(dim=0)  # [B]
-    loss = torch.clamp(target - closed, min=0).mean()
+    check(scope in ("model", "head"), f"scope={scope!r} is invalid: expected model or head")
+    per_head = torch.stack([r.decisions.float().mean(dim=2) for _, r in sorted(records.items())])  # [L, B, Hkv]
+    closed = per_head.mean(dim=(0, 2))  # [B]: every layer has the same heads and keys, so this is the row's mean
+    gap = (target - closed) if scope == "model" else (target - per_head)
+    loss = torch.clamp(gap, min=0).mean()
     return loss, float(closed.detach().mean())
 
 

@@ -420,7 +420,7 @@ def method_forward(config: RetrofitConfig, student, input_ids: torch.Tensor, ste
     logits = student(input_ids=input_ids, attention_mask=unpadded_causal_masks(student), dms_train=state,
                      use_cache=False).logits
     target = config.dms.target_fraction(fraction)
-    loss, closed = compression_loss(state.records, target)
+    loss, closed = compression_loss(state.records, target, config.dms.compression_scope)
     return logits, loss, {"compression": float(loss.detach()), "closed_fraction": closed, "target_fraction": target}
 
 
@@ -691,12 +691,15 @@ def read_trainer_state(path: Path, expected: dict, defaults: dict | None = None)
     """The trainer state of checkpoint ``path`` (``trainer_state.pt``); a one-line error when a setting in ``expected``
     (``{config field: this run's value}``) differs from the one the checkpoint was trained with (``defaults``: the
     value of a field an older checkpoint did not record; a recorded KVpop config is read with
-    :meth:`~kvlearn.config.KVpopConfig.from_record`, so fields added since take the values they stood for). Values
+    :meth:`~kvlearn.config.KVpopConfig.from_record`, and a recorded DMS config's missing fields take
+    :class:`~kvlearn.config.DMSConfig`'s defaults, so fields added since take the values they stood for). Values
     compare after a JSON round trip (tuples = lists)."""
     trainer = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     saved = dict(trainer.get("config", {}))
     if isinstance(saved.get("kvpop"), dict):  # fields added to KVpopConfig since the run started take their old value
         saved["kvpop"] = asdict(KVpopConfig.from_record(saved["kvpop"]))
+    if isinstance(saved.get("dms"), dict):  # and DMSConfig's (compression_scope: "model", what every run did before)
+        saved["dms"] = {**asdict(DMSConfig()), **saved["dms"]}
     for name, want in expected.items():
         have = saved.get(name, (defaults or {}).get(name))
         check(json.loads(json.dumps(have)) == json.loads(json.dumps(want)),
