@@ -500,7 +500,13 @@ def _gate_softcap(text: str) -> float | None:
 
 
 def cmd_reproduce(args) -> int:
-    from .eval.reproduce import ReproduceConfig, reproduce_kvpop
+    from .eval.reproduce import ReproduceConfig, merge_folder, reproduce_kvpop
+
+    if args.merge_only:  # nothing runs, so no device is needed
+        check(not args.overwrite, "--merge-only and --overwrite exclude each other: --merge-only runs nothing and "
+                                  "keeps every table the folder holds")
+        print(f"wrote {merge_folder(args.out)}")
+        return 0
 
     try:  # ReproduceConfig checks each budget's range
         budgets = tuple(int(part) for part in args.budgets.split(","))
@@ -970,6 +976,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "protocol on the eval split (SnapKV and PyramidKV define only that one); with --resume, "
                          "added to budgets an earlier run left without them")
     sp.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda (cpu: a smoke run)")
+    sp.add_argument("--merge-only", action="store_true",
+                    help="run nothing: merge every budget table the --out folder holds into its kvpop_table.json, "
+                         "with the plot and the comparison (no GPU needed, e.g. a folder copied back from one)")
     sp.add_argument("--model", default=None, help="the teacher's folder (default: checkpoints/testbed-teacher)")
     sp.add_argument("--retrofit-args", default="", help="more options for every retrofit (e.g. '--seq-len 256')")
     sp.add_argument("--table-args", default="", help="more options for every table process (e.g. '--context 256')")

@@ -569,3 +569,34 @@ def test_context_rows_are_a_part_of_the_chain_and_added_to_a_budget_left_without
     assert len(calls) == 1  # nothing left: kept
     reproduce_kvpop(ReproduceConfig(out=str(out), budgets=(512,), resume=True), run=table_script)
     assert len(calls) == 1  # without --context-rows a resume never asks for them
+
+
+def test_merge_only_merges_every_budget_of_a_folder_without_a_device(tmp_path, capsys, monkeypatch):
+    """``kvlearn reproduce kvpop --merge-only`` on a folder whose budgets ran in separate runs (each run's own table
+    written for its budgets alone) merges every budget table, largest first, on a machine without CUDA and without
+    running anything; an empty folder and ``--overwrite`` are one-line errors."""
+    import torch
+
+    from kvlearn.cli import main
+
+    out = tmp_path / "r"
+    for budget in (512, 1024):  # two runs, one budget each: the folder's own table holds only the last
+        reproduce_kvpop(ReproduceConfig(out=str(out), budgets=(budget,), resume=budget == 1024),
+                        run=fake_chain(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"ran {a}"))
+    (out / "kvpop_table.json").unlink()
+    capsys.readouterr()
+    assert main(["reproduce", "kvpop", "--out", str(out), "--merge-only"]) == 0
+    merged = json.loads((out / "kvpop_table.json").read_text())
+    assert [r["budget"] for r in merged["rows"]] == [1024] * 4 + [512] * 4 and merged["complete"] is True
+    assert merged["command"] == f"kvlearn reproduce kvpop --out {out} --merge-only"
+    assert sorted(merged["students"]) == ["1024", "512"] and (out / "kvpop_table.png").is_file()
+    assert "wrote" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    for argv, needle in ((["--out", str(tmp_path / "empty")], "holds no budget table"),
+                         (["--out", str(tmp_path / "none")], "is not a folder"),
+                         (["--out", str(out), "--overwrite"], "--merge-only and --overwrite exclude each other")):
+        assert main(["reproduce", "kvpop", "--merge-only", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err

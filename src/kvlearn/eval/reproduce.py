@@ -137,17 +137,22 @@ def budget_table(config: ReproduceConfig, budget: int) -> Path:
     return Path(config.out) / f"budget{budget}" / "kvpop_table.json"
 
 
-def earlier_budgets(config: ReproduceConfig) -> dict[int, Path]:
-    """``{budget: table}`` of the budget tables in ``out`` that ``config.budgets`` does not name (``out/budget<B>/
-    kvpop_table.json``, an earlier run's), largest budget first. A ``--resume`` run merges them too, so the folder's
-    table holds every budget its runs measured whichever ``--budgets`` the last run named (the settings check already
-    holds them to the same settings)."""
+def folder_tables(out: str | os.PathLike) -> dict[int, Path]:
+    """``{budget: table}`` of every budget table in the folder ``out`` (``out/budget<B>/kvpop_table.json``), largest
+    budget first."""
     found = {}
-    for table in Path(config.out).glob("budget*/kvpop_table.json"):
+    for table in Path(out).glob("budget*/kvpop_table.json"):
         name = table.parent.name[len("budget"):]
-        if name.isdigit() and int(name) not in config.budgets:
+        if name.isdigit():
             found[int(name)] = table
     return dict(sorted(found.items(), reverse=True))
+
+
+def earlier_budgets(config: ReproduceConfig) -> dict[int, Path]:
+    """:func:`folder_tables` less the budgets ``config.budgets`` names (an earlier run's). A ``--resume`` run merges
+    them too, so the folder's table holds every budget its runs measured whichever ``--budgets`` the last run named
+    (the settings check already holds them to the same settings)."""
+    return {b: t for b, t in folder_tables(config.out).items() if b not in config.budgets}
 
 
 def budget_env(config: ReproduceConfig, budget: int, students: tuple[str, ...] | None = None,
@@ -435,8 +440,6 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     """Run every budget's chain (``run`` is :func:`subprocess.run`'s signature, replaceable in tests), then merge
     the tables that were written into ``out/kvpop_table.json`` (and its plot); returns that path. A budget whose
     chain wrote no table is named in the merged file's ``not_run``; none at all is a one-line error."""
-    from ..eval.plots import plot_pareto
-
     chain = repo_root() / CHAIN
     check(chain.is_file(), f"{chain} is missing: `kvlearn reproduce` runs the repository's Table 1 chain, so it needs "
                            "the repository checkout (the README's editable install)")
@@ -478,8 +481,31 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
         for budget, table in earlier_budgets(config).items():
             print(f"budget {budget}: merged from an earlier run in {out} (not in --budgets)", flush=True)
             written[budget] = table
+    return write_merged(config, written, missing, command_of(config))
+
+
+def merge_folder(out: str) -> Path:
+    """``kvlearn reproduce kvpop --merge-only``: merge every budget table the folder ``out`` holds into
+    ``out/kvpop_table.json`` (and its plot, the comparison, the students' steps), running nothing, so it needs no GPU
+    (e.g. a folder copied back from the device). Returns that path; a folder without a budget table is a one-line
+    error."""
+    folder = Path(out)
+    check(folder.is_dir(), f"out={out!r} is not a folder: expected the --out of an earlier kvlearn reproduce kvpop run")
+    tables = folder_tables(folder)
+    check(tables, f"out={out!r} holds no budget table (budget<B>/kvpop_table.json): nothing to merge")
+    config = ReproduceConfig(out=out, budgets=tuple(tables), resume=True)
+    return write_merged(config, tables, [], f"kvlearn reproduce kvpop --out {out} --merge-only")
+
+
+def write_merged(config: ReproduceConfig, written: dict[int, Path], missing: list[int], command: str) -> Path:
+    """Merge the budget tables ``written`` (budget -> table) into ``out/kvpop_table.json`` with its plot, name the
+    budgets in ``missing`` (their chain wrote no table) and the students not trained yet under ``not_run``, print
+    the comparison with the table of record and the students' steps; returns the path."""
+    from ..eval.plots import plot_pareto
+
+    out = Path(config.out)
     parts = {budget: read_results(table) for budget, table in written.items()}
-    merged = merge_results(list(parts.values()), command_of(config),
+    merged = merge_results(list(parts.values()), command,
                            across_runs=config.resume)  # resumed budgets may come from other commits
     # each budget has its own four students under the same labels: name them per budget (a union by label kept one)
     merged["students"] = {str(b): part["students"] for b, part in parts.items() if part.get("students")}
