@@ -381,7 +381,25 @@ def test_a_reproduction_is_compared_with_the_table_of_record_over_the_families_b
              c["model"], c["reference_model"]) for c in compared] == [
         ("teacher", None, ["niah", "vt"], 0.5, 0.5, 0.0, None, None),
         ("kvpop", 1024, ["niah", "vt"], 0.8, 1.0, -0.2, "runs/a", "runs/b")]
-    assert "kvpop           bounded  eval        1024     0.800      1.000  -0.200" in comparison_text(compared, "x")
+    assert "kvpop           bounded  eval        1024     0.800      1.000  -0.200\n" in comparison_text(compared, "x") + "\n"
+    assert compared[1]["shared_budgets"] is None and compared[1]["reference_shared_budgets"] is None
+    # the table of record serves its 512 student at 1024 too, this run trains one per budget: the row says so
+    theirs_shared = theirs + [{**row("kvpop", "eval", "niah", budget=512), "model": "runs/b"}]
+    mine_own = mine + [{**row("kvpop", "eval", "niah", budget=512), "model": "runs/c"}]
+    compared = compare_tables(mine_own, theirs_shared)
+    assert [(c["budget"], c["shared_budgets"], c["reference_shared_budgets"]) for c in compared
+            if c["method"] == "kvpop"] == [(1024, None, [1024, 512]), (512, None, [1024, 512])]
+    assert ("kvpop           bounded  eval        1024     0.800      1.000  -0.200  (of record: one student serves "
+            "budgets 1024, 512)") in comparison_text(compared, "x")
+    both = compare_tables(theirs_shared, theirs_shared)  # like with like: no note
+    assert "(" not in comparison_text(both, "x").split("\n", 2)[2]
+    # the committed reproduction: the record's DMS, KVpop-MLP and StreamingLLM+ students serve 1024 and 512, the
+    # mLSTM students are one per budget, and RESULTS.md says which
+    root = Path(__file__).resolve().parents[2]
+    data = json.loads((root / "results" / "reproduce_kvpop_1300_h100.json").read_text())
+    section = reproduction_section(data, root)
+    assert "dms at 1024 (eval): of record: one student serves budgets 1024, 512" in section
+    assert "kvpop at 1024" not in section and "streaming_plus at 1024 (heldout)" in section
     root = Path(__file__).resolve().parents[2]
     section = reproduction_section({"reproduces": "results/kvpop_table.json", "rows": mine}, root)
     assert "Against `results/kvpop_table.json`" in section

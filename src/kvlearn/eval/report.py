@@ -205,7 +205,7 @@ def reproduction_section(data: dict, root: Path) -> str:
     """For a reproduction (a file whose ``reproduces`` names the table of record, as ``kvlearn reproduce`` writes
     it): each run's mean accuracy next to the table of record's, over the families both measured, with each side's
     student checkpoint. Empty when the file reproduces nothing or the table of record is not there."""
-    from .reproduce import STEPS_OF_RECORD, compare_tables, short_students
+    from .reproduce import STEPS_OF_RECORD, compare_tables, shared_note, short_students
 
     reference = root / str(data.get("reproduces", ""))
     if not data.get("reproduces") or not reference.is_file():
@@ -218,6 +218,12 @@ def reproduction_section(data: dict, root: Path) -> str:
     out += [f"| {c['method']} | {c['protocol']} | {c['split']} | {c['budget'] or 'full'} | {c['accuracy']:.3f} | "
             f"{c['reference_accuracy']:.3f} | {c['difference']:+.3f} | {c['model'] or ''} | {c['reference_model'] or ''} |"
             for c in compared]
+    notes = [(c, shared_note(c)) for c in compared]
+    notes = [f"{c['method']} at {c['budget']} ({c['split']}): {n}" for c, n in notes if n]
+    if notes:
+        out += ["", "Rows where one side serves one student checkpoint at several budgets (trained at one of them) "
+                "and the other does not, so at the other budgets they are not the same experiment: "
+                + "; ".join(notes) + "."]
     for budget, steps in (data.get("student_steps") or {}).items():
         out += ["", f"Students' optimizer steps at budget {budget} (this run): "
                 + ", ".join(f"{label} {n}" for label, n in steps.items()) + "."]

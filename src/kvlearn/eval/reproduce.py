@@ -377,7 +377,10 @@ def compare_tables(rows: list[dict], reference: list[dict]) -> list[dict]:
     """Per ``(method, protocol, split, budget)`` the mean accuracy of ``rows`` (a reproduction) and of ``reference``
     (the table of record) over the task families both measured, with each side's student checkpoint (``model``),
     in the order of ``rows``. The full cache is one method whatever its label (``teacher``, ``dense``) and
-    whatever its budget field. Runs only one side measured are left out."""
+    whatever its budget field. Runs only one side measured are left out. ``shared_budgets`` /
+    ``reference_shared_budgets``: every budget that side's student checkpoint serves (its rows' ``model``), when it
+    serves more than one (one student trained at one budget and served at others: not the same experiment as a
+    student trained for each budget), else ``None``."""
     def groups(table: list[dict]) -> dict:
         out: dict = {}
         for r in table:
@@ -390,7 +393,19 @@ def compare_tables(rows: list[dict], reference: list[dict]) -> list[dict]:
             out.setdefault(key, {"tasks": {}, "model": student})["tasks"][r["task"]] = r["accuracy"]
         return out
 
+    def served(table: list[dict]) -> dict:  # student checkpoint -> the budgets its rows serve
+        out: dict = {}
+        for r in table:
+            if r["method"] not in FULL_CACHE_LABELS and r.get("model") not in (None, "teacher"):
+                out.setdefault(r["model"], set()).add(r.get("budget"))
+        return out
+
+    def shared(budgets_of: dict, model) -> list | None:
+        budgets = budgets_of.get(model, set())
+        return sorted(budgets, reverse=True) if len(budgets) > 1 else None
+
     mine, theirs = groups(rows), groups(reference)
+    mine_served, theirs_served = served(rows), served(reference)
     compared = []
     for key, g in mine.items():
         if key not in theirs:
@@ -402,8 +417,20 @@ def compare_tables(rows: list[dict], reference: list[dict]) -> list[dict]:
         b = sum(theirs[key]["tasks"][t] for t in tasks) / len(tasks)
         compared.append({"method": key[0], "protocol": key[1], "split": key[2], "budget": key[3], "tasks": tasks,
                          "accuracy": round(a, 4), "reference_accuracy": round(b, 4), "difference": round(a - b, 4),
-                         "model": g["model"], "reference_model": theirs[key]["model"]})
+                         "model": g["model"], "reference_model": theirs[key]["model"],
+                         "shared_budgets": shared(mine_served, g["model"]),
+                         "reference_shared_budgets": shared(theirs_served, theirs[key]["model"])})
     return compared
+
+
+def shared_note(c: dict) -> str:
+    """A compared row's note when the two sides differ in serving one student at several budgets (empty when they
+    do not: then the row compares like with like)."""
+    if c.get("shared_budgets") == c.get("reference_shared_budgets"):
+        return ""
+    return "; ".join(f"{side}: one student serves budgets {', '.join(map(str, c[key]))}"
+                     for side, key in (("this run", "shared_budgets"), ("of record", "reference_shared_budgets"))
+                     if c.get(key))
 
 
 def comparison_text(compared: list[dict], reference: str) -> str:
@@ -411,8 +438,10 @@ def comparison_text(compared: list[dict], reference: str) -> str:
     lines = [f"against {reference} (mean accuracy over the families both measured):",
              f"{'method':<16}{'protocol':<9}{'split':<9}{'budget':>7}{'this run':>10}{'of record':>11}{'diff':>8}"]
     for c in compared:
+        note = shared_note(c)
         lines.append(f"{c['method']:<16}{c['protocol']:<9}{c['split']:<9}{str(c['budget'] or 'full'):>7}"
-                     f"{c['accuracy']:>10.3f}{c['reference_accuracy']:>11.3f}{c['difference']:>+8.3f}")
+                     f"{c['accuracy']:>10.3f}{c['reference_accuracy']:>11.3f}{c['difference']:>+8.3f}"
+                     + (f"  ({note})" if note else ""))
     return "\n".join(lines)
 
 
