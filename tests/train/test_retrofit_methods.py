@@ -68,6 +68,7 @@ def test_two_step_retrofit_writes_a_loadable_checkpoint(teacher_path, tmp_path, 
         assert any(torch.count_nonzero(g.proj.weight) > 0 for g in dms_gates(loaded))  # the gates were trained
         assert lines[0]["target_fraction"] == 0.0 and 0 < lines[1]["target_fraction"] < 1 - 48 / SEQ
         assert all(0 <= ln["closed_fraction"] <= 1 and ln["compression"] >= 0 for ln in lines)
+        assert all(0 <= ln["closed_head_min"] <= ln["closed_fraction"] <= ln["closed_head_max"] <= 1 for ln in lines)
     else:
         assert saved["streaming_plus"] == {"budget": 48, "sinks": 4, "window": 44}
         assert not has_dms(loaded) and "dms" not in saved and "kvpop" not in saved
@@ -341,6 +342,10 @@ def test_compression_scope_head_holds_each_head_to_the_target(teacher_path, tmp_
             want = (target - per_head).clamp(min=0).mean()
         assert float(loss) == pytest.approx(float(want), abs=1e-6)
         assert log["closed_fraction"] == pytest.approx(float(per_head.mean()), abs=1e-6)
+        by_head = per_head.mean(dim=1)  # [L, H]: the batch's closed fraction of each layer's KV head
+        assert float(log["closed_head_min"]) == pytest.approx(float(by_head.min()), abs=1e-6)
+        assert float(log["closed_head_max"]) == pytest.approx(float(by_head.max()), abs=1e-6)
+        assert float(log["closed_head_max"]) > 0.3 > float(log["closed_head_min"])  # head 0 against head 1
         losses[scope] = float(loss)
     assert losses["head"] > losses["model"] + 0.01  # in the model scope head 0's closing pays for head 1
 

@@ -421,7 +421,12 @@ def method_forward(config: RetrofitConfig, student, input_ids: torch.Tensor, ste
                      use_cache=False).logits
     target = config.dms.target_fraction(fraction)
     loss, closed = compression_loss(state.records, target, config.dms.compression_scope)
-    return logits, loss, {"compression": float(loss.detach()), "closed_fraction": closed, "target_fraction": target}
+    # how unevenly the heads close: the batch's closed fraction of each (layer, KV head), its least and most (0-d
+    # tensors, read back with the step's other values)
+    heads = torch.stack([state.records[i].decisions.detach().float().mean(dim=(0, 2)) for i in sorted(state.records)])
+    lowest, highest = torch.aminmax(heads)  # over [layers, kv_heads]
+    return logits, loss, {"compression": float(loss.detach()), "closed_fraction": closed, "target_fraction": target,
+                          "closed_head_min": lowest, "closed_head_max": highest}
 
 
 def layer_kv_bits(config: RetrofitConfig, num_layers: int) -> tuple[int | str, ...] | None:
@@ -873,8 +878,8 @@ def train_step(config: RetrofitConfig, teacher, student, optimizer, input_ids: t
     (:func:`step_draws`), runs :func:`step_tensors` and reads its values back once. ``kv``: :func:`training_kvpop`
     (computed when None). Returns the step's log values as floats, losses summed and metrics averaged over the
     processes: ``loss``, ``kd``; kvpop: ``boundary``, ``boundary_accuracy``, ``keep_fraction``, ``recall``; dms:
-    ``compression``, ``closed_fraction``, ``target_fraction``; then ``grad_norm``, ``lr``, ``lr_new``,
-    ``lr_decay``."""
+    ``compression``, ``closed_fraction``, ``target_fraction``, ``closed_head_min`` / ``closed_head_max`` (the least
+    and most closed (layer, KV head) of the batch); then ``grad_norm``, ``lr``, ``lr_new``, ``lr_decay``."""
     device = input_ids.device
     kv = training_kvpop(config, student) if kv is None else kv
     lr_new = new_lr_at(config, step, fraction)
