@@ -42,7 +42,7 @@ import torch
 
 import kvlearn
 from kvlearn.dms.apply import recorded_config
-from kvlearn.dms.attention import DMSTrainForward, use_train_attention
+from kvlearn.dms.attention import DMSTrainForward, shift_left, use_train_attention
 from kvlearn.results import make_results, write_results
 from kvlearn.testbed import tasks
 
@@ -78,7 +78,7 @@ def example_load(alphas: dict[int, torch.Tensor], prompt_len: int, needed: list[
     kept_l, needles_g, needles_c = [], [], []
     for layer in sorted(alphas):
         a = alphas[layer]
-        nxt = torch.cat([a[:, 1:], torch.full_like(a[:, :1], float("inf"))], dim=-1)  # key k <- alpha[k + 1]
+        nxt = shift_left(a, float("inf"))  # key k <- alpha[k + 1]; the last key has no decision yet
         kept, capped = capped_keep(nxt, end, sinks, topk)
         kept_l.append(kept.sum(-1))
         if len(need):

@@ -233,16 +233,18 @@ def test_compression_hinge_hand_computed():
 
     # layer 0: row 0 closes 4/4, row 1 1/4; layer 1: row 0 2/4, row 1 1/4  -> closed = [0.75, 0.25]
     records = {0: rec([[[1, 1], [1, 1]], [[1, 0], [0, 0]]]), 1: rec([[[1, 0], [0, 1]], [[0, 0], [1, 0]]])}
-    loss, closed = compression_loss(records, target=0.5)
+    loss, closed, _ = compression_loss(records, target=0.5)
     assert float(loss) == pytest.approx((0.0 + 0.25) / 2)  # one-sided: row 0 over-compresses for free
     assert closed == pytest.approx(0.5)
-    loss, _ = compression_loss(records, target=0.2)
+    loss, _, _ = compression_loss(records, target=0.2)
     assert float(loss) == 0.0
     # per head: layer 0 row 0 heads close 1, 1; row 1 0.5, 0; layer 1 row 0 0.5, 0.5; row 1 0, 0.5 -> with target
     # 0.5 the gaps are 0, 0, 0, 0.5, 0, 0, 0.5, 0 over the 8 (layer, row, head): a head over the target pays nothing
     # for one under it, unlike the model scope, where row 0's closing heads cover row 0's open ones
-    loss, closed = compression_loss(records, target=0.5, scope="head")
+    loss, closed, per_head = compression_loss(records, target=0.5, scope="head")
     assert float(loss) == pytest.approx(1.0 / 8) and closed == pytest.approx(0.5)
+    assert per_head.tolist() == [[[1.0, 1.0], [0.5, 0.0]], [[0.5, 0.5], [0.0, 0.5]]]  # [layer][row][KV head]
+    assert not per_head.requires_grad
     lopsided = {0: rec([[[1, 1], [0, 0]]])}  # one row, two heads: the first closes everything, the second nothing
     assert float(compression_loss(lopsided, target=0.5)[0]) == 0.0
     assert float(compression_loss(lopsided, target=0.5, scope="head")[0]) == pytest.approx(0.25)

@@ -248,19 +248,21 @@ class DMSTrainForward:
         self.records[layer_idx] = DMSRecord(alpha, z, decisions)
 
 
-def compression_loss(records: dict[int, DMSRecord], target: float, scope: str = "model") -> tuple[Tensor, float]:
-    """``(loss, closed)``: the one-sided hinge on the closed fraction, the mean straight-through decision over keys.
-    ``scope="model"`` (the reference): ``mean_b clamp(target - closed_b, min=0)`` with ``closed_b`` over the layers,
-    KV heads and keys of row ``b`` (a head over the target pays for one under it). ``scope="head"``:
+def compression_loss(records: dict[int, DMSRecord], target: float,
+                     scope: str = "model") -> tuple[Tensor, float, Tensor]:
+    """``(loss, closed, per_head)``: the one-sided hinge on the closed fraction, the mean straight-through decision
+    over keys. ``scope="model"`` (the reference): ``mean_b clamp(target - closed_b, min=0)`` with ``closed_b`` over
+    the layers, KV heads and keys of row ``b`` (a head over the target pays for one under it). ``scope="head"``:
     ``mean_{b,l,h} clamp(target - closed_{b,l,h}, min=0)``, each layer's KV head held to the target on its own.
-    ``closed`` is the batch mean over the model either way (a float)."""
+    ``closed`` is the batch mean over the model either way (a float); ``per_head`` the detached closed fractions
+    ``[layers, B, Hkv]`` (layers in index order), for the trainer's log."""
     check(len(records) > 0, "compression_loss: no DMS gate ran in this forward (apply_dms first)")
     check(scope in ("model", "head"), f"scope={scope!r} is invalid: expected model or head")
     per_head = torch.stack([r.decisions.float().mean(dim=2) for _, r in sorted(records.items())])  # [L, B, Hkv]
     closed = per_head.mean(dim=(0, 2))  # [B]: every layer has the same heads and keys, so this is the row's mean
     gap = (target - closed) if scope == "model" else (target - per_head)
     loss = torch.clamp(gap, min=0).mean()
-    return loss, float(closed.detach().mean())
+    return loss, float(closed.detach().mean()), per_head.detach()
 
 
 def dms_train_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,

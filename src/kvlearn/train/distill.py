@@ -420,11 +420,10 @@ def method_forward(config: RetrofitConfig, student, input_ids: torch.Tensor, ste
     logits = student(input_ids=input_ids, attention_mask=unpadded_causal_masks(student), dms_train=state,
                      use_cache=False).logits
     target = config.dms.target_fraction(fraction)
-    loss, closed = compression_loss(state.records, target, config.dms.compression_scope)
+    loss, closed, per_head = compression_loss(state.records, target, config.dms.compression_scope)
     # how unevenly the heads close: the batch's closed fraction of each (layer, KV head), its least and most (0-d
     # tensors, read back with the step's other values)
-    heads = torch.stack([state.records[i].decisions.detach().float().mean(dim=(0, 2)) for i in sorted(state.records)])
-    lowest, highest = torch.aminmax(heads)  # over [layers, kv_heads]
+    lowest, highest = torch.aminmax(per_head.mean(dim=1))  # over [layers, kv_heads]
     return logits, loss, {"compression": float(loss.detach()), "closed_fraction": closed, "target_fraction": target,
                           "closed_head_min": lowest, "closed_head_max": highest}
 
