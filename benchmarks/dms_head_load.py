@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 import torch
 
@@ -100,7 +101,8 @@ def plot_load(load: list[list[float]], path: str, title: str) -> None:
 
     t = torch.tensor(load)
     L, H = t.shape
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * H, 1.0 + 0.45 * L))
+    width = 2.4 + 0.9 * H  # inches: the colour bar's label and a title wrapped to fit (about 10 characters an inch)
+    fig, ax = plt.subplots(figsize=(width, 1.4 + 0.45 * L))
     top = max(float(t.max()), 1.01)
     im = ax.imshow(t.numpy(), cmap="RdBu_r", norm=TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top), aspect="auto")
     for i in range(L):
@@ -109,7 +111,7 @@ def plot_load(load: list[list[float]], path: str, title: str) -> None:
     ax.set_xticks(range(H), [f"KV head {j}" for j in range(H)], fontsize=7)
     ax.set_yticks(range(L), [f"layer {i}" for i in range(L)], fontsize=7)
     fig.colorbar(im, ax=ax, label="kept / long-range slots (median; > 1: the cap evicts kept tokens)")
-    ax.set_title(title, fontsize=8)
+    ax.set_title(textwrap.fill(title, width=int(10 * width)), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

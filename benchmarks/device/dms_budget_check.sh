@@ -2,22 +2,24 @@
 # Does the per-head cap cost the DMS student trained for budget 1024 its accuracy? (issue #10: the 1,300-step
 # reproduction's DMS at 1024 kept 0.422 / 0.343 of the record's 0.920 / 0.917, whose row is the budget-512 student
 # served at 1024; docs/FINDINGS.md, "KVpop".) One call, three steps:
-#   1. DMS students retrofitted side by side from the teacher, 1,300 steps each (STEPS), one per STUDENTS entry
-#      (default '1024 512': budget 1024, target CR 4, the reproduction's student; budget 512, target CR 8, the
-#      record's), as benchmarks/device/kvpop_table.sh trains them (`kvlearn retrofit --method dms --budget B`); an
+#   1. DMS students retrofitted one after another from the teacher, 1,300 steps each (STEPS), one per STUDENTS entry
+#      (default '1024': budget 1024, target CR 4, the reproduction's student; '512' is the record's, target CR 8), as benchmarks/device/kvpop_table.sh trains them (`kvlearn retrofit --method dms --budget B`); an
 #      entry 'B:head' trains with `--compression-scope head` (each KV head held to its own long-range slots, target
 #      CR context / (B - sinks - window) by default: docs/DESIGN.md section 9, "Does the cap bind?");
 #   2. benchmarks/dms_head_load.py on each at budgets LOAD_BUDGETS (default 1024,2048; N_LOAD prompts per family,
 #      default 8, eval split): how many tokens each head's gates keep against its long-range slots, and the needed
 #      tokens the cap would drop;
 #   3. `kvlearn eval --method dms` of each student trained for the first entry's budget, at EVAL_BUDGETS (default
-#      '1024 2048'; N prompts per family, default 100, eval split): if the cap is what costs it, the wider budget
-#      gives the accuracy back.
-# Writes $OUT/dms_load_<label>.json (+ .png heatmaps), $OUT/<label>_eval_b<B>.json, the train logs and the logs, with
-# label dms_<B> or dms_<B>_head.
-# Device time (an estimate from session 44's runs on one H100: DMS's 1,300 steps alone 150 s, beside three others 1.6
-# steps per second; each served budget about 30 s): two students about 7 minutes; 'STUDENTS=1024:head' alone (the
-# remedy, a second call) about 5.
+#      '1024 4095'; N prompts per family, default 100, eval split). 4095 is the largest budget a 4,096-token context
+#      takes, and its 3,835 long-range slots hold every key of any prompt, so there the gates alone decide (at 2048
+#      the heads that keep the whole context still overflow: session 45's head load); if the cap is what costs the
+#      accuracy, 4095 gives it back.
+# Writes $OUT/dms_load_<label>.json, $OUT/<label>_eval_b<B>.json and $OUT/dms_check_logs.tar.gz (the heatmaps
+# dms_load_<label>.png, the train logs train_log_<label>.jsonl and every log), with label dms_<B> or dms_<B>_head.
+# Device time on one H100: a DMS retrofit alone runs 8.5 steps/s (1,300 steps in about 150 s), but two side by side ran
+# 2.2 steps/s each (session 45: neither finished inside a 9-minute call), so the students train one after another; a
+# served budget at batch 64 (the table's) about 40 s, an estimate. One student per call (about 5 minutes with two
+# served budgets): STUDENTS='1024', then STUDENTS='1024:head' (the remedy) in a second call.
 # MODEL, DEVICE, CONTEXT, STEPS, N, N_LOAD, STUDENTS, LOAD_BUDGETS, EVAL_BUDGETS, RETROFIT_ARGS and EVAL_ARGS let it
 # run as a CPU smoke test (tests/eval/test_dms_budget_check_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=$OUT bash benchmarks/device/dms_budget_check.sh
@@ -28,24 +30,20 @@ WORK_DIR=${WORK_DIR:-/tmp}
 MODEL=${MODEL:-checkpoints/testbed-teacher}
 DEVICE=${DEVICE:-cuda}
 CONTEXT=${CONTEXT:-4096}
-STUDENTS=${STUDENTS:-1024 512}
+STUDENTS=${STUDENTS:-1024}
 FIRST=${STUDENTS%% *}; FIRST=${FIRST%%:*}
 label_of() { case $1 in *:head) echo "dms_${1%%:*}_head" ;; *) echo "dms_$1" ;; esac; }
 echo "commit=${KVLEARN_COMMIT:-?} students: $STUDENTS $(date -u +%H:%M:%S)"
-for s in $STUDENTS; do
+for s in $STUDENTS; do  # one after another: two DMS retrofits side by side ran at 2.2 steps/s each, one alone at 8.5
     b=${s%%:*}; label=$(label_of "$s"); scope=model; [ "$s" != "$b" ] && scope=${s#*:}
     # shellcheck disable=SC2086
     python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$WORK_DIR/check_$label" --overwrite --method dms \
         --budget "$b" --compression-scope "$scope" --steps "${STEPS:-1300}" --device "$DEVICE" --num-workers 3 \
-        ${RETROFIT_ARGS:-} > "$OUT/retrofit_$label.log" 2>&1 &
-done
-wait
-for s in $STUDENTS; do
-    label=$(label_of "$s")
+        ${RETROFIT_ARGS:-} > "$OUT/retrofit_$label.log" 2>&1
     [ -f "$WORK_DIR/check_$label/final/config.json" ] || { echo "retrofit $label failed:"; tail -n 3 "$OUT/retrofit_$label.log"; exit 1; }
     cp "$WORK_DIR/check_$label/train_log.jsonl" "$OUT/train_log_$label.jsonl" 2>/dev/null
+    echo "student $label trained $(date -u +%H:%M:%S)"
 done
-echo "students trained $(date -u +%H:%M:%S)"
 for s in $STUDENTS; do
     label=$(label_of "$s")
     python3 benchmarks/dms_head_load.py --model "$WORK_DIR/check_$label/final" --budget "${LOAD_BUDGETS:-1024,2048}" \
@@ -56,12 +54,16 @@ done
 for s in $STUDENTS; do
     [ "${s%%:*}" = "$FIRST" ] || continue
     label=$(label_of "$s")
-    for eb in ${EVAL_BUDGETS:-1024 2048}; do
+    for eb in ${EVAL_BUDGETS:-1024 4095}; do
         # shellcheck disable=SC2086
         python3 -m kvlearn.cli eval --model "$WORK_DIR/check_$label/final" --method dms --budget "$eb" --split eval \
-            --n-per-task "${N:-100}" --device "$DEVICE" --context "$CONTEXT" ${EVAL_ARGS:-} \
+            --n-per-task "${N:-100}" --device "$DEVICE" --context "$CONTEXT" --batch-size 64 ${EVAL_ARGS:-} \
             --out "$OUT/${label}_eval_b$eb.json" > "$OUT/${label}_eval_b$eb.log" 2>&1
         echo "$label served at $eb rc=$?"; tail -n 5 "$OUT/${label}_eval_b$eb.log"
     done
 done
+# the device returns at most 8 files: everything but the JSON results goes into one archive (the retrofit logs
+# without their progress bars)
+for f in "$OUT"/retrofit_*.log; do [ -f "$f" ] && tr '\r' '\n' < "$f" | grep -v "^retrofit:" > "$f.tmp" && mv "$f.tmp" "$f"; done
+(cd "$OUT" && tar czf dms_check_logs.tar.gz --remove-files ./*.log ./*.png ./train_log_*.jsonl 2>/dev/null)
 echo "done $(date -u +%H:%M:%S)"

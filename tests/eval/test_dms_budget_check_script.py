@@ -1,11 +1,12 @@
 """``benchmarks/device/dms_budget_check.sh`` (issue #10's DMS budget check) as a CPU smoke test on a tiny GQA Qwen3: three
-DMS students trained side by side (two budgets, one of them also with the head scope), each one's head load at two
+DMS students trained one after another (two budgets, one of them also with the head scope), each one's head load at two
 budgets, the first budget's students served at two budgets; every file is written and each student was trained
-for its own budget and scope."""
+for its own budget and scope; everything but the JSON results is packed in one archive."""
 
 import json
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +22,13 @@ def test_every_file_is_written_and_each_student_has_its_budget(make_teacher, tmp
     run = subprocess.run(["bash", "benchmarks/device/dms_budget_check.sh"], env=env, capture_output=True, text=True,
                          timeout=600, cwd=ROOT)
     assert run.returncode == 0 and "done" in run.stdout, run.stdout + run.stderr
+    with tarfile.open(out / "dms_check_logs.tar.gz") as tar:  # the device returns at most 8 files: the rest is packed
+        packed = {Path(m.name).name: m for m in tar.getmembers()}
+        logs = {name: tar.extractfile(m).read().decode() for name, m in packed.items() if not name.endswith(".png")}
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["dms_check_logs.tar.gz"] + [f"dms_load_{lb}.json" for lb in ("dms_64", "dms_48", "dms_64_head")]
+        + [f"{lb}_eval_b{eb}.json" for lb in ("dms_64", "dms_64_head") for eb in (64, 128)])
+    assert not any("retrofit:" in text for name, text in logs.items() if name.startswith("retrofit_"))
     for label, b, scope, cr in (("dms_64", 64, "model", 128 / 64), ("dms_48", 48, "model", 128 / 48),
                                 ("dms_64_head", 64, "head", 128 / (64 - 4 - 32))):  # retrofit's window: half of 64
         load = json.loads((out / f"dms_load_{label}.json").read_text())
@@ -29,8 +37,9 @@ def test_every_file_is_written_and_each_student_has_its_budget(make_teacher, tmp
         assert alls[64]["target_cr"] == cr  # kvlearn retrofit's default for the scope
         saved = json.loads((tmp_path / f"check_{label}" / "final" / "config.json").read_text())["dms"]
         assert saved["compression_scope"] == scope
-        assert (out / f"dms_load_{label}.png").stat().st_size > 1000
-        assert (out / f"train_log_{label}.jsonl").read_text().count("\n") == 2
+        assert packed[f"dms_load_{label}.png"].size > 1000
+        assert logs[f"train_log_{label}.jsonl"].count("\n") == 2
+        assert f"retrofit_{label}.log" in logs and f"dms_load_{label}.log" in logs
     for label in ("dms_64", "dms_64_head"):
         for eb in (64, 128):
             (row,) = json.loads((out / f"{label}_eval_b{eb}.json").read_text())["rows"]
