@@ -47,7 +47,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from ..config import DMS_TRAIN_ATTENTIONS, DMSConfig
+from ..config import DMS_COMPRESSION_SCOPES, DMS_TRAIN_ATTENTIONS, DMSConfig
 from ..errors import check
 from ..ops.flex import autocast_qkv
 
@@ -257,7 +257,7 @@ def compression_loss(records: dict[int, DMSRecord], target: float,
     ``closed`` is the batch mean over the model either way (a float); ``per_head`` the detached closed fractions
     ``[layers, B, Hkv]`` (layers in index order), for the trainer's log."""
     check(len(records) > 0, "compression_loss: no DMS gate ran in this forward (apply_dms first)")
-    check(scope in ("model", "head"), f"scope={scope!r} is invalid: expected model or head")
+    check(scope in DMS_COMPRESSION_SCOPES, f"scope={scope!r} is invalid: expected one of {', '.join(DMS_COMPRESSION_SCOPES)}")
     per_head = torch.stack([r.decisions.float().mean(dim=2) for _, r in sorted(records.items())])  # [L, B, Hkv]
     closed = per_head.mean(dim=(0, 2))  # [B]: every layer has the same heads and keys, so this is the row's mean
     gap = (target - closed) if scope == "model" else (target - per_head)

@@ -393,11 +393,11 @@ def compare_tables(rows: list[dict], reference: list[dict]) -> list[dict]:
             out.setdefault(key, {"tasks": {}, "model": student})["tasks"][r["task"]] = r["accuracy"]
         return out
 
-    def served(table: list[dict]) -> dict:  # student checkpoint -> the budgets its rows serve
+    def served(grouped: dict) -> dict:  # student checkpoint -> the budgets its runs serve
         out: dict = {}
-        for r in table:
-            if r["method"] not in FULL_CACHE_LABELS and r.get("model") not in (None, "teacher"):
-                out.setdefault(r["model"], set()).add(r.get("budget"))
+        for key, g in grouped.items():
+            if g["model"] is not None:
+                out.setdefault(g["model"], set()).add(key[3])
         return out
 
     def shared(budgets_of: dict, model) -> list | None:
@@ -405,7 +405,7 @@ def compare_tables(rows: list[dict], reference: list[dict]) -> list[dict]:
         return sorted(budgets, reverse=True) if len(budgets) > 1 else None
 
     mine, theirs = groups(rows), groups(reference)
-    mine_served, theirs_served = served(rows), served(reference)
+    mine_served, theirs_served = served(mine), served(theirs)
     compared = []
     for key, g in mine.items():
         if key not in theirs:
