@@ -17,9 +17,9 @@
 # Writes $OUT/dms_load_<label>.json, $OUT/<label>_eval_b<B>.json and $OUT/dms_check_logs.tar.gz (the heatmaps
 # dms_load_<label>.png, the train logs train_log_<label>.jsonl and every log), with label dms_<B> or dms_<B>_head.
 # Device time on one H100: a DMS retrofit alone runs 8.5 steps/s (1,300 steps in about 150 s), but two side by side ran
-# 2.2 steps/s each (session 45: neither finished inside a 9-minute call), so the students train one after another; a
-# served budget at batch 64 (the table's) about 40 s, an estimate. One student per call (about 5 minutes with two
-# served budgets): STUDENTS='1024', then STUDENTS='1024:head' (the remedy) in a second call.
+# 2.2 steps/s each (session 45: neither finished inside a 9-minute call), so the students train one after another.
+# Measured on one H200 (session 46): 220 s for STUDENTS='1024' and 234 s for STUDENTS='1024:head' (the retrofit
+# 147-163 s, the head load about 20 s, each served budget 17-21 s at batch 64, the table's).
 # MODEL, DEVICE, CONTEXT, STEPS, N, N_LOAD, STUDENTS, LOAD_BUDGETS, EVAL_BUDGETS, RETROFIT_ARGS and EVAL_ARGS let it
 # run as a CPU smoke test (tests/eval/test_dms_budget_check_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=$OUT bash benchmarks/device/dms_budget_check.sh
