@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one torch thread per pytest-xdist worker (the README's command runs two on CI's two cores): two workers of two
+    # threads each would oversubscribe the cores; the subprocesses a test starts inherit the limit through the env
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,11 +30,15 @@ def test_lazy_names_are_the_real_objects_and_are_listed():
         raise AssertionError("an unknown name must raise AttributeError")
 
 
-def test_import_kvlearn_does_not_import_the_trainers():
-    code = ("import sys, kvlearn; print(any(m in sys.modules for m in "
-            "('kvlearn.train.distill', 'kvlearn.train.kaizen_train', 'kvlearn.eval.accuracy')))")
+def test_import_kvlearn_imports_neither_torch_nor_the_trainers():
+    """``import kvlearn`` and the JSON-only tools (the acceptance verdicts, the report) import neither torch nor
+    transformers nor a trainer; the first public name used imports its module."""
+    heavy = ('torch', 'transformers', 'kvlearn.train.distill', 'kvlearn.train.kaizen_train', 'kvlearn.eval.accuracy')
+    code = ("import sys, kvlearn, kvlearn.eval.acceptance, kvlearn.eval.report; "
+            f"print([m for m in {heavy!r} if m in sys.modules]); "
+            "kvlearn.apply_kvpop; print('kvlearn.kvpop.apply' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-1000:]
+    assert out.returncode == 0 and out.stdout.split("\n")[:2] == ["[]", "True True"], out.stdout + out.stderr[-1000:]
 
 
 def test_a_retrofit_from_three_lines_of_python(tmp_path):

@@ -34,3 +34,13 @@ def test_two_setup_commands_and_every_registered_method_named():
     for name in method_names():
         assert f"`{name}`" in README
     assert "gpu_session" not in README
+
+
+def test_ci_runs_the_readme_test_command():
+    """``.ci/run`` runs the README's test command: the same pytest arguments (``-q`` aside)."""
+    (tests_block,) = [b for b in blocks("bash") if "pytest" in b]
+    readme_args = tests_block.split("python -m pytest", 1)[1].split()
+    ci_line = next(line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                   if line.startswith("python3 -m pytest"))
+    ci_args = [a for a in ci_line.split("python3 -m pytest", 1)[1].split() if a != "-q"]
+    assert ci_args == readme_args, (ci_args, readme_args)

@@ -4,28 +4,34 @@ The public API: configs, :func:`attach` (make a model run with kvlearn caches), 
 streaming cache, :func:`apply_kvpop` / :func:`make_kvpop_cache` (KVpop's learned modules and cache),
 :func:`apply_dms` / :func:`make_dms_cache` with :class:`DMSConfig` (DMS's learned gates and cache) and
 :func:`load` (= :func:`load_model`: a checkpoint folder, with KVpop or DMS re-applied when it was saved with it;
-:mod:`kvlearn.checkpoint`); and, imported on first use, training (:func:`retrofit` with :class:`RetrofitConfig`,
+:mod:`kvlearn.checkpoint`); training (:func:`retrofit` with :class:`RetrofitConfig`,
 :func:`kaizen_train` with :class:`KaizenTrainConfig`), evaluation (:func:`evaluate` with :class:`EvalConfig`) and
 the method registry (:func:`get_method`, :func:`make_config`). Method-specific modules live in ``kvlearn.kvpop``,
-``kvlearn.eviction``, ``kvlearn.ops``.
+``kvlearn.eviction``, ``kvlearn.ops``. Every name is imported on first use.
 """
-
-from .cache import CompactCache, CompactLayer
-from .config import DMSConfig, KVpopConfig, StreamingConfig
-from .errors import KVLearnError
-from .eviction.streaming import StreamingCache
-from .checkpoint import load
-from .hf import attach
-from .dms.apply import apply_dms, make_dms_cache
-from .kvpop.apply import apply_kvpop, make_kvpop_cache
-
-load_model = load
 
 __version__ = "0.1.0"
 
-# Training and evaluation, imported on first use (``kvlearn.retrofit``, ...) so that ``import kvlearn`` stays light:
-# name -> (module, attribute).
+# Every public name is imported on first use (``kvlearn.apply_kvpop``, ``from kvlearn import load``): ``import kvlearn``
+# itself imports neither torch nor transformers, so that the JSON-only tools (``python -m kvlearn.eval.report``,
+# ``kvlearn.eval.acceptance``, the ``python -m kvlearn.results`` merges of the device scripts) start in a fraction of a
+# second instead of the 4-6 s torch, dynamo and the transformers model code take: name -> (module, attribute).
 LAZY = {
+    "CompactCache": ("kvlearn.cache.layer", "CompactCache"),
+    "CompactLayer": ("kvlearn.cache.layer", "CompactLayer"),
+    "DMSConfig": ("kvlearn.config", "DMSConfig"),
+    "KVpopConfig": ("kvlearn.config", "KVpopConfig"),
+    "StreamingConfig": ("kvlearn.config", "StreamingConfig"),
+    "KVLearnError": ("kvlearn.errors", "KVLearnError"),
+    "StreamingCache": ("kvlearn.eviction.streaming", "StreamingCache"),
+    "load": ("kvlearn.checkpoint", "load"),
+    "load_model": ("kvlearn.checkpoint", "load"),
+    "attach": ("kvlearn.hf", "attach"),
+    "apply_dms": ("kvlearn.dms.apply", "apply_dms"),
+    "make_dms_cache": ("kvlearn.dms.apply", "make_dms_cache"),
+    "apply_kvpop": ("kvlearn.kvpop.apply", "apply_kvpop"),
+    "make_kvpop_cache": ("kvlearn.kvpop.apply", "make_kvpop_cache"),
+    # training and evaluation
     "RetrofitConfig": ("kvlearn.train.distill", "RetrofitConfig"),
     "retrofit": ("kvlearn.train.distill", "retrofit"),
     "KaizenTrainConfig": ("kvlearn.train.kaizen_train", "KaizenTrainConfig"),
@@ -49,21 +55,5 @@ def __getattr__(name: str):
 def __dir__():
     return sorted(set(globals()) | set(LAZY))
 
-__all__ = [
-    "CompactCache",
-    "CompactLayer",
-    "DMSConfig",
-    "KVLearnError",
-    "KVpopConfig",
-    "StreamingCache",
-    "StreamingConfig",
-    "apply_dms",
-    "apply_kvpop",
-    "attach",
-    "load",
-    "load_model",
-    "make_dms_cache",
-    "make_kvpop_cache",
-    "__version__",
-    *LAZY,
-]
+
+__all__ = ["__version__", *LAZY]
