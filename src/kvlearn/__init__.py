@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # Every public name is imported on first use (``kvlearn.apply_kvpop``, ``from kvlearn import load``): ``import kvlearn``
 # itself imports neither torch nor transformers, so that the JSON-only tools (``python -m kvlearn.eval.report``,
 # ``kvlearn.eval.acceptance``, the ``python -m kvlearn.results`` merges of the device scripts) start in a fraction of a
-# second instead of the 4-6 s torch, dynamo and the transformers model code take: name -> (module, attribute).
+# second instead of the seconds torch, dynamo and the transformers model code take: name -> (module, attribute).
 LAZY = {
     "CompactCache": ("kvlearn.cache.layer", "CompactCache"),
     "CompactLayer": ("kvlearn.cache.layer", "CompactLayer"),
