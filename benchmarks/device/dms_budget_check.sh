@@ -20,6 +20,11 @@
 # 2.2 steps/s each (session 45: neither finished inside a 9-minute call), so the students train one after another.
 # Measured on one H200 (session 46): 220 s for STUDENTS='1024' and 234 s for STUDENTS='1024:head' (the retrofit
 # 147-163 s, the head load about 20 s, each served budget 17-21 s at batch 64, the table's).
+# KEEP_STUDENTS=1 also writes $OUT/student_<label>.tar per student: its final/ folder without the optimizer state (a
+# float32 testbed student is about 13 MB, so one student per call fits a device file), which `kvlearn eval --model
+# final` serves on another device or on the CPU: a student trained on one GPU and served on another, or on both,
+# tells a training draw from a serving difference (why session 44's H100 student kept 0.42 at 1024 where the H200's
+# keeps 0.975: docs/FINDINGS.md, "On an H200").
 # MODEL, DEVICE, CONTEXT, STEPS, N, N_LOAD, STUDENTS, LOAD_BUDGETS, EVAL_BUDGETS, RETROFIT_ARGS and EVAL_ARGS let it
 # run as a CPU smoke test (tests/eval/test_dms_budget_check_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=$OUT bash benchmarks/device/dms_budget_check.sh
@@ -66,4 +71,11 @@ done
 # without their progress bars)
 for f in "$OUT"/retrofit_*.log; do [ -f "$f" ] && tr '\r' '\n' < "$f" | grep -v "^retrofit:" > "$f.tmp" && mv "$f.tmp" "$f"; done
 (cd "$OUT" && tar czf dms_check_logs.tar.gz --remove-files ./*.log ./*.png ./train_log_*.jsonl 2>/dev/null)
+if [ "${KEEP_STUDENTS:-0}" = 1 ]; then  # each student's final/ weights and config, to serve it again elsewhere
+    for s in $STUDENTS; do
+        label=$(label_of "$s")
+        tar -C "$WORK_DIR/check_$label" --exclude=trainer_state.pt -cf "$OUT/student_$label.tar" final
+        echo "kept student_$label.tar ($(( $(stat -c %s "$OUT/student_$label.tar") / 1048576 )) MiB; a device file may hold 16)"
+    done
+fi
 echo "done $(date -u +%H:%M:%S)"
