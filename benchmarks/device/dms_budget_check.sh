@@ -18,8 +18,9 @@
 # dms_load_<label>.png, the train logs train_log_<label>.jsonl and every log), with label dms_<B> or dms_<B>_head.
 # Device time on one H100: a DMS retrofit alone runs 8.5 steps/s (1,300 steps in about 150 s), but two side by side ran
 # 2.2 steps/s each (session 45: neither finished inside a 9-minute call), so the students train one after another.
-# Measured on one H200 (session 46): 220 s for STUDENTS='1024' and 234 s for STUDENTS='1024:head' (the retrofit
-# 147-163 s, the head load about 20 s, each served budget 17-21 s at batch 64, the table's).
+# Measured on one H200 (session 46, results/raw/dms_budget_check_stdout_h200_86b159d.log): 220 s for STUDENTS='1024'
+# and 234 s for STUDENTS='1024:head' (the retrofit command 147-163 s, of which training 134-152 s by the train logs;
+# each served budget 17-21 s at batch 64, the table's).
 # KEEP_STUDENTS=1 also writes $OUT/student_<label>.tar per student: its final/ folder without the optimizer state (a
 # float32 testbed student is about 13 MB, so one student per call fits a device file), which `kvlearn eval --model
 # final` serves on another device or on the CPU: a student trained on one GPU and served on another, or on both,
