@@ -26,7 +26,7 @@ hard DMS rule with no budget (``DMSTrainForward(hard=True)``: what the gates kee
   costs, not the served run itself.
 
 Reported per family and over all: the share of (prompt, layer, head) triples whose budget binds, the median load per
-layer and head, and the two needle shares. ``--budget`` (default the checkpoint's) serves the same gates at another
+layer and head, and the two needle shares (their means, and per layer and KV head: ``needles_*_by_layer_head``). ``--budget`` (default the checkpoint's) serves the same gates at another
 budget, so one run may compare e.g. 1024 and 2048 (``--budget 1024,2048``). ``--heatmap``: the median load per layer
 and KV head for the first budget (the appendix's figure 8 analog, with the line at 1 where the cap binds).
 About a minute per example at length 4096 on two CPU cores (the dense bias is ``B * Hq * T^2`` floats per layer);
@@ -136,6 +136,10 @@ def summarize(per_example: list[dict], topk: int) -> dict:
     for key in ("needles_gates", "needles_capped"):
         out[f"{key}_mean"] = (round(float(torch.stack([e[key].mean() for e in with_needles]).mean()), 4)
                               if with_needles else None)
+        # per layer and KV head, mean over the examples with needed tokens: which heads' caps take them
+        out[f"{key}_by_layer_head"] = ([[round(float(x), 3) for x in row]
+                                        for row in torch.stack([e[key] for e in with_needles]).mean(0)]
+                                       if with_needles else None)
     return out
 
 

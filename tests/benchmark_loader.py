@@ -14,5 +14,6 @@ def load_benchmark(name: str):
         sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass defined in the script looks its module up here
     spec.loader.exec_module(module)
     return module

@@ -87,7 +87,7 @@ def test_counts_match_a_recount_and_a_loose_budget_never_binds(tmp_path):
 
     model = kvlearn.load(ck, dtype=torch.float32, device="cpu")
     use_train_attention(model)
-    binds, kept_all, needles = [], [], []
+    binds, kept_all, needles, by_head = [], [], [], {}
     for family in ("niah", "vt"):
         for i in range(2):
             ex = tasks.generate(family, tasks.example_seed(family, "eval", i), 256)
@@ -105,10 +105,16 @@ def test_counts_match_a_recount_and_a_loose_budget_never_binds(tmp_path):
                     binds.append(n > 44)
                     if need:
                         shares.append(sum(float(a[h, t + 1]) <= 0 for t in need) / len(need))
+                        by_head.setdefault((layer, h), []).append(shares[-1])
             if shares:
                 needles.append(sum(shares) / len(shares))
     assert tight["binds_share"] == pytest.approx(sum(binds) / len(binds), abs=1e-4)
     assert needles and tight["needles_gates_mean"] == pytest.approx(sum(needles) / len(needles), abs=1e-4)
+    grid = tight["needles_gates_by_layer_head"]
+    for (layer, h), v in by_head.items():
+        assert grid[layer][h] == pytest.approx(sum(v) / len(v), abs=1e-3)
+    assert loose["needles_capped_by_layer_head"] == loose["needles_gates_by_layer_head"]
+    assert all(c <= g for rc, rg in zip(tight["needles_capped_by_layer_head"], grid) for c, g in zip(rc, rg))
     per_example = [e for e in data["examples"]]
     assert max(e["kept_max"] for e in per_example) == max(kept_all)
     assert min(e["kept_min"] for e in per_example) == min(kept_all)
