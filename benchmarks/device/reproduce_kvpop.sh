@@ -8,7 +8,8 @@
 # the students' training logs and the merged table.
 # Between calls: unpack the returned tar into REP on this machine and pass carry ["carry_eval"] to the next call,
 # e.g. BUDGETS=1024, then 1024,512, then 1024,512,256 (a budget an earlier call finished costs nothing). The budgets
-# of one table must come from one device model (the merge refuses parts of different devices). A budget whose table
+# of one table must come from one device model (a resumed folder another device measured is refused before anything
+# runs: a call may get an H100 when it names an H200). A budget whose table
 # stage was cut by its time guard (the baselines' held-out runs, on an H100 in session 40) is finished by the next
 # call: only the runs it lacks are measured, the retrofits are not run again (a missing student run, whose
 # checkpoint this script deleted, would need the whole chain again). A chain this call's LIMIT killed inside its

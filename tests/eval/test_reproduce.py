@@ -618,3 +618,27 @@ def test_merge_only_merges_every_budget_of_a_folder_without_a_device(tmp_path, c
         assert main(["reproduce", "kvpop", "--merge-only", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_resume_into_a_folder_another_device_measured_is_refused_before_any_chain(tmp_path):
+    """Session 47: a call resumed an H200 folder on an H100; its chain trained for 400 s before the merge refused the
+    two devices. Now the refusal comes first, naming both devices; a folder of this device resumes as before."""
+    out = tmp_path / "r"
+    rows = [{"method": "dms", "protocol": "bounded", "split": "eval", "budget": 1024, "task": "niah", "accuracy": 1.0,
+             "n": 1}]
+    write_results(out / "budget1024" / "kvpop_table.json",
+                  {**make_results("accuracy", rows, command="x", commit="c", complete=True), "device": "NVIDIA H200"})
+    calls = []
+
+    def run(cmd, cwd, env, stdout, stderr, check):
+        calls.append(env["BUDGET"])
+        return subprocess.CompletedProcess(cmd, 0)
+
+    with pytest.raises(KVLearnError, match=r"budget1024/kvpop_table.json \(budget 1024\) was measured on 'NVIDIA H200' "
+                                           r"and this run is on .*start a new --out"):
+        reproduce_kvpop(ReproduceConfig(out=str(out), budgets=(256,), resume=True), run=run)
+    assert calls == []
+    path = reproduce_kvpop(ReproduceConfig(out=str(tmp_path / "s"), budgets=(256,)), run=fake_chain(tmp_path))
+    path = reproduce_kvpop(ReproduceConfig(out=str(tmp_path / "s"), budgets=(512,), resume=True),
+                           run=fake_chain(tmp_path))  # the same device's folder: resumed and merged
+    assert sorted({r["budget"] for r in json.loads(Path(path).read_text())["rows"]}) == [256, 512]

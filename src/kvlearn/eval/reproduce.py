@@ -39,8 +39,8 @@ from typing import Callable
 
 from ..config import retrofit_window
 from ..errors import check, check_int
-from ..results import (FULL_CACHE_LABELS, merge_results, portable_path, read_results, repo_root, row_run_key,
-                       split_not_run, write_results)
+from ..results import (FULL_CACHE_LABELS, device_name, merge_results, portable_path, read_results, repo_root,
+                       row_run_key, split_not_run, write_results)
 
 TABLE1_STUDENTS = "kvpop_mlp=kvpop kvpop=kvpop streaming_plus=streaming_plus dms=dms"
 STUDENT_METHODS = dict(s.split("=") for s in TABLE1_STUDENTS.split())  # label -> registered method
@@ -153,6 +153,18 @@ def earlier_budgets(config: ReproduceConfig) -> dict[int, Path]:
     them too, so the folder's table holds every budget its runs measured whichever ``--budgets`` the last run named
     (the settings check already holds them to the same settings)."""
     return {b: t for b, t in folder_tables(config.out).items() if b not in config.budgets}
+
+
+def check_one_device(config: ReproduceConfig) -> None:
+    """``--resume`` into a folder whose budget tables another device measured is a one-line error before any chain
+    runs: the merge refuses parts of two devices (a table holds one device's rows), and it comes after the chains."""
+    here = device_name(config.device)
+    for budget, table in folder_tables(config.out).items():
+        there = read_results(table).get("device")
+        check(there in (None, here),
+              f"--resume: {table} (budget {budget}) was measured on {there!r} and this run is on {here!r}: a table "
+              f"holds one device's rows, so start a new --out for this device (--merge-only merges a folder "
+              f"without running anything)")
 
 
 def budget_env(config: ReproduceConfig, budget: int, students: tuple[str, ...] | None = None,
@@ -482,6 +494,8 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
         check(not changed, f"--resume: {', '.join(f'{k}={settings.get(k)!r}' for k in changed)} differ from "
                            f"the earlier run's {', '.join(f'{k}={earlier.get(k)!r}' for k in changed)} "
                            f"({settings_file}): resume with the same settings, or start a new --out")
+    if config.resume:
+        check_one_device(config)
     settings_file.write_text(json.dumps(settings, indent=1) + "\n")
     written, missing = {}, []  # budget -> its table; budgets whose chain wrote none
     for i, budget in enumerate(config.budgets):
