@@ -2,30 +2,36 @@
 # Does the per-head cap cost the DMS student trained for budget 1024 its accuracy? (issue #10: the 1,300-step
 # reproduction's DMS at 1024 kept 0.422 / 0.343 of the record's 0.920 / 0.917, whose row is the budget-512 student
 # served at 1024; docs/FINDINGS.md, "KVpop".) One call, three steps:
-#   1. DMS students retrofitted one after another from the teacher, 1,300 steps each (STEPS), one per STUDENTS entry
-#      (default '1024': budget 1024, target CR 4, the reproduction's student; '512' is the record's, target CR 8), as benchmarks/device/kvpop_table.sh trains them (`kvlearn retrofit --method dms --budget B`); an
-#      entry 'B:head' trains with `--compression-scope head` (each KV head held to its own long-range slots, target
-#      CR context / (B - sinks - window) by default: docs/DESIGN.md section 9, "Does the cap bind?");
-#   2. benchmarks/dms_head_load.py on each at budgets LOAD_BUDGETS (default 1024,2048; N_LOAD prompts per family,
-#      default 8, eval split): how many tokens each head's gates keep against its long-range slots, and the needed
-#      tokens the cap would drop;
-#   3. `kvlearn eval --method dms` of each student trained for the first entry's budget, at EVAL_BUDGETS (default
-#      '1024 4095'; N prompts per family, default 100, eval split). 4095 is the largest budget a 4,096-token context
-#      takes, and its 3,835 long-range slots hold every key of any prompt, so there the gates alone decide (at 2048
-#      the heads that keep the whole context still overflow: session 45's head load); if the cap is what costs the
-#      accuracy, 4095 gives it back.
+#   1. DMS students retrofitted one after another from the teacher, 1,300 steps each (STEPS), one per STUDENTS
+#      entry (default '1024': budget 1024, target CR 4, the reproduction's student; '512' is the record's, target
+#      CR 8), as benchmarks/device/kvpop_table.sh trains them (`kvlearn retrofit --method dms --budget B`); an entry
+#      'B:head' trains with `--compression-scope head` (each KV head held to its own long-range slots, target CR
+#      context / (B - sinks - window) by default: docs/DESIGN.md section 9, "Does the cap bind?");
+#   2. benchmarks/dms_head_load.py on each at budgets LOAD_BUDGETS (default its own budget and twice it, e.g.
+#      1024,2048; N_LOAD prompts per family, default 8, eval split): how many tokens each head's gates keep against
+#      its long-range slots, and the needed tokens the cap would drop;
+#   3. `kvlearn eval --method dms` of each student at its own budget and at CONTEXT - 1 (or, with EVAL_BUDGETS set,
+#      of each student trained for the first entry's budget at those; N prompts per family, default 100, eval
+#      split). 4095 is the largest budget a 4,096-token context takes, and its 3,835 long-range slots hold every key
+#      of any prompt, so there the gates alone decide (at 2048 the heads that keep the whole context still
+#      overflow: session 45's head load); if the cap is what costs the accuracy, 4095 gives it back.
 # Writes $OUT/dms_load_<label>.json, $OUT/<label>_eval_b<B>.json and $OUT/dms_check_logs.tar.gz (the heatmaps
-# dms_load_<label>.png, the train logs train_log_<label>.jsonl and every log), with label dms_<B> or dms_<B>_head.
+# dms_load_<label>.png, the train logs train_log_<label>.jsonl and every log), with label dms_<B> or dms_<B>_head;
+# when that is more than the 8 files a device call returns, the JSON files are packed in dms_check_results.tar.gz.
+# Two calls on one H100 compare the scopes at every Table 1 budget: STUDENTS='1024:head 512:head', then
+# STUDENTS='256:head' (220-270 s a student: training, head load and two served budgets; 270 s on one H100 in
+# session 47, results/raw/device_stdout_session47_h100_cf9750c.log).
 # Device time on one H100: a DMS retrofit alone runs 8.5 steps/s (1,300 steps in about 150 s), but two side by side ran
 # 2.2 steps/s each (session 45: neither finished inside a 9-minute call), so the students train one after another.
 # Measured on one H200 (session 46, results/raw/dms_budget_check_stdout_h200_86b159d.log): 220 s for STUDENTS='1024'
 # and 234 s for STUDENTS='1024:head' (the retrofit command 147-163 s, of which training 134-152 s by the train logs;
 # each served budget 17-21 s at batch 64, the table's).
-# KEEP_STUDENTS=1 also writes $OUT/student_<label>.tar per student: its final/ folder without the optimizer state (a
-# float32 testbed student is about 13 MB, so one student per call fits a device file), which `kvlearn eval --model
-# final` serves on another device or on the CPU: a student trained on one GPU and served on another, or on both,
-# tells a training draw from a serving difference (why session 44's H100 student kept 0.42 at 1024 where the H200's
-# keeps 0.975: docs/FINDINGS.md, "On an H200").
+# KEEP_STUDENTS=1 also writes each student's final/ folder without the optimizer state, gzipped in parts of at most
+# 15 MiB, $OUT/student_<label>.tar.gz.part_aa, _ab, ... (`cat` them, then `tar xz`; a float32 testbed student is
+# 25 MB, two parts), which `kvlearn eval --model final` serves on another device or on the CPU: a student trained on
+# one GPU and served on another, or on both,
+# tells a training draw from a serving difference (session 47: the H100's student keeps 0.42 at 1024 on the H100 and
+# on the CPU alike, and benchmarks/dms_cap_lift.py finds the cap on its layer 5 costs it: docs/FINDINGS.md, "On an H100").
 # MODEL, DEVICE, CONTEXT, STEPS, N, N_LOAD, STUDENTS, LOAD_BUDGETS, EVAL_BUDGETS, RETROFIT_ARGS and EVAL_ARGS let it
 # run as a CPU smoke test (tests/eval/test_dms_budget_check_script.py).
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=$OUT bash benchmarks/device/dms_budget_check.sh
@@ -52,15 +58,19 @@ for s in $STUDENTS; do  # one after another: two DMS retrofits side by side ran 
 done
 for s in $STUDENTS; do
     label=$(label_of "$s")
-    python3 benchmarks/dms_head_load.py --model "$WORK_DIR/check_$label/final" --budget "${LOAD_BUDGETS:-1024,2048}" \
+    b=${s%%:*}
+    python3 benchmarks/dms_head_load.py --model "$WORK_DIR/check_$label/final" --budget "${LOAD_BUDGETS:-$b,$(( 2 * b ))}" \
         --n "${N_LOAD:-8}" --length "$CONTEXT" --device "$DEVICE" --out "$OUT/dms_load_$label.json" \
         --heatmap "$OUT/dms_load_$label.png" > "$OUT/dms_load_$label.log" 2>&1
     echo "head load of $label rc=$?"; grep "^budget" "$OUT/dms_load_$label.log"
 done
 for s in $STUDENTS; do
-    [ "${s%%:*}" = "$FIRST" ] || continue
+    # EVAL_BUDGETS given: the first entry's budget's students at those budgets; unset: every student at its own
+    # budget and at CONTEXT - 1 (every key fits)
+    if [ -n "${EVAL_BUDGETS:-}" ]; then [ "${s%%:*}" = "$FIRST" ] || continue; budgets=$EVAL_BUDGETS
+    else budgets="${s%%:*} $(( CONTEXT - 1 ))"; fi
     label=$(label_of "$s")
-    for eb in ${EVAL_BUDGETS:-1024 4095}; do
+    for eb in $budgets; do
         # shellcheck disable=SC2086
         python3 -m kvlearn.cli eval --model "$WORK_DIR/check_$label/final" --method dms --budget "$eb" --split eval \
             --n-per-task "${N:-100}" --device "$DEVICE" --context "$CONTEXT" --batch-size 64 ${EVAL_ARGS:-} \
@@ -73,10 +83,16 @@ done
 for f in "$OUT"/retrofit_*.log; do [ -f "$f" ] && tr '\r' '\n' < "$f" | grep -v "^retrofit:" > "$f.tmp" && mv "$f.tmp" "$f"; done
 (cd "$OUT" && tar czf dms_check_logs.tar.gz --remove-files ./*.log ./*.png ./train_log_*.jsonl 2>/dev/null)
 if [ "${KEEP_STUDENTS:-0}" = 1 ]; then  # each student's final/ weights and config, to serve it again elsewhere
-    for s in $STUDENTS; do
+    for s in $STUDENTS; do  # float32 weights (25 MB for the testbed's) in parts under a device file's 16 MiB
         label=$(label_of "$s")
-        tar -C "$WORK_DIR/check_$label" --exclude=trainer_state.pt -cf "$OUT/student_$label.tar" final
-        echo "kept student_$label.tar ($(( $(stat -c %s "$OUT/student_$label.tar") / 1048576 )) MiB; a device file may hold 16)"
+        tar -C "$WORK_DIR/check_$label" --exclude=trainer_state.pt -cf - final | gzip -1 \
+            | split -b 15m - "$OUT/student_$label.tar.gz.part_"
+        echo "kept student_$label.tar.gz in $(ls "$OUT"/student_"$label".tar.gz.part_* | wc -l) part(s): cat them | tar xz"
     done
+fi
+# more than 8 files (several students): the JSON results go into one archive too
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+    (cd "$OUT" && tar czf dms_check_results.tar.gz --remove-files ./*.json)
+    echo "packed the JSON results in dms_check_results.tar.gz (a device call returns at most 8 files)"
 fi
 echo "done $(date -u +%H:%M:%S)"
