@@ -29,8 +29,8 @@ Reported per family and over all: the share of (prompt, layer, head) triples who
 layer and head, and the two needle shares (their means, and per layer and KV head: ``needles_*_by_layer_head``).
 ``--budget`` (default the checkpoint's) serves the same gates at another budget, so one run may compare e.g. 1024
 and 2048 (``--budget 1024,2048``). ``--heatmap``: the median load per layer and KV head for the first budget (the
-appendix's figure 8 analog, with the line at 1 where the cap binds). About 7 s an example at length 4096 on two CPU
-cores for the testbed teacher's shape (32 prompts in 3.5 minutes, session 47; the dense bias is ``B * Hq * T^2``
+appendix's figure 8 analog, with the line at 1 where the cap binds). About 5 s an example at length 4096 on two CPU
+cores for the testbed teacher's shape (32 prompts in 2.8 minutes, session 47; the dense bias is ``B * Hq * T^2``
 floats per layer);
 ``--device cuda`` runs the same dense execution on the GPU (a bias of ``Hq * T^2`` bf16 per layer: 128 MiB at 4096).
 """

@@ -642,3 +642,30 @@ def test_resume_into_a_folder_another_device_measured_is_refused_before_any_chai
     path = reproduce_kvpop(ReproduceConfig(out=str(tmp_path / "s"), budgets=(512,), resume=True),
                            run=fake_chain(tmp_path))  # the same device's folder: resumed and merged
     assert sorted({r["budget"] for r in json.loads(Path(path).read_text())["rows"]}) == [256, 512]
+
+
+def test_a_cpu_folder_resumes_whatever_thread_count_measured_it(tmp_path):
+    """A CPU device name carries the process's thread count (``cpu (x86_64, 2 threads)``): tables its chains measured
+    with other threads than this process has are the same device, so --resume goes on (and the merge, which compares
+    the tables with each other, takes them)."""
+    from kvlearn.results import device_name
+
+    out = tmp_path / "r"
+    here = device_name("cpu")
+    other = here.rsplit(", ", 1)[0] + ", 97 threads)"
+    assert other != here
+    rows = [{"method": "dms", "protocol": "bounded", "split": "eval", "budget": 1024, "task": "niah", "context": 4096,
+             "compression": 0.75, "accuracy": 1.0, "n": 1}]
+    write_results(out / "budget1024" / "kvpop_table.json",
+                  {**make_results("accuracy", rows, command="x", commit="c", complete=True), "device": other})
+    chain = fake_chain(tmp_path)
+
+    def chain_with_other_threads(cmd, cwd, env, stdout, stderr, check):
+        done = chain(cmd, cwd, env, stdout, stderr, check)
+        table = Path(env["OUT"]) / "kvpop_table.json"
+        write_results(table, {**json.loads(table.read_text()), "device": other})
+        return done
+
+    path = reproduce_kvpop(ReproduceConfig(out=str(out), budgets=(256,), resume=True, device="cpu"),
+                           run=chain_with_other_threads)
+    assert sorted({r["budget"] for r in json.loads(Path(path).read_text())["rows"]}) == [256, 1024]

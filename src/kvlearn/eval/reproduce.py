@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -158,10 +159,13 @@ def earlier_budgets(config: ReproduceConfig) -> dict[int, Path]:
 def check_one_device(config: ReproduceConfig) -> None:
     """``--resume`` into a folder whose budget tables another device measured is a one-line error before any chain
     runs: the merge refuses parts of two devices (a table holds one device's rows), and it comes after the chains."""
+    def model_of(name):  # a CPU's name carries the process's thread count, which is no other device
+        return None if name is None else re.sub(r", \d+ threads\)$", ")", name)
+
     here = device_name(config.device)
     for budget, table in folder_tables(config.out).items():
         there = read_results(table).get("device")
-        check(there in (None, here),
+        check(model_of(there) in (None, model_of(here)),
               f"--resume: {table} (budget {budget}) was measured on {there!r} and this run is on {here!r}: a table "
               f"holds one device's rows, so start a new --out for this device (--merge-only merges a folder "
               f"without running anything)")
