@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -49,15 +49,14 @@ class LiftedEvalConfig(EvalConfig):
         check(self.method == "dms", f"method={self.method!r}: the cap lift serves DMS students only (method 'dms')")
         check(not self.lifted or self.lifted_budget is not None,
               f"lifted={self.lifted!r} needs lifted_budget: the tokens per KV head of the lifted layers")
-        if self.lifted_budget is not None:  # a budget the harness would refuse is refused here, in its words
-            make_config("dms", budget=self.lifted_budget, sinks=self.sinks, context=self.context,
-                        **(self.options or {}))
+        # the lifted layers' config, made (and checked, in the harness's words) as method_config is
+        object.__setattr__(self, "lifted_config", None if self.lifted_budget is None else make_config(
+            "dms", budget=self.lifted_budget, sinks=self.sinks, context=self.context, **(self.options or {})))
 
     def make_cache(self, model):
         cache = super().make_cache(model)
-        lifted_config = replace(self.method_config, budget=self.lifted_budget)
         for layer in self.lifted:
-            cache.layers[layer] = DMSLayer(lifted_config)
+            cache.layers[layer] = DMSLayer(self.lifted_config)
         return cache
 
 
