@@ -78,7 +78,9 @@ if [ -z "${STUDENTS_FROM:-}" ]; then  # train the students STUDENTS names, side 
             kvpop_immediate) retrofit kvpop_immediate --method kvpop --scorer mlstm --state-in-budget 1 --readout immediate \
                 --readout-penalty "$RP" --scorer-kd "$KD" $KDC $KVPOP_EXTRA & ;;  # the readout ablation: scored at u, not u + window
             streaming_plus) retrofit streaming_plus --method streaming_plus & ;;
-            dms) retrofit dms --method dms & ;;
+            # DMS_SCOPE (kvlearn reproduce kvpop --dms-scope): the compression scope; unset, kvlearn retrofit's
+            # default (head since session 48; Table 1's DMS rows of record trained with model)
+            dms) retrofit dms --method dms ${DMS_SCOPE:+--compression-scope "$DMS_SCOPE"} & ;;
             *) echo "STUDENTS: unknown student ${s%%=*}: expected kvpop_mlp, kvpop, kvpop_noskip, kvpop_skip, kvpop_immediate, streaming_plus or dms"; exit 2 ;;
         esac
     done

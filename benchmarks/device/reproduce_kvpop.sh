@@ -23,6 +23,8 @@
 # a later call with the others adds them to each budget's table (e.g. STEPS=1300 with STUDENT_LABELS=dms, then
 # STUDENT_LABELS=kvpop_mlp,kvpop,streaming_plus: the recipe of record in calls of 10 minutes),
 # CONTEXT_ROWS=1 -> --context-rows (the table of record's context rows of the training-free baselines, eval split),
+# DMS_SCOPE (default head) -> --dms-scope: the DMS student's compression scope (a folder begun before session 48
+# trained its DMS students with model: resuming it needs DMS_SCOPE=model);
 # RETROFIT_ARGS and TABLE_ARGS (a CPU smoke run's tiny shapes: tests/eval/test_reproduce.py). LIMIT (default 580 s)
 # is the reproduce command's timeout, under the call's 600 s.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... BUDGETS=1024 bash benchmarks/device/reproduce_kvpop.sh
@@ -38,7 +40,8 @@ context=(); [ "${CONTEXT_ROWS:-0}" = 1 ] && context=(--context-rows)
 timeout "${LIMIT:-580}" python3 -m kvlearn.cli reproduce kvpop --resume --out "$REP" --budgets "${BUDGETS:-1024}" \
     "${length[@]}" --n-per-task "${N_PER_TASK:-100}" --device "${DEVICE:-cuda}" \
     --students "${STUDENT_LABELS:-kvpop_mlp,kvpop,streaming_plus,dms}" ${context[@]+"${context[@]}"} \
-    --retrofit-args "${RETROFIT_ARGS:-}" --table-args "${TABLE_ARGS:-}" > "$REP/reproduce.log" 2>&1
+    --retrofit-args "${RETROFIT_ARGS:-}" --table-args "${TABLE_ARGS:-}" --dms-scope "${DMS_SCOPE:-head}" \
+    > "$REP/reproduce.log" 2>&1
 echo "reproduce rc=$? after $(( $(date +%s) - start )) s"; grep -E "^\[|^    finishing|^wrote|Error" "$REP/reproduce.log" | tail -n 8
 sed -n '/^against /,$p' "$REP/reproduce.log"  # the merged table next to results/kvpop_table.json
 [ -d "$REP/students" ] && find "$REP/students" -type f ! -name train_log.jsonl -delete && find "$REP/students" -type d -empty -delete

@@ -423,13 +423,14 @@ def cmd_retrofit(args) -> int:
                              scorer=args.scorer, decay_init=args.decay_init, **_target_options(args))
                  if args.method == "kvpop" else KVpopConfig(scorer=args.scorer))
     if args.method == "dms":
+        scope = dms_compression_scope(args)
         # the model scope's closed fraction is the budget's share of the context (the paper's compression ratio); the
         # head scope holds each head to its own long-range slots, so its default is the context over those
-        slots = args.budget if args.compression_scope == "model" else args.budget - args.sinks - window
+        slots = args.budget if scope == "model" else args.budget - args.sinks - window
         target_cr = args.target_cr if args.target_cr is not None else args.seq_len / slots
         method_kw["dms"] = DMSConfig(sinks=args.sinks, window=window, budget=args.budget,
                                      gate_hidden=args.gate_hidden, target_cr=target_cr,
-                                     compression_scope=args.compression_scope)
+                                     compression_scope=scope)
         method_kw["compression_weight"] = args.compression_weight
     if args.kv_bits is not None:
         try:
@@ -470,6 +471,27 @@ def cmd_retrofit(args) -> int:
         print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model "
               f"{result['final']} --method {args.method} --budget {args.budget}")
     return 0
+
+
+def dms_compression_scope(args) -> str:
+    """``--compression-scope``, or its default: with ``--resume``, the scope the newest checkpoint of ``--out`` trained
+    with (``model`` for one saved before the option existed, which is what it did); otherwise ``head``, each KV head
+    held to the budget's long-range slots (since session 48: the model scope's per-head cap cost one draw 0.57 of its
+    accuracy at budget 1024, docs/DESIGN.md section 9)."""
+    if args.compression_scope is not None:
+        return args.compression_scope
+    if args.resume:
+        from .train.distill import STATE_FILE, latest_checkpoint
+
+        last = latest_checkpoint(args.out)
+        if last is not None:  # the trainer state is what a resume is checked against; mmap: the optimizer is not read
+            import torch
+
+            state = torch.load(last / STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+            dms = state.get("config", {}).get("dms")
+            if isinstance(dms, dict):
+                return dms.get("compression_scope", "model")
+    return "head"
 
 
 def _target_options(args) -> dict:
@@ -516,7 +538,7 @@ def cmd_reproduce(args) -> int:
                              n_per_task=args.n_per_task, students=tuple(args.students.split(",")),
                              device=_device(args.device), model=args.model, retrofit_args=args.retrofit_args,
                              table_args=args.table_args, overwrite=args.overwrite, resume=args.resume,
-                             context_rows=args.context_rows)
+                             context_rows=args.context_rows, dms_scope=args.dms_scope)
     print(f"wrote {reproduce_kvpop(config)}")
     return 0
 
@@ -847,15 +869,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvpop (learned scorers), streaming_plus (KD under the sinks + window mask, no new modules) "
                          "or dms (learned eviction gates, KD + compression hinge)")
     sp.add_argument("--target-cr", type=float, default=None,
-                    help="dms: final compression ratio of the ramped target (default: seq-len / budget; with "
-                         "--compression-scope head seq-len / (budget - sinks - window), the long-range slots)")
+                    help="dms: final compression ratio of the ramped target (default: seq-len / (budget - sinks - "
+                         "window), the long-range slots, under the head scope; seq-len / budget with "
+                         "--compression-scope model)")
     sp.add_argument("--gate-hidden", type=int, default=0,
                     help="dms: width of the gate MLP (0: the reference Linear(hidden, kv_heads) gate)")
     sp.add_argument("--compression-weight", type=float, default=1.0, help="dms: weight of the compression hinge")
-    sp.add_argument("--compression-scope", default="model", choices=("model", "head"),
-                    help="dms: what the hinge holds to the target: the closed fraction over the whole model (the "
-                         "reference; heads may differ) or each layer's KV head on its own (what a budget per KV head "
-                         "asks)")
+    sp.add_argument("--compression-scope", default=None, choices=("model", "head"),
+                    help="dms: what the hinge holds to the target: each layer's KV head on its own (head, the default: "
+                         "what a budget per KV head asks) or the closed fraction over the whole model (model, the "
+                         "reference's; heads may then differ, and a head that keeps more than its slots loses keys to "
+                         "the cap); --resume without it continues the checkpoint's scope")
     sp.add_argument("--scorer", default="mlp", choices=("linear", "mlp", "mlstm"),
                     help="KVpop scorer (mlstm: the paper's stateful scorer with the delayed readout)")
     sp.add_argument("--mlstm-skip", default=None, choices=("0", "1"),
@@ -982,6 +1006,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", default=None, help="the teacher's folder (default: checkpoints/testbed-teacher)")
     sp.add_argument("--retrofit-args", default="", help="more options for every retrofit (e.g. '--seq-len 256')")
     sp.add_argument("--table-args", default="", help="more options for every table process (e.g. '--context 256')")
+    sp.add_argument("--dms-scope", default="head", choices=("head", "model"),
+                    help="the DMS student's --compression-scope: head (each KV head trained for its slots, the "
+                         "default) or model (the reference's, what Table 1's DMS rows of record used; a --resume of a "
+                         "folder from before this option needs it)")
     sp.set_defaults(func=cmd_reproduce)
 
     sp = sub.add_parser("kaizen-train", help="train a KV-Kaizen selector and the backbone jointly (teacher: the dense "

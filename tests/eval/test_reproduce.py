@@ -31,6 +31,11 @@ def test_budget_env_follows_the_measured_recipes(tmp_path):
     assert budget_env(config, 1024)["RETROFIT_ARGS"] == "--window 256"
     assert command_of(config).startswith("kvlearn reproduce kvpop --out ")
     assert "RETROFIT_STEPS" not in env and "--minutes 5.0" in command_of(config)
+    assert env["DMS_SCOPE"] == "head" and "--dms-scope" not in command_of(config)  # the default is not spelled out
+    model = ReproduceConfig(out=str(tmp_path / "m"), dms_scope="model")
+    assert budget_env(model, 512)["DMS_SCOPE"] == "model" and "--dms-scope model" in command_of(model)
+    with pytest.raises(KVLearnError, match="dms_scope='layer' is invalid: expected head"):
+        ReproduceConfig(out=str(tmp_path / "x"), dms_scope="layer")
 
 
 def test_the_windows_it_trains_with_are_the_committed_tables():
@@ -147,6 +152,17 @@ def test_resume_keeps_the_finished_budgets_and_merges_them_all(tmp_path):
     with pytest.raises(KVLearnError, match=r"--resume: n_per_task=50 differ from the earlier run's n_per_task=100"):
         reproduce_kvpop(ReproduceConfig(out=out, budgets=(128,), n_per_task=50, resume=True), run=counting(()))
     assert calls == [1024, 512, 512, 512, 256]
+    # a folder begun before the DMS scope was a setting trained its DMS students in the model scope: a resume must
+    # say so (the head scope, the default, would mix two DMS recipes in one table)
+    settings_file = Path(out) / "reproduce_settings.json"
+    old = json.loads(settings_file.read_text())
+    assert old.pop("dms_scope") == "head"
+    settings_file.write_text(json.dumps(old))
+    with pytest.raises(KVLearnError, match=r"--resume: dms_scope='head' differ from the earlier run's "
+                                           r"dms_scope='model'"):
+        reproduce_kvpop(ReproduceConfig(out=out, budgets=(256,), resume=True), run=counting(()))
+    reproduce_kvpop(ReproduceConfig(out=out, budgets=(256,), resume=True, dms_scope="model"), run=counting(()))
+    assert calls == [1024, 512, 512, 512, 256]  # budget 256 is finished: nothing runs
     with pytest.raises(KVLearnError, match="--overwrite and --resume exclude each other"):
         ReproduceConfig(out=out, overwrite=True, resume=True)
     # a table a time guard cut is run again: finished only when complete and nothing is listed as not run

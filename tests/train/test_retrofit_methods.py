@@ -16,7 +16,7 @@ from kvlearn.config import DMSConfig
 from kvlearn.dms.apply import dms_gates, has_dms
 from kvlearn.methods import get_method, make_config
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
-from kvlearn.train.distill import LOG_FILE, RetrofitConfig, retrofit
+from kvlearn.train.distill import LOG_FILE, STATE_FILE, RetrofitConfig, retrofit
 
 SEQ = 128
 
@@ -63,10 +63,11 @@ def test_two_step_retrofit_writes_a_loadable_checkpoint(teacher_path, tmp_path, 
     teacher = kvlearn.load(teacher_path)
     loaded = kvlearn.load(final)
     if name == "dms":
-        assert saved["dms"]["budget"] == 48 and saved["dms"]["target_cr"] == SEQ / 48
+        slots = 48 - 4 - 16  # the head scope (the default): each KV head held to its long-range slots
+        assert saved["dms"]["budget"] == 48 and saved["dms"]["target_cr"] == SEQ / slots
         assert has_dms(loaded)
         assert any(torch.count_nonzero(g.proj.weight) > 0 for g in dms_gates(loaded))  # the gates were trained
-        assert lines[0]["target_fraction"] == 0.0 and 0 < lines[1]["target_fraction"] < 1 - 48 / SEQ
+        assert lines[0]["target_fraction"] == 0.0 and 0 < lines[1]["target_fraction"] < 1 - slots / SEQ
         assert all(0 <= ln["closed_fraction"] <= 1 and ln["compression"] >= 0 for ln in lines)
         assert all(0 <= ln["closed_head_min"] <= ln["closed_fraction"] <= ln["closed_head_max"] <= 1 for ln in lines)
     else:
@@ -299,7 +300,7 @@ def test_lr_default_is_the_configs(teacher_path, tmp_path):
 
 def test_compression_scope_head_holds_each_head_to_the_target(teacher_path, tmp_path, monkeypatch):
     """``--compression-scope head`` is saved with the DMS checkpoint, and the trainer's DMS loss is then the hinge
-    per (row, layer, KV head), recounted here from the forward's recorded decisions; ``model`` (the default) is the
+    per (row, layer, KV head), recounted here from the forward's recorded decisions; ``model`` (the reference's) is the
     hinge on each row's mean. A value outside the two is argparse's one-line error."""
     from kvlearn.dms import attention as dms_attention
     from kvlearn.train.distill import build_models, method_forward
@@ -353,9 +354,10 @@ def test_compression_scope_head_holds_each_head_to_the_target(teacher_path, tmp_
 def test_a_dms_run_from_before_compression_scope_resumes_and_another_scope_is_refused(teacher_path, tmp_path,
                                                                                       capsys):
     """A trainer state saved before ``compression_scope`` existed (its DMS config lacks the field) resumes under the
-    default, which is what it trained with; resuming it with ``--compression-scope head`` is a one-line error."""
+    model scope, which is what it trained with, when ``--resume`` names no scope; resuming it with
+    ``--compression-scope head`` is a one-line error."""
     out = tmp_path / "run"
-    assert cli_retrofit(teacher_path, out, "dms") == 0
+    assert cli_retrofit(teacher_path, out, "dms", "--compression-scope", "model") == 0
     import shutil
 
     shutil.rmtree(out / "step-2")  # resume from step 1, whose state lacks the field
@@ -371,3 +373,21 @@ def test_a_dms_run_from_before_compression_scope_resumes_and_another_scope_is_re
     assert cli_retrofit(teacher_path, out, "dms", "--resume") == 0
     assert [json.loads(x)["step"] for x in (out / LOG_FILE).read_text().splitlines()] == [1, 2]
     assert (out / "final" / "config.json").is_file()
+
+
+def test_a_fresh_dms_run_defaults_to_the_head_scope_and_a_resume_keeps_the_checkpoints(teacher_path, tmp_path):
+    """Without ``--compression-scope`` a new DMS run trains each KV head for the budget's long-range slots (target CR
+    seq-len / (budget - sinks - window)); ``--resume`` without it continues whichever scope the checkpoint has."""
+    assert cli_retrofit(teacher_path, tmp_path / "new", "dms") == 0
+    saved = json.loads((tmp_path / "new" / "final" / "config.json").read_text())["dms"]
+    assert saved["compression_scope"] == "head" and saved["target_cr"] == SEQ / (48 - 4 - 16)
+    for scope in ("model", "head"):
+        out = tmp_path / scope
+        assert cli_retrofit(teacher_path, out, "dms", "--compression-scope", scope) == 0
+        import shutil
+
+        shutil.rmtree(out / "step-2")
+        shutil.rmtree(out / "final")
+        assert cli_retrofit(teacher_path, out, "dms", "--resume") == 0  # refused if the scope (or its target) differed
+        state = torch.load(out / "step-2" / STATE_FILE, map_location="cpu", weights_only=False)
+        assert state["config"]["dms"]["compression_scope"] == scope

@@ -88,6 +88,7 @@ class ReproduceConfig:
     resume: bool = False
     students: tuple[str, ...] = tuple(STUDENT_METHODS)
     context_rows: bool = False
+    dms_scope: str = "head"  # the DMS student's --compression-scope (a run before session 48: "model")
 
     def __post_init__(self) -> None:
         check(len(self.budgets) > 0, "budgets is empty: expected one or more budgets, e.g. 1024,512,256")
@@ -108,6 +109,9 @@ class ReproduceConfig:
               f"students={','.join(self.students)!r} is invalid: expected one or more of {','.join(STUDENT_METHODS)}, "
               "each once")
         check(self.device in ("cuda", "cpu"), f"device={self.device!r} is invalid: expected cuda or cpu")
+        check(self.dms_scope in ("head", "model"),
+              f"dms_scope={self.dms_scope!r} is invalid: expected head (each KV head trained for its slots) or model "
+              "(the reference's hinge, Table 1's DMS rows of record)")
         if self.model is not None:  # one-line errors for a missing folder, a file, an unsupported family
             from ..hf import read_model_config
 
@@ -125,7 +129,8 @@ class ReproduceConfig:
         """What decides a budget's rows (all but ``out``, ``budgets``, ``students`` and the two flags): a resumed run
         must match. ``students`` may differ between runs: each trains some of a budget's students."""
         return {"minutes": self.minutes, "steps": self.steps, "n_per_task": self.n_per_task, "device": self.device,
-                "model": self.model, "retrofit_args": self.retrofit_args, "table_args": self.table_args}
+                "model": self.model, "retrofit_args": self.retrofit_args, "table_args": self.table_args,
+                "dms_scope": self.dms_scope}
 
 
 def teacher_of(config: ReproduceConfig) -> str:
@@ -193,6 +198,7 @@ def budget_env(config: ReproduceConfig, budget: int, students: tuple[str, ...] |
         "DEVICE": config.device,
         "EXPORT_STUDENTS": "0",  # the students' final/ stay in out/students: no bf16 tar of each in the budget folder
         "RETROFIT_ARGS": f"--window {retrofit_window(budget)} {config.retrofit_args}".strip(),
+        "DMS_SCOPE": config.dms_scope,
         "TABLE_ARGS": f"--budgets {budget} {config.table_args}".strip(),
     }
 
@@ -476,6 +482,8 @@ def command_of(config: ReproduceConfig) -> str:
         parts.append(f"--students {','.join(config.students)}")
     if config.context_rows:
         parts.append("--context-rows")
+    if config.dms_scope != "head":
+        parts.append(f"--dms-scope {config.dms_scope}")
     if config.resume:
         parts.append("--resume")
     return " ".join(parts)
@@ -493,7 +501,7 @@ def reproduce_kvpop(config: ReproduceConfig, run: Callable[..., subprocess.Compl
     settings_file = out / SETTINGS
     settings = config.settings()
     if config.resume and settings_file.is_file():
-        earlier = json.loads(settings_file.read_text())
+        earlier = {"dms_scope": "model", **json.loads(settings_file.read_text())}  # a folder from before the setting
         changed = sorted(k for k in set(earlier) | set(settings) if earlier.get(k) != settings.get(k))
         check(not changed, f"--resume: {', '.join(f'{k}={settings.get(k)!r}' for k in changed)} differ from "
                            f"the earlier run's {', '.join(f'{k}={earlier.get(k)!r}' for k in changed)} "
