@@ -14,7 +14,8 @@ import pytest
 from kvlearn import KVLearnError
 from kvlearn.eval import reproduce as reproduce_module
 from kvlearn.eval.reproduce import (CHAIN_PARTS, CONTEXT_PART, STEPS_OF_RECORD, ReproduceConfig, RetrofitProgress,
-                                    budget_env, command_of, context_runs_missing, finish_parts, finished, last_step,
+                                    budget_env, command_of, context_runs_missing, dms_scope_note, finish_parts,
+                                    finished, last_step,
                                     missing_runs, reproduce_kvpop, salvage_parts, short_students, student_steps)
 from kvlearn.results import make_results, write_results
 
@@ -425,6 +426,12 @@ def test_a_reproduction_is_compared_with_the_table_of_record_over_the_families_b
     assert steps.endswith("Students' optimizer steps at budget 1024 (this run): kvpop 701, dms 481.\n\n"
                           "Not like for like: the students of record trained 1,300 steps each, and here kvpop at 1024 "
                           "trained 701, dms at 1024 trained 481.")
+    with_dms = [*mine, {**row("dms", "eval", "niah"), "model": "runs/d"}]
+    for scope, said in (("head", True), ("model", False)):
+        section = reproduction_section({"reproduces": "results/kvpop_table.json", "rows": with_dms,
+                                        "dms_scope": scope}, root)
+        assert section.endswith("the record's in the model scope (--dms-scope model rebuilds the record's "
+                                "recipe).") is said
 
 
 def test_the_students_steps_are_read_from_their_train_logs(tmp_path, capsys):
@@ -443,6 +450,15 @@ def test_the_students_steps_are_read_from_their_train_logs(tmp_path, capsys):
     assert "students' optimizer steps at budget 1024: kvpop 3, dms 1" in printed
     assert ("not like for like with results/kvpop_table.json, whose students trained 1,300 steps each: kvpop at 1024 "
             "(3 steps); dms at 1024 (1 steps)") in printed
+    merged = json.loads(Path(path).read_text())
+    assert merged["dms_scope"] == "head"  # the default, which the record's DMS students did not use: said once
+    assert any(r["method"] == "dms" for r in merged["rows"])  # the fake chain writes every student's row
+    assert printed.count("DMS not like for like with results/kvpop_table.json: this run's DMS students trained "
+                         "in the head scope, the record's in the model scope") == 1
+    assert dms_scope_note({**merged, "dms_scope": "model"}) == ""
+    assert dms_scope_note({"rows": [{"method": "dms"}]}) == ""  # a file from before the setting: the record's scope
+    assert dms_scope_note({"dms_scope": "head", "rows": [{"method": "kvpop"}]}) == ""  # no DMS rows: nothing to say
+    assert "in the head scope" in dms_scope_note({"dms_scope": "head", "rows": [{"method": "dms"}]})
 
 
 def students_chain(calls):

@@ -205,7 +205,7 @@ def reproduction_section(data: dict, root: Path) -> str:
     """For a reproduction (a file whose ``reproduces`` names the table of record, as ``kvlearn reproduce`` writes
     it): each run's mean accuracy next to the table of record's, over the families both measured, with each side's
     student checkpoint. Empty when the file reproduces nothing or the table of record is not there."""
-    from .reproduce import STEPS_OF_RECORD, compare_tables, shared_note, short_students
+    from .reproduce import STEPS_OF_RECORD, compare_tables, dms_scope_note, shared_note, short_students
 
     reference = root / str(data.get("reproduces", ""))
     if not data.get("reproduces") or not reference.is_file():
@@ -231,6 +231,9 @@ def reproduction_section(data: dict, root: Path) -> str:
     if short:
         out += ["", f"Not like for like: the students of record trained {STEPS_OF_RECORD:,} steps each, and here "
                 + ", ".join(f"{label} at {budget} trained {n:,}" for budget, label, n in short) + "."]
+    scope = dms_scope_note(data)
+    if scope:
+        out += ["", scope + "."]
     return "\n".join(out)
 
 

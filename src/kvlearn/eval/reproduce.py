@@ -50,6 +50,7 @@ TABLE_SCRIPT = Path("benchmarks") / "kvpop_table.py"  # what finish_budget runs 
 COMMITTED_TABLE = Path("results") / "kvpop_table.json"  # the table of record a reproduction is compared with
 SETTINGS = "reproduce_settings.json"  # in out: the settings a --resume must match
 EVAL_MINUTES = 4.0  # the table's share of a budget's run after the retrofits (n = 100, both splits, 6 parts)
+RECORD_DMS_SCOPE = "model"  # the compression scope of results/kvpop_table.json's DMS students (docs/DESIGN.md section 9)
 STEPS_OF_RECORD = 1300  # every student of results/kvpop_table.json trained this many steps (docs/DESIGN.md section 5)
 
 
@@ -574,6 +575,7 @@ def write_merged(config: ReproduceConfig, written: dict[int, Path], missing: lis
     if committed.is_file():
         merged["reproduces"] = str(COMMITTED_TABLE)
     merged["student_steps"] = student_steps(config, tuple(written))
+    merged["dms_scope"] = config.dms_scope
     path = write_results(out / "kvpop_table.json", merged)
     plot_pareto(merged["rows"], out / "kvpop_table.png", title="KVpop Table 1 on the testbed (kvlearn reproduce kvpop)")
     if committed.is_file():
@@ -586,7 +588,20 @@ def write_merged(config: ReproduceConfig, written: dict[int, Path], missing: lis
         print(f"not like for like with {COMMITTED_TABLE}, whose students trained {STEPS_OF_RECORD:,} steps each: "
               + "; ".join(f"{label} at {budget} ({n} steps)" for budget, label, n in short)
               + f" (--steps {STEPS_OF_RECORD}, the default, gives every student the steps of record)")
+    scope = dms_scope_note(merged)
+    if scope:
+        print(scope)
     return path
+
+
+def dms_scope_note(table: dict) -> str:
+    """A line when ``table`` (a reproduction) has DMS rows trained in another compression scope than the table of
+    record's (:data:`RECORD_DMS_SCOPE`; a file without ``dms_scope`` predates the setting and used it), else ``""``."""
+    scope = table.get("dms_scope", RECORD_DMS_SCOPE)
+    if scope == RECORD_DMS_SCOPE or not any(r.get("method") == "dms" for r in table.get("rows", [])):
+        return ""
+    return (f"DMS not like for like with {COMMITTED_TABLE}: this run's DMS students trained in the {scope} scope, the "
+            f"record's in the {RECORD_DMS_SCOPE} scope (--dms-scope {RECORD_DMS_SCOPE} rebuilds the record's recipe)")
 
 
 def short_students(steps: dict[str, dict[str, int]]) -> list[tuple[str, str, int]]:
