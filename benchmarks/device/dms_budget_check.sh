@@ -26,6 +26,9 @@
 # Measured on one H200 (session 46, results/raw/dms_budget_check_stdout_h200_86b159d.log): 220 s for STUDENTS='1024'
 # and 234 s for STUDENTS='1024:head' (the retrofit command 147-163 s, of which training 134-152 s by the train logs;
 # each served budget 17-21 s at batch 64, the table's).
+# HELDOUT=1 also serves each student at its own budget on the held-out split -> $OUT/<label>_heldout_b<B>.json (session 48
+# ran that by hand on the warm machine: results/raw/device_stdout_session48_h100_e132782.log, call 4; 17-18 s a
+# student on one H100).
 # KEEP_STUDENTS=1 also writes each student's final/ folder without the optimizer state, gzipped in parts of at most
 # 15 MiB, $OUT/student_<label>.tar.gz.part_aa, _ab, ... (`cat` them, then `tar xz`; a float32 testbed student is
 # 25 MB, two parts), which `kvlearn eval --model final` serves on another device or on the CPU: a student trained on
@@ -77,6 +80,14 @@ for s in $STUDENTS; do
             --out "$OUT/${label}_eval_b$eb.json" > "$OUT/${label}_eval_b$eb.log" 2>&1
         echo "$label served at $eb rc=$?"; tail -n 5 "$OUT/${label}_eval_b$eb.log"
     done
+    if [ "${HELDOUT:-0}" = 1 ]; then  # the held-out split at the student's own budget (a Table 1 row's other half)
+        b=${s%%:*}
+        # shellcheck disable=SC2086
+        python3 -m kvlearn.cli eval --model "$WORK_DIR/check_$label/final" --method dms --budget "$b" --split heldout \
+            --n-per-task "${N:-100}" --device "$DEVICE" --context "$CONTEXT" --batch-size 64 ${EVAL_ARGS:-} \
+            --out "$OUT/${label}_heldout_b$b.json" > "$OUT/${label}_heldout_b$b.log" 2>&1
+        echo "$label served at $b on heldout rc=$?"; tail -n 5 "$OUT/${label}_heldout_b$b.log"
+    fi
 done
 # the device returns at most 8 files: everything but the JSON results goes into one archive (the retrofit logs
 # without their progress bars)

@@ -1,7 +1,7 @@
 """``benchmarks/device/dms_budget_check.sh`` (issue #10's DMS budget check) as a CPU smoke test on a tiny GQA Qwen3: three
 DMS students trained one after another (two budgets, one of them also with the head scope), each one's head load at two
 budgets, each student served at its own budget and at context - 1 (or, with EVAL_BUDGETS, the first budget's students
-at those); every file is written and each student was trained for its own budget and scope; everything but the JSON
+at those; with HELDOUT=1 also at its own budget on the held-out split); every file is written and each student was trained for its own budget and scope; everything but the JSON
 results is packed in one archive, and the JSON results too when they would make more than the 8 files a device call
 returns; with KEEP_STUDENTS=1 each student's final/ comes back in gzipped parts without its optimizer state and loads
 with the trained weights."""
@@ -80,6 +80,16 @@ def test_every_file_is_written_and_each_student_has_its_budget(make_teacher, tmp
     assert kept.config.dms == trained.config.dms and kept.config.dms["compression_scope"] == "head"
     for (name, a), b in zip(kept.state_dict().items(), trained.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_heldout_serves_each_student_at_its_budget_on_the_heldout_split(make_teacher, tmp_path):
+    out, run = run_check(tmp_path, make_teacher(2, 0), STUDENTS="48:head", HELDOUT="1")
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["dms_check_logs.tar.gz", "dms_load_dms_48_head.json", "dms_48_head_eval_b48.json", "dms_48_head_eval_b255.json",
+         "dms_48_head_heldout_b48.json"])
+    (row,) = json.loads((out / "dms_48_head_heldout_b48.json").read_text())["rows"]
+    assert row["split"] == "heldout" and row["budget"] == 48 and row["method"] == "dms"
+    assert "dms_48_head served at 48 on heldout rc=0" in run.stdout
 
 
 def test_eval_budgets_serve_the_first_budgets_students_only(make_teacher, tmp_path):
