@@ -6,7 +6,8 @@ long-range slots), each student trained for its budget with the same recipe and 
 The head-scope rows are ``kvlearn eval --method dms`` files (one budget and split each, as
 ``benchmarks/device/dms_budget_check.sh`` writes them); the teacher's rows come from the table. Writes one JSON
 (kind ``comparison``): per budget, scope and split the per-family accuracies, their mean and the mean relative to
-the teacher's, and the head scope's gain; with ``--plot``, the means against the budget.
+the teacher's, and the head scope's gain with its binomial standard error; with ``--plot``, the means against the
+budget.
 
 Every file must come from the same device (rows measured on two GPUs are not one comparison) and each head-scope
 file must hold one budget and one split that the table also has.
@@ -27,21 +28,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvlearn.errors import KVLearnError, check  # noqa: E402
+from kvlearn.eval.acceptance import difference_se, mean  # noqa: E402
 from kvlearn.results import make_results, portable_path, read_results, write_results  # noqa: E402
 
 SCOPES = ("model", "head")
 
 
-def family_accuracies(rows: list[dict], method: str, split: str, budget: int | None) -> dict[str, float]:
-    """``{task: accuracy}`` of the ``bounded`` rows of ``method`` on ``split`` at ``budget`` (None: any budget)."""
-    return {r["task"]: r["accuracy"] for r in rows
+def family_accuracies(rows: list[dict], method: str, split: str, budget: int | None) -> dict[str, tuple[float, int]]:
+    """``{task: (accuracy, n)}`` of the ``bounded`` rows of ``method`` on ``split`` at ``budget`` (None: any
+    budget)."""
+    return {r["task"]: (r["accuracy"], r.get("n")) for r in rows
             if r["method"] == method and r.get("protocol", "bounded") == "bounded" and r["split"] == split
             and (budget is None or r["budget"] == budget)}
 
 
-def head_scope_runs(paths: list[str], device: str) -> dict[tuple[int, str], tuple[dict[str, float], str]]:
-    """``{(budget, split): ({task: accuracy}, file)}`` of the head-scope eval files; each holds one DMS budget and
-    split, measured on ``device``."""
+def head_scope_runs(paths: list[str], device: str) -> dict[tuple[int, str], tuple[dict[str, tuple], str]]:
+    """``{(budget, split): ({task: (accuracy, n)}, file)}`` of the head-scope eval files; each holds one DMS budget
+    and split, measured on ``device``."""
     runs = {}
     for path in paths:
         data = read_results(path)
@@ -53,17 +56,14 @@ def head_scope_runs(paths: list[str], device: str) -> dict[tuple[int, str], tupl
                               "--method dms --budget B --split S writes")
         key = keys.pop()
         check(key not in runs, f"{path}: budget {key[0]}, split {key[1]!r} is given twice ({runs.get(key, (0, ''))[1]})")
-        runs[key] = ({r["task"]: r["accuracy"] for r in rows}, path)
+        runs[key] = ({r["task"]: (r["accuracy"], r.get("n")) for r in rows}, path)
     return runs
 
 
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
-
-
 def scope_rows(table: dict, head: dict) -> list[dict]:
-    """One row per (budget, split, scope) for every head-scope run; the model scope's from the table's DMS rows."""
+    """One row per (budget, split, scope) for every head-scope run; the model scope's from the table's DMS rows. The
+    head row also carries its gain over the model row and the binomial standard error of that gain
+    (:func:`kvlearn.eval.acceptance.difference_se`, the families sampled independently)."""
     rows = []
     for (budget, split), (head_acc, path) in sorted(head.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
         teacher = family_accuracies(table["rows"], "teacher", split, None)
@@ -74,13 +74,16 @@ def scope_rows(table: dict, head: dict) -> list[dict]:
         check(set(model) == set(head_acc) == set(teacher),
               f"budget {budget}, split {split!r}: the families differ (model scope {sorted(model)}, head scope "
               f"{sorted(head_acc)}, teacher {sorted(teacher)})")
-        teacher_mean = mean(teacher.values())
+        teacher_mean = mean(a for a, _ in teacher.values())
         for scope, acc in (("model", model), ("head", head_acc)):
-            rows.append({"budget": budget, "split": split, "scope": scope, "tasks": dict(sorted(acc.items())),
-                         "mean": round(mean(acc.values()), 4),
-                         "relative": round(mean(acc.values()) / teacher_mean, 4),
+            m = mean(a for a, _ in acc.values())
+            rows.append({"budget": budget, "split": split, "scope": scope,
+                         "tasks": {t: a for t, (a, _) in sorted(acc.items())}, "mean": round(m, 4),
+                         "relative": round(m / teacher_mean, 4),
                          "source": portable_path(path) if scope == "head" else "table"})
         rows[-1]["gain_over_model"] = round(rows[-1]["mean"] - rows[-2]["mean"], 4)
+        se = difference_se(list(model.values()), list(head_acc.values()))
+        rows[-1]["gain_se"] = None if se is None else round(se, 4)
     return rows
 
 
@@ -129,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     results["device"] = table.get("device")  # the rows' device, not this machine's
     write_results(args.out, results)
     for r in rows:
+        gain = f" gain {r['gain_over_model']:+.4f} (se {r['gain_se']})" if "gain_over_model" in r else ""
         print(f"budget {r['budget']:>5} {r['split']:<8} {r['scope']:<6} mean {r['mean']:.4f} relative "
-              f"{r['relative']:.4f} {r['tasks']}")
+              f"{r['relative']:.4f}{gain} {r['tasks']}")
     if args.plot:
         plot(rows, args.plot, results["device"])
     print(f"wrote {args.out}")

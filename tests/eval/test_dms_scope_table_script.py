@@ -47,6 +47,11 @@ def test_rows_against_hand_computed_means(files):
     assert got[("eval", "head")]["gain_over_model"] == pytest.approx((3.6 - 1.7) / 4)
     assert got[("heldout", "head")]["relative"] == pytest.approx(0.5)
     assert got[("heldout", "model")]["tasks"] == {"niah": 0.1, "recall": 0.0, "trace": 0.9, "vt": 0.3}
+    # the gain's binomial standard error, by hand: sum p(1-p)/n over each side's families, / 16, both sides added
+    var_model = (0 + 0.3 * 0.7 + 0.4 * 0.6 + 0) / 100 / 16
+    var_head = (0 + 0.9 * 0.1 + 0 + 0.7 * 0.3) / 100 / 16
+    assert got[("eval", "head")]["gain_se"] == pytest.approx((var_model + var_head) ** 0.5, abs=1e-4)
+    assert "gain_se" not in got[("eval", "model")]
 
 
 def test_another_device_a_missing_budget_and_a_repeated_run_are_one_line_errors(files, capsys):
