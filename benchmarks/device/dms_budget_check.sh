@@ -73,21 +73,17 @@ for s in $STUDENTS; do
     if [ -n "${EVAL_BUDGETS:-}" ]; then [ "${s%%:*}" = "$FIRST" ] || continue; budgets=$EVAL_BUDGETS
     else budgets="${s%%:*} $(( CONTEXT - 1 ))"; fi
     label=$(label_of "$s")
-    for eb in $budgets; do
+    runs=""; for eb in $budgets; do runs="$runs eval:$eb"; done
+    # HELDOUT=1: also the held-out split at the student's own budget (a Table 1 row's other half)
+    [ "${HELDOUT:-0}" = 1 ] && runs="$runs heldout:${s%%:*}"
+    for run in $runs; do
+        split=${run%%:*}; eb=${run#*:}; name="${label}_${split}_b$eb"
         # shellcheck disable=SC2086
-        python3 -m kvlearn.cli eval --model "$WORK_DIR/check_$label/final" --method dms --budget "$eb" --split eval \
+        python3 -m kvlearn.cli eval --model "$WORK_DIR/check_$label/final" --method dms --budget "$eb" --split "$split" \
             --n-per-task "${N:-100}" --device "$DEVICE" --context "$CONTEXT" --batch-size 64 ${EVAL_ARGS:-} \
-            --out "$OUT/${label}_eval_b$eb.json" > "$OUT/${label}_eval_b$eb.log" 2>&1
-        echo "$label served at $eb rc=$?"; tail -n 5 "$OUT/${label}_eval_b$eb.log"
+            --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        echo "$label served at $eb on $split rc=$?"; tail -n 5 "$OUT/$name.log"
     done
-    if [ "${HELDOUT:-0}" = 1 ]; then  # the held-out split at the student's own budget (a Table 1 row's other half)
-        b=${s%%:*}
-        # shellcheck disable=SC2086
-        python3 -m kvlearn.cli eval --model "$WORK_DIR/check_$label/final" --method dms --budget "$b" --split heldout \
-            --n-per-task "${N:-100}" --device "$DEVICE" --context "$CONTEXT" --batch-size 64 ${EVAL_ARGS:-} \
-            --out "$OUT/${label}_heldout_b$b.json" > "$OUT/${label}_heldout_b$b.log" 2>&1
-        echo "$label served at $b on heldout rc=$?"; tail -n 5 "$OUT/${label}_heldout_b$b.log"
-    fi
 done
 # the device returns at most 8 files: everything but the JSON results goes into one archive (the retrofit logs
 # without their progress bars)

@@ -89,7 +89,7 @@ def test_heldout_serves_each_student_at_its_budget_on_the_heldout_split(make_tea
          "dms_48_head_heldout_b48.json"])
     (row,) = json.loads((out / "dms_48_head_heldout_b48.json").read_text())["rows"]
     assert row["split"] == "heldout" and row["budget"] == 48 and row["method"] == "dms"
-    assert "dms_48_head served at 48 on heldout rc=0" in run.stdout
+    assert "dms_48_head served at 48 on heldout rc=0" in run.stdout and "dms_48_head served at 255 on eval rc=0" in run.stdout
 
 
 def test_eval_budgets_serve_the_first_budgets_students_only(make_teacher, tmp_path):
