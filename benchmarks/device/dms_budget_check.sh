@@ -29,6 +29,9 @@
 # HELDOUT=1 also serves each student at its own budget on the held-out split -> $OUT/<label>_heldout_b<B>.json (session 48
 # ran that by hand on the warm machine: results/raw/device_stdout_session48_h100_e132782.log, call 4; 17-18 s a
 # student on one H100).
+# FULL_CONTEXT=0 leaves out the serving at CONTEXT - 1: with HELDOUT=1, each student gives exactly a Table 1 row's two
+# halves (about 20 s a student less). Table 1's DMS rows in the head scope on one H200, two calls:
+#   STUDENTS='1024:head 512:head' HELDOUT=1 FULL_CONTEXT=0, then STUDENTS='256:head' RETROFIT_ARGS='--window 128' (the same).
 # KEEP_STUDENTS=1 also writes each student's final/ folder without the optimizer state, gzipped in parts of at most
 # 15 MiB, $OUT/student_<label>.tar.gz.part_aa, _ab, ... (`cat` them, then `tar xz`; a float32 testbed student is
 # 25 MB, two parts), which `kvlearn eval --model final` serves on another device or on the CPU: a student trained on
@@ -69,8 +72,9 @@ for s in $STUDENTS; do
 done
 for s in $STUDENTS; do
     # EVAL_BUDGETS given: the first entry's budget's students at those budgets; unset: every student at its own
-    # budget and at CONTEXT - 1 (every key fits)
+    # budget and, unless FULL_CONTEXT=0, at CONTEXT - 1 (every key fits)
     if [ -n "${EVAL_BUDGETS:-}" ]; then [ "${s%%:*}" = "$FIRST" ] || continue; budgets=$EVAL_BUDGETS
+    elif [ "${FULL_CONTEXT:-1}" = 0 ]; then budgets=${s%%:*}  # a table's rows only: its own budget
     else budgets="${s%%:*} $(( CONTEXT - 1 ))"; fi
     label=$(label_of "$s")
     runs=""; for eb in $budgets; do runs="$runs eval:$eb"; done

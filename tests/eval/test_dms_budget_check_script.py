@@ -92,6 +92,17 @@ def test_heldout_serves_each_student_at_its_budget_on_the_heldout_split(make_tea
     assert "dms_48_head served at 48 on heldout rc=0" in run.stdout and "dms_48_head served at 255 on eval rc=0" in run.stdout
 
 
+def test_full_context_0_gives_a_table_rows_two_halves_only(make_teacher, tmp_path):
+    out, run = run_check(tmp_path, make_teacher(2, 0), STUDENTS="48:head", HELDOUT="1", FULL_CONTEXT="0")
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["dms_check_logs.tar.gz", "dms_load_dms_48_head.json", "dms_48_head_eval_b48.json",
+         "dms_48_head_heldout_b48.json"])  # no serving at context - 1
+    assert "served at 255" not in run.stdout
+    splits = {json.loads((out / f).read_text())["rows"][0]["split"]
+              for f in ("dms_48_head_eval_b48.json", "dms_48_head_heldout_b48.json")}
+    assert splits == {"eval", "heldout"}
+
+
 def test_eval_budgets_serve_the_first_budgets_students_only(make_teacher, tmp_path):
     out, _ = run_check(tmp_path, make_teacher(2, 0), STUDENTS="64 48", EVAL_BUDGETS="64 128")
     assert sorted(p.name for p in out.iterdir()) == sorted(
