@@ -257,3 +257,50 @@ def test_a_run_cut_between_families_stays_until_a_later_run_measures_those_famil
     merged = merge_results([first, whole], "m", across_runs=True)
     assert merged["not_run"] == [] and merged["complete"] is True
     assert [r["task"] for r in merged["rows"]] == ["niah", "vt", "recall"]
+
+
+def test_replace_lets_a_retrained_students_rows_take_the_old_ones_places(tmp_path):
+    """``--replace dms``: an earlier part's dms rows replace a later part's at the same (protocol, split, budget,
+    task) though the two name different models; the old rows of a measurement the new parts lack stay, other methods
+    still merge by their model, and ``--set`` writes a top-level field. Without ``--replace`` both students' rows
+    stay; a bad ``--set`` is a one-line error."""
+    from kvlearn.results import main as results_main
+    from kvlearn.results import make_results, merge_results, read_results, write_results
+
+    def row(method, model, task, acc, budget=512):
+        return {"method": method, "protocol": "bounded", "split": "eval", "budget": budget, "task": task,
+                "accuracy": acc, "model": model}
+
+    record = make_results("accuracy", [row("dms", "old", "niah", 0.5), row("dms", "old", "vt", 0.6),
+                                       row("dms", "old", "niah", 0.7, budget=256),
+                                       row("kvpop", "k", "niah", 0.9)], device="cuda", command="record", commit="c1")
+    new = make_results("accuracy", [row("dms", "new", "niah", 0.95), row("kvpop", "k2", "niah", 0.8)],
+                       device="cuda", command="new", commit="c2")
+    m = merge_results([new, record], "x", across_runs=True, replace=("dms",), settings={"dms_scope": "head"})
+    got = {(r["method"], r["model"], r["budget"], r["task"]): r["accuracy"] for r in m["rows"]}
+    assert got == {("dms", "new", 512, "niah"): 0.95, ("kvpop", "k2", 512, "niah"): 0.8,  # the new student's
+                   ("dms", "old", 512, "vt"): 0.6, ("dms", "old", 256, "niah"): 0.7,  # not measured again: kept
+                   ("kvpop", "k", 512, "niah"): 0.9}  # kvpop not replaced: both models' rows stay
+    assert m["dms_scope"] == "head"
+    plain = merge_results([new, record], "x", across_runs=True)
+    assert len(plain["rows"]) == 6 and "dms_scope" not in plain
+    pn, pr = write_results(tmp_path / "n.json", new), write_results(tmp_path / "r.json", record)
+    out = tmp_path / "m.json"
+    assert results_main(["merge", "--across-runs", "--replace", "dms", "--set", "dms_scope=head", "--set", "n=3",
+                         str(out), str(pn), str(pr)]) == 0
+    merged = read_results(out)
+    assert len(merged["rows"]) == 5 and merged["dms_scope"] == "head" and merged["n"] == 3
+    # across runs the file's command is the merge itself; each part's own command is in runs
+    assert merged["command"].startswith("python -m kvlearn.results merge --across-runs --replace dms --set ")
+    assert [r["command"] for r in merged["runs"]] == ["new", "record"]
+
+
+def test_a_bad_set_is_a_one_line_error(tmp_path, capsys):
+    from kvlearn.results import main as results_main
+    from kvlearn.results import make_results, write_results
+
+    p = write_results(tmp_path / "a.json", make_results("accuracy", [], device="cuda", command="a", commit="c"))
+    assert results_main(["merge", "--set", "dms_scope", str(tmp_path / "m.json"), str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "--set 'dms_scope' is invalid: expected KEY=VALUE" in err and "Traceback" not in err
+    assert not (tmp_path / "m.json").exists()

@@ -178,7 +178,8 @@ def merge_key(row: dict) -> tuple:
             row.get("series"))
 
 
-def merge_results(parts: list[dict], command: str, across_runs: bool = False) -> dict:
+def merge_results(parts: list[dict], command: str, across_runs: bool = False, replace: tuple[str, ...] = (),
+                  settings: dict | None = None) -> dict:
     """One results file from the files of runs split over processes or GPUs (same kind, commit and device).
 
     Rows are concatenated in order; a row whose :func:`merge_key` already appeared (the full cache, which every part
@@ -192,7 +193,13 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
     ``command`` (a part that is itself such a merge contributes its own ``runs``), and the file's ``commit`` names every commit once (comma-separated, in order; a merged part's list is split); a ``not_run`` entry that
     another part measured is dropped (one cut between families, ``run:task,task``, once those families are measured
     whole) (:func:`row_run_key`), and so is a ``skipped`` one, and ``complete`` holds when
-    no ``not_run`` entry, no ``error`` row and no ``incomplete`` row is left. Same kind and device still."""
+    no ``not_run`` entry, no ``error`` row and no ``incomplete`` row is left. Same kind and device still.
+
+    ``replace``: methods whose rows an earlier part replaces whatever ``model`` the rows name: for them the
+    ``model`` is left out of the key, so a student retrained elsewhere (``dms`` trained in another scope) takes the
+    places of the old student's rows in a table of record, and the old rows of a measurement the new parts lack
+    stay. ``settings``: top-level fields to set on the merged file (e.g. ``{"dms_scope": "head"}``), after the first
+    part's."""
     from .errors import check
 
     check(len(parts) > 0, "merge_results: no results to merge")
@@ -211,7 +218,7 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
         for r in p["rows"]:
             if across_runs:
                 r = {**r, **{k: p[k] for k in ("commit", "date", "n_per_task") if k in p and k not in r}}
-            key = merge_key(r)
+            key = merge_key({**r, "model": None} if r.get("method") in replace else r)
             if key not in seen:
                 seen[key] = len(rows)
                 rows.append(r)
@@ -244,8 +251,25 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False) ->
                                                                         for r in rows)
     if any("wall_seconds" in p for p in parts):
         merged["wall_seconds"] = max(p.get("wall_seconds", 0) for p in parts)
+    merged.update(settings or {})
     merged["rows"] = rows
     return merged
+
+
+def parse_settings(items: list[str]) -> dict:
+    """``["dms_scope=head", "n=3"]`` -> ``{"dms_scope": "head", "n": 3}`` (a value that reads as JSON is that
+    JSON, else the string); an item without ``=`` or with an empty key is a one-line error naming it."""
+    from .errors import check
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        check(bool(sep) and bool(key.strip()), f"--set {item!r} is invalid: expected KEY=VALUE, e.g. dms_scope=head")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,13 +284,24 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("inputs", nargs="+")
     m.add_argument("--across-runs", action="store_true",
                    help="the inputs come from different runs (commits): each row keeps its run's commit and date")
+    m.add_argument("--replace", action="append", default=[], metavar="METHOD",
+                   help="an earlier input's rows of METHOD replace a later input's whatever model they name (a "
+                        "retrained student's rows in place of the old one's); repeatable")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                   help="a top-level field of the merged file (e.g. dms_scope=head); repeatable")
     args = ap.parse_args(argv)
     from .errors import KVLearnError
 
     try:
+        settings = parse_settings(args.settings)
         parts = [read_results(p) for p in args.inputs]
-        command = " && ".join(p["command"] for p in parts)
-        print(write_results(args.out, merge_results(parts, command, across_runs=args.across_runs)))
+        # one run's parts: its command is theirs; across runs each part's command is in ``runs``, and the file's is
+        # this merge as typed (argv given: as the caller passed it)
+        command = (" && ".join(p["command"] for p in parts) if not args.across_runs
+                   else command_line() if argv is None
+                   else " ".join(["python -m kvlearn.results"] + [_shell_word(portable_path(a)) for a in argv]))
+        print(write_results(args.out, merge_results(parts, command, across_runs=args.across_runs,
+                                                    replace=tuple(args.replace), settings=settings)))
     except (KVLearnError, ValueError, OSError) as e:
         print(f"python -m kvlearn.results: error: {e}", file=sys.stderr)
         return 2
