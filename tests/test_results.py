@@ -304,3 +304,5 @@ def test_a_bad_set_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--set 'dms_scope' is invalid: expected KEY=VALUE" in err and "Traceback" not in err
     assert not (tmp_path / "m.json").exists()
+    assert results_main(["merge", "--set", "device=cpu", str(tmp_path / "m.json"), str(p)]) == 2
+    assert "'device' is the merge's own (reserved: schema, kind, device, commit, runs, rows)" in capsys.readouterr().err

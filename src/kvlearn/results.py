@@ -256,6 +256,9 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False, re
     return merged
 
 
+SET_RESERVED = ("schema", "kind", "device", "commit", "runs", "rows")  # fields only the merge writes
+
+
 def parse_settings(items: list[str]) -> dict:
     """``["dms_scope=head", "n=3"]`` -> ``{"dms_scope": "head", "n": 3}`` (a value that reads as JSON is that
     JSON, else the string); an item without ``=`` or with an empty key is a one-line error naming it."""
@@ -265,6 +268,8 @@ def parse_settings(items: list[str]) -> dict:
     for item in items:
         key, sep, value = item.partition("=")
         check(bool(sep) and bool(key.strip()), f"--set {item!r} is invalid: expected KEY=VALUE, e.g. dms_scope=head")
+        check(key.strip() not in SET_RESERVED, f"--set {item!r} is invalid: {key.strip()!r} is the merge's own "
+                                               f"(reserved: {', '.join(SET_RESERVED)})")
         try:
             out[key.strip()] = json.loads(value)
         except ValueError:
