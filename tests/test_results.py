@@ -282,6 +282,12 @@ def test_replace_lets_a_retrained_students_rows_take_the_old_ones_places(tmp_pat
                    ("dms", "old", 512, "vt"): 0.6, ("dms", "old", 256, "niah"): 0.7,  # not measured again: kept
                    ("kvpop", "k", 512, "niah"): 0.9}  # kvpop not replaced: both models' rows stay
     assert m["dms_scope"] == "head"
+    # a kvlearn eval part names its student at the top: its replacing rows take that model
+    top = make_results("accuracy", [{k: v for k, v in row("dms", None, "vt", 0.99).items() if k != "model"}],
+                       device="cuda", command="eval", commit="c3", model="$TMPDIR/student")
+    filled = merge_results([top, record], "x", across_runs=True, replace=("dms",))
+    assert [(r["model"], r["accuracy"]) for r in filled["rows"] if r["task"] == "vt"] == [("$TMPDIR/student", 0.99)]
+    assert "model" not in top["rows"][0]  # the input is not modified
     plain = merge_results([new, record], "x", across_runs=True)
     assert len(plain["rows"]) == 6 and "dms_scope" not in plain
     pn, pr = write_results(tmp_path / "n.json", new), write_results(tmp_path / "r.json", record)

@@ -29,11 +29,11 @@
 # HELDOUT=1 also serves each student at its own budget on the held-out split -> $OUT/<label>_heldout_b<B>.json (session 48
 # ran that by hand on the warm machine: results/raw/device_stdout_session48_h100_e132782.log, call 4; 17-18 s a
 # student on one H100).
-# An entry B:head:w128 (or B:w128) also sets that student's window (`--window 128`, Table 1's at 256; label
-# dms_256_head_w128), so students of different windows train in one call.
+# Every student trains with the retrofit's default window (config.retrofit_window: 256 from budget 512 up, half the
+# budget below, so 128 at 256), Table 1's window at every budget; RETROFIT_ARGS='--window N' sets another for all.
 # FULL_CONTEXT=0 leaves out the serving at CONTEXT - 1: with HELDOUT=1, each student gives exactly a Table 1 row's two
 # halves (about 20 s a student less). Table 1's DMS rows in the head scope on one H200, two calls:
-#   STUDENTS='1024:head 512:head' HELDOUT=1 FULL_CONTEXT=0, then STUDENTS='256:head:w128' (the same).
+#   STUDENTS='512:head 256:head' HELDOUT=1 FULL_CONTEXT=0, then STUDENTS='1024:head' (the same).
 # KEEP_STUDENTS=1 also writes each student's final/ folder without the optimizer state, gzipped in parts of at most
 # 15 MiB, $OUT/student_<label>.tar.gz.part_aa, _ab, ... (`cat` them, then `tar xz`; a float32 testbed student is
 # 25 MB, two parts), which `kvlearn eval --model final` serves on another device or on the CPU: a student trained on
@@ -52,23 +52,18 @@ DEVICE=${DEVICE:-cuda}
 CONTEXT=${CONTEXT:-4096}
 STUDENTS=${STUDENTS:-1024}
 FIRST=${STUDENTS%% *}; FIRST=${FIRST%%:*}
-# an entry is B[:head|:model][:wN]: the budget, the scope (default model) and the window (wN: --window N, default
-# the retrofit's); its label dms_B[_head][_wN]
-scope_of() { case ":$1:" in *:head:*) echo head ;; *) echo model ;; esac; }
-window_of() { local f; for f in $(echo "$1" | tr ':' ' '); do case $f in w[0-9]*) echo "${f#w}" ;; esac; done; }
-label_of() {
-    local w; w=$(window_of "$1")
-    echo "dms_${1%%:*}$([ "$(scope_of "$1")" = head ] && echo _head)${w:+_w$w}"
-}
+# an entry is B[:head|:model]: the budget and the scope (default model); its label dms_B or dms_B_head
+scope_of() { case $1 in *:head) echo head ;; *) echo model ;; esac; }
+label_of() { echo "dms_${1%%:*}$([ "$(scope_of "$1")" = head ] && echo _head)"; }
 echo "commit=${KVLEARN_COMMIT:-?} students: $STUDENTS $(date -u +%H:%M:%S)"
 for s in $STUDENTS; do  # one after another: two DMS retrofits side by side ran at 2.2 steps/s each, one alone at 8.5
-    b=${s%%:*}; label=$(label_of "$s"); scope=$(scope_of "$s"); w=$(window_of "$s")
-    case ${s#"$b"} in ""|:head|:model|:w[0-9]*|:head:w[0-9]*|:model:w[0-9]*) ;;
-        *) echo "STUDENTS entry '$s' is invalid: expected B[:head|:model][:wN], e.g. 256:head:w128"; exit 2 ;; esac
+    b=${s%%:*}; label=$(label_of "$s"); scope=$(scope_of "$s")
+    case $b in ""|*[!0-9]*) ok=0 ;; *) case ${s#"$b"} in ""|:head|:model) ok=1 ;; *) ok=0 ;; esac ;; esac
+    [ "$ok" = 1 ] || { echo "STUDENTS entry '$s' is invalid: expected B[:head|:model], e.g. 256:head"; exit 2; }
     # shellcheck disable=SC2086
     python3 -m kvlearn.cli retrofit --model "$MODEL" --out "$WORK_DIR/check_$label" --overwrite --method dms \
-        --budget "$b" --compression-scope "$scope" ${w:+--window "$w"} --steps "${STEPS:-1300}" --device "$DEVICE" \
-        --num-workers 3 ${RETROFIT_ARGS:-} > "$OUT/retrofit_$label.log" 2>&1
+        --budget "$b" --compression-scope "$scope" --steps "${STEPS:-1300}" --device "$DEVICE" --num-workers 3 \
+        ${RETROFIT_ARGS:-} > "$OUT/retrofit_$label.log" 2>&1
     [ -f "$WORK_DIR/check_$label/final/config.json" ] || { echo "retrofit $label failed:"; tail -n 3 "$OUT/retrofit_$label.log"; exit 1; }
     cp "$WORK_DIR/check_$label/train_log.jsonl" "$OUT/train_log_$label.jsonl" 2>/dev/null
     echo "student $label trained $(date -u +%H:%M:%S)"

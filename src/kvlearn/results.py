@@ -198,7 +198,7 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False, re
     ``replace``: methods whose rows an earlier part replaces whatever ``model`` the rows name: for them the
     ``model`` is left out of the key, so a student retrained elsewhere (``dms`` trained in another scope) takes the
     places of the old student's rows in a table of record, and the old rows of a measurement the new parts lack
-    stay. ``settings``: top-level fields to set on the merged file (e.g. ``{"dms_scope": "head"}``), after the first
+    stay; such a row without a ``model`` gets its part's (a ``kvlearn eval`` file names its model at the top). ``settings``: top-level fields to set on the merged file (e.g. ``{"dms_scope": "head"}``), after the first
     part's."""
     from .errors import check
 
@@ -218,6 +218,8 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False, re
         for r in p["rows"]:
             if across_runs:
                 r = {**r, **{k: p[k] for k in ("commit", "date", "n_per_task") if k in p and k not in r}}
+            if r.get("method") in replace and "model" not in r and "model" in p:
+                r = {**r, "model": p["model"]}  # a `kvlearn eval` part names its student once, at the top
             key = merge_key({**r, "model": None} if r.get("method") in replace else r)
             if key not in seen:
                 seen[key] = len(rows)

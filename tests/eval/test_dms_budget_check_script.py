@@ -13,6 +13,8 @@ import subprocess
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -92,28 +94,29 @@ def test_heldout_serves_each_student_at_its_budget_on_the_heldout_split(make_tea
     assert "dms_48_head served at 48 on heldout rc=0" in run.stdout and "dms_48_head served at 255 on eval rc=0" in run.stdout
 
 
-def test_full_context_0_gives_a_table_rows_two_halves_only_and_an_entry_sets_its_window(make_teacher, tmp_path):
-    """FULL_CONTEXT=0 with HELDOUT=1: the student's own budget on both splits and nothing at context - 1; an entry's
-    wN trains that student with window N (the label says so) and its rows are served with it."""
-    out, run = run_check(tmp_path, make_teacher(2, 0), STUDENTS="48:head:w16", HELDOUT="1", FULL_CONTEXT="0")
-    label = "dms_48_head_w16"
+def test_full_context_0_gives_a_table_rows_two_halves_only(make_teacher, tmp_path):
+    """FULL_CONTEXT=0 with HELDOUT=1: the student's own budget on both splits and nothing at context - 1, served with
+    the window it trained with, the retrofit's default (Table 1's: half the budget below 512)."""
+    out, run = run_check(tmp_path, make_teacher(2, 0), STUDENTS="48:head", HELDOUT="1", FULL_CONTEXT="0",
+                         RETROFIT_ARGS="--seq-len 128 --batch-size 2 --num-workers 0")
+    label = "dms_48_head"
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["dms_check_logs.tar.gz", f"dms_load_{label}.json", f"{label}_eval_b48.json",
          f"{label}_heldout_b48.json"])  # no serving at context - 1
     assert "served at 255" not in run.stdout
     saved = json.loads((tmp_path / f"check_{label}" / "final" / "config.json").read_text())["dms"]
-    assert saved["compression_scope"] == "head" and saved["window"] == 16
+    assert saved["compression_scope"] == "head" and saved["window"] == 24  # 48 // 2
     rows = [json.loads((out / f"{label}_{split}_b48.json").read_text())["rows"][0] for split in ("eval", "heldout")]
-    assert [r["split"] for r in rows] == ["eval", "heldout"] and all(r["options"]["window"] == 16 for r in rows)
+    assert [r["split"] for r in rows] == ["eval", "heldout"] and all(r["options"]["window"] == 24 for r in rows)
 
 
-def test_a_bad_students_entry_is_refused_before_training(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK_DIR": str(tmp_path), "DEVICE": "cpu",
-           "STUDENTS": "48:heads"}
+@pytest.mark.parametrize("entry", ["48:heads", "48:head:w16", "x48", ":head"])
+def test_a_bad_students_entry_is_refused_before_training(tmp_path, entry):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK_DIR": str(tmp_path), "DEVICE": "cpu", "STUDENTS": entry}
     run = subprocess.run(["bash", "benchmarks/device/dms_budget_check.sh"], env=env, capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
-    assert run.returncode == 2 and "STUDENTS entry '48:heads' is invalid: expected B[:head|:model][:wN]" in run.stdout
-    assert not (tmp_path / "check_dms_48").exists()
+    assert run.returncode == 2 and f"STUDENTS entry '{entry}' is invalid: expected B[:head|:model]" in run.stdout
+    assert not any(p.name.startswith("check_") for p in tmp_path.iterdir())
 
 
 def test_eval_budgets_serve_the_first_budgets_students_only(make_teacher, tmp_path):
