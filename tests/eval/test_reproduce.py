@@ -461,6 +461,27 @@ def test_the_students_steps_are_read_from_their_train_logs(tmp_path, capsys):
     assert "in the head scope" in dms_scope_note({"dms_scope": "head", "rows": [{"method": "dms"}]})
 
 
+def test_the_records_dms_scope_is_read_from_the_committed_table(tmp_path, monkeypatch):
+    """The record's scope is its file's ``dms_scope`` (model for a file without one, or none at all), so replacing its
+    DMS rows with ``merge --set dms_scope=head`` turns the note around without a code change."""
+    import kvlearn.results as results
+    from kvlearn.eval.reproduce import record_dms_scope
+
+    monkeypatch.setattr(results, "repo_root", lambda: tmp_path)
+    assert record_dms_scope() == "model"  # no committed table
+    table = tmp_path / "results" / "kvpop_table.json"
+    results.write_results(table, results.make_results("accuracy", [], device="cuda", command="t", commit="c"))
+    assert record_dms_scope() == "model"  # a record from before the field
+    results.write_results(table, results.make_results("accuracy", [], device="cuda", command="t", commit="c",
+                                                      dms_scope="head"))
+    assert record_dms_scope() == "head"
+    dms = [{"method": "dms"}]
+    assert dms_scope_note({"dms_scope": "head", "rows": dms}) == ""
+    note = dms_scope_note({"rows": dms})  # an old reproduction (model scope) against a head-scope record
+    assert "this run's DMS students trained in the model scope, the record's in the head scope" in note
+    assert "--dms-scope head rebuilds" in note
+
+
 def students_chain(calls):
     """A runner that writes what kvpop_table.sh writes for the students in ``STUDENTS`` (one row each) and, unless
     ``BASELINES=0``, the teacher's and a baseline's rows; records each call's (students, baselines, OUT)."""

@@ -50,7 +50,7 @@ TABLE_SCRIPT = Path("benchmarks") / "kvpop_table.py"  # what finish_budget runs 
 COMMITTED_TABLE = Path("results") / "kvpop_table.json"  # the table of record a reproduction is compared with
 SETTINGS = "reproduce_settings.json"  # in out: the settings a --resume must match
 EVAL_MINUTES = 4.0  # the table's share of a budget's run after the retrofits (n = 100, both splits, 6 parts)
-RECORD_DMS_SCOPE = "model"  # the compression scope of results/kvpop_table.json's DMS students (docs/DESIGN.md section 9)
+LEGACY_DMS_SCOPE = "model"  # the DMS scope of a table without `dms_scope`: every run before session 48 (DESIGN section 9)
 STEPS_OF_RECORD = 1300  # every student of results/kvpop_table.json trained this many steps (docs/DESIGN.md section 5)
 
 
@@ -594,14 +594,28 @@ def write_merged(config: ReproduceConfig, written: dict[int, Path], missing: lis
     return path
 
 
-def dms_scope_note(table: dict) -> str:
+def record_dms_scope() -> str:
+    """The compression scope of the table of record's DMS students: its ``dms_scope`` (written by ``python -m
+    kvlearn.results merge --set dms_scope=...`` when its DMS rows are replaced), :data:`LEGACY_DMS_SCOPE` for a file
+    without one, or when there is no committed table (an installed copy)."""
+    from ..results import read_results, repo_root
+
+    try:
+        return read_results(repo_root() / COMMITTED_TABLE).get("dms_scope", LEGACY_DMS_SCOPE)
+    except (OSError, ValueError):
+        return LEGACY_DMS_SCOPE
+
+
+def dms_scope_note(table: dict, record_scope: str | None = None) -> str:
     """A line when ``table`` (a reproduction) has DMS rows trained in another compression scope than the table of
-    record's (:data:`RECORD_DMS_SCOPE`; a file without ``dms_scope`` predates the setting and used it), else ``""``."""
-    scope = table.get("dms_scope", RECORD_DMS_SCOPE)
-    if scope == RECORD_DMS_SCOPE or not any(r.get("method") == "dms" for r in table.get("rows", [])):
+    record's (``record_scope``, default :func:`record_dms_scope`); a table without ``dms_scope`` predates the setting
+    and used :data:`LEGACY_DMS_SCOPE`. ``""`` otherwise."""
+    record = record_dms_scope() if record_scope is None else record_scope
+    scope = table.get("dms_scope", LEGACY_DMS_SCOPE)
+    if scope == record or not any(r.get("method") == "dms" for r in table.get("rows", [])):
         return ""
     return (f"DMS not like for like with {COMMITTED_TABLE}: this run's DMS students trained in the {scope} scope, the "
-            f"record's in the {RECORD_DMS_SCOPE} scope (--dms-scope {RECORD_DMS_SCOPE} rebuilds the record's recipe)")
+            f"record's in the {record} scope (--dms-scope {record} rebuilds the record's recipe)")
 
 
 def short_students(steps: dict[str, dict[str, int]]) -> list[tuple[str, str, int]]:
