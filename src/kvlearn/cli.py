@@ -152,6 +152,11 @@ def _eval_config(args, method: str, budget, tasks, model: str | None = None, tar
               f"--window {window} is invalid for this checkpoint: its delayed mLSTM readout is tied to the window it "
               f"was trained with ({options.get('window')})")
         options["window"] = window
+    overflow = getattr(args, "dms_overflow", None)
+    if overflow is not None:
+        check(method == "dms", f"--dms-overflow is for --method dms (which kept token its full budget evicts), not "
+                               f"--method {method}")
+        options["overflow_evicts"] = overflow
     configuration = getattr(args, "configuration", None)
     if configuration is not None:
         check(method == "kaizen_static", f"--configuration is for --method kaizen_static (one given per-layer "
@@ -752,6 +757,7 @@ def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "c
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .config import DMS_OVERFLOW_ORDERS
     from .eval.accuracy import eval_splits
     from .eval.protocols import DEFAULT_PREFILL_CHUNK
     from .kaizen.selector import TAU_END, TAU_START
@@ -801,6 +807,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--window", type=int, default=None,
                     help="recent tokens always kept, for methods with a window (kvpop, dms); the rest of the budget "
                          "is ranked (default: the method's)")
+    sp.add_argument("--dms-overflow", default=None, choices=DMS_OVERFLOW_ORDERS,
+                    help="dms: which kept token a full budget evicts: the highest eviction logit (the default), the "
+                         "oldest kept one or the newest (a serving rule; recorded in each row's options)")
     sp.add_argument("--target", type=float, default=None,
                     help="kaizen and its baselines (kaizen_static, kaizen_random, kaizen_dp): target compression "
                          "factor (kaizen's default: the one it was trained for); kaizen+snapkv, kaizen+kvpop: the "

@@ -262,6 +262,10 @@ DMS_TRAIN_ATTENTIONS = ("auto", "dense", "flex", "flex_channel", "dense_channel"
 # the whole model (the reference: layers, KV heads and keys of a row), or each (row, layer, KV head)'s own, which a
 # budget per KV head needs (docs/DESIGN.md section 9, "Does the cap bind?")
 DMS_COMPRESSION_SCOPES = ("model", "head")
+# which kept token a DMS cache evicts when a kept token leaves the window and the long-range slots are full (a serving
+# rule; training never meets the budget): the one with the highest eviction logit (the least sure keep), the oldest
+# kept one (the slots hold the most recent kept tokens) or the newest one (the first kept tokens stay)
+DMS_OVERFLOW_ORDERS = ("highest_logit", "oldest", "newest")
 
 
 @dataclass(frozen=True)
@@ -286,6 +290,8 @@ class DMSConfig:
     head) limit for like-for-like comparisons; when the ``topk = budget - sinks - window`` long-range slots are full,
     the kept token with the highest eviction logit is evicted (:class:`kvlearn.dms.cache.DMSPolicy`). ``None``: no
     budget (the paper); the cache then needs one (use a budget >= the sequence length to keep every kept token).
+    ``overflow_evicts``: which kept token a full budget evicts, ``highest_logit`` (default), ``oldest`` or ``newest``
+    (:data:`DMS_OVERFLOW_ORDERS`; a serving choice, the gates are trained without the budget).
     """
 
     sinks: int = 4
@@ -300,6 +306,7 @@ class DMSConfig:
     context: int | None = None
     train_attention: str = "auto"  # the training attention's execution (kvlearn.dms.attention.dms_attention's backend)
     compression_scope: str = "model"  # what the hinge holds to the target: the mean over layers and heads, or each head
+    overflow_evicts: str = "highest_logit"  # which kept token a full budget evicts (DMS_OVERFLOW_ORDERS)
 
     def __post_init__(self) -> None:
         import math
@@ -307,6 +314,8 @@ class DMSConfig:
         check(self.compression_scope in DMS_COMPRESSION_SCOPES,
               f"compression_scope={self.compression_scope!r} is invalid: expected one of "
               f"{', '.join(DMS_COMPRESSION_SCOPES)}")
+        check(self.overflow_evicts in DMS_OVERFLOW_ORDERS,
+              f"overflow_evicts={self.overflow_evicts!r} is invalid: expected one of {', '.join(DMS_OVERFLOW_ORDERS)}")
         check(self.train_attention in DMS_TRAIN_ATTENTIONS,
               f"train_attention={self.train_attention!r} is invalid: expected one of {', '.join(DMS_TRAIN_ATTENTIONS)}")
         check_int("sinks", self.sinks, 0)

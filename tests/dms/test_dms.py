@@ -9,6 +9,7 @@
 - gate parameter counts; save/load round trip; bad input is one line.
 """
 
+import json
 import math
 
 import pytest
@@ -45,11 +46,13 @@ def dms_model(config: DMSConfig, seed=0, std=0.01):
     return model
 
 
-def reference_keep(alpha: torch.Tensor, sinks: int, window: int, budget: int | None) -> torch.Tensor:
+def reference_keep(alpha: torch.Tensor, sinks: int, window: int, budget: int | None,
+                   overflow_evicts: str = "highest_logit") -> torch.Tensor:
     """Brute force ``[B, H, T, T]`` bool from ``alpha [B, H, T]`` (logit produced at each token): simulate the rule
     query by query. Key ``u`` leaves the window at query ``u + window``; it is dropped iff ``alpha[u + 1] > 0``;
     else it joins the long-range set, which holds at most ``budget - sinks - window`` tokens: over that, the one with
-    the highest decision logit goes (the later one on ties)."""
+    the highest decision logit goes (the later one on ties), or with ``overflow_evicts`` "oldest" / "newest" the
+    earliest / the latest held one."""
     B, H, n = alpha.shape
     topk = math.inf if budget is None else budget - sinks - window
     keep = torch.zeros(B, H, n, n, dtype=torch.bool)
@@ -64,7 +67,12 @@ def reference_keep(alpha: torch.Tensor, sinks: int, window: int, budget: int | N
                     if not decision > 0:
                         held.append(u)
                         if len(held) > topk:
-                            worst = max(held, key=lambda t: (a[b][h][t + 1], t))
+                            if overflow_evicts == "oldest":
+                                worst = min(held)
+                            elif overflow_evicts == "newest":
+                                worst = max(held)
+                            else:
+                                worst = max(held, key=lambda t: (a[b][h][t + 1], t))
                             held.remove(worst)
                 for k in range(q + 1):
                     keep[b, h, q, k] = k < sinks or q - k < window or k in held
@@ -120,6 +128,22 @@ def test_cache_equals_the_brute_force_mask(prefill, budget):
         free, _ = masked_logits(model, config, ids,
                                 keep_mask=lambda alpha: reference_keep(alpha, config.sinks, config.window, None))
         assert (free - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("overflow", ["oldest", "newest"])
+@pytest.mark.parametrize("chunks", [decode_chunks(6), [(0, 7), (7, 20), (20, 21), (21, 33), (33, T)]])
+def test_overflow_orders_equal_the_brute_force_mask(overflow, chunks):
+    """Each order of the full slots, in decoding and in chunked prefill, against the brute-force rule; the three
+    orders give three different functions here (the option is not ignored)."""
+    config = DMSConfig(sinks=2, window=4, budget=9, overflow_evicts=overflow)
+    model = dms_model(config, seed=2)
+    ids = distinct_ids()
+    refs = {order: masked_logits(model, config, ids, keep_mask=lambda alpha, o=order: reference_keep(
+        alpha, config.sinks, config.window, 9, o))[0] for order in ("highest_logit", "oldest", "newest")}
+    got, _ = cache_logits(model, config, ids, chunks)
+    torch.testing.assert_close(got, refs[overflow], atol=1e-4, rtol=1e-4)
+    others = [o for o in refs if o != overflow]
+    assert all((refs[o] - refs[overflow]).abs().max() > 1e-3 for o in others)
 
 
 def test_chunked_prefill_equals_the_brute_force_mask():
@@ -313,7 +337,7 @@ def test_bad_input_is_one_line():
         make_config("dms", budget=300, sinks=4, context=256)
     assert "budget=300" in one_line(err) and "context = 256" in one_line(err)
     for bad in (dict(tau=0), dict(target_cr=0.5), dict(ramp_fraction=0), dict(gate_hidden=-1),
-                dict(compression_scope="layer")):
+                dict(compression_scope="layer"), dict(overflow_evicts="lowest_logit")):
         with pytest.raises(KVLearnError) as err:
             DMSConfig(**bad)
         name, value = next(iter(bad.items()))
@@ -520,3 +544,26 @@ def test_context_protocol_keeps_what_the_rule_keeps_at_the_last_query(budget):
             for h in range(2):
                 held = sorted(p for p in layer.slot_positions[b, h].tolist() if p >= 0)
                 assert held == torch.nonzero(want[b, h]).flatten().tolist(), (i, b, h)
+
+
+def test_eval_command_serves_and_records_the_overflow_order(teacher_path, tmp_path):
+    """``kvlearn eval --method dms --dms-overflow oldest`` serves a checkpoint under that order and records it in
+    each row; the option is refused for another method, with its name in the message."""
+    from kvlearn.cli import main
+
+    model = apply_dms(kvlearn.load(teacher_path), DMSConfig(sinks=4, window=16, budget=48))
+    torch.manual_seed(5)
+    for gate in dms_gates(model):
+        torch.nn.init.normal_(gate.proj.weight, std=0.01)
+    model.save_pretrained(tmp_path / "ck")
+    out = tmp_path / "rows.json"
+    args = ["eval", "--model", str(tmp_path / "ck"), "--method", "dms", "--budget", "40", "--context", "256",
+            "--tasks", "vt", "--n-per-task", "2", "--batch-size", "2", "--device", "cpu"]
+    assert main(args + ["--dms-overflow", "oldest", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["options"]["overflow_evicts"] == "oldest" and row["budget"] == 40
+    with pytest.raises(SystemExit):
+        main(["eval", "--method", "dms", "--budget", "40", "--dms-overflow", "first"])
+    code = main(["eval", "--model", teacher_path, "--method", "streaming", "--budget", "40", "--context", "256",
+                 "--dms-overflow", "oldest"])
+    assert code != 0

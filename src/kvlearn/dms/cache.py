@@ -14,6 +14,11 @@ dropped one, the held long-range set at query ``q`` is the top-``topk`` (by ``-a
 ``alpha <= 0``; with ``B >=`` the sequence length this is exactly the paper's rule, and the full-sequence training
 attention with hard gates (:func:`kvlearn.dms.attention.dms_bias`, ``hard=True``) computes the same function.
 
+``DMSConfig.overflow_evicts`` picks another order for the full slots (the keep/drop decision is the same): ``oldest``
+scores a kept token ``t`` by its position (the slots hold the most recent kept tokens), ``newest`` by
+``2**24 - t`` (the first kept tokens stay; a newly kept token enters only where one was dropped); a dropped token
+scores -1 either way. Positions are exact in the float32 score below ``2**24`` tokens.
+
 The shift by one in the cache: a token's score is provisional (``+inf``: never eligible before it is set) until the
 next real token of its row arrives; then the next token's logit is written into its slot (decoding: one fixed-shape
 ``where``, no sync) or, inside a multi-token forward, taken from the next real token of the chunk (positions, so
@@ -33,11 +38,23 @@ from ..errors import check
 from .gates import has_dms
 
 PROVISIONAL = float("inf")  # score of a token whose decision (the next token's logit) is not known yet
+NEWEST_BASE = float(2 ** 24)  # overflow_evicts="newest": a kept token scores NEWEST_BASE - position (exact in float32)
+
+
+def keep_score(neg_alpha: torch.Tensor, position: torch.Tensor, overflow_evicts: str) -> torch.Tensor:
+    """The slot score of decided tokens: ``-alpha`` (``highest_logit``) or, for a kept token (``-alpha >= 0``), its
+    position (``oldest``) or ``2**24 - position`` (``newest``), -1 for a dropped one. ``neg_alpha``, ``position``:
+    broadcastable, float32 result."""
+    if overflow_evicts == "highest_logit":
+        return neg_alpha
+    pos = position.to(torch.float32)
+    rank = pos if overflow_evicts == "oldest" else NEWEST_BASE - pos
+    return torch.where(neg_alpha >= 0, rank, torch.full_like(rank, -1.0))
 
 
 class DMSPolicy(ScoredPolicy):
     """DMS retention with a hard budget (see the module docstring): ``capacity = budget`` slots per (row, KV head);
-    slot state ``"score" = -alpha[t + 1]`` float32."""
+    slot state ``"score"`` float32: ``-alpha[t + 1]``, or the overflow order's rank (:func:`keep_score`)."""
 
     drop_below = 0.0
 
@@ -81,10 +98,12 @@ class DMSPolicy(ScoredPolicy):
         s_pos = torch.gather(pos, 2, order)
         nxt_real = torch.cat([s_pos[..., 1:] >= 0, torch.zeros_like(s_pos[..., :1], dtype=torch.bool)], dim=2)
         nxt_alpha = torch.cat([s_alpha[..., 1:], torch.zeros_like(s_alpha[..., :1])], dim=2)
-        s_score = torch.where(nxt_real, -nxt_alpha, torch.full_like(nxt_alpha, PROVISIONAL))
+        ranked = keep_score(-nxt_alpha, s_pos, self.config.overflow_evicts)
+        s_score = torch.where(nxt_real, ranked, torch.full_like(nxt_alpha, PROVISIONAL))
         score = torch.empty_like(s_score).scatter_(2, order, s_score)
         first = s_pos[:, 0, 0]  # [b]: the first real position of the chunk (-1: no real token)
-        self._set_held(layer, torch.where(first >= 1, first - 1, torch.full_like(first, -1)), -s_alpha[..., 0])
+        held = torch.where(first >= 1, first - 1, torch.full_like(first, -1))
+        self._set_held(layer, held, keep_score(-s_alpha[..., 0], held[:, None], self.config.overflow_evicts))
         return score
 
     def decode_score(self, layer, step: ForwardStep, key_states, value_states) -> torch.Tensor:
@@ -93,7 +112,8 @@ class DMSPolicy(ScoredPolicy):
         b, h = key_states.shape[:2]
         alpha = self._take_logits(step, h)  # [b, h, 1]
         p = step.positions[:, 0]
-        self._set_held(layer, torch.where(p >= 1, p - 1, torch.full_like(p, -1)), -alpha[..., 0])
+        held = torch.where(p >= 1, p - 1, torch.full_like(p, -1))
+        self._set_held(layer, held, keep_score(-alpha[..., 0], held[:, None], self.config.overflow_evicts))
         return torch.full_like(alpha, PROVISIONAL)
 
     def reset(self) -> None:
