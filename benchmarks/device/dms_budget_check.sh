@@ -34,6 +34,9 @@
 # FULL_CONTEXT=0 leaves out the serving at CONTEXT - 1: with HELDOUT=1, each student gives exactly a Table 1 row's two
 # halves (about 20 s a student less). Table 1's DMS rows in the head scope on one H200, two calls:
 #   STUDENTS='512:head 256:head' HELDOUT=1 FULL_CONTEXT=0, then STUDENTS='1024:head' (the same).
+# OVERFLOW (a space list of DMSConfig.overflow_evicts orders, e.g. 'oldest newest') also serves each student at its
+# own budget on the eval split with each of those orders of the full budget -> $OUT/<label>_eval_b<B>_overflow_<order>.json
+# (about 20 s an order on one H100).
 # KEEP_STUDENTS=1 also writes each student's final/ folder without the optimizer state, gzipped in parts of at most
 # 15 MiB, $OUT/student_<label>.tar.gz.part_aa, _ab, ... (`cat` them, then `tar xz`; a float32 testbed student is
 # 25 MB, two parts), which `kvlearn eval --model final` serves on another device or on the CPU: a student trained on
@@ -86,13 +89,16 @@ for s in $STUDENTS; do
     runs=""; for eb in $budgets; do runs="$runs eval:$eb"; done
     # HELDOUT=1: also the held-out split at the student's own budget (a Table 1 row's other half)
     [ "${HELDOUT:-0}" = 1 ] && runs="$runs heldout:${s%%:*}"
+    # OVERFLOW='oldest newest': also each of those orders of the full budget (--dms-overflow) at its own budget, eval
+    for order in ${OVERFLOW:-}; do runs="$runs eval:${s%%:*}:$order"; done
     for run in $runs; do
-        split=${run%%:*}; eb=${run#*:}; name="${label}_${split}_b$eb"
+        split=${run%%:*}; rest=${run#*:}; eb=${rest%%:*}; order=${rest#"$eb"}; order=${order#:}
+        name="${label}_${split}_b$eb${order:+_overflow_$order}"
         # shellcheck disable=SC2086
         python3 -m kvlearn.cli eval --model "$WORK_DIR/check_$label/final" --method dms --budget "$eb" --split "$split" \
             --n-per-task "${N:-100}" --device "$DEVICE" --context "$CONTEXT" --batch-size 64 ${EVAL_ARGS:-} \
-            --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-        echo "$label served at $eb on $split rc=$?"; tail -n 5 "$OUT/$name.log"
+            ${order:+--dms-overflow "$order"} --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        echo "$label served at $eb on $split${order:+ (overflow evicts $order)} rc=$?"; tail -n 5 "$OUT/$name.log"
     done
 done
 # the device returns at most 8 files: everything but the JSON results goes into one archive (the retrofit logs

@@ -85,14 +85,18 @@ def test_every_file_is_written_and_each_student_has_its_budget(make_teacher, tmp
 
 
 def test_full_context_0_gives_a_table_rows_two_halves_only(make_teacher, tmp_path):
-    """HELDOUT=1 with FULL_CONTEXT=0: the student's own budget on both splits and nothing at context - 1, served with
+    """HELDOUT=1 with FULL_CONTEXT=0 (and OVERFLOW): the student's own budget on both splits and nothing at context - 1, served with
     the window it trained with, the retrofit's default (Table 1's: half the budget below 512)."""
     out, run = run_check(tmp_path, make_teacher(2, 0), STUDENTS="48:head", HELDOUT="1", FULL_CONTEXT="0",
-                         RETROFIT_ARGS="--seq-len 128 --batch-size 2 --num-workers 0")
+                         OVERFLOW="oldest", RETROFIT_ARGS="--seq-len 128 --batch-size 2 --num-workers 0")
     label = "dms_48_head"
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["dms_check_logs.tar.gz", f"dms_load_{label}.json", f"{label}_eval_b48.json",
-         f"{label}_heldout_b48.json"])  # no serving at context - 1
+         f"{label}_heldout_b48.json", f"{label}_eval_b48_overflow_oldest.json"])  # no serving at context - 1
+    # OVERFLOW: the same budget once more under that order of the full slots, recorded in the row
+    (row,) = json.loads((out / f"{label}_eval_b48_overflow_oldest.json").read_text())["rows"]
+    assert row["options"]["overflow_evicts"] == "oldest" and row["budget"] == 48 and row["split"] == "eval"
+    assert f"{label} served at 48 on eval (overflow evicts oldest) rc=0" in run.stdout
     assert "served at 255" not in run.stdout
     saved = json.loads((tmp_path / f"check_{label}" / "final" / "config.json").read_text())["dms"]
     assert saved["compression_scope"] == "head" and saved["window"] == 24  # 48 // 2
