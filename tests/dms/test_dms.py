@@ -546,7 +546,7 @@ def test_context_protocol_keeps_what_the_rule_keeps_at_the_last_query(budget):
                 assert held == torch.nonzero(want[b, h]).flatten().tolist(), (i, b, h)
 
 
-def test_eval_command_serves_and_records_the_overflow_order(teacher_path, tmp_path):
+def test_eval_command_serves_and_records_the_overflow_order(teacher_path, tmp_path, capsys):
     """``kvlearn eval --method dms --dms-overflow oldest`` serves a checkpoint under that order and records it in
     each row; the option is refused for another method, with its name in the message."""
     from kvlearn.cli import main
@@ -562,8 +562,16 @@ def test_eval_command_serves_and_records_the_overflow_order(teacher_path, tmp_pa
     assert main(args + ["--dms-overflow", "oldest", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["options"]["overflow_evicts"] == "oldest" and row["budget"] == 40
+    # the cache is built from that config, not only the row: the option reaches DMSConfig
+    from kvlearn.cli import _eval_config, build_parser
+
+    parsed = build_parser().parse_args(args + ["--dms-overflow", "newest"])
+    config = _eval_config(parsed, "dms", 40, ("vt",))
+    assert config.method_config.overflow_evicts == "newest" and config.method_config.budget == 40
     with pytest.raises(SystemExit):
         main(["eval", "--method", "dms", "--budget", "40", "--dms-overflow", "first"])
+    capsys.readouterr()
     code = main(["eval", "--model", teacher_path, "--method", "streaming", "--budget", "40", "--context", "256",
                  "--dms-overflow", "oldest"])
-    assert code != 0
+    err = capsys.readouterr().err
+    assert code != 0 and "--dms-overflow is for --method dms" in err and "--method streaming" in err
