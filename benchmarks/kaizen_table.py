@@ -100,6 +100,8 @@ RECORD_SERIES = {
     "kaizen [kaizen8_lr1e-4_s0]": "selector 8x (--lr 1e-4, 3 seeds)",
     "kaizen [kaizen8_lr1e-4_s1]": "selector 8x (--lr 1e-4, 3 seeds)",
     "kaizen [kaizen8_lr1e-4_s2]": "selector 8x (--lr 1e-4, 3 seeds)",
+    "kaizen [kaizen8_share02_ema_fw_alone6_s0]": "selector 8x alone on the GPU (3,681 steps; then 3,088 more)",
+    "kaizen [kaizen8_share02_ema_fw_alone6_s0_refined]": "selector 8x alone on the GPU (3,681 steps; then 3,088 more)",
     "untrained_backbone [kaizen4_share_auto]": "the 4x / 8x selectors' choice on the teacher",
     "untrained_backbone [kaizen8_lr1e-4_s0]": "the 4x / 8x selectors' choice on the teacher",
     "kaizen+kvpop [refined_b4_400]": "4-bit x the KVpop student refined under 4 bits (32x)",

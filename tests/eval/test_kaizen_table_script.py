@@ -225,7 +225,8 @@ def test_device_script_runs_the_baselines_beside_the_training_and_merges(tmp_pat
     for t in (4, 8):  # the control comes from the first baseline part alone
         selector = (tmp_path / f"kaizen_table_selector_t{t}.log").read_text()
         assert f"--selector kaizen{t}=" in selector and "--no-control --baselines none --compose-factors none" in selector
-        assert "kaizen-train" in (tmp_path / f"kaizen_train_t{t}.log").read_text()
+        train = (tmp_path / f"kaizen_train_t{t}.log").read_text()
+        assert "kaizen-train" in train and "--device cuda" in train and train.split()[-2:] == ["--num-workers", "3"]
     merged = json.loads((tmp_path / "kaizen_table.json").read_text())
     assert sorted((r["method"], r["factor"]) for r in merged["rows"]) == [
         ("control", 1.0), ("kaizen", 4.0), ("kaizen", 8.0), ("static", 4.0)]
@@ -263,7 +264,7 @@ def test_device_script_trains_each_target_once_per_seed(tmp_path):
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(repo / "src"),
-           "TARGETS": "8", "SEEDS": "1 2", "BASELINE_PARTS": "none",
+           "TARGETS": "8", "SEEDS": "1 2", "BASELINE_PARTS": "none", "NUM_WORKERS": "5",
            "SELECTOR_TABLE_ARGS": "--compose-selectors --compose-factors 64"}
     out = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
                          text=True, timeout=300)
@@ -271,6 +272,7 @@ def test_device_script_trains_each_target_once_per_seed(tmp_path):
     for s in (1, 2):
         train = (tmp_path / f"kaizen_train_t8_s{s}.log").read_text()
         assert f"--out {tmp_path}/kaizen-t8_s{s} " in train and f"--seed {s}" in train and "--target 8 " in train
+        assert "--num-workers 5 " in train  # NUM_WORKERS reaches every trainer
         table = (tmp_path / f"kaizen_table_selector_t8_s{s}.log").read_text()
         assert f"--selector kaizen8_s{s}={tmp_path}/kaizen-t8_s{s}/final" in table
         assert "--compose-factors none --n-per-task" in table and table.rstrip().endswith(
