@@ -657,3 +657,23 @@ def test_options_a_method_does_not_read_are_warned_about(teacher_path, tmp_path,
     assert capsys.readouterr().err == "warning: --target-cr 8.0, --gate-hidden 4: not read by --method kvpop (ignored)\n"
     assert cli.main([*base, "--method", "dms", "--window", "16", "--gate-hidden", "4"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_num_workers_default_follows_the_device(teacher_path, tmp_path, monkeypatch, capsys):
+    """``--num-workers`` of ``kvlearn retrofit`` and ``kvlearn kaizen-train``: left out, 0 on the CPU (the CLI path)
+    and ``GPU_DATA_WORKERS`` on a CUDA device, capped at one fewer than the cores (checked on the rule itself, this
+    machine having no GPU); given, it is passed as is, and a negative count is a one-line error."""
+    from kvlearn import cli
+
+    got, retro, kaizen = trainer_cli(teacher_path, tmp_path, monkeypatch)
+    for argv in (retro, kaizen):
+        assert cli.main(argv) == 0 and got[-1].num_workers == 0
+        assert cli.main([*argv, "--num-workers", "2"]) == 0 and got[-1].num_workers == 2
+        capsys.readouterr()
+        assert cli.main([*argv, "--num-workers", "-1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "num_workers=-1 is invalid: expected an integer >= 0" in err
+    for cores, want in ((16, 3), (3, 2), (1, 0), (None, 0)):
+        monkeypatch.setattr(cli.os, "cpu_count", lambda c=cores: c)
+        assert cli._num_workers(None, "cuda") == want and cli._num_workers(None, "cuda:1") == want
+        assert cli._num_workers(None, "cpu") == 0 and cli._num_workers(5, "cuda") == 5

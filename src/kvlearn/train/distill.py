@@ -163,7 +163,7 @@ class RetrofitConfig:
     save_interval: int = 200
     seed: int = 0
     device: str = "cpu"
-    num_workers: int = 0  # data-generation worker processes
+    num_workers: int = 0  # data-generation worker processes (the CLI's default is 3 on a CUDA device)
     # replay each step's device part as one CUDA graph after a few eager steps (one CUDA process; kvpop and
     # streaming_plus): the same updates, fewer host launches (:class:`GraphedRetrofitStep`; speed only, a resumed
     # run may change it)
