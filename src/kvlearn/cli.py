@@ -56,20 +56,6 @@ def _device(name: str) -> str:
     return name
 
 
-GPU_DATA_WORKERS = 3  # retrofit / kaizen-train data workers on a CUDA device when --num-workers is left out
-
-
-def _num_workers(value: int | None, device: str) -> int:
-    """``--num-workers`` of ``retrofit`` and ``kaizen-train``: as given (the config checks it), else
-    :data:`GPU_DATA_WORKERS` on a CUDA device, capped at one fewer than the CPU cores, and 0 on the CPU, where workers
-    would take the cores the training step uses. Without workers the data generation held a GPU trainer back (one
-    kaizen-train alone on an H100: 8.9 steps/s with none, 10.3 with 3; docs/FINDINGS.md, "KV-Kaizen"); the testbed
-    stream deals its batches round robin, so the batches do not depend on the number."""
-    if value is not None:
-        return value
-    return min(GPU_DATA_WORKERS, max((os.cpu_count() or 1) - 1, 0)) if device.startswith("cuda") else 0
-
-
 def _tasks(text: str) -> tuple[str, ...]:
     from .testbed.tasks import FAMILIES
 
@@ -475,7 +461,6 @@ def cmd_retrofit(args) -> int:
         method_kw["cuda_graph_step"] = True
     length = ({"minutes": args.minutes, "steps": None} if args.minutes is not None  # --steps 0 is refused, not 1000
               else {"steps": 1000 if args.steps is None else args.steps})
-    device = _device(args.device)
     config = RetrofitConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                             kvpop=kvpop, batch_size=args.batch_size, seq_len=args.seq_len,
                             **({"lr": args.lr} if args.lr is not None else {}),
@@ -483,9 +468,8 @@ def cmd_retrofit(args) -> int:
                             grad_clip=args.grad_clip, kd_topk=args.kd_topk, boundary_weight=args.boundary_weight,
                             dense_fraction=args.dense_fraction,
                             family_weights=_mixture_weights(args.family_weights),
-                            save_interval=args.save_interval, seed=args.seed, device=device,
-                            num_workers=_num_workers(args.num_workers, device), method=args.method, **method_kw,
-                            **length)
+                            save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
+                            num_workers=args.num_workers, method=args.method, **method_kw, **length)
     _threads(args.threads)
     result = retrofit(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
@@ -618,7 +602,6 @@ def cmd_kaizen_train(args) -> int:
     length = ({"minutes": args.minutes, "steps": None} if args.minutes is not None  # --steps 0 is refused, not 1000
               else {"steps": 1000 if args.steps is None else args.steps})
     axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
-    device = _device(args.device)
     config = KaizenTrainConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
                                targets=targets, axes=axes, batch_size=args.batch_size, seq_len=args.seq_len,
                                **({"lr": args.lr} if args.lr is not None else {}),
@@ -639,8 +622,8 @@ def cmd_kaizen_train(args) -> int:
                                ema_decay=args.ema_decay, init_student=args.init_student,
                                **{k: v for k, v in (("tau_start", args.tau_start), ("tau_end", args.tau_end))
                                   if v is not None},
-                               save_interval=args.save_interval, seed=args.seed, device=device,
-                               num_workers=_num_workers(args.num_workers, device), **length)
+                               save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
+                               num_workers=args.num_workers, **length)
     _threads(args.threads)
     result = kaizen_train(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
@@ -769,8 +752,8 @@ def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "c
     sp.add_argument("--seed", type=int, default=0, help="random seed (data and sampling)")
     sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     sp.add_argument("--num-workers", type=int, default=None,
-                    help=f"data-generation worker processes (default: {GPU_DATA_WORKERS} on a CUDA device, at most one "
-                         "fewer than the CPU cores; 0 on the CPU; the batches are the same for any number)")
+                    help="data-generation worker processes (default: 3 on a CUDA device, at most one fewer than the CPU "
+                         "cores; 0 on the CPU; the batches are the same for any number)")
     sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
 
 

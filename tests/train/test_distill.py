@@ -660,10 +660,12 @@ def test_options_a_method_does_not_read_are_warned_about(teacher_path, tmp_path,
 
 
 def test_num_workers_default_follows_the_device(teacher_path, tmp_path, monkeypatch, capsys):
-    """``--num-workers`` of ``kvlearn retrofit`` and ``kvlearn kaizen-train``: left out, 0 on the CPU (the CLI path)
-    and ``GPU_DATA_WORKERS`` on a CUDA device, capped at one fewer than the cores (checked on the rule itself, this
-    machine having no GPU); given, it is passed as is, and a negative count is a one-line error."""
-    from kvlearn import cli
+    """``num_workers`` of both trainers' configs (and ``--num-workers`` of ``kvlearn retrofit`` / ``kaizen-train``):
+    left out, 0 on the CPU (the CLI path) and ``GPU_DATA_WORKERS`` on a CUDA device, capped at one fewer than the
+    cores (checked on the rule itself, this machine having no GPU); given, it is kept, and a negative count is a
+    one-line error."""
+    from kvlearn import KaizenTrainConfig, cli
+    from kvlearn.train import distill
 
     got, retro, kaizen = trainer_cli(teacher_path, tmp_path, monkeypatch)
     for argv in (retro, kaizen):
@@ -673,7 +675,11 @@ def test_num_workers_default_follows_the_device(teacher_path, tmp_path, monkeypa
         assert cli.main([*argv, "--num-workers", "-1"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "num_workers=-1 is invalid: expected an integer >= 0" in err
+    assert make_config(teacher_path, tmp_path / "r2").num_workers == 0  # the Python API: the same rule
+    assert make_config(teacher_path, tmp_path / "r3", num_workers=4).num_workers == 4
+    assert KaizenTrainConfig(model=teacher_path, seq_len=128).num_workers == 0
+    assert distill.GPU_DATA_WORKERS == 3
     for cores, want in ((16, 3), (3, 2), (1, 0), (None, 0)):
-        monkeypatch.setattr(cli.os, "cpu_count", lambda c=cores: c)
-        assert cli._num_workers(None, "cuda") == want and cli._num_workers(None, "cuda:1") == want
-        assert cli._num_workers(None, "cpu") == 0 and cli._num_workers(5, "cuda") == 5
+        monkeypatch.setattr(distill.os, "cpu_count", lambda c=cores: c)
+        assert distill.default_num_workers("cuda") == want and distill.default_num_workers("cuda:1") == want
+        assert distill.default_num_workers("cpu") == 0

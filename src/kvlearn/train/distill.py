@@ -163,7 +163,7 @@ class RetrofitConfig:
     save_interval: int = 200
     seed: int = 0
     device: str = "cpu"
-    num_workers: int = 0  # data-generation worker processes (the CLI's default is 3 on a CUDA device)
+    num_workers: int | None = None  # data-generation worker processes; None: default_num_workers(device)
     # replay each step's device part as one CUDA graph after a few eager steps (one CUDA process; kvpop and
     # streaming_plus): the same updates, fewer host launches (:class:`GraphedRetrofitStep`; speed only, a resumed
     # run may change it)
@@ -283,19 +283,36 @@ def check_out_folder(config) -> None:
               "(--resume) to continue, or choose a new folder")
 
 
+GPU_DATA_WORKERS = 3  # data-generation workers of a trainer on a CUDA device unless num_workers is given
+
+
+def default_num_workers(device: str) -> int:
+    """A trainer's data-generation workers when ``num_workers`` is None: :data:`GPU_DATA_WORKERS` on a CUDA device,
+    capped at one fewer than the CPU cores, and 0 on the CPU, where workers would take the cores the training step
+    uses. Without workers the data generation held a GPU trainer back (one kaizen-train alone on an H100: 8.9 steps/s
+    with none, 10.3 with 3; docs/FINDINGS.md, "KV-Kaizen"). The testbed stream deals its batches round robin over the
+    workers, so the batches do not depend on the number."""
+    if not device.startswith("cuda"):
+        return 0
+    return min(GPU_DATA_WORKERS, max((os.cpu_count() or 1) - 1, 0))
+
+
 def check_trainer_fields(config) -> None:
-    """The checks every distillation trainer's config shares (retrofit, kaizen-train): schedule and loop integers,
-    the share of dense-format rows (``dense_fraction``, made a float in [0, 1]), the family mixture
-    (``family_weights``: None, or one weight per testbed family, made a tuple of floats by the stream's own check),
-    the device, and the model folder against ``seq_len``; one-line errors."""
+    """The checks every distillation trainer's config shares (retrofit, kaizen-train): schedule and loop integers
+    (``num_workers`` None becomes :func:`default_num_workers` of the device), the share of dense-format rows
+    (``dense_fraction``, made a float in [0, 1]), the family mixture (``family_weights``: None, or one weight per
+    testbed family, made a tuple of floats by the stream's own check), the device, and the model folder against
+    ``seq_len``; one-line errors."""
     check(0 <= config.min_lr_ratio <= 1, f"min_lr_ratio={config.min_lr_ratio!r} is invalid: expected a number in [0, 1]")
     config.dense_fraction = dense_share(config.dense_fraction, "dense_fraction")
     if config.family_weights is not None:
         config.family_weights = tuple(check_mixture(FAMILIES, tuple(config.family_weights))[1])
+    check(isinstance(config.device, str) and (config.device == "cpu" or config.device.startswith("cuda")),
+          f"device={config.device!r} is invalid: expected cpu or cuda[:N]")
+    if config.num_workers is None:
+        config.num_workers = default_num_workers(config.device)
     for name, low in (("warmup_steps", 0), ("kd_topk", 1), ("save_interval", 1), ("seed", 0), ("num_workers", 0)):
         check_int(name, getattr(config, name), low)
-    check(config.device == "cpu" or config.device.startswith("cuda"),
-          f"device={config.device!r} is invalid: expected cpu or cuda[:N]")
     check(config.device == "cpu" or torch.cuda.is_available(),
           f"device={config.device!r} requested but CUDA is not available: use device='cpu'")
     check_model_folder(config.model, config.seq_len)

@@ -155,7 +155,7 @@ class KaizenTrainConfig:
     save_interval: int = 200
     seed: int = 0
     device: str = "cpu"
-    num_workers: int = 0  # data-generation worker processes (the CLI's default is 3 on a CUDA device)
+    num_workers: int | None = None  # data-generation worker processes; None: default_num_workers(device)
     # checkpoint selection (select_iterate): every select_every steps from select_from of the run on, and at its end,
     # the student's accuracy under its own selector on select_n validation prompts per family; final/ holds the best
     select_every: int = 0  # 0: off (final/ is the last iterate)
