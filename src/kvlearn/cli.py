@@ -752,8 +752,9 @@ def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "c
     sp.add_argument("--seed", type=int, default=0, help="random seed (data and sampling)")
     sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     sp.add_argument("--num-workers", type=int, default=None,
-                    help="data-generation worker processes (default: 3 on a CUDA device, at most one fewer than the CPU "
-                         "cores; 0 on the CPU; the batches are the same for any number)")
+                    help="data-generation worker processes (default: 3 on a CUDA device, at most the CPU cores less one "
+                         "shared among torchrun's processes on the host; 0 on the CPU; the batches are the same for any "
+                         "number)")
     sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
 
 

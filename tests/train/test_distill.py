@@ -661,9 +661,9 @@ def test_options_a_method_does_not_read_are_warned_about(teacher_path, tmp_path,
 
 def test_num_workers_default_follows_the_device(teacher_path, tmp_path, monkeypatch, capsys):
     """``num_workers`` of both trainers' configs (and ``--num-workers`` of ``kvlearn retrofit`` / ``kaizen-train``):
-    left out, 0 on the CPU (the CLI path) and ``GPU_DATA_WORKERS`` on a CUDA device, capped at one fewer than the
-    cores (checked on the rule itself, this machine having no GPU); given, it is kept, and a negative count is a
-    one-line error."""
+    left out, 0 on the CPU (the CLI path) and ``GPU_DATA_WORKERS`` on a CUDA device, capped at the cores less one
+    shared among ``torchrun``'s processes on the host (checked on the rule itself, this machine having no GPU); given,
+    it is kept, and a negative count is a one-line error."""
     from kvlearn import KaizenTrainConfig, cli
     from kvlearn.train import distill
 
@@ -679,7 +679,12 @@ def test_num_workers_default_follows_the_device(teacher_path, tmp_path, monkeypa
     assert make_config(teacher_path, tmp_path / "r3", num_workers=4).num_workers == 4
     assert KaizenTrainConfig(model=teacher_path, seq_len=128).num_workers == 0
     assert distill.GPU_DATA_WORKERS == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     for cores, want in ((16, 3), (3, 2), (1, 0), (None, 0)):
         monkeypatch.setattr(distill.os, "cpu_count", lambda c=cores: c)
         assert distill.default_num_workers("cuda") == want and distill.default_num_workers("cuda:1") == want
         assert distill.default_num_workers("cpu") == 0
+    for cores, ranks, want in ((16, 8, 1), (16, 2, 3), (8, 4, 1), (4, 8, 0)):  # torchrun: the host's cores shared
+        monkeypatch.setattr(distill.os, "cpu_count", lambda c=cores: c)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        assert distill.default_num_workers("cuda") == want
