@@ -684,7 +684,7 @@ def test_num_workers_default_follows_the_device(teacher_path, tmp_path, monkeypa
         monkeypatch.setattr(distill.os, "cpu_count", lambda c=cores: c)
         assert distill.default_num_workers("cuda") == want and distill.default_num_workers("cuda:1") == want
         assert distill.default_num_workers("cpu") == 0
-    for cores, ranks, want in ((16, 8, 1), (16, 2, 3), (8, 4, 1), (4, 8, 0)):  # torchrun: the host's cores shared
+    for cores, ranks, want in ((16, "8", 1), (16, "2", 3), (8, "4", 1), (4, "8", 0), (16, "x", 3), (16, "0", 3)):
         monkeypatch.setattr(distill.os, "cpu_count", lambda c=cores: c)
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)  # torchrun: the host's cores shared among its processes
         assert distill.default_num_workers("cuda") == want

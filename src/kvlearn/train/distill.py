@@ -288,13 +288,15 @@ GPU_DATA_WORKERS = 3  # data-generation workers of a trainer on a CUDA device un
 
 def default_num_workers(device: str) -> int:
     """A trainer's data-generation workers when ``num_workers`` is None: :data:`GPU_DATA_WORKERS` on a CUDA device,
-    capped at the CPU cores less one, shared among the host's processes under ``torchrun`` (``LOCAL_WORLD_SIZE``),
-    and 0 on the CPU, where workers would take the cores the training step uses. Without workers the data generation held a GPU trainer back (one kaizen-train alone on an H100: 8.9 steps/s
-    with none, 10.3 with 3; docs/FINDINGS.md, "KV-Kaizen"). The testbed stream deals its batches round robin over the
-    workers, so the batches do not depend on the number."""
+    capped at the CPU cores less one, shared among the host's processes under ``torchrun`` (``LOCAL_WORLD_SIZE``;
+    one process when it is unset or not a number), and 0 on the CPU, where workers would take the cores the training
+    step uses. Without workers the data generation held a GPU trainer back (one kaizen-train alone on an H100: 8.9
+    steps/s with none, 10.3 with 3; docs/FINDINGS.md, "KV-Kaizen"). The testbed stream deals its batches round robin
+    over the workers, so the batches do not depend on the number."""
     if not device.startswith("cuda"):
         return 0
-    processes = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    processes = max(int(local), 1) if local.isdigit() else 1
     return min(GPU_DATA_WORKERS, max((os.cpu_count() or 1) - 1, 0) // processes)
 
 
