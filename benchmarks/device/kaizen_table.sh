@@ -26,7 +26,9 @@
 # Each selector's rows run in their own process after training, with --no-control (the first baseline part measures it).
 # SEEDS (default: one run per target with kaizen-train's default seed): a space list; each target is trained once per
 # seed (`--seed S`, folder kaizen-t<target>_s<S>, label kaizen<target>_s<S>), concurrently, so that the spread of one
-# recipe over seeds is measured in one call.
+# recipe over seeds is measured in one call. Trainers side by side share the GPU's steps: two 8x seeds side by side
+# ran 2,233 and 2,223 steps in 6.3 minutes where one alone ran 3,681 in 6 and met the 8x bar that the same seed side
+# by side only just met (session 51; docs/FINDINGS.md, "KV-Kaizen"), so a selector of record trains alone.
 # SELECTOR_TABLE_ARGS: more kaizen_table.py options for each selector's rows, after its defaults (--baselines none
 # --compose-factors none), e.g. '--compose-selectors --compose-factors 64 --compose-methods kaizen+kvpop --kvpop
 # checkpoints/testbed-kvpop --no-untrained': the selector's backbone and choice under KVpop eviction at 64x with the
