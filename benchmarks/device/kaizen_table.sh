@@ -127,10 +127,28 @@ fi
 existing=(); for p in "${parts[@]}"; do [ -f "$p" ] && existing+=("$p"); done
 python3 -m kvlearn.results merge "$OUT/kaizen_table.json" "${existing[@]}"
 python3 benchmarks/kaizen_table.py --replot "$OUT/kaizen_table.json" --plot "$OUT/kaizen_table.png"
+# EXPORT=1: each trained selector is also exported in bf16 (benchmarks/export_checkpoint.py: backbone and selector,
+# about 15 MB on the testbed teacher, under the 16 MiB a returned file may have) as $OUT/kaizen_t<tag>_export.tar,
+# folder kaizen-t<tag>-export/ (written under WORK_DIR, default /tmp), which PACK leaves out of its tar. Carried to a
+# later call (carry_eval/kaizen-t<tag>-export), it is the --init-student of a refinement that trains on (docs/DESIGN.md
+# section 8, "Refinement: training over several runs"): TRAIN_ARGS='<the recipe> --init-student
+# carry_eval/kaizen-t8_s1-export --tau-start 0.1' with another seed.
+if [ "${EXPORT:-0}" = 1 ]; then
+    for r in "${runs[@]}"; do
+        read -r _ tag _ <<< "$r"
+        if [ -f "$OUT/kaizen-t$tag/final/model.safetensors" ]; then
+            run python3 benchmarks/export_checkpoint.py --overwrite "$OUT/kaizen-t$tag/final" \
+                "${WORK_DIR:-/tmp}/kaizen-t$tag-export" \
+                && run tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/kaizen_t${tag}_export.tar" "kaizen-t$tag-export"
+            echo "export of kaizen$tag rc=$?"
+        else
+            echo "kaizen$tag has no final/ weights: nothing to export"
+        fi
+    done
+fi
 # PACK=1, for a device call (it returns at most 8 files, each at most 16 MiB): the selectors' weights and trainer
 # states are deleted (about 54 MB a selector: the call cannot return them) and everything else, tables, logs, train
-# logs, sensitivity reports and the plot, is packed as $OUT/kaizen_table.tar. A selector to keep for a later call is
-# trained and exported by benchmarks/device/kaizen_kvpop_from_selector.sh (SELECTOR_ONLY=1) instead.
+# logs, sensitivity reports and the plot, is packed as $OUT/kaizen_table.tar; EXPORT=1's tars stay beside it.
 if [ "${PACK:-0}" = 1 ]; then
     find "$OUT" -path "$OUT/kaizen-t*" -type f \( -name '*.safetensors' -o -name '*.pt' \) -delete
     . "$(dirname "$0")/pack_out.sh"

@@ -309,6 +309,37 @@ def test_pack_leaves_one_tar_without_the_selectors_weights(tmp_path):
     assert not [n for n in names if n.endswith((".safetensors", ".pt"))], names
 
 
+def test_export_writes_each_trained_selectors_bf16_tar_beside_the_pack(tmp_path):
+    """EXPORT=1: every selector whose final/ has weights is exported (benchmarks/export_checkpoint.py into
+    WORK_DIR/kaizen-t<tag>-export) and tarred as $OUT/kaizen_t<tag>_export.tar, which PACK=1 leaves out of its own tar;
+    a selector without weights is named and skipped. Dry run: the command lines, in order."""
+    import os
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out, work = tmp_path / "out", tmp_path / "work"
+    final = out / "kaizen-t8_s1" / "final"
+    final.mkdir(parents=True)
+    (final / "model.safetensors").write_text("w")
+    (out / "kaizen-t8_s2" / "final").mkdir(parents=True)  # a trainer that left no weights
+    (out / "kaizen_t8_s1_export.tar").write_bytes(b"x" * 10)  # what the export writes (the dry run writes none)
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "WORK_DIR": str(work), "PYTHONPATH": str(repo / "src"),
+           "EXPORT": "1", "PACK": "1", "TARGETS": "8", "SEEDS": "1 2", "BASELINE_PARTS": "none"}
+    run = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    export = lines.index(f"dry run: python3 benchmarks/export_checkpoint.py --overwrite {final} {work}/kaizen-t8_s1-export")
+    assert lines[export + 1] == f"dry run: tar -C {work} -cf {out}/kaizen_t8_s1_export.tar kaizen-t8_s1-export"
+    assert lines[export + 2] == "export of kaizen8_s1 rc=0"
+    assert "kaizen8_s2 has no final/ weights: nothing to export" in lines
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["kaizen_t8_s1_export.tar", "kaizen_table.tar"]
+    with tarfile.open(out / "kaizen_table.tar") as tar:  # PACK leaves the export out of its tar
+        assert not [n for n in tar.getnames() if n.endswith("export.tar")]
+
+
 def test_merge_across_runs_clears_the_runs_a_later_kaizen_table_measured(smoke, tmp_path):
     """A table cut by its guard (``--minutes 0``: every run under ``not_run``), merged across runs with a complete
     table of the same plan, leaves nothing under ``not_run``: :func:`kvlearn.results.row_run_key` names each Kaizen
