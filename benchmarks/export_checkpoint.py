@@ -1,7 +1,9 @@
 """Export a trained checkpoint folder in another dtype (bf16 by default), as the device scripts bring students and
 selectors back: ``kvlearn.load`` (the method's added modules restored: KVpop scorers, DMS gates, a KV-Kaizen selector)
 then ``save_pretrained``, with the folder's tokenizer files and its ``teacher.json`` (the lineage record,
-:mod:`kvlearn.lineage`) copied beside the weights when it has them. Nothing of the run's trainer state is exported.
+:mod:`kvlearn.lineage`) and a kaizen-train folder's ``kaizen_budget.json`` (the budget multiplier its run reached,
+where a refinement's starts) copied beside the weights when it has them. Nothing else of the run's trainer state is
+exported.
 
 Usage: ``python benchmarks/export_checkpoint.py SRC DST [--dtype bfloat16|float16|float32] [--overwrite]``
 """
@@ -22,7 +24,8 @@ from kvlearn.errors import KVLearnError, check  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # copied beside the weights when the source folder has them (a teacher saved without a tokenizer has none)
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "teacher.json")
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "teacher.json",
+              "kaizen_budget.json")  # the last: where a kaizen-train run left its budget multiplier (a refinement's start)
 
 
 def export_checkpoint(src: str, dst: str, dtype: str = "bfloat16", overwrite: bool = False) -> list[str]:

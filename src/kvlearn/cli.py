@@ -1035,7 +1035,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--target", default="4.0", help="target compression factor, or a comma list sampled per sequence")
     sp.add_argument("--axes", default=None, help="comma list of precision,rank,depth (default: every axis of the "
                     "backbone: precision,depth on GQA; rank needs a model converted to MLA and saved)")
-    sp.add_argument("--beta", type=float, default=0.0, help="initial budget multiplier")
+    sp.add_argument("--beta", type=float, default=None,
+                    help="initial budget multiplier (default: 0; with --init-student, where that run left it when "
+                         "its folder records it for the same targets)")
     sp.add_argument("--eta", type=float, default=0.01, help="multiplier step (0: constant --beta)")
     sp.add_argument("--budget-cap", type=float, default=1e4, help="largest budget multiplier")
     sp.add_argument("--penalty-cost", default="expected", choices=("expected", "sampled"),

@@ -127,3 +127,49 @@ def test_bad_init_student_is_a_one_line_error(trained, make_teacher, tmp_path):
     assert len(str(err.value).splitlines()) == 1
     assert main(["kaizen-train", "--model", teacher_path, "--out", str(tmp_path / "cli"), "--init-student",
                  str(tmp_path / "nowhere"), "--steps", "1", "--seq-len", "256"]) == 2
+
+
+def test_a_refinement_starts_its_multiplier_where_the_run_left_it(trained, tmp_path, capsys):
+    """Every kaizen-train checkpoint records its budget multiplier (``kaizen_budget.json``: the last step's
+    ``beta_next`` and the targets); a refinement from that folder starts there (its first step's ``beta``, and a line
+    saying so), unless ``beta`` is given or it aims at another target (then 0); the bf16 export keeps the record; a
+    broken record is a one-line error naming the file."""
+    teacher_path, _ = trained
+    first = tmp_path / "first"  # a run whose multiplier moves: over budget from step 1 (factor 1 against 2)
+    result = kt.kaizen_train(kt.KaizenTrainConfig(model=teacher_path, out=str(first), steps=3, share_layers=(2,),
+                                                  eta=0.5, **COMMON), progress=False)
+    log = [json.loads(line) for line in (first / "train_log.jsonl").read_text().splitlines()]
+    record = json.loads(Path(result["final"], kt.BUDGET_RECORD).read_text())
+    assert record == {"beta": log[-1]["beta_next"], "step": 3, "targets": [2.0]} and record["beta"] > 0
+
+    def first_beta(out, **kw):
+        kt.kaizen_train(kt.KaizenTrainConfig(model=teacher_path, out=str(tmp_path / out), steps=1,
+                                             **{**COMMON, **kw}), progress=True)
+        return json.loads((tmp_path / out / "train_log.jsonl").read_text().splitlines()[0])["beta"]
+
+    capsys.readouterr()
+    assert first_beta("carried", init_student=result["final"]) == pytest.approx(record["beta"])
+    assert f"the budget multiplier starts at {record['beta']:.4g}, where {result['final']}'s run left it" in \
+        capsys.readouterr().out
+    assert first_beta("given", init_student=result["final"], beta=0.0) == 0.0
+    assert first_beta("other_target", init_student=result["final"], targets=(3.0,)) == 0.0
+    assert first_beta("fresh") == 0.0  # no init_student: 0 as before
+    assert kt.initial_beta(kt.KaizenTrainConfig(model=teacher_path, out=str(tmp_path / "c"), init_student=result["final"],
+                                                budget_cap=0.01, **COMMON)) == (0.01, result["final"])  # capped
+
+    import subprocess
+    import sys
+    repo = Path(__file__).resolve().parents[2]
+    export = tmp_path / "export"
+    run = subprocess.run([sys.executable, "benchmarks/export_checkpoint.py", result["final"], str(export)], cwd=repo,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((export / kt.BUDGET_RECORD).read_text()) == record
+    assert first_beta("from_export", init_student=str(export)) == pytest.approx(record["beta"])
+
+    for broken in ("{not json", json.dumps({"beta": -1.0, "targets": [2.0]}), json.dumps({"beta": "x"})):
+        (export / kt.BUDGET_RECORD).write_text(broken)
+        with pytest.raises(KVLearnError, match="kaizen_budget.json") as err:
+            kt.initial_beta(kt.KaizenTrainConfig(model=teacher_path, out=str(tmp_path / "b"), init_student=str(export),
+                                                 **COMMON))
+        assert len(str(err.value).splitlines()) == 1

@@ -667,11 +667,12 @@ def latest_checkpoint(out: str | os.PathLike) -> Path | None:
 
 
 def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name: str, extra: dict | None = None,
-                    main: bool = True) -> Path:
+                    main: bool = True, records: dict[str, dict] | None = None) -> Path:
     """Write ``out/<name>/`` atomically: a loadable model folder (float32 safetensors, ``config.json`` with the
-    KVpop config, ``teacher.json`` naming the teacher and its weights' digest: :mod:`kvlearn.lineage`) and ``trainer_state.pt`` (optimizer state keyed by parameter name, step). Written to a temporary
-    folder, then renamed. Under data parallelism every process calls it (the state is gathered collectively) and
-    only ``main`` writes."""
+    KVpop config, ``teacher.json`` naming the teacher and its weights' digest: :mod:`kvlearn.lineage`), ``records``
+    (file name -> a JSON-able dict, written beside them: e.g. kaizen-train's budget multiplier) and
+    ``trainer_state.pt`` (optimizer state keyed by parameter name, step). Written to a temporary folder, then renamed.
+    Under data parallelism every process calls it (the state is gathered collectively) and only ``main`` writes."""
     weights = parallel.full_state_dict(student)
     optimizer_state = plain_optimizer_groups(parallel.full_optimizer_state_dict(student, optimizer))
     out = Path(config.out)
@@ -685,6 +686,8 @@ def save_checkpoint(config: RetrofitConfig, student, optimizer, step: int, name:
     student.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
     copy_tokenizer_files(config.model, tmp)
     write_teacher_record(tmp, config.model)
+    for file_name, record in (records or {}).items():
+        (tmp / file_name).write_text(json.dumps(record, indent=1) + "\n")
     torch.save({"step": step, "optimizer": optimizer_state, "config": asdict(config), **(extra or {})},
                tmp / STATE_FILE)
     dest = out / name

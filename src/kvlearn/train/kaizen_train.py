@@ -32,8 +32,10 @@ loop. ``docs/DESIGN.md`` section 8, "Training".
   realised bits per token, ``factor``: the realised compression ``C_ref / C``, ``target``, ``sampled_factor``).
   ``resume=True`` continues from the newest ``step-<N>``. ``init_student`` starts the student from a trained
   selector's folder instead of the teacher (a refinement, e.g. a second device call's more steps: backbone and
-  selector weights, with a new optimizer, multiplier and schedules; the selector's sharing mask is the trained one's,
-  :func:`recorded_selector`). With ``select_every`` (checkpoint selection,
+  selector weights, with a new optimizer and schedules; the selector's sharing mask is the trained one's,
+  :func:`recorded_selector`; the budget multiplier starts where that run left it when the folder records it for the
+  same targets, :func:`initial_beta`, else at 0). Every checkpoint folder records its multiplier in
+  ``kaizen_budget.json`` (:data:`BUDGET_RECORD`). With ``select_every`` (checkpoint selection,
   :func:`select_iterate`) the iterates are validated on prompts disjoint from the evaluation's, each result a line of
   ``selection.jsonl``, the best so far kept as ``best/``, and ``final/`` takes its weights (the validations' time
   counts toward ``minutes``). With ``ema_decay`` instead (weight averaging, :class:`WeightAverage`) ``final/``
@@ -72,6 +74,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import time
@@ -80,7 +83,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import check, check_int, check_non_negative, check_positive
+from ..errors import KVLearnError, check, check_int, check_non_negative, check_positive
 from ..hf import unpadded_causal_masks
 from ..kaizen.actions import Backbone
 from ..kaizen.apply import CONFIG_KEY, KaizenMethodConfig, apply_kaizen, selector_of
@@ -98,7 +101,7 @@ from .distill import (FINAL, LOG_FILE, STATE_FILE, check_out_folder, check_train
 
 __all__ = ["KaizenTrainConfig", "kaizen_train", "kaizen_train_step", "build_models", "step_losses", "temperature",
            "KaizenStep", "make_optimizer", "make_multiplier", "penalised_cost", "PENALTY_COSTS", "validate",
-           "select_iterate"]
+           "select_iterate", "initial_beta", "BUDGET_RECORD"]
 
 LR_SCHEDULES = ("constant", "cosine")  # the backbone's learning rate over the run (backbone_lr_at)
 PENALTY_COSTS = ("expected", "sampled")  # which cost the budget penalty reads (penalised_cost)
@@ -137,7 +140,7 @@ class KaizenTrainConfig:
     kd_topk: int = 256
     tau_start: float = TAU_START
     tau_end: float = TAU_END
-    beta: float = 0.0  # initial multiplier
+    beta: float | None = None  # initial multiplier; None: 0, or a refinement's carried one (initial_beta)
     eta: float = 0.01  # multiplier step (0: constant beta)
     delta: float = 0.1
     budget_cap: float = 1e4
@@ -189,9 +192,10 @@ class KaizenTrainConfig:
         check_int("seq_len", self.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
         for name in ("lr", "lr_new", "grad_clip", "tau_start", "tau_end"):
             check_positive(name, getattr(self, name))
-        for name in ("weight_decay", "beta", "eta", "delta", "budget_cap", "underuse_weight"):
+        for name in ("weight_decay", "eta", "delta", "budget_cap", "underuse_weight") + (("beta",) * (self.beta is not None)):
             check_non_negative(name, getattr(self, name))
-        check(self.beta <= self.budget_cap, f"beta={self.beta} is invalid: expected beta <= budget_cap={self.budget_cap}")
+        check(self.beta is None or self.beta <= self.budget_cap,
+              f"beta={self.beta} is invalid: expected beta <= budget_cap={self.budget_cap}")
         if self.target_head is None:
             self.target_head = len(self.targets) > 1
         check(isinstance(self.target_head, bool), f"target_head={self.target_head!r} is invalid: expected True, False or None")
@@ -495,9 +499,44 @@ def make_optimizer(config: KaizenTrainConfig, student) -> torch.optim.AdamW:
                              weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
 
+BUDGET_RECORD = "kaizen_budget.json"  # in every checkpoint folder: the multiplier there, where a refinement starts
+
+
+def budget_record(config: KaizenTrainConfig, multiplier: BudgetMultiplier | dict, step: int) -> dict:
+    """What a checkpoint folder records of the budget (:data:`BUDGET_RECORD`): the multiplier after ``step`` (the
+    object or its ``state_dict``) and the targets it was reached for."""
+    beta = multiplier["beta"] if isinstance(multiplier, dict) else multiplier.beta
+    return {"beta": float(beta), "step": step, "targets": list(config.targets)}
+
+
+def initial_beta(config: KaizenTrainConfig) -> tuple[float, str | None]:
+    """``(the multiplier a run starts at, where it comes from)``: ``config.beta`` when given (``"--beta"``); else,
+    for a refinement (``init_student``) whose folder records the multiplier its run had reached (:data:`BUDGET_RECORD`,
+    written by kaizen-train since session 51 and copied by ``benchmarks/export_checkpoint.py``) for the same targets,
+    that one, capped at ``budget_cap`` (the folder's path); else 0 (None). Started at 0 instead, a refinement of an
+    8x selector trained its first 264 steps partly under budget (down to 7.11x) until the multiplier rose again
+    (``docs/DESIGN.md`` section 8). A record that is not a number >= 0 is a one-line error naming the file."""
+    if config.beta is not None:
+        return config.beta, "--beta"
+    path = None if config.init_student is None else Path(config.init_student) / BUDGET_RECORD
+    if path is None or not path.is_file():
+        return 0.0, None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise KVLearnError(f"{str(path)!r} is not a readable budget record ({e}): expected JSON with 'beta' and "
+                           "'targets' (delete it, or pass --beta, to start the multiplier at 0)") from None
+    beta = record.get("beta") if isinstance(record, dict) else None
+    check(isinstance(beta, (int, float)) and not isinstance(beta, bool) and math.isfinite(beta) and beta >= 0,
+          f"{str(path)!r} records beta={beta!r}: expected a number >= 0 (delete it, or pass --beta)")
+    if [float(t) for t in record.get("targets") or []] != [float(t) for t in config.targets]:
+        return 0.0, None  # a refinement toward another budget starts its multiplier afresh
+    return min(float(beta), config.budget_cap), str(path.parent)
+
+
 def make_multiplier(config: KaizenTrainConfig) -> BudgetMultiplier:
-    """The budget multiplier at the start of a run (``beta``, ``eta``, ``delta``, ``budget_cap``)."""
-    return BudgetMultiplier(eta=config.eta, delta=config.delta, cap=config.budget_cap, beta=config.beta)
+    """The budget multiplier at the start of a run (:func:`initial_beta`, ``eta``, ``delta``, ``budget_cap``)."""
+    return BudgetMultiplier(eta=config.eta, delta=config.delta, cap=config.budget_cap, beta=initial_beta(config)[0])
 
 
 def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, optimizer, input_ids: torch.Tensor,
@@ -620,7 +659,8 @@ def select_iterate(config: KaizenTrainConfig, student, optimizer, step: int, dev
         f.write(json.dumps(result) + "\n")
     if best is not None and result["accuracy"] <= best["accuracy"]:
         return best, result
-    save_checkpoint(config, student, optimizer, step, BEST, {**extra, "selected": result})
+    save_checkpoint(config, student, optimizer, step, BEST, {**extra, "selected": result},
+                    records={BUDGET_RECORD: budget_record(config, extra["multiplier"], step)})
     return result, result
 
 
@@ -707,6 +747,10 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
                       f"{share_report['standard_errors']}): other rows may well decide them otherwise; --share-rows "
                       "more rows narrows the estimate", flush=True)
     multiplier = make_multiplier(config)
+    beta, carried_from = initial_beta(config)
+    if progress and d.main and not config.resume and carried_from is not None:
+        print(f"kaizen-train: the budget multiplier starts at {beta:.4g}, where {carried_from}'s run left it "
+              "(--beta sets another)", flush=True)
     step, trainer_state = 0, None
     if config.resume:  # into the unsharded student, on every process
         trainer_state = load_trainer_state(latest_checkpoint(out), student, config)
@@ -763,7 +807,8 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
             if step % config.save_interval == 0:  # every process gathers, the main one writes
                 save_checkpoint(config, student, optimizer, step, f"step-{step}",
                                 {"seconds": last["seconds"], "multiplier": multiplier.state_dict(),
-                                 **({} if average is None else {"weight_average": average.state_dict()})}, d.main)
+                                 **({} if average is None else {"weight_average": average.state_dict()})}, d.main,
+                                records={BUDGET_RECORD: budget_record(config, multiplier, step)})
                 if d.main:
                     prune_checkpoints(out)
     final = None
@@ -777,7 +822,8 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
         if average is not None:  # final/ holds the average; its record says since which step (no tensors)
             average.copy_to_student()
             extra["weight_average"] = {"decay": average.decay, "since": average.since, "average": None}
-        final = save_checkpoint(config, student, optimizer, step, FINAL, extra, d.main)
+        final = save_checkpoint(config, student, optimizer, step, FINAL, extra, d.main,
+                                records={BUDGET_RECORD: budget_record(config, multiplier, step)})
     bar.close()
     del teacher, student, joint, optimizer, batches  # the sharded modules go before their process group
     parallel.close_distributed(d)
