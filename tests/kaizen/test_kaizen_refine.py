@@ -167,7 +167,8 @@ def test_a_refinement_starts_its_multiplier_where_the_run_left_it(trained, tmp_p
     assert json.loads((export / kt.BUDGET_RECORD).read_text()) == record
     assert first_beta("from_export", init_student=str(export)) == pytest.approx(record["beta"])
 
-    for broken in ("{not json", json.dumps({"beta": -1.0, "targets": [2.0]}), json.dumps({"beta": "x"})):
+    for broken in ("{not json", json.dumps({"beta": -1.0, "targets": [2.0]}), json.dumps({"beta": "x"}),
+                   json.dumps({"beta": 1.0, "targets": "2"}), json.dumps([1.0])):
         (export / kt.BUDGET_RECORD).write_text(broken)
         with pytest.raises(KVLearnError, match="kaizen_budget.json") as err:
             kt.initial_beta(kt.KaizenTrainConfig(model=teacher_path, out=str(tmp_path / "b"), init_student=str(export),

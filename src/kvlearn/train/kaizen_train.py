@@ -192,10 +192,11 @@ class KaizenTrainConfig:
         check_int("seq_len", self.seq_len, MIN_LENGTH, MAX_LENGTH, hint=" (the testbed's example lengths)")
         for name in ("lr", "lr_new", "grad_clip", "tau_start", "tau_end"):
             check_positive(name, getattr(self, name))
-        for name in ("weight_decay", "eta", "delta", "budget_cap", "underuse_weight") + (("beta",) * (self.beta is not None)):
+        for name in ("weight_decay", "eta", "delta", "budget_cap", "underuse_weight"):
             check_non_negative(name, getattr(self, name))
-        check(self.beta is None or self.beta <= self.budget_cap,
-              f"beta={self.beta} is invalid: expected beta <= budget_cap={self.budget_cap}")
+        if self.beta is not None:  # None: initial_beta decides at the start of the run
+            check_non_negative("beta", self.beta)
+            check(self.beta <= self.budget_cap, f"beta={self.beta} is invalid: expected beta <= budget_cap={self.budget_cap}")
         if self.target_head is None:
             self.target_head = len(self.targets) > 1
         check(isinstance(self.target_head, bool), f"target_head={self.target_head!r} is invalid: expected True, False or None")
@@ -529,14 +530,20 @@ def initial_beta(config: KaizenTrainConfig) -> tuple[float, str | None]:
     beta = record.get("beta") if isinstance(record, dict) else None
     check(isinstance(beta, (int, float)) and not isinstance(beta, bool) and math.isfinite(beta) and beta >= 0,
           f"{str(path)!r} records beta={beta!r}: expected a number >= 0 (delete it, or pass --beta)")
-    if [float(t) for t in record.get("targets") or []] != [float(t) for t in config.targets]:
+    targets = record.get("targets")
+    check(isinstance(targets, list) and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in targets),
+          f"{str(path)!r} records targets={targets!r}: expected a list of compression factors (delete it, or pass "
+          "--beta)")
+    if [float(t) for t in targets] != [float(t) for t in config.targets]:
         return 0.0, None  # a refinement toward another budget starts its multiplier afresh
     return min(float(beta), config.budget_cap), str(path.parent)
 
 
-def make_multiplier(config: KaizenTrainConfig) -> BudgetMultiplier:
-    """The budget multiplier at the start of a run (:func:`initial_beta`, ``eta``, ``delta``, ``budget_cap``)."""
-    return BudgetMultiplier(eta=config.eta, delta=config.delta, cap=config.budget_cap, beta=initial_beta(config)[0])
+def make_multiplier(config: KaizenTrainConfig, beta: float | None = None) -> BudgetMultiplier:
+    """The budget multiplier at the start of a run: ``beta`` (default :func:`initial_beta`), ``eta``, ``delta``,
+    ``budget_cap``."""
+    beta = initial_beta(config)[0] if beta is None else beta
+    return BudgetMultiplier(eta=config.eta, delta=config.delta, cap=config.budget_cap, beta=beta)
 
 
 def kaizen_train_step(config: KaizenTrainConfig, teacher, joint: KaizenStep, optimizer, input_ids: torch.Tensor,
@@ -746,8 +753,8 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
                       f"threshold on these {config.share_rows} calibration rows (standard errors "
                       f"{share_report['standard_errors']}): other rows may well decide them otherwise; --share-rows "
                       "more rows narrows the estimate", flush=True)
-    multiplier = make_multiplier(config)
     beta, carried_from = initial_beta(config)
+    multiplier = make_multiplier(config, beta)
     if progress and d.main and not config.resume and carried_from is not None:
         print(f"kaizen-train: the budget multiplier starts at {beta:.4g}, where {carried_from}'s run left it "
               "(--beta sets another)", flush=True)
