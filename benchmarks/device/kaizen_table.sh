@@ -37,7 +37,8 @@
 # separated by ';' run as that many processes side by side, the first measuring the control, the others with
 # --no-control (e.g. '--factors 2 --baselines static,dp_search,random --compose-factors none;--factors 16 ...');
 # 'none': no training-free part (the selectors alone get the GPU; their rows are compared with a committed control).
-# NUM_WORKERS: each trainer's data-generation processes (`kaizen-train --num-workers`; default 3 on cuda, 0 otherwise).
+# NUM_WORKERS: each trainer's data-generation processes (`kaizen-train --num-workers`; default kaizen-train's own:
+# 3 on a CUDA device, 0 on the CPU, kvlearn.train.distill.default_num_workers).
 # The data stream is the same for any number (batches are dealt round robin); before session 51 the trainers had none,
 # and one trainer alone on an H100 then ran 8.9 steps/s against 10.3 with 3 (session 51's train logs, in
 # results/raw/kaizen8_alone_and_side_by_side_logs_dadd62a.tar.gz; docs/FINDINGS.md, "KV-Kaizen").
@@ -50,7 +51,6 @@ MODEL=${MODEL:-checkpoints/testbed-teacher}
 TRAIN_MINUTES=${TRAIN_MINUTES:-4}
 TOTAL_MINUTES=${TOTAL_MINUTES:-9.5}
 TARGETS=${TARGETS:-4 8}
-NUM_WORKERS=${NUM_WORKERS:-$([ "${DEVICE:-cuda}" = cuda ] && echo 3 || echo 0)}
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 start=$(date +%s)
@@ -83,7 +83,7 @@ for r in "${runs[@]}"; do
     # shellcheck disable=SC2086
     run python3 -m kvlearn.cli kaizen-train --model "$MODEL" --out "$OUT/kaizen-t$tag" --overwrite --target "$t" \
         --minutes "$TRAIN_MINUTES" --seq-len "${SEQ_LEN:-4096}" --batch-size "${BATCH:-8}" --device "${DEVICE:-cuda}" \
-        --save-interval 100000 --num-workers "$NUM_WORKERS" ${TRAIN_ARGS:-} $seed_args > "$OUT/kaizen_train_t$tag.log" 2>&1 &
+        --save-interval 100000 ${NUM_WORKERS:+--num-workers "$NUM_WORKERS"} ${TRAIN_ARGS:-} $seed_args > "$OUT/kaizen_train_t$tag.log" 2>&1 &
     trainers+=($!)
 done
 wait "${trainers[@]}"

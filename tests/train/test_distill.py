@@ -678,7 +678,8 @@ def test_num_workers_default_follows_the_device(teacher_path, tmp_path, monkeypa
     assert make_config(teacher_path, tmp_path / "r2").num_workers == 0  # the Python API: the same rule
     assert make_config(teacher_path, tmp_path / "r3", num_workers=4).num_workers == 4
     assert KaizenTrainConfig(model=teacher_path, seq_len=128).num_workers == 0
-    assert distill.GPU_DATA_WORKERS == 3
+    help_text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["kaizen-train"].format_help().split())
+    assert f"(default: {distill.GPU_DATA_WORKERS} on a CUDA device" in help_text  # the help states the rule's number
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     for cores, want in ((16, 3), (3, 2), (1, 0), (None, 0)):
         monkeypatch.setattr(distill.os, "cpu_count", lambda c=cores: c)

@@ -503,10 +503,9 @@ def make_optimizer(config: KaizenTrainConfig, student) -> torch.optim.AdamW:
 BUDGET_RECORD = "kaizen_budget.json"  # in every checkpoint folder: the multiplier there, where a refinement starts
 
 
-def budget_record(config: KaizenTrainConfig, multiplier: BudgetMultiplier | dict, step: int) -> dict:
-    """What a checkpoint folder records of the budget (:data:`BUDGET_RECORD`): the multiplier after ``step`` (the
-    object or its ``state_dict``) and the targets it was reached for."""
-    beta = multiplier["beta"] if isinstance(multiplier, dict) else multiplier.beta
+def budget_record(config: KaizenTrainConfig, beta: float, step: int) -> dict:
+    """What a checkpoint folder records of the budget (:data:`BUDGET_RECORD`): the multiplier ``beta`` after ``step``
+    and the targets it was reached for."""
     return {"beta": float(beta), "step": step, "targets": list(config.targets)}
 
 
@@ -667,7 +666,7 @@ def select_iterate(config: KaizenTrainConfig, student, optimizer, step: int, dev
     if best is not None and result["accuracy"] <= best["accuracy"]:
         return best, result
     save_checkpoint(config, student, optimizer, step, BEST, {**extra, "selected": result},
-                    records={BUDGET_RECORD: budget_record(config, extra["multiplier"], step)})
+                    records={BUDGET_RECORD: budget_record(config, extra["multiplier"]["beta"], step)})
     return result, result
 
 
@@ -815,7 +814,7 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
                 save_checkpoint(config, student, optimizer, step, f"step-{step}",
                                 {"seconds": last["seconds"], "multiplier": multiplier.state_dict(),
                                  **({} if average is None else {"weight_average": average.state_dict()})}, d.main,
-                                records={BUDGET_RECORD: budget_record(config, multiplier, step)})
+                                records={BUDGET_RECORD: budget_record(config, multiplier.beta, step)})
                 if d.main:
                     prune_checkpoints(out)
     final = None
@@ -830,7 +829,7 @@ def kaizen_train(config: KaizenTrainConfig, stop_after: int | None = None, progr
             average.copy_to_student()
             extra["weight_average"] = {"decay": average.decay, "since": average.since, "average": None}
         final = save_checkpoint(config, student, optimizer, step, FINAL, extra, d.main,
-                                records={BUDGET_RECORD: budget_record(config, multiplier, step)})
+                                records={BUDGET_RECORD: budget_record(config, multiplier.beta, step)})
     bar.close()
     del teacher, student, joint, optimizer, batches  # the sharded modules go before their process group
     parallel.close_distributed(d)
