@@ -106,7 +106,9 @@ for r in "${runs[@]}"; do
     fi
 done
 wait
-tail -n 20 "$OUT"/kaizen_table_selector_t*.log "$OUT"/kaizen_table_baselines*.log
+logs=("$OUT"/kaizen_table_selector_t*.log "$OUT"/kaizen_table_baselines*.log)  # BASELINE_PARTS=none: no baselines log
+existing=(); for f in "${logs[@]}"; do [ -f "$f" ] && existing+=("$f"); done
+[ ${#existing[@]} -gt 0 ] && tail -n 20 "${existing[@]}"
 if [ "${DRY_RUN:-0}" = 1 ]; then  # fake parts, so that the merge and the plot below run
     tags=(); for r in "${runs[@]}"; do read -r _ tag _ <<< "$r"; tags+=("$tag"); done
     python3 - "$OUT" "${tags[@]}" <<'PY'

@@ -281,6 +281,9 @@ def test_device_script_trains_each_target_once_per_seed(tmp_path):
     assert not (tmp_path / "kaizen_train_t8.log").exists()
     merged = json.loads((tmp_path / "kaizen_table.json").read_text())
     assert sorted(r["selector"] for r in merged["rows"]) == ["kaizen8_s1", "kaizen8_s2"]
+    # the selectors' logs are shown at the end, and BASELINE_PARTS=none's missing baselines log is no error
+    assert all(f"kaizen_table_selector_t8_s{s}.log <==" in out.stdout for s in (1, 2))
+    assert "cannot open" not in out.stderr and "baselines" not in out.stderr, out.stderr[-2000:]
 
 
 def test_pack_leaves_one_tar_without_the_selectors_weights(tmp_path):
