@@ -312,3 +312,36 @@ def test_a_bad_set_is_a_one_line_error(tmp_path, capsys):
     assert not (tmp_path / "m.json").exists()
     assert results_main(["merge", "--set", "device=cpu", str(tmp_path / "m.json"), str(p)]) == 2
     assert "'device' is the merge's own (reserved: schema, kind, device, commit, runs, rows)" in capsys.readouterr().err
+
+
+def test_device_per_row_joins_a_run_on_another_device_and_each_of_its_rows_names_it(tmp_path, capsys):
+    """A table of record measured on one device and a run on another: refused without ``--device-per-row`` (a one-line
+    error that names the option), joined with it; the joining part's rows name its device, the first part's rows
+    and the file's device are left as they were, and a row that already names a device keeps it."""
+    from kvlearn.results import main as results_main
+    from kvlearn.results import make_results, merge_results, read_results, write_results
+
+    def row(selector, acc, **extra):
+        return {"method": "kaizen", "protocol": "bounded", "split": "eval", "budget": 4096, "task": "niah",
+                "accuracy": acc, "selector": selector, "factor": 8.0, **extra}
+
+    record = {**make_results("accuracy", [row("a", 0.9), row("b", 0.8, device="H100 (earlier)")], command="record",
+                             commit="c1"), "device": "H200"}  # as the GPU names itself
+    run = {**make_results("accuracy", [row("c", 0.95)], command="run", commit="c2"), "device": "H100"}
+    with pytest.raises(KVLearnError, match="differ in device.*pass device_per_row"):
+        merge_results([record, run], "x", across_runs=True)
+    with pytest.raises(KVLearnError, match="pass across_runs too"):
+        merge_results([record, run], "x", device_per_row=True)
+    m = merge_results([record, run], "x", across_runs=True, device_per_row=True)
+    assert m["device"] == "H200"
+    assert [(r["selector"], r.get("device")) for r in m["rows"]] == [("a", None), ("b", "H100 (earlier)"),
+                                                                     ("c", "H100")]
+    assert "device" not in run["rows"][0]  # the input is not modified
+    pr, pn = write_results(tmp_path / "r.json", record), write_results(tmp_path / "n.json", run)
+    out = tmp_path / "m.json"
+    assert results_main(["merge", "--across-runs", str(out), str(pr), str(pn)]) == 2
+    err = capsys.readouterr().err
+    assert "differ in device" in err and "device_per_row" in err and "Traceback" not in err
+    assert results_main(["merge", "--across-runs", "--device-per-row", str(out), str(pr), str(pn)]) == 0
+    assert [r.get("device") for r in read_results(out)["rows"]] == [None, "H100 (earlier)", "H100"]
+

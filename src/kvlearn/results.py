@@ -179,7 +179,7 @@ def merge_key(row: dict) -> tuple:
 
 
 def merge_results(parts: list[dict], command: str, across_runs: bool = False, replace: tuple[str, ...] = (),
-                  settings: dict | None = None) -> dict:
+                  settings: dict | None = None, device_per_row: bool = False) -> dict:
     """One results file from the files of runs split over processes or GPUs (same kind, commit and device).
 
     Rows are concatenated in order; a row whose :func:`merge_key` already appeared (the full cache, which every part
@@ -199,14 +199,22 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False, re
     ``model`` is left out of the key, so a student retrained elsewhere (``dms`` trained in another scope) takes the
     places of the old student's rows in a table of record, and the old rows of a measurement the new parts lack
     stay; such a row without a ``model`` gets its part's (a ``kvlearn eval`` file names its model at the top). ``settings``: top-level fields to set on the merged file (e.g. ``{"dms_scope": "head"}``), after the first
-    part's."""
+    part's.
+
+    ``device_per_row`` (with ``across_runs``): a part measured on another device than the first part's may join (a
+    table of record on the H200 and a run on an H100); each of its rows that names no ``device`` gets its part's, so
+    every row says where it was measured, and the file's ``device`` stays the first part's."""
     from .errors import check
 
     check(len(parts) > 0, "merge_results: no results to merge")
-    for field in ("schema", "kind", "device") + (() if across_runs else ("commit",)):
+    check(across_runs or not device_per_row, "merge_results: device_per_row merges parts of different runs: pass "
+                                             "across_runs too")
+    for field in ("schema", "kind") + (() if device_per_row else ("device",)) + (() if across_runs else ("commit",)):
         values = {p.get(field) for p in parts}
         check(len(values) == 1, f"merge_results: the parts differ in {field} ({sorted(map(str, values))}): merge "
-                                "only parts of one run" + ("" if across_runs else " (or pass across_runs)"))
+                                "only parts of one run" + ("" if across_runs else " (or pass across_runs)")
+                                + (" (or pass device_per_row: each row then names its device)"
+                                   if field == "device" and across_runs else ""))
     merged = {k: v for k, v in parts[0].items() if k != "rows"}
     merged["command"] = command
     if across_runs:
@@ -218,6 +226,8 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False, re
         for r in p["rows"]:
             if across_runs:
                 r = {**r, **{k: p[k] for k in ("commit", "date", "n_per_task") if k in p and k not in r}}
+            if device_per_row and p.get("device") != parts[0].get("device") and "device" not in r:
+                r = {**r, "device": p.get("device")}
             if r.get("method") in replace and "model" not in r and "model" in p:
                 r = {**r, "model": p["model"]}  # a `kvlearn eval` part names its student once, at the top
             key = merge_key({**r, "model": None} if r.get("method") in replace else r)
@@ -296,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                         "retrained student's rows in place of the old one's); repeatable")
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                    help="a top-level field of the merged file (e.g. dms_scope=head); repeatable")
+    m.add_argument("--device-per-row", action="store_true",
+                   help="with --across-runs: an input measured on another device than the first input's may join; "
+                        "each of its rows names its device (the file's device stays the first input's)")
     args = ap.parse_args(argv)
     from .errors import KVLearnError
 
@@ -308,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                    else command_line() if argv is None
                    else " ".join(["python -m kvlearn.results"] + [_shell_word(portable_path(a)) for a in argv]))
         print(write_results(args.out, merge_results(parts, command, across_runs=args.across_runs,
-                                                    replace=tuple(args.replace), settings=settings)))
+                                                    replace=tuple(args.replace), settings=settings,
+                                                    device_per_row=args.device_per_row)))
     except (KVLearnError, ValueError, OSError) as e:
         print(f"python -m kvlearn.results: error: {e}", file=sys.stderr)
         return 2
