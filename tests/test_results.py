@@ -330,7 +330,7 @@ def test_device_per_row_joins_a_run_on_another_device_and_each_of_its_rows_names
     run = {**make_results("accuracy", [row("c", 0.95)], command="run", commit="c2"), "device": "H100"}
     with pytest.raises(KVLearnError, match="differ in device.*pass device_per_row"):
         merge_results([record, run], "x", across_runs=True)
-    with pytest.raises(KVLearnError, match="pass across_runs too"):
+    with pytest.raises(KVLearnError, match=r"pass across_runs \(--across-runs\) too"):
         merge_results([record, run], "x", device_per_row=True)
     m = merge_results([record, run], "x", across_runs=True, device_per_row=True)
     assert m["device"] == "H200"
@@ -341,7 +341,7 @@ def test_device_per_row_joins_a_run_on_another_device_and_each_of_its_rows_names
     out = tmp_path / "m.json"
     assert results_main(["merge", "--across-runs", str(out), str(pr), str(pn)]) == 2
     err = capsys.readouterr().err
-    assert "differ in device" in err and "device_per_row" in err and "Traceback" not in err
+    assert "differ in device" in err and "--device-per-row" in err and "Traceback" not in err
     assert results_main(["merge", "--across-runs", "--device-per-row", str(out), str(pr), str(pn)]) == 0
     assert [r.get("device") for r in read_results(out)["rows"]] == [None, "H100 (earlier)", "H100"]
 

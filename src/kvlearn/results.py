@@ -207,13 +207,13 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False, re
     from .errors import check
 
     check(len(parts) > 0, "merge_results: no results to merge")
-    check(across_runs or not device_per_row, "merge_results: device_per_row merges parts of different runs: pass "
-                                             "across_runs too")
+    check(across_runs or not device_per_row, "merge_results: device_per_row (--device-per-row) merges parts of "
+                                             "different runs: pass across_runs (--across-runs) too")
     for field in ("schema", "kind") + (() if device_per_row else ("device",)) + (() if across_runs else ("commit",)):
         values = {p.get(field) for p in parts}
         check(len(values) == 1, f"merge_results: the parts differ in {field} ({sorted(map(str, values))}): merge "
                                 "only parts of one run" + ("" if across_runs else " (or pass across_runs)")
-                                + (" (or pass device_per_row: each row then names its device)"
+                                + (" (or pass device_per_row, --device-per-row: each row then names its device)"
                                    if field == "device" and across_runs else ""))
     merged = {k: v for k, v in parts[0].items() if k != "rows"}
     merged["command"] = command
