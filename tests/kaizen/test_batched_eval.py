@@ -27,6 +27,7 @@ from kvlearn.kaizen.actions import Backbone, KaizenConfig, LayerAction
 from kvlearn.kaizen.apply import KaizenMethodConfig, apply_kaizen, make_prompt_cache, prompt_choices, selector_of
 from kvlearn.kaizen.cache import KaizenCache
 from kvlearn.methods import get_method
+from kvlearn.testbed import tasks as testbed_tasks
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
 
 CONTEXT = 256
@@ -79,6 +80,16 @@ def test_group_by_choice_keeps_every_row_once_in_order():
     assert group_by_choice([None, None]) == [(None, [0, 1])]
 
 
+def test_a_row_lists_each_configurations_accuracy():
+    """A hand-made case: five prompts under two configurations, three right; each configuration's accuracy is that of
+    the prompts that took it, listed in the order of ``configurations`` (most prompts first)."""
+    result = accuracy.TaskResult("niah", correct=3, n=5, choices=["A", "B", "A", "A", "B"],
+                                 choice_correct=[True, False, False, True, True])
+    row = accuracy._row(eval_config(), result)
+    assert row["configurations"] == {"A": 3, "B": 2}
+    assert row["configuration_accuracy"] == {"A": 2 / 3, "B": 1 / 2}
+
+
 def test_a_row_chooses_from_its_prompt_alone(model):
     config = eval_config()
     exs = examples_for(config, "vt")
@@ -92,6 +103,7 @@ def test_a_row_chooses_from_its_prompt_alone(model):
 def test_batched_rows_equal_rows_alone(model, protocol, monkeypatch):
     config = eval_config(protocol=protocol)
     get_method("kaizen").prepare(model, config.method_config)
+    scored = {}  # task -> each prompt's answer alone, scored
     for task in TASKS:
         exs = examples_for(config, task)
         groups = group_by_choice(choices_of(model, config, exs))
@@ -102,6 +114,7 @@ def test_batched_rows_equal_rows_alone(model, protocol, monkeypatch):
         assert wrong != [a.tokens for a in batched]
         for ex, got in zip(exs, batched):
             (alone,) = answer_batch(model, config, [ex])
+            scored.setdefault(task, []).append(bool(testbed_tasks.score(ex, alone.tokens)))
             assert got.tokens == alone.tokens and len(got.tokens) == new_tokens(ex)
             assert (got.factor, got.target) == (alone.factor, alone.target) and got.target == TARGET
     rows = evaluate(model, config, progress=False)
@@ -122,6 +135,13 @@ def test_batched_rows_equal_rows_alone(model, protocol, monkeypatch):
         counts = {str(d): sum(c == d for c in per_prompt) for d in distinct}
         assert r["configurations"] == dict(sorted(counts.items(), key=lambda kv: -kv[1])[:8])
         assert sum(r["configurations"].values()) <= r["n"] and all(" " in k for k in r["configurations"])
+        # each configuration's accuracy: the prompts that chose it, each answered alone and scored
+        ok = scored[r["task"]]
+        assert r["configuration_accuracy"] == {
+            str(d): sum(o for o, c in zip(ok, per_prompt) if c == d) / sum(c == d for c in per_prompt)
+            for d in distinct if str(d) in r["configurations"]}
+        assert sum(r["configuration_accuracy"][k] * n for k, n in r["configurations"].items()) == pytest.approx(
+            r["accuracy"] * r["n"])  # every prompt's configuration is listed here (fewer than 8)
 
 
 @pytest.mark.parametrize("method", ["kaizen", "kaizen_static", "kaizen_random", "kaizen_dp"])

@@ -145,6 +145,7 @@ class TaskResult:
     factors: list[float] = field(default_factory=list)  # kaizen: realised cache reduction per example
     targets: list[float] = field(default_factory=list)
     choices: list = field(default_factory=list)  # kaizen: each example's configuration
+    choice_correct: list = field(default_factory=list)  # and whether that example was answered correctly
 
     @property
     def accuracy(self) -> float:
@@ -183,6 +184,9 @@ def _row(config: EvalConfig, result: TaskResult) -> dict:
         # which ones ("b4 b8 share ..." per layer) and for how many prompts, the most frequent first (at most 8)
         top = sorted(groups, key=lambda g: -len(g[1]))[:CONFIGURATIONS_LISTED]
         row["configurations"] = {str(choice): len(rows) for choice, rows in top}
+        # and the accuracy of the prompts that took each: which configuration loses a family's points
+        row["configuration_accuracy"] = {str(choice): sum(result.choice_correct[i] for i in rows) / len(rows)
+                                         for choice, rows in top}
     row["variants"] = {k: {"accuracy": c / n, "n": n} for k, (c, n) in sorted(result.by_variant.items())}
     if result.n < config.n_per_task:
         row["incomplete"] = True
@@ -323,6 +327,7 @@ def evaluate(model, config: EvalConfig, progress: bool = True, deadline: float |
                     result.targets.append(answer.target)
                 if answer.choice is not None:
                     result.choices.append(answer.choice)
+                    result.choice_correct.append(ok)
                 v = result.by_variant.setdefault(ex.variant or task, [0, 0])
                 v[0] += ok
                 v[1] += 1
