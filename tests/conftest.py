@@ -52,6 +52,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread_after_each_test():
+    """Under pytest-xdist, put torch back to one thread after a test that changed it: a benchmark's ``main`` called in
+    the test's process sets its ``--threads`` (``benchmarks/dms_head_load.py``'s default is 2), and every later test of
+    that worker then ran two threads beside the other worker's on CI's two cores (the table script's smoke run took
+    116 s of CPU there against 20 s on one thread)."""
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER") and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def run_in_triton_interpreter():
     """``run(script) -> stdout``: a Python script in a subprocess with ``TRITON_INTERPRET=1`` set before triton is

@@ -51,6 +51,10 @@ MODEL=${MODEL:-checkpoints/testbed-teacher}
 TRAIN_MINUTES=${TRAIN_MINUTES:-4}
 TOTAL_MINUTES=${TOTAL_MINUTES:-9.5}
 TARGETS=${TARGETS:-4 8}
+if [ -n "${TRAIN_STEPS:-}" ]; then  # checked before any process starts
+    case $TRAIN_STEPS in *[!0-9]*) ok=0 ;; *) [ "$TRAIN_STEPS" -gt 0 ] && ok=1 || ok=0 ;; esac
+    [ "$ok" = 1 ] || { echo "TRAIN_STEPS=$TRAIN_STEPS is invalid: expected a positive whole number of steps"; exit 2; }
+fi
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 start=$(date +%s)
@@ -77,12 +81,17 @@ for t in $TARGETS; do
     if [ -z "${SEEDS:-}" ]; then runs+=("$t ${t//,/_}"); continue; fi
     for s in $SEEDS; do runs+=("$t ${t//,/_}_s$s --seed $s"); done
 done
+# TRAIN_STEPS: every trainer runs that many steps (`--steps`) instead of TRAIN_MINUTES, so that runs of one recipe on
+# two GPUs differ by their seed only (6 minutes gave 3,681 steps on one H100 and 4,470 on another, session 52); the
+# GPU's speed then sets the training time (4,000 steps: 5.4 minutes at 12.4 steps/s, 6.5 at 10.2): keep TOTAL_MINUTES
+# above it, or the selectors' rows get the 1-minute floor.
+train_budget=(--minutes "$TRAIN_MINUTES"); [ -n "${TRAIN_STEPS:-}" ] && train_budget=(--steps "$TRAIN_STEPS")
 trainers=()
 for r in "${runs[@]}"; do
     read -r t tag seed_args <<< "$r"
     # shellcheck disable=SC2086
     run python3 -m kvlearn.cli kaizen-train --model "$MODEL" --out "$OUT/kaizen-t$tag" --overwrite --target "$t" \
-        --minutes "$TRAIN_MINUTES" --seq-len "${SEQ_LEN:-4096}" --batch-size "${BATCH:-8}" --device "${DEVICE:-cuda}" \
+        "${train_budget[@]}" --seq-len "${SEQ_LEN:-4096}" --batch-size "${BATCH:-8}" --device "${DEVICE:-cuda}" \
         --save-interval 100000 ${NUM_WORKERS:+--num-workers "$NUM_WORKERS"} ${TRAIN_ARGS:-} $seed_args > "$OUT/kaizen_train_t$tag.log" 2>&1 &
     trainers+=($!)
 done

@@ -258,14 +258,15 @@ def test_device_script_splits_targets_and_baseline_parts(tmp_path):
 
 def test_device_script_trains_each_target_once_per_seed(tmp_path):
     """SEEDS: every target is trained once per seed (``--seed S``, folder and label suffixed ``_s<S>``), and each
-    seed's selector gets its own table process and its own rows in the merged file."""
+    seed's selector gets its own table process and its own rows in the merged file; TRAIN_STEPS trains a fixed number
+    of steps instead of minutes."""
     import os
     import subprocess
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(repo / "src"),
-           "TARGETS": "8", "SEEDS": "1 2", "BASELINE_PARTS": "none", "NUM_WORKERS": "5",
+           "TARGETS": "8", "SEEDS": "1 2", "BASELINE_PARTS": "none", "NUM_WORKERS": "5", "TRAIN_STEPS": "4000",
            "SELECTOR_TABLE_ARGS": "--compose-selectors --compose-factors 64"}
     out = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
                          text=True, timeout=300)
@@ -274,6 +275,7 @@ def test_device_script_trains_each_target_once_per_seed(tmp_path):
         train = (tmp_path / f"kaizen_train_t8_s{s}.log").read_text()
         assert f"--out {tmp_path}/kaizen-t8_s{s} " in train and f"--seed {s}" in train and "--target 8 " in train
         assert "--num-workers 5 " in train  # NUM_WORKERS reaches every trainer
+        assert "--steps 4000 " in train and "--minutes" not in train  # TRAIN_STEPS replaces the training minutes
         table = (tmp_path / f"kaizen_table_selector_t8_s{s}.log").read_text()
         assert f"--selector kaizen8_s{s}={tmp_path}/kaizen-t8_s{s}/final" in table
         assert "--compose-factors none --n-per-task" in table and table.rstrip().endswith(
@@ -432,3 +434,19 @@ def test_a_run_its_deadline_cut_between_families_stays_under_not_run(smoke, tmp_
     assert len([r for r in data["rows"] if r["method"] == "kaizen"]) == 1
     later = [r["task"] for r in data["rows"] if r["method"] == "control"][1:]  # the families after the first
     assert data["complete"] is False and data["not_run"] == ["kaizen[k4]/bounded/eval/F=4:" + ",".join(later)]
+
+
+@pytest.mark.parametrize("steps", ["0", "4k", "-5"])
+def test_device_script_refuses_bad_train_steps_before_training(tmp_path, steps):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHONPATH": str(repo / "src"), "TARGETS": "8",
+           "BASELINE_PARTS": "none", "TRAIN_STEPS": steps}
+    out = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"TRAIN_STEPS={steps} is invalid: expected a positive whole number of steps" in out.stdout
+    assert not list(tmp_path.glob("kaizen_train_t*.log"))
