@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 import kvlearn
+from kvlearn.cli import THREADS_HELP, set_threads, thread_count
 from kvlearn.dms.apply import recorded_config
 from kvlearn.dms.cache import DMSLayer
 from kvlearn.errors import KVLearnError, check
@@ -102,14 +103,14 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("dms_cap_lift: error: --device cuda requested but CUDA is not available: use --device cpu",
               file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     try:
         model = kvlearn.load(args.model, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16,
                              device=args.device)

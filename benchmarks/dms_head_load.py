@@ -44,6 +44,7 @@ import textwrap
 import torch
 
 import kvlearn
+from kvlearn.cli import THREADS_HELP, set_threads, thread_count
 from kvlearn.dms.apply import recorded_config
 from kvlearn.dms.attention import DMSTrainForward, shift_left, use_train_attention
 from kvlearn.results import make_results, write_results
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--split", default="eval", choices=("eval", "heldout"))
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
     p.add_argument("--out", default=None)
     p.add_argument("--heatmap", default=None, help="PNG of the median load per layer and KV head (first budget)")
     args = p.parse_args(argv)
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
         print("dms_head_load: error: --device cuda requested but CUDA is not available: use --device cpu",
               file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model = kvlearn.load(args.model, dtype=torch.float32 if args.device == "cpu" else torch.bfloat16,
                          device=args.device)
     config = recorded_config(model)

@@ -36,6 +36,7 @@ import time
 import torch
 
 from kvlearn import load_model
+from kvlearn.cli import THREADS_HELP, set_threads, thread_count
 from kvlearn.errors import KVLearnError, check
 from kvlearn.kaizen.actions import Backbone, KaizenConfig, LayerAction, action_space
 from kvlearn.kaizen.sharing import KaizenTrainForward, attach
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=8, help="examples per family and format")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
     ap.add_argument("--configurations", default=None,
                     help="';'-separated per-layer configurations to measure instead of the default set (after all16)")
     ap.add_argument("--out", default=None)
@@ -106,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except KVLearnError as e:
         print(f"kaizen_layer_sensitivity: error: {e}", file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model = load_model(args.model, dtype=torch.float32, device=args.device)
     model.eval()
     backbone = Backbone.from_model(model)

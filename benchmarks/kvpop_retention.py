@@ -38,6 +38,7 @@ import sys
 import torch
 
 import kvlearn
+from kvlearn.cli import THREADS_HELP, set_threads, thread_count
 from kvlearn import KVpopConfig
 from kvlearn.kvpop.apply import kvpop_modules, model_budget_config, recorded_config
 from kvlearn.kvpop.policy import LearnedDecay, sample_query_positions, teacher_policy
@@ -119,11 +120,11 @@ def main(argv=None) -> int:
     p.add_argument("--count-normalize", default=None, choices=("0", "1"),
                    help="1/0: divide the target's mass by the number of future queries or not (default: the checkpoint's)")
     p.add_argument("--queries", type=int, default=64, help="query positions for the retention recall")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
     p.add_argument("--out", default=None)
     p.add_argument("--heatmap", default=None, help="PNG of the first example's retention")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model = kvlearn.load(args.model, dtype=torch.float32, device="cpu")
     config = recorded_config(model)
     if config is None:

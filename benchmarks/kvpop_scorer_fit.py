@@ -44,6 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import kvlearn
+from kvlearn.cli import THREADS_HELP, set_threads, thread_count
 from kvlearn import KVpopConfig
 from kvlearn.errors import KVLearnError, check
 from kvlearn.kvpop.loss import boundary_loss
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--layers", type=int, nargs="*", default=None, help="layers to train (default all)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
@@ -273,7 +274,7 @@ def run(args) -> int:
     check(len(set(args.splits)) == len(args.splits), f"--splits {' '.join(args.splits)}: a split is named twice")
     check(args.steps >= 1 and args.train_rows >= 1 and args.eval_n >= 1,
           f"--steps {args.steps}, --train-rows {args.train_rows}, --eval-n {args.eval_n}: expected each >= 1")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
 
     cfg = KVpopConfig(sinks=args.sinks, window=args.window, topk=args.topk, decay_init=args.decay_init,
                       target_reduction=args.reduction)

@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import kvlearn  # noqa: E402
+from kvlearn.cli import THREADS_HELP, set_threads, thread_count  # noqa: E402
 from kvlearn import KVpopConfig  # noqa: E402
 from kvlearn.errors import check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, evaluate  # noqa: E402
@@ -72,7 +73,7 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=16, help="examples per family and split")
     ap.add_argument("--needed-n", type=int, default=4, help="examples per family and split of needed_kept")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     check(len(set(args.weights)) == len(args.weights), f"--weights {args.weights}: expected distinct weights")
@@ -144,7 +145,7 @@ def init_gradients(config: RetrofitConfig, queries: int, temperature: float) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     commit, command, start = git_commit(), command_line(), time.time()
     teacher = kvlearn.load(args.model)
     teacher.eval()

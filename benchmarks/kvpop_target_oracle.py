@@ -36,6 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import kvlearn
+from kvlearn.cli import THREADS_HELP, set_threads, thread_count
 from kvlearn.ops.masks import retention_mask_dense
 from kvlearn.kvpop.policy import static_priorities
 from kvlearn.ops.fenwick import running_topk_cutoff
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
                    help="comma-separated: streaming, or AGG:COUNT:GAMMA (AGG max/mean/maxq, COUNT 1/0)")
     p.add_argument("--eps", type=float, default=1e-6)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
         return 2
     arms = [check_arm(a) for a in args.arms.split(",") if a]
     commit = git_commit()  # the code that runs: read now, not when the file is written at the end of a long run
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model = kvlearn.load(args.model, dtype=torch.float32, device="cpu")
     kv_heads = model.config.num_key_value_heads
     AttentionInterface.register(ORACLE_ATTENTION, oracle_attention)

@@ -54,10 +54,12 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread_after_each_test():
-    """Under pytest-xdist, put torch back to one thread after a test that changed it: a benchmark's ``main`` called in
-    the test's process sets its ``--threads`` (``benchmarks/dms_head_load.py``'s default is 2), and every later test of
-    that worker then ran two threads beside the other worker's on CI's two cores (the table script's smoke run took
-    116 s of CPU there against 20 s on one thread)."""
+    """Under pytest-xdist, put torch back to one thread after a test that changed it (a benchmark's ``main`` called
+    in the test's process with ``--threads N``): until session 53 ``benchmarks/dms_head_load.py`` and
+    ``dms_cap_lift.py`` set 2 by default, and every later test of that worker then ran two threads beside the other
+    worker's on CI's two cores (the table script's smoke run took 116 s of CPU there against 20 s on one thread). The
+    scripts' default is 0 now: they leave torch's setting as it is (one thread in a worker, and in the processes a test
+    starts through ``OMP_NUM_THREADS`` above)."""
     yield
     if os.environ.get("PYTEST_XDIST_WORKER") and torch.get_num_threads() != 1:
         torch.set_num_threads(1)

@@ -70,7 +70,25 @@ def _tasks(text: str) -> tuple[str, ...]:
     return names
 
 
-def _threads(n: int) -> None:
+THREADS_HELP = "CPU threads for torch (0: torch's default, one per core or OMP_NUM_THREADS)"
+
+
+def thread_count(text: str) -> int:
+    """``--threads`` as an argparse ``type``: a whole number >= 0 (0 leaves torch's default), else argparse's one-line
+    error. The benchmark scripts use it too, so that a bad value never reaches ``torch.set_num_threads``."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected 0 (torch's default) or a positive number of "
+                                         "threads")
+    return n
+
+
+def set_threads(n: int) -> None:
+    """Set torch's CPU threads to ``n``; 0 leaves its default (one per core, or ``OMP_NUM_THREADS``, which the test
+    suite sets to 1 for the processes a test starts). A one-line error below 0."""
     import torch
 
     check_int("--threads", n, 0)
@@ -216,7 +234,7 @@ def cmd_eval(args) -> int:
         check_output_path(args.plot, "--plot", PLOT_SUFFIXES)
     device = _device(args.device)
     check_model_context(args.model, args.context)
-    _threads(args.threads)
+    set_threads(args.threads)
     model = _load(args.model, device)
     if scorers is not None:  # a KVpop student's scorers and decays onto --model (e.g. a Kaizen-trained backbone)
         from .kvpop.apply import load_kvpop
@@ -298,7 +316,7 @@ def cmd_demo(args) -> int:
     device = _device(args.device)
     for path in dict.fromkeys(path for path, _ in runs):
         check_model_context(path, args.context)
-    _threads(args.threads)
+    set_threads(args.threads)
     student = _demo_student(args)
     mismatch = None if student is None else teacher_mismatch(student, args.model)
     if mismatch:
@@ -470,7 +488,7 @@ def cmd_retrofit(args) -> int:
                             family_weights=_mixture_weights(args.family_weights),
                             save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                             num_workers=args.num_workers, method=args.method, **method_kw, **length)
-    _threads(args.threads)
+    set_threads(args.threads)
     result = retrofit(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
         print(f"wrote {result['final']} (step {result['step']}); evaluate it with: kvlearn eval --model "
@@ -624,7 +642,7 @@ def cmd_kaizen_train(args) -> int:
                                   if v is not None},
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
                                num_workers=args.num_workers, **length)
-    _threads(args.threads)
+    set_threads(args.threads)
     result = kaizen_train(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
         print(kaizen_final_message(result, targets[0], config.select_n))
@@ -671,7 +689,7 @@ def cmd_convert_mla(args) -> int:
     check(not out.exists() or out.is_dir(), f"--out {args.out!r} is a file: expected a folder")
     check(args.overwrite or not out.exists() or not any(out.iterdir()),
           f"--out {args.out!r} already holds files: pass --overwrite to replace them, or choose a new folder")
-    _threads(args.threads)
+    set_threads(args.threads)
     model = load(args.model, dtype=torch.float32, device=_device(args.device))
     ids, _ = training_batch(args.calibration_examples, args.calibration_length, args.seed, dense=False)
     convert_to_mla(model, args.rope_dim, ids.to(next(model.parameters()).device), rank=args.rank, variant=args.variant)
@@ -755,7 +773,7 @@ def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "c
                     help="data-generation worker processes (default: 3 on a CUDA device, at most the CPU cores less one "
                          "shared among torchrun's processes on the host; 0 on the CPU; the batches are the same for any "
                          "number)")
-    sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    sp.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -786,8 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK, help="prefill chunk of the bounded cache")
         sp.add_argument("--batch-size", type=int, default=batch_default, help="examples per batch (left-padded)")
         sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-        sp.add_argument("--threads", type=int, default=threads_default,
-                        help="CPU threads for torch (0: torch's default, one per core)")
+        sp.add_argument("--threads", type=thread_count, default=threads_default, help=THREADS_HELP)
 
     sp = sub.add_parser("demo", help="embedded teacher: full cache vs a sinks+window cache, and its KVpop student, "
                                      "alone and in 4-bit KV-Kaizen stores, on every family")
@@ -1113,7 +1130,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--calibration-length", type=int, default=1024, help="tokens per calibration example")
     sp.add_argument("--seed", type=int, default=0, help="calibration batch seed")
     sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    sp.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    sp.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
     sp.set_defaults(func=cmd_convert_mla)
 
     sp = sub.add_parser("testbed", help="print one generated example")
