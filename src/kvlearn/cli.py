@@ -226,7 +226,6 @@ def cmd_eval(args) -> int:
               f"--kvpop-scorers {scorers}: no config.json there (expected a KVpop checkpoint folder, e.g. "
               "checkpoints/testbed-kvpop)")
     config = _eval_config(args, args.method, args.budget, _tasks(args.tasks), model=scorers)
-    check_int("--threads", args.threads, 0)
     check(not args.plot or args.out, "--plot needs --out: the plot is drawn from the results file's rows")
     if args.out:
         check_output_path(args.out, "--out", (".json",))
@@ -310,7 +309,6 @@ def cmd_demo(args) -> int:
 
     start = time.perf_counter()
     runs = _demo_runs(args, _tasks(args.tasks))
-    check_int("--threads", args.threads, 0)
     check_output_path(args.out, "--out", (".json",))
     check_output_path(args.plot, "--plot", PLOT_SUFFIXES)
     device = _device(args.device)
