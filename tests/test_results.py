@@ -345,3 +345,93 @@ def test_device_per_row_joins_a_run_on_another_device_and_each_of_its_rows_names
     assert results_main(["merge", "--across-runs", "--device-per-row", str(out), str(pr), str(pn)]) == 0
     assert [r.get("device") for r in read_results(out)["rows"]] == [None, "H100 (earlier)", "H100"]
 
+
+
+def test_relabel_renames_a_device_runs_selector_and_output_folder(tmp_path, capsys):
+    """``relabel``: the selector label in every row, the ``selectors`` keys and the command's ``--selector OLD=``
+    become NEW (a label that merely starts with OLD is left alone), a path prefix is rewritten in every string, and
+    the file records the renames; the input object is not modified. Unknown labels or paths, a taken or malformed
+    new label and a malformed option are one-line errors that leave the file as it was."""
+    from kvlearn.results import main as results_main
+    from kvlearn.results import make_results, read_results, relabel_results, write_results
+
+    def row(selector, acc):
+        return {"method": "kaizen", "protocol": "bounded", "split": "eval", "budget": 4096, "task": "niah",
+                "accuracy": acc, "selector": selector, "model": f"/root/out/kz/{selector}/final"}
+
+    run = make_results("accuracy", [row("k8_s2", 0.9), row("k8_s22", 0.8)], device="cuda", commit="c1",
+                       command="python benchmarks/kaizen_table.py --selector k8_s2=/root/out/kz/k8_s2/final "
+                               "--selector k8_s22=/root/out/kz/k8_s22/final --out /root/out/kz/t.json",
+                       selectors={"k8_s2": {"path": "/root/out/kz/k8_s2/final"}, "k8_s22": {"path": "x"}})
+    out = relabel_results(run, {"k8_s2": "alone_s2"}, {"/root/out/kz": "$OUT"})
+    assert [r["selector"] for r in out["rows"]] == ["alone_s2", "k8_s22"]
+    assert [r["model"] for r in out["rows"]] == ["$OUT/k8_s2/final", "$OUT/k8_s22/final"]
+    assert out["selectors"] == {"alone_s2": {"path": "$OUT/k8_s2/final"}, "k8_s22": {"path": "x"}}
+    assert out["command"] == ("python benchmarks/kaizen_table.py --selector alone_s2=$OUT/k8_s2/final "
+                              "--selector k8_s22=$OUT/k8_s22/final --out $OUT/t.json")
+    assert out["relabelled"] == {"selectors": {"k8_s2": "alone_s2"}, "paths": {"/root/out/kz": "$OUT"}}
+    assert run["rows"][0]["selector"] == "k8_s2" and "relabelled" not in run  # the input is not modified
+    again = relabel_results(out, {"k8_s22": "alone_s2_refined"})  # a second relabelling adds to the record
+    assert again["relabelled"]["selectors"] == {"k8_s2": "alone_s2", "k8_s22": "alone_s2_refined"}
+    for selectors, paths, needle in (({"k8_s3": "x"}, {}, "selector 'k8_s3' is not in the file (its selectors: "
+                                      "k8_s2, k8_s22)"),
+                                     ({"k8_s2": "k8_s22"}, {}, "'k8_s22' is already in the file"),
+                                     ({"k8_s2": "a b"}, {}, "new selector label 'a b' is invalid"),
+                                     ({}, {"/tmp/elsewhere": "$OUT"}, "path '/tmp/elsewhere' occurs nowhere"),
+                                     ({}, {}, "nothing to rename")):
+        with pytest.raises(KVLearnError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            relabel_results(run, selectors, paths)
+    path = write_results(tmp_path / "run.json", run)
+    assert results_main(["relabel", str(path), "--selector", "k8_s2=alone_s2", "--path", "/root/out/kz=$OUT"]) == 0
+    assert read_results(path)["rows"][0]["selector"] == "alone_s2"  # in place without --out
+    before = path.read_text()
+    for args, needle in ((["--selector", "k8_s2"], "--selector 'k8_s2' is invalid: expected OLD=NEW"),
+                         (["--selector", "nope=x"], "selector 'nope' is not in the file")):
+        assert results_main(["relabel", str(path), *args]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert path.read_text() == before
+
+
+def test_merging_a_table_in_place_keeps_its_command_history_and_records_origin_and_note(tmp_path, capsys):
+    """``merge --across-runs OUT OUT NEW``: the table read before it is written, so the update is in place; the file's
+    command is the table's previous command, `` && ``, then this merge with ``--origin``'s text in parentheses after
+    it and the long texts elided from the typed options; ``--add-note`` ends the note. Merged into another file the
+    command is this merge alone (as before). Empty texts and ``--origin`` without ``--across-runs`` are one-line
+    errors."""
+    from kvlearn.results import main as results_main
+    from kvlearn.results import make_results, read_results, write_results
+
+    def row(selector, acc):
+        return {"method": "kaizen", "protocol": "bounded", "split": "eval", "budget": 4096, "task": "niah",
+                "accuracy": acc, "selector": selector}
+
+    table = write_results(tmp_path / "table.json", make_results(
+        "accuracy", [row("a", 0.9)], device="cuda", commit="c1", command="python -m kvlearn.results merge A B",
+        note="Session 1: a."))
+    new = write_results(tmp_path / "new.json", make_results("accuracy", [row("b", 0.8)], device="cuda", commit="c2",
+                                                            command="python benchmarks/kaizen_table.py"))
+    elsewhere = tmp_path / "other.json"
+    assert results_main(["merge", "--across-runs", str(elsewhere), str(table), str(new)]) == 0
+    assert read_results(elsewhere)["command"].startswith("python -m kvlearn.results merge --across-runs ")
+    assert results_main(["merge", "--across-runs", "--origin", "session 2, one H100: bash run.sh",
+                         "--add-note=Session 2: b.", str(table), str(table), str(new)]) == 0
+    merged = read_results(table)
+    assert [r["selector"] for r in merged["rows"]] == ["a", "b"] and merged["commit"] == "c1,c2"
+    head, sep, this = merged["command"].partition(" && ")
+    assert head == "python -m kvlearn.results merge A B" and sep
+    assert this.startswith("python -m kvlearn.results merge --across-runs --origin '<in parentheses after this "
+                           "merge>' '--add-note=<the end of the note>' ")
+    assert this.endswith(" (session 2, one H100: bash run.sh)") and "Session 2: b." not in this
+    assert merged["note"] == "Session 1: a. Session 2: b."
+    assert [r["command"] for r in merged["runs"]] == ["python -m kvlearn.results merge A B",
+                                                      "python benchmarks/kaizen_table.py"]
+    before = table.read_text()
+    for args, needle in ((["--across-runs", "--origin", " "], "--origin is empty"),
+                         (["--across-runs", "--add-note", ""], "--add-note is empty"),
+                         (["--origin", "x"], "--origin records where the inputs of a merge across runs came from: "
+                                             "pass --across-runs too")):
+        assert results_main(["merge", *args, str(table), str(table), str(new)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert table.read_text() == before

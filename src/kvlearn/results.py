@@ -70,9 +70,10 @@ def portable_path(arg: str) -> str:
     return arg
 
 
-def command_line() -> str:
+def command_line(args: list[str] | None = None) -> str:
     """The command that is running, as typed (``kvlearn ...`` or ``python script.py ...``), with every absolute
-    path made portable by :func:`portable_path` (``python benchmarks/kvpop_ops.py --out $OUT/ops.json``)."""
+    path made portable by :func:`portable_path` (``python benchmarks/kvpop_ops.py --out $OUT/ops.json``); ``args``
+    in place of its arguments (``sys.argv[1:]``) where given."""
     prog = os.path.basename(sys.argv[0])
     package = Path(__file__).resolve().parent  # src/kvlearn
     script = Path(sys.argv[0]).resolve() if sys.argv[0] else None
@@ -82,7 +83,7 @@ def command_line() -> str:
         prog = "python -m " + ".".join(("kvlearn",) + script.relative_to(package).with_suffix("").parts)
     else:
         prog = "python " + _shell_word(portable_path(sys.argv[0]))
-    return " ".join([prog] + [_shell_word(portable_path(a)) for a in sys.argv[1:]])
+    return " ".join([prog] + [_shell_word(portable_path(a)) for a in (sys.argv[1:] if args is None else args)])
 
 
 def _shell_word(arg: str) -> str:
@@ -271,6 +272,61 @@ def merge_results(parts: list[dict], command: str, across_runs: bool = False, re
 SET_RESERVED = ("schema", "kind", "device", "commit", "runs", "rows")  # fields only the merge writes
 
 
+def relabel_results(results: dict, selectors: dict[str, str] | None = None,
+                    paths: dict[str, str] | None = None) -> dict:
+    """A copy of ``results`` with selector labels and path prefixes renamed, e.g. a device run's
+    ``kaizen8_s2`` (the label ``benchmarks/device/kaizen_table.sh`` gives seed 2) made the table's
+    ``kaizen8_share02_ema_fw_alone4000_s2``, and the device's ``/root/out/kz`` written ``$OUT``.
+
+    ``selectors`` (OLD -> NEW): each row's ``selector``, the keys of ``selectors`` and ``LABEL=`` in ``command``
+    (``--selector OLD=PATH``). ``paths`` (OLD -> NEW): every occurrence in every string of the file. The file records
+    what was renamed under ``relabelled`` (added to an earlier record). A label or path the file does not hold, an
+    empty new name, or a new label the file already uses are one-line errors."""
+    import re
+
+    from .errors import check
+
+    selectors, paths = dict(selectors or {}), dict(paths or {})
+    check(bool(selectors or paths), "relabel: nothing to rename: give --selector OLD=NEW or --path OLD=NEW")
+    present = {r.get("selector") for r in results.get("rows", [])} | set(results.get("selectors") or {})
+    present.discard(None)
+    for old, new in selectors.items():
+        check(old in present, f"relabel: selector {old!r} is not in the file (its selectors: "
+                              f"{', '.join(sorted(present)) or 'none'})")
+        check(new.split() == [new] and "=" not in new,
+              f"relabel: new selector label {new!r} is invalid: expected a non-empty name without spaces or '='")
+        check(new == old or new not in present, f"relabel: new selector label {new!r} is already in the file")
+    text = json.dumps(results)
+    for old, new in paths.items():
+        check(bool(old), "relabel: --path with an empty OLD is invalid: expected OLD=NEW with OLD a path prefix")
+        check(old in text, f"relabel: path {old!r} occurs nowhere in the file")
+
+    def rename(value):
+        if isinstance(value, str):
+            for old, new in paths.items():
+                value = value.replace(old, new)
+            return value
+        if isinstance(value, list):
+            return [rename(v) for v in value]
+        if isinstance(value, dict):
+            return {rename(k) if isinstance(k, str) else k: rename(v) for k, v in value.items()}
+        return value
+
+    out = rename(results)
+    for row in out.get("rows", []):
+        if row.get("selector") in selectors:
+            row["selector"] = selectors[row["selector"]]
+    if "selectors" in out:
+        out["selectors"] = {selectors.get(k, k): v for k, v in out["selectors"].items()}
+    for old, new in selectors.items():  # --selector OLD=PATH in the recorded command
+        out["command"] = re.sub(rf"(?<=[\s=]){re.escape(old)}(?==)", new, out.get("command", ""))
+    record = out.setdefault("relabelled", {})
+    for field, renames in (("selectors", selectors), ("paths", paths)):
+        if renames:
+            record[field] = {**record.get(field, {}), **renames}
+    return out
+
+
 def parse_settings(items: list[str]) -> dict:
     """``["dms_scope=head", "n=3"]`` -> ``{"dms_scope": "head", "n": 3}`` (a value that reads as JSON is that
     JSON, else the string); an item without ``=`` or with an empty key is a one-line error naming it."""
@@ -289,8 +345,34 @@ def parse_settings(items: list[str]) -> dict:
     return out
 
 
+TEXT_OPTIONS = {"--origin": "<in parentheses after this merge>", "--add-note": "<the end of the note>"}
+
+
+def _elide_texts(args: list[str]) -> list[str]:
+    """``args`` with the values of :data:`TEXT_OPTIONS` replaced by where the file keeps them, so that the recorded
+    command does not repeat a paragraph the file already holds (``--origin 'session 54 ...'`` ->
+    ``--origin '<in parentheses after this merge>'``)."""
+    out, elide_next = [], None
+    for a in args:
+        if elide_next:
+            out.append(elide_next)
+            elide_next = None
+            continue
+        name, sep, _ = a.partition("=")
+        if name in TEXT_OPTIONS:
+            if sep:
+                out.append(f"{name}={TEXT_OPTIONS[name]}")
+            else:
+                out.append(a)
+                elide_next = TEXT_OPTIONS[name]
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvlearn.results merge OUT IN [IN ...]``: :func:`merge_results` of the IN files into OUT."""
+    """``python -m kvlearn.results merge OUT IN [IN ...]``: :func:`merge_results` of the IN files into OUT;
+    ``python -m kvlearn.results relabel FILE --selector OLD=NEW --path OLD=NEW``: :func:`relabel_results`."""
     import argparse
     import sys
 
@@ -309,20 +391,56 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--device-per-row", action="store_true",
                    help="with --across-runs: an input measured on another device than the first input's may join; "
                         "each of its rows names its device (the file's device stays the first input's)")
+    m.add_argument("--origin", default=None, metavar="TEXT",
+                   help="with --across-runs: where the new inputs came from (the device command, a relabelling), "
+                        "written in parentheses after this merge in the file's command")
+    m.add_argument("--add-note", default=None, metavar="TEXT",
+                   help="appended to the merged file's note (the first input's), after a space")
+    r = sub.add_parser("relabel", help="rename selector labels and path prefixes in a results file (a device run's "
+                                       "labels and output folder made the table's)")
+    r.add_argument("file")
+    r.add_argument("--selector", action="append", default=[], metavar="OLD=NEW",
+                   help="rename a selector label (rows, selectors, the command's --selector OLD=); repeatable")
+    r.add_argument("--path", action="append", default=[], metavar="OLD=NEW",
+                   help="replace OLD by NEW in every string of the file, e.g. /root/out/kz='$OUT'; repeatable")
+    r.add_argument("--out", default=None, help="write the relabelled file here (default: FILE, in place)")
     args = ap.parse_args(argv)
-    from .errors import KVLearnError
+    from .errors import KVLearnError, check
 
     try:
+        if args.command == "relabel":
+            renames = []
+            for option, items in (("--selector", args.selector), ("--path", args.path)):
+                pairs = [item.partition("=") for item in items]
+                for item, (old, sep, _) in zip(items, pairs):
+                    check(bool(sep) and bool(old), f"{option} {item!r} is invalid: expected OLD=NEW")
+                renames.append({old: new for old, _, new in pairs})
+            print(write_results(args.out or args.file, relabel_results(read_results(args.file), *renames)))
+            return 0
+        for option in ("origin", "add_note"):
+            value = getattr(args, option)
+            check(value is None or bool(value.strip()), f"--{option.replace('_', '-')} is empty: give the text "
+                                                        "to record, or leave the option out")
+        check(args.origin is None or args.across_runs, "--origin records where the inputs of a merge across runs "
+                                                       "came from: pass --across-runs too")
         settings = parse_settings(args.settings)
         parts = [read_results(p) for p in args.inputs]
         # one run's parts: its command is theirs; across runs each part's command is in ``runs``, and the file's is
-        # this merge as typed (argv given: as the caller passed it)
+        # this merge as typed (argv given: as the caller passed it), with --origin after it; a table of record
+        # updated in place (OUT is the first input) keeps its history: its command, then this merge
+        typed = _elide_texts(sys.argv[1:] if argv is None else argv)
         command = (" && ".join(p["command"] for p in parts) if not args.across_runs
-                   else command_line() if argv is None
-                   else " ".join(["python -m kvlearn.results"] + [_shell_word(portable_path(a)) for a in argv]))
-        print(write_results(args.out, merge_results(parts, command, across_runs=args.across_runs,
-                                                    replace=tuple(args.replace), settings=settings,
-                                                    device_per_row=args.device_per_row)))
+                   else command_line(typed) if argv is None
+                   else " ".join(["python -m kvlearn.results"] + [_shell_word(portable_path(a)) for a in typed]))
+        if args.across_runs:
+            command += f" ({args.origin})" if args.origin else ""
+            if Path(args.out).resolve() == Path(args.inputs[0]).resolve() and parts[0].get("command"):
+                command = f"{parts[0]['command']} && {command}"
+        merged = merge_results(parts, command, across_runs=args.across_runs, replace=tuple(args.replace),
+                               settings=settings, device_per_row=args.device_per_row)
+        if args.add_note:
+            merged["note"] = f"{merged['note']} {args.add_note}" if merged.get("note") else args.add_note
+        print(write_results(args.out, merged))
     except (KVLearnError, ValueError, OSError) as e:
         print(f"python -m kvlearn.results: error: {e}", file=sys.stderr)
         return 2
