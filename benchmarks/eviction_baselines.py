@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -40,16 +39,19 @@ from kvlearn.errors import KVLearnError, check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, eval_splits, evaluate, format_table, tasks_not_started  # noqa: E402
 from kvlearn.eval.plots import plot_pareto  # noqa: E402
 from kvlearn.methods import EVICTION_METHODS, PROTOCOLS, get_method  # noqa: E402
-from kvlearn.results import portable_path, make_results, run_key, settle_run, write_results  # noqa: E402
+from kvlearn.results import portable_path, make_results, run_key, settle_run, shell_word, write_results  # noqa: E402
 
 
 def repo_relative(arg: str) -> str:
     """``arg`` relative to the repository when it is a path inside it; an absolute path elsewhere as
     :func:`kvlearn.results.portable_path` writes it (``$OUT/...``, ``$TMPDIR/...``), also after the last ``:`` of
-    ``LABEL=METHOD:PATH``."""
+    ``LABEL=METHOD:PATH`` and after the ``=`` of ``LABEL=PATH`` (kaizen_table.py's ``--selector``)."""
     head, sep, tail = arg.rpartition(":")
     if sep and os.path.isabs(tail):
         return head + sep + portable_path(tail)
+    label, sep, path = arg.partition("=")
+    if sep and label and not os.path.isabs(arg) and os.path.isabs(path):
+        return f"{label}={portable_path(path)}"
     if os.path.isabs(arg):
         return portable_path(arg)
     try:
@@ -59,7 +61,9 @@ def repo_relative(arg: str) -> str:
 
 
 def recorded_command(argv: list[str]) -> str:
-    return " ".join(["python", "benchmarks/eviction_baselines.py"] + [shlex.quote(repo_relative(a)) for a in argv])
+    """The command as typed, its paths as :func:`repo_relative` writes them and quoted for a shell, a ``$OUT`` /
+    ``$TMPDIR`` it wrote left unquoted so that the recorded command still expands it."""
+    return " ".join(["python", "benchmarks/eviction_baselines.py"] + [shell_word(repo_relative(a)) for a in argv])
 
 
 def parse_list(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:

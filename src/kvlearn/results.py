@@ -82,11 +82,11 @@ def command_line(args: list[str] | None = None) -> str:
     elif script is not None and script.suffix == ".py" and package in script.parents:  # python -m kvlearn.x.y
         prog = "python -m " + ".".join(("kvlearn",) + script.relative_to(package).with_suffix("").parts)
     else:
-        prog = "python " + _shell_word(portable_path(sys.argv[0]))
-    return " ".join([prog] + [_shell_word(portable_path(a)) for a in (sys.argv[1:] if args is None else args)])
+        prog = "python " + shell_word(portable_path(sys.argv[0]))
+    return " ".join([prog] + [shell_word(portable_path(a)) for a in (sys.argv[1:] if args is None else args)])
 
 
-def _shell_word(arg: str) -> str:
+def shell_word(arg: str) -> str:
     """``arg`` quoted for a POSIX shell, leaving a ``$OUT`` / ``$TMPDIR`` written by :func:`portable_path` unquoted
     (so the command still expands it)."""
     for label in ("$OUT", "$TMPDIR"):
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         typed = _elide_texts(sys.argv[1:] if argv is None else argv)
         command = (" && ".join(p["command"] for p in parts) if not args.across_runs
                    else command_line(typed) if argv is None
-                   else " ".join(["python -m kvlearn.results"] + [_shell_word(portable_path(a)) for a in typed]))
+                   else " ".join(["python -m kvlearn.results"] + [shell_word(portable_path(a)) for a in typed]))
         if args.across_runs:
             command += f" ({args.origin})" if args.origin else ""
             if Path(args.out).resolve() == Path(args.inputs[0]).resolve() and parts[0].get("command"):

@@ -66,6 +66,15 @@ def test_recorded_paths_name_no_machine_folder(tmp_path):
     assert script.repo_relative(f"kvpop=kvpop:{tmp / 's'}") == "kvpop=kvpop:$TMPDIR/s"
     assert script.repo_relative(str(script.REPO / "checkpoints" / "testbed-teacher")) == "checkpoints/testbed-teacher"
     assert script.repo_relative("--budgets") == "--budgets"
+    # kaizen_table.py's --selector LABEL=PATH (session 54's device rows recorded /root/out/kz/... here)
+    assert script.repo_relative(f"kaizen8_s2={tmp / 'kz' / 'final'}") == "kaizen8_s2=$TMPDIR/kz/final"
+    assert script.repo_relative("kaizen8=checkpoints/testbed-teacher") == "kaizen8=checkpoints/testbed-teacher"
+    assert script.repo_relative("--minutes=2") == "--minutes=2"
+    # the recorded command leaves $TMPDIR expandable (it was quoted: '$TMPDIR/t.json') and still quotes spaces
+    command = script.recorded_command(["--selector", f"k8={tmp / 'kz' / 'final'}", "--out", str(tmp / "t.json"),
+                                       "--note", "two words"])
+    assert command == ("python benchmarks/eviction_baselines.py --selector k8=$TMPDIR/kz/final --out $TMPDIR/t.json "
+                       "--note 'two words'")
 
 
 def test_a_run_its_deadline_cut_between_families_stays_under_not_run(tmp_path, monkeypatch, deadline_between_families):
