@@ -600,50 +600,64 @@ def _mixture_weights(text: str | None):
 
 
 def cmd_kaizen_train(args) -> int:
+    from .train.kaizen_recipes import REFINE_RECIPES, kaizen_recipe
     from .train.kaizen_train import KaizenTrainConfig, kaizen_train
 
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
-    targets = parse_targets(args.target)
-    given = [f"--{k.replace('_', '-')} {v}" for k, v in (("select_n", args.select_n), ("select_from", args.select_from))
-             if v is not None]
-    check(not given or args.select_every, f"{', '.join(given)}: options of checkpoint selection, read only with "
-                                          "--select-every N (N >= 1): give it, or leave them out")
-    check(args.ema_from is None or args.ema_decay, f"--ema-from {args.ema_from}: an option of weight averaging, read "
-                                                    "only with --ema-decay D (0 < D < 1): give it, or leave it out")
-    for name, value in (("--share-threshold", args.share_threshold), ("--share-rows", args.share_rows),
+    recipe = kaizen_recipe(args.recipe) if args.recipe else {}
+    check(args.recipe not in REFINE_RECIPES or args.init_student is not None,
+          f"--recipe {args.recipe} continues a trained selector: give --init-student FOLDER (the final/ of a "
+          f"--recipe {args.recipe.removesuffix('-refine') if args.recipe else ''} run, or its export) and another "
+          "--seed than that run's")
+    # the fields the command line gave (None: left out); the recipe fills the ones left out, and KaizenTrainConfig's
+    # defaults the rest (--share-layers all is given: None there means every layer)
+    given = {"targets": None if args.target is None else parse_targets(args.target),
+             "dense_fraction": args.dense_fraction, "underuse_weight": args.underuse_weight,
+             "share_threshold": args.share_threshold, "lr": args.lr, "ema_decay": args.ema_decay,
+             "family_weights": _mixture_weights(args.family_weights), "tau_start": args.tau_start,
+             "steps": args.steps}
+    fields = {k: v for k, v in given.items() if v is not None}
+    if args.share_layers is not None:
+        fields["share_layers"] = parse_share_layers(args.share_layers)
+    if args.minutes is not None:  # --minutes replaces the recipe's steps
+        fields.update(minutes=args.minutes, steps=None)
+    fields.update({k: v for k, v in recipe.items() if k not in fields
+                   # the recipe's threshold belongs to its sensitivity pass, not to a --share-layers given instead
+                   and not (k == "share_threshold" and fields.get("share_layers", "auto") != "auto")})
+    share_layers = args.share_layers or ("auto" if fields.get("share_layers") == "auto" else "all")
+    selection = [f"--{k.replace('_', '-')} {v}" for k, v in (("select_n", args.select_n),
+                                                              ("select_from", args.select_from)) if v is not None]
+    check(not selection or args.select_every, f"{', '.join(selection)}: options of checkpoint selection, read only "
+                                              "with --select-every N (N >= 1): give it, or leave them out")
+    check(args.ema_from is None or fields.get("ema_decay"),
+          f"--ema-from {args.ema_from}: an option of weight averaging, read only with --ema-decay D (0 < D < 1): give "
+          "it, or leave it out")
+    for name, value in (("--share-threshold", fields.get("share_threshold")), ("--share-rows", args.share_rows),
                         ("--share-seed", args.share_seed)):
-        check(value is None or args.share_layers == "auto",
+        check(value is None or share_layers == "auto",
               f"{name} {value} is read only by the sensitivity pass: expected --share-layers auto with it (got "
-              f"--share-layers {args.share_layers})")
-    length = ({"minutes": args.minutes, "steps": None} if args.minutes is not None  # --steps 0 is refused, not 1000
-              else {"steps": 1000 if args.steps is None else args.steps})
+              f"--share-layers {share_layers})")
     axes = tuple(a.strip() for a in args.axes.split(",")) if args.axes else None
     config = KaizenTrainConfig(model=args.model, out=args.out, overwrite=args.overwrite, resume=args.resume,
-                               targets=targets, axes=axes, batch_size=args.batch_size, seq_len=args.seq_len,
-                               **({"lr": args.lr} if args.lr is not None else {}),
+                               axes=axes, batch_size=args.batch_size, seq_len=args.seq_len,
                                lr_schedule=args.lr_schedule, lr_new=args.lr_new,
                                warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, kd_topk=args.kd_topk,
                                beta=args.beta, eta=args.eta, budget_cap=args.budget_cap,
-                               dense_fraction=args.dense_fraction, penalty_cost=args.penalty_cost,
-                               underuse_weight=args.underuse_weight, budget_scope=args.budget_scope,
+                               penalty_cost=args.penalty_cost, budget_scope=args.budget_scope,
                                target_head=None if args.target_head is None else args.target_head == "1",
-                               share_layers=parse_share_layers(args.share_layers),
-                               family_weights=_mixture_weights(args.family_weights),
-                               **({} if args.share_threshold is None else {"share_threshold": args.share_threshold}),
                                **({} if args.share_rows is None else {"share_rows": args.share_rows}),
                                **({} if args.share_seed is None else {"share_seed": args.share_seed}),
                                select_every=args.select_every,
                                **{k: v for k, v in (("select_n", args.select_n), ("select_from", args.select_from),
-                                                    ("ema_from", args.ema_from)) if v is not None},
-                               ema_decay=args.ema_decay, init_student=args.init_student,
-                               **{k: v for k, v in (("tau_start", args.tau_start), ("tau_end", args.tau_end))
+                                                    ("ema_from", args.ema_from), ("tau_end", args.tau_end))
                                   if v is not None},
+                               init_student=args.init_student,
                                save_interval=args.save_interval, seed=args.seed, device=_device(args.device),
-                               num_workers=args.num_workers, **length)
+                               num_workers=args.num_workers, **fields)
     set_threads(args.threads)
     result = kaizen_train(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
-        print(kaizen_final_message(result, targets[0], config.select_n))
+        print(kaizen_final_message(result, config.targets[0], config.select_n))
     return 0
 
 
@@ -744,10 +758,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"kvlearn: error: {message.splitlines()[0]} (see: {self.prog} --help)\n")
 
 
-def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "constant", lr_default: str = "") -> None:
+def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "constant", lr_default: str = "",
+                        dense_fraction_default: float | None = 0.75) -> None:
     """The options ``kvlearn retrofit`` and ``kvlearn kaizen-train`` share: length, batch, the two learning rates
     (``existing`` weights at a constant rate, ``new`` ones warmed up), clipping, distillation, checkpoints, plumbing.
-    ``--lr`` defaults to None: the trainer's config holds the default (``lr_default`` names it in the help)."""
+    ``--lr`` defaults to None: the trainer's config holds the default (``lr_default`` names it in the help), and so
+    does ``--dense-fraction`` where ``dense_fraction_default`` is None (kaizen-train, whose ``--recipe`` may set it)."""
     sp.add_argument("--steps", type=int, default=None, help="optimizer steps (1000 when neither this nor --minutes)")
     sp.add_argument("--minutes", type=float, default=None, help="wall-clock budget instead of --steps")
     sp.add_argument("--batch-size", type=int, default=8, help="sequences per step")
@@ -758,9 +774,9 @@ def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "c
     sp.add_argument("--warmup-steps", type=int, default=100, help=f"warm-up steps of the learning rate of {new}")
     sp.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
     sp.add_argument("--kd-topk", type=int, default=256, help="teacher logits kept by the distillation loss")
-    sp.add_argument("--dense-fraction", type=float, default=0.75,
+    sp.add_argument("--dense-fraction", type=float, default=dense_fraction_default,
                     help="share of training rows in the dense format (in-context Q/A pairs); the rest are in the "
-                         "evaluation format, one supervised answer each")
+                         "evaluation format, one supervised answer each (default 0.75)")
     sp.add_argument("--family-weights", default=None,
                     help="sampling weights of the training rows' families, trace,niah,vt,recall (e.g. 2,1,1,1: twice "
                          "the trace rows; default: uniform)")
@@ -780,6 +796,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.accuracy import eval_splits
     from .eval.protocols import DEFAULT_PREFILL_CHUNK
     from .kaizen.selector import TAU_END, TAU_START
+    from .train.kaizen_recipes import KAIZEN_RECIPES, recipe_options
     from .methods import PROTOCOLS, method_names
     from .testbed import tasks
     from .testbed.filler import TRAIN_STYLES
@@ -1047,7 +1064,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="output folder: step-<N>/ checkpoints, final/, train_log.jsonl")
     sp.add_argument("--overwrite", action="store_true", help="allow an --out folder that already holds files")
     sp.add_argument("--resume", action="store_true", help="continue from the newest step-<N> checkpoint in --out")
-    sp.add_argument("--target", default="4.0", help="target compression factor, or a comma list sampled per sequence")
+    sp.add_argument("--recipe", default=None, choices=tuple(KAIZEN_RECIPES),
+                    help="a recipe of record: its settings for every option left out ("
+                         + "; ".join(f"{name}: {recipe_options(name)}" for name in KAIZEN_RECIPES)
+                         + "); 8x-refine continues an 8x run's final/ (--init-student, another --seed)")
+    sp.add_argument("--target", default=None,
+                    help="target compression factor, or a comma list sampled per sequence (default 4)")
     sp.add_argument("--axes", default=None, help="comma list of precision,rank,depth (default: every axis of the "
                     "backbone: precision,depth on GQA; rank needs a model converted to MLA and saved)")
     sp.add_argument("--beta", type=float, default=None,
@@ -1059,18 +1081,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the cost the budget penalty reads: the expected cost under the selector's softmax (default: "
                          "no noise, so the argmax does not settle below the target) or the Gumbel sample's (the "
                          "default before 78345ed)")
-    sp.add_argument("--underuse-weight", type=float, default=0.0,
+    sp.add_argument("--underuse-weight", type=float, default=None,
                     help="weight of a penalty on compressing more than the target asks (w * relu(1 - cost / target)); "
-                         "> 0 makes a budget-conditioned selector (--target 1,2,4) spend a loose target")
+                         "> 0 makes a budget-conditioned selector (--target 1,2,4) spend a loose target (default 0)")
     sp.add_argument("--budget-scope", default="sequence", choices=("sequence", "batch"),
                     help="what the budget penalty holds to the target: every sequence (default) or the batch's mean "
                          "ratio of cost to target (one budget over the prompts: one prompt may get more bits, "
                          "another fewer)")
     sp.add_argument("--target-head", default=None, choices=("0", "1"),
                     help="the selector's direct target term T_l log2(target) (default: on when --target lists several)")
-    sp.add_argument("--share-layers", default="all",
-                    help="the layers whose cache may be shared (replaced by an earlier layer's): all (every layer but "
-                         "0), a comma list (6,7), or auto: before training, measure on evaluation-format training rows "
+    sp.add_argument("--share-layers", default=None,
+                    help="the layers whose cache may be shared (replaced by an earlier layer's): all (the default: "
+                         "every layer but 0), a comma list (6,7), or auto: before training, measure on evaluation-format training rows "
                          "how much sharing each layer alone raises the distillation loss, and allow it where that is "
                          "at most --share-threshold (written to share_sensitivity.json in --out)")
     sp.add_argument("--share-threshold", type=float, default=None,
@@ -1096,7 +1118,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--select-from", type=float, default=None,
                     help="with --select-every: the fraction of the run from which the iterates are validated "
                          "(default 0.5)")
-    sp.add_argument("--ema-decay", type=float, default=0.0, metavar="D",
+    sp.add_argument("--ema-decay", type=float, default=None, metavar="D",
                     help="weight averaging: from --ema-from of the run on, keep an exponential moving average of every "
                          "weight (backbone and selector), decay D per step (e.g. 0.998: about the last 500 steps), and "
                          "make final/ that average (one process; not with --select-every) (default 0: off)")
@@ -1114,7 +1136,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tau-end", type=float, default=None,
                     help=f"Gumbel temperature at the end of the run (default {TAU_END})")
     add_trainer_options(sp, "the backbone", "the selector", "constant, or the peak of --lr-schedule cosine",
-                        lr_default="KaizenTrainConfig's, 1e-5")
+                        lr_default="KaizenTrainConfig's, 1e-5", dense_fraction_default=None)
     sp.set_defaults(func=cmd_kaizen_train)
 
     sp = sub.add_parser("convert-mla", help="convert a GQA model to MLA (KV-Kaizen's rank axis), calibrated on testbed data")
