@@ -15,10 +15,11 @@ def test_lazy_names_are_the_real_objects_and_are_listed():
     from kvlearn.eval.accuracy import EvalConfig, evaluate
     from kvlearn.methods import get_method, make_config
     from kvlearn.train.distill import RetrofitConfig, retrofit
+    from kvlearn.train.kaizen_recipes import kaizen_recipe
     from kvlearn.train.kaizen_train import KaizenTrainConfig, kaizen_train
 
     real = {"RetrofitConfig": RetrofitConfig, "retrofit": retrofit, "KaizenTrainConfig": KaizenTrainConfig,
-            "kaizen_train": kaizen_train, "EvalConfig": EvalConfig, "evaluate": evaluate, "get_method": get_method,
+            "kaizen_train": kaizen_train, "kaizen_recipe": kaizen_recipe, "EvalConfig": EvalConfig, "evaluate": evaluate, "get_method": get_method,
             "make_config": make_config}
     for name, obj in real.items():
         assert getattr(kvlearn, name) is obj and name in kvlearn.__all__ and name in dir(kvlearn)

@@ -5,7 +5,7 @@ streaming cache, :func:`apply_kvpop` / :func:`make_kvpop_cache` (KVpop's learned
 :func:`apply_dms` / :func:`make_dms_cache` with :class:`DMSConfig` (DMS's learned gates and cache) and
 :func:`load` (= :func:`load_model`: a checkpoint folder, with KVpop or DMS re-applied when it was saved with it;
 :mod:`kvlearn.checkpoint`); training (:func:`retrofit` with :class:`RetrofitConfig`,
-:func:`kaizen_train` with :class:`KaizenTrainConfig`), evaluation (:func:`evaluate` with :class:`EvalConfig`) and
+:func:`kaizen_train` with :class:`KaizenTrainConfig`, a recipe of record from :func:`kaizen_recipe`), evaluation (:func:`evaluate` with :class:`EvalConfig`) and
 the method registry (:func:`get_method`, :func:`make_config`). Method-specific modules live in ``kvlearn.kvpop``,
 ``kvlearn.eviction``, ``kvlearn.ops``. Every name is imported on first use.
 """
@@ -36,6 +36,7 @@ LAZY = {
     "retrofit": ("kvlearn.train.distill", "retrofit"),
     "KaizenTrainConfig": ("kvlearn.train.kaizen_train", "KaizenTrainConfig"),
     "kaizen_train": ("kvlearn.train.kaizen_train", "kaizen_train"),
+    "kaizen_recipe": ("kvlearn.train.kaizen_recipes", "kaizen_recipe"),
     "EvalConfig": ("kvlearn.eval.accuracy", "EvalConfig"),
     "evaluate": ("kvlearn.eval.accuracy", "evaluate"),
     "get_method": ("kvlearn.methods", "get_method"),
