@@ -143,7 +143,10 @@ python3 benchmarks/kaizen_table.py --replot "$OUT/kaizen_table.json" --plot "$OU
 # folder kaizen-t<tag>-export/ (written under WORK_DIR, default /tmp), which PACK leaves out of its tar. Carried to a
 # later call (carry_eval/kaizen-t<tag>-export), it is the --init-student of a refinement that trains on (docs/DESIGN.md
 # section 8, "Refinement: training over several runs"): TRAIN_ARGS='<the recipe> --init-student
-# carry_eval/kaizen-t8_s1-export --tau-start 0.1' with another seed.
+# carry_eval/kaizen-t8_s1-export --tau-start 0.1' with another seed. The 8x recipe of record is TRAIN_ARGS='--recipe
+# 8x' (with TARGETS=8 TRAIN_STEPS=4000), its refinement TRAIN_ARGS='--recipe 8x-refine --init-student
+# carry_eval/kaizen-t8_s<S>-export' (TRAIN_STEPS=3000): this script's --target and --steps / --minutes are given, so
+# they win over the recipe's (docs/DESIGN.md section 8, "Recipes").
 if [ "${EXPORT:-0}" = 1 ]; then
     for r in "${runs[@]}"; do
         read -r _ tag _ <<< "$r"
