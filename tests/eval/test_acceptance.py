@@ -60,6 +60,7 @@ def test_verdicts_against_hand_computed_ones(tmp_path):
     assert find(data, "selector_within_control", "k4", "heldout")["met"] is True
     r = find(data, "selector_within_control", "k8", "eval")
     assert abs(r["value"] - 0.045) < 1e-9 and r["met"] is True
+    assert abs(r["of_control"] - 0.93 / 0.975) < 1e-12  # the selector's mean relative to the control's
     r = find(data, "selector_ahead_of_static_and_random", "k8", "eval")
     assert r["met"] is True and r["baseline_means"] == {"static": 0.7, "random": 0.25}
     r = find(data, "composed_64x_every_family", "s64", "eval")

@@ -162,11 +162,16 @@ def test_acceptance_section_one_line_per_verdict(tmp_path):
                       "incomplete": False},
                      {"criterion": "ahead_of_baselines", "method": "kvpop", "label": "", "budget": 512,
                       "split": "eval", "value": 0.9, "value_name": "mean", "bar": None,
-                      "rival_means": {"dms": 0.5, "snapkv": 0.7}, "met": True}]}
+                      "rival_means": {"dms": 0.5, "snapkv": 0.7}, "met": True},
+                     {"criterion": "selector_within_control", "method": "kaizen", "label": "k8", "target": 8.0,
+                      "split": "heldout", "value": 0.0425, "value_name": "control mean - mean", "bar": 0.05,
+                      "of_control": 0.9575, "met": True, "incomplete": False}]}
     (tmp_path / "kaizen_acceptance.json").write_text(json.dumps(data))
     text = build(tmp_path)
     assert "| composed_64x_every_family | kaizen+kvpop | s | 64x | eval | 0.842 | lowest | 0.85 | no |" in text
     assert "| ahead_of_baselines | kvpop |  | 512 | eval | 0.900 (best other: snapkv 0.700) | mean |  | yes |" in text
+    assert ("| selector_within_control | kaizen | k8 | 8x | heldout | 0.043 (0.958 of the control) | control mean - mean "
+            "| 0.05 | yes |") in text
 
 
 def test_graphed_compare_section_one_line_per_run(tmp_path):

@@ -117,7 +117,8 @@ def kaizen_acceptance(table: dict) -> list[dict]:
                 bar = SELECTOR_BARS.get(target)
                 out.append(_verdict("selector_within_control", method, label, split, gap, "control mean - mean", bar,
                                     None if bar is None else (not missing and gap <= bar + EPS), mean=own,
-                                    reference_mean=mean(ref.values()), **common))
+                                    reference_mean=mean(ref.values()),
+                                    of_control=None if own is None else own / mean(ref.values()), **common))
                 others = {m: groups.get((m, "", target), {}).get(split) for m in ("static", "random")}
                 others = {m: mean(a[t] for t in ref) for m, a in others.items() if a and set(a) >= set(ref)}
                 if others and not missing:

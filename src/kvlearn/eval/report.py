@@ -166,6 +166,8 @@ def acceptance_section(name: str, data: dict) -> str:
            "| --- | --- | --- | ---: | --- | ---: | --- | ---: | --- |"]
     for r in data["rows"]:
         v = f"{r['value']:.3f}" if isinstance(r.get("value"), (int, float)) else ""
+        if isinstance(r.get("of_control"), (int, float)):
+            v += f" ({r['of_control']:.3f} of the control)"
         rivals = r.get("baseline_means") or r.get("rival_means")
         if rivals:
             best = max(rivals, key=rivals.get)
