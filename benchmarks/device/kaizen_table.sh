@@ -41,7 +41,7 @@
 # 3 on a CUDA device, 0 on the CPU, kvlearn.train.distill.default_num_workers).
 # The data stream is the same for any number (batches are dealt round robin); before session 51 the trainers had none,
 # and one trainer alone on an H100 then ran 8.9 steps/s against 10.3 with 3 (session 51's train logs, in
-# results/raw/kaizen8_alone_and_side_by_side_logs_dadd62a.tar.gz; docs/FINDINGS.md, "KV-Kaizen").
+# results/raw/kaizen8_alone_and_side_by_side_logs_dadd62a.tar.xz; docs/FINDINGS.md, "KV-Kaizen").
 # PACK=1 (the end of the script) packs what a device call can return into $OUT/kaizen_table.tar.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... PACK=1 bash benchmarks/device/kaizen_table.sh
 set -u
