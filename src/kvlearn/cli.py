@@ -600,7 +600,7 @@ def _mixture_weights(text: str | None):
 
 
 def cmd_kaizen_train(args) -> int:
-    from .train.kaizen_recipes import REFINE_RECIPES, kaizen_recipe
+    from .train.kaizen_recipes import KAIZEN_RECIPES, REFINE_RECIPES, kaizen_recipe
     from .train.kaizen_train import KaizenTrainConfig, kaizen_train
 
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
@@ -658,6 +658,11 @@ def cmd_kaizen_train(args) -> int:
     result = kaizen_train(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
         print(kaizen_final_message(result, config.targets[0], config.select_n))
+        follow_up = f"{args.recipe}-refine" if args.recipe else None
+        if follow_up in KAIZEN_RECIPES:  # a recipe whose record trains on in a second stage says how
+            print(f"the recipe's second stage: kvlearn kaizen-train --recipe {follow_up} --init-student "
+                  f"{result['final']} --seed {config.seed + 1} --model {config.model} --out {config.out}-refined "
+                  f"--device {args.device}")
     return 0
 
 

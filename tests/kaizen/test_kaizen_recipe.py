@@ -64,6 +64,26 @@ def test_a_recipe_fills_every_option_left_out_and_equals_its_options(refinable, 
                                    "family_weights": (2.0, 1.0, 1.0, 1.0), "steps": 4000}
 
 
+def test_the_first_stage_prints_the_command_of_the_second(refinable, configs, tmp_path, capsys):
+    """``--recipe 8x`` ends by printing the ``8x-refine`` command from its final/ with the next seed; that command,
+    run as printed, gives the refinement's config. Other runs print no second stage."""
+    teacher, final = refinable
+    capsys.readouterr()
+    train_cli(configs, teacher, tmp_path / "first", "--recipe", "8x", "--seed", "4")
+    (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("the recipe's second stage: ")]
+    words = shlex.split(line.removeprefix("the recipe's second stage: "))
+    assert words[:4] == ["kvlearn", "kaizen-train", "--recipe", "8x-refine"] and "--seed" in words
+    assert words[words.index("--seed") + 1] == "5" and words[words.index("--init-student") + 1] == "f"
+    words[words.index("--init-student") + 1] = final  # the recorder's stand-in final/ replaced by a real one
+    assert cli.main(words[1:] + ["--seq-len", "128"]) == 0
+    config = configs[-1]
+    assert (config.init_student, config.seed, config.steps, config.tau_start, config.out) == (
+        final, 5, 3000, 0.1, str(tmp_path / "first") + "-refined")
+    train_cli(configs, teacher, tmp_path / "plain", "--steps", "3")
+    train_cli(configs, teacher, tmp_path / "refine", "--recipe", "8x-refine", "--init-student", final, "--seed", "5")
+    assert "second stage" not in capsys.readouterr().out
+
+
 def test_options_given_win_over_the_recipe(make_teacher, configs, tmp_path):
     teacher = make_teacher(2, 4)
     config = train_cli(configs, teacher, tmp_path / "a", "--recipe", "8x", "--lr", "1e-5", "--share-layers", "all",
