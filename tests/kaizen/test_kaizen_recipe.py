@@ -141,3 +141,29 @@ def test_bad_recipes_are_one_line_errors(make_teacher, configs, tmp_path, capsys
     with pytest.raises(KVLearnError, match="recipe '16x' is unknown: expected one of 8x, 8x-refine"):
         kaizen_recipe("16x")
     assert configs == []
+
+
+def test_the_device_script_trains_the_recipes_as_the_next_device_calls_name_them(refinable, configs, tmp_path):
+    """``benchmarks/device/kaizen_table.sh`` with ``TRAIN_ARGS='--recipe 8x'`` (then ``'--recipe 8x-refine
+    --init-student ...'``) and its own ``--target`` / ``--steps`` from TARGETS / TRAIN_STEPS: the kaizen-train command
+    it writes (DRY_RUN=1), run on the CPU with the tiny teacher, gets every setting of the recipe and the seed."""
+    import os
+    import subprocess
+
+    teacher, final = refinable
+    for name, seeds, steps, extra in (("8x", "3", "4000", ""), ("8x-refine", "32", "3000", f" --init-student {final}")):
+        out = tmp_path / name
+        env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "PYTHONPATH": str(REPO / "src"), "TARGETS": "8",
+               "SEEDS": seeds, "TRAIN_STEPS": steps, "BASELINE_PARTS": "none", "TRAIN_ARGS": f"--recipe {name}{extra}"}
+        run = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        line = (out / f"kaizen_train_t8_s{seeds}.log").read_text().strip()
+        words = shlex.split(line.removeprefix("dry run: python3 -m kvlearn.cli "))
+        for option, value in (("--model", teacher), ("--seq-len", "128"), ("--device", "cpu")):
+            words[words.index(option) + 1] = value
+        assert cli.main(words) == 0
+        config = configs[-1]
+        for field, value in kaizen_recipe(name).items():
+            assert getattr(config, field) == value, (name, field)
+        assert config.seed == int(seeds) and config.init_student == (final if extra else None)
