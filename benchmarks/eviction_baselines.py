@@ -49,10 +49,7 @@ def repo_relative(arg: str) -> str:
     head, sep, tail = arg.rpartition(":")
     if sep and os.path.isabs(tail):
         return head + sep + portable_path(tail)
-    label, sep, path = arg.partition("=")
-    if sep and label and not os.path.isabs(arg) and os.path.isabs(path):
-        return f"{label}={portable_path(path)}"
-    if os.path.isabs(arg):
+    if os.path.isabs(arg) or os.path.isabs(arg.partition("=")[2]):  # portable_path splits LABEL=PATH itself
         return portable_path(arg)
     try:
         return str(Path(arg).resolve().relative_to(REPO)) if (os.sep in arg or Path(arg).exists()) else arg

@@ -600,15 +600,14 @@ def _mixture_weights(text: str | None):
 
 
 def cmd_kaizen_train(args) -> int:
-    from .train.kaizen_recipes import KAIZEN_RECIPES, REFINE_RECIPES, kaizen_recipe
+    from .train.kaizen_recipes import FIRST_STAGE, SECOND_STAGE, kaizen_recipe
     from .train.kaizen_train import KaizenTrainConfig, kaizen_train
 
     check(args.steps is None or args.minutes is None, "--steps and --minutes exclude each other: give one of them")
     recipe = kaizen_recipe(args.recipe) if args.recipe else {}
-    check(args.recipe not in REFINE_RECIPES or args.init_student is not None,
+    check(args.recipe not in FIRST_STAGE or args.init_student is not None,
           f"--recipe {args.recipe} continues a trained selector: give --init-student FOLDER (the final/ of a "
-          f"--recipe {args.recipe.removesuffix('-refine') if args.recipe else ''} run, or its export) and another "
-          "--seed than that run's")
+          f"--recipe {FIRST_STAGE.get(args.recipe)} run, or its export) and another --seed than that run's")
     # the fields the command line gave (None: left out); the recipe fills the ones left out, and KaizenTrainConfig's
     # defaults the rest (--share-layers all is given: None there means every layer)
     given = {"targets": None if args.target is None else parse_targets(args.target),
@@ -658,8 +657,8 @@ def cmd_kaizen_train(args) -> int:
     result = kaizen_train(config)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once
         print(kaizen_final_message(result, config.targets[0], config.select_n))
-        follow_up = f"{args.recipe}-refine" if args.recipe else None
-        if follow_up in KAIZEN_RECIPES:  # a recipe whose record trains on in a second stage says how
+        follow_up = SECOND_STAGE.get(args.recipe)
+        if follow_up:  # a recipe whose record trains on in a second stage says how
             print(f"the recipe's second stage: kvlearn kaizen-train --recipe {follow_up} --init-student "
                   f"{result['final']} --seed {config.seed + 1} --model {config.model} --out {config.out}-refined "
                   f"--device {args.device}")

@@ -327,21 +327,32 @@ def relabel_results(results: dict, selectors: dict[str, str] | None = None,
     return out
 
 
+def parse_pairs(items: list[str], option: str, form: str) -> dict[str, str]:
+    """``["a=b", "c=d"]`` (the values of a repeatable ``option``) -> ``{"a": "b", "c": "d"}``, keys stripped; an item
+    without ``=`` or with an empty key is a one-line error naming it and the expected ``form``."""
+    from .errors import check
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        check(bool(sep) and bool(key.strip()), f"{option} {item!r} is invalid: expected {form}")
+        out[key.strip()] = value
+    return out
+
+
 def parse_settings(items: list[str]) -> dict:
     """``["dms_scope=head", "n=3"]`` -> ``{"dms_scope": "head", "n": 3}`` (a value that reads as JSON is that
     JSON, else the string); an item without ``=`` or with an empty key is a one-line error naming it."""
     from .errors import check
 
     out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        check(bool(sep) and bool(key.strip()), f"--set {item!r} is invalid: expected KEY=VALUE, e.g. dms_scope=head")
-        check(key.strip() not in SET_RESERVED, f"--set {item!r} is invalid: {key.strip()!r} is the merge's own "
-                                               f"(reserved: {', '.join(SET_RESERVED)})")
+    for key, value in parse_pairs(items, "--set", "KEY=VALUE, e.g. dms_scope=head").items():
+        check(key not in SET_RESERVED, f"--set {key}={value} is invalid: {key!r} is the merge's own "
+                                       f"(reserved: {', '.join(SET_RESERVED)})")
         try:
-            out[key.strip()] = json.loads(value)
+            out[key] = json.loads(value)
         except ValueError:
-            out[key.strip()] = value
+            out[key] = value
     return out
 
 
@@ -409,12 +420,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "relabel":
-            renames = []
-            for option, items in (("--selector", args.selector), ("--path", args.path)):
-                pairs = [item.partition("=") for item in items]
-                for item, (old, sep, _) in zip(items, pairs):
-                    check(bool(sep) and bool(old), f"{option} {item!r} is invalid: expected OLD=NEW")
-                renames.append({old: new for old, _, new in pairs})
+            renames = [parse_pairs(items, option, "OLD=NEW") for option, items in (("--selector", args.selector),
+                                                                                   ("--path", args.path))]
             print(write_results(args.out or args.file, relabel_results(read_results(args.file), *renames)))
             return 0
         for option in ("origin", "add_note"):

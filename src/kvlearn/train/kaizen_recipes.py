@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..errors import check
 
-__all__ = ["KAIZEN_RECIPES", "RECIPE_RECORDS", "REFINE_RECIPES", "kaizen_recipe", "recipe_options"]
+__all__ = ["KAIZEN_RECIPES", "SECOND_STAGE", "REFINE_RECIPES", "kaizen_recipe", "recipe_options"]
 
 _EIGHT_X = {"targets": (8.0,), "dense_fraction": 0.25, "underuse_weight": 1.0, "share_layers": "auto",
             "share_threshold": 0.2, "lr": 1e-4, "ema_decay": 0.998, "family_weights": (2.0, 1.0, 1.0, 1.0)}
@@ -27,12 +27,9 @@ KAIZEN_RECIPES: dict[str, dict] = {
     # its second stage: 3,000 more steps from the first stage's final/ (or export), at the end temperature
     "8x-refine": {**_EIGHT_X, "steps": 3000, "tau_start": 0.1},
 }
-REFINE_RECIPES = ("8x-refine",)  # recipes that continue a trained selector: they need init_student
-RECIPE_RECORDS = {  # the rows of results/kaizen_table.json each recipe reproduces the settings of
-    "8x": "kaizen8_share02_ema_fw_alone4000_s2 (session 54, one H100: 0.9575 / 0.9575, eval / held out)",
-    "8x-refine": "kaizen8_share02_ema_fw_alone4000_s2_refined (session 54, one H100: 0.97 / 0.98; also "
-                 "kaizen8_share02_ema_fw_alone6_s1_refined, whose first stage ran 6 minutes)",
-}
+SECOND_STAGE = {"8x": "8x-refine"}  # a first stage -> the recipe that continues its final/ (needs init_student)
+REFINE_RECIPES = tuple(SECOND_STAGE.values())
+FIRST_STAGE = {second: first for first, second in SECOND_STAGE.items()}
 
 
 def kaizen_recipe(name: str) -> dict:
