@@ -42,6 +42,9 @@
 # The data stream is the same for any number (batches are dealt round robin); before session 51 the trainers had none,
 # and one trainer alone on an H100 then ran 8.9 steps/s against 10.3 with 3 (session 51's train logs, in
 # results/raw/kaizen8_alone_and_side_by_side_logs_dadd62a.tar.xz; docs/FINDINGS.md, "KV-Kaizen").
+# LABEL: the selector's label in its rows (default kaizen<tag>, e.g. kaizen8_s3), for a run of one selector only (one
+# target, at most one seed), so that a run of record needs no `python -m kvlearn.results relabel` afterwards; letters,
+# digits, '_', '-' and '.'.
 # PACK=1 (the end of the script) packs what a device call can return into $OUT/kaizen_table.tar.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... PACK=1 bash benchmarks/device/kaizen_table.sh
 set -u
@@ -54,6 +57,15 @@ TARGETS=${TARGETS:-4 8}
 if [ -n "${TRAIN_STEPS:-}" ]; then  # checked before any process starts
     case $TRAIN_STEPS in *[!0-9]*) ok=0 ;; *) [ "$TRAIN_STEPS" -gt 0 ] && ok=1 || ok=0 ;; esac
     [ "$ok" = 1 ] || { echo "TRAIN_STEPS=$TRAIN_STEPS is invalid: expected a positive whole number of steps"; exit 2; }
+fi
+runs=()  # "target tag seed-options" per selector
+for t in $TARGETS; do
+    if [ -z "${SEEDS:-}" ]; then runs+=("$t ${t//,/_}"); continue; fi
+    for s in $SEEDS; do runs+=("$t ${t//,/_}_s$s --seed $s"); done
+done
+if [ -n "${LABEL:-}" ]; then  # checked before any process starts
+    [ ${#runs[@]} -eq 1 ] || { echo "LABEL=$LABEL names one selector, but TARGETS='$TARGETS' SEEDS='${SEEDS:-}' train ${#runs[@]}: expected one target and at most one seed"; exit 2; }
+    case $LABEL in *[!A-Za-z0-9_.-]*) echo "LABEL=$LABEL is invalid: expected letters, digits, '_', '-' and '.'"; exit 2 ;; esac
 fi
 mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
@@ -75,11 +87,6 @@ for part_args in "${baseline_parts[@]}"; do
         --out "$OUT/kaizen_table_$name.json" > "$OUT/kaizen_table_$name.log" 2>&1 &
     parts+=("$OUT/kaizen_table_$name.json")
     i=$((i + 1))
-done
-runs=()  # "target tag seed-options" per selector
-for t in $TARGETS; do
-    if [ -z "${SEEDS:-}" ]; then runs+=("$t ${t//,/_}"); continue; fi
-    for s in $SEEDS; do runs+=("$t ${t//,/_}_s$s --seed $s"); done
 done
 # TRAIN_STEPS: every trainer runs that many steps (`--steps`) instead of TRAIN_MINUTES, so that runs of one recipe on
 # two GPUs differ by their seed only (6 minutes gave 3,681 steps on one H100 and 4,470 on another, session 52); the
@@ -104,7 +111,7 @@ for r in "${runs[@]}"; do
     if [ -f "$OUT/kaizen-t$tag/final/config.json" ] || [ "${DRY_RUN:-0}" = 1 ]; then
         # shellcheck disable=SC2086
         run python3 benchmarks/kaizen_table.py --model "$MODEL" ${CONTROL:+--control "$CONTROL"} \
-            --selector "kaizen$tag=$OUT/kaizen-t$tag/final" --no-control --baselines none --compose-factors none \
+            --selector "${LABEL:-kaizen$tag}=$OUT/kaizen-t$tag/final" --no-control --baselines none --compose-factors none \
             --n-per-task "${N_PER_TASK:-100}" --minutes "$left" --out "$OUT/kaizen_table_selector_t$tag.json" \
             ${DEVICE:+--device "$DEVICE"} \
             ${SELECTOR_TABLE_ARGS:-} \
@@ -121,6 +128,7 @@ existing=(); for f in "${logs[@]}"; do [ -f "$f" ] && existing+=("$f"); done
 if [ "${DRY_RUN:-0}" = 1 ]; then  # fake parts, so that the merge and the plot below run
     tags=(); for r in "${runs[@]}"; do read -r _ tag _ <<< "$r"; tags+=("$tag"); done
     python3 - "$OUT" "${tags[@]}" <<'PY'
+import os
 import sys
 from kvlearn.results import make_results, write_results
 row = lambda m, f, **kw: {"method": m, "protocol": "bounded", "split": "eval", "budget": 4096, "context": 4096,
@@ -129,7 +137,7 @@ out, targets = sys.argv[1], sys.argv[2:]
 for tag in targets:
     t = tag.split("_s")[0].replace("_", ",")
     write_results(f"{out}/kaizen_table_selector_t{tag}.json", make_results(
-        "accuracy", [row("kaizen", float(t.split(",")[-1]), selector=f"kaizen{tag}")],
+        "accuracy", [row("kaizen", float(t.split(",")[-1]), selector=os.environ.get("LABEL") or f"kaizen{tag}")],
         device="cpu", command="s", commit="x"))
 write_results(f"{out}/kaizen_table_baselines.json", make_results(
     "accuracy", [row("control", 1.0), row("static", 4.0)], device="cpu", command="b", commit="x"))

@@ -288,6 +288,35 @@ def test_device_script_trains_each_target_once_per_seed(tmp_path):
     assert "cannot open" not in out.stderr and "baselines" not in out.stderr, out.stderr[-2000:]
 
 
+def test_device_script_labels_a_run_of_record(tmp_path):
+    """LABEL names the one selector's rows (a run of record needs no relabel afterwards); with more than one selector,
+    or a label a shell word cannot carry, the script stops with one line before any process starts."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    base = {**os.environ, "DRY_RUN": "1", "PYTHONPATH": str(repo / "src"), "TARGETS": "8", "BASELINE_PARTS": "none"}
+    label = "kaizen8_share02_ema_fw_alone4000_s3"
+    env = {**base, "OUT": str(tmp_path / "ok"), "SEEDS": "3", "LABEL": label}
+    out = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = (tmp_path / "ok" / "kaizen_table_selector_t8_s3.log").read_text()
+    assert f"--selector {label}={tmp_path}/ok/kaizen-t8_s3/final " in table
+    merged = json.loads((tmp_path / "ok" / "kaizen_table.json").read_text())
+    assert [r["selector"] for r in merged["rows"]] == [label]
+    for extra, message in (({"SEEDS": "3 4"}, "LABEL=x names one selector, but TARGETS='8' SEEDS='3 4' train 2"),
+                           ({"TARGETS": "4 8"}, "LABEL=x names one selector, but TARGETS='4 8' SEEDS='' train 2"),
+                           ({"LABEL": "a b"}, "LABEL=a b is invalid: expected letters, digits")):
+        out_dir = tmp_path / "bad"
+        env = {**base, "OUT": str(out_dir), "LABEL": "x", **extra}
+        bad = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
+                             text=True, timeout=60)
+        assert bad.returncode == 2 and message in bad.stdout, (extra, bad.stdout, bad.stderr)
+        assert not out_dir.exists()  # stopped before anything ran
+
+
 def test_pack_leaves_one_tar_without_the_selectors_weights(tmp_path):
     """PACK=1 (a device call returns at most 8 files of <= 16 MiB): the selectors' weights and trainer states are
     deleted and everything else is in $OUT/kaizen_table.tar, the only file left."""
