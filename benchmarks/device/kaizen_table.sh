@@ -104,6 +104,31 @@ for r in "${runs[@]}"; do
 done
 wait "${trainers[@]}"
 tail -n 3 "$OUT"/kaizen_train_t*.log
+# EXPORT=1: each trained selector is exported in bf16 (benchmarks/export_checkpoint.py: backbone and selector, about
+# 15 MB on the testbed teacher, under the 16 MiB a returned file may have) as $OUT/kaizen_t<tag>_export.tar, right
+# after training and before the rows, so that a call cut short during the rows still returns what a later call can
+# carry (session 55: 8.5 minutes of training on a slow H100 left the rows the 1-minute floor, and the call's 600 s ran
+# out before the export, then written after the rows; the weights were lost),
+# folder kaizen-t<tag>-export/ (written under WORK_DIR, default /tmp), which PACK leaves out of its tar. Carried to a
+# later call (carry_eval/kaizen-t<tag>-export), it is the --init-student of a refinement that trains on (docs/DESIGN.md
+# section 8, "Refinement: training over several runs"): TRAIN_ARGS='<the recipe> --init-student
+# carry_eval/kaizen-t8_s1-export --tau-start 0.1' with another seed. The 8x recipe of record is TRAIN_ARGS='--recipe
+# 8x' (with TARGETS=8 TRAIN_STEPS=4000), its refinement TRAIN_ARGS='--recipe 8x-refine --init-student
+# carry_eval/kaizen-t8_s<S>-export' (TRAIN_STEPS=3000): this script's --target and --steps / --minutes are given, so
+# they win over the recipe's (docs/DESIGN.md section 8, "Recipes").
+if [ "${EXPORT:-0}" = 1 ]; then
+    for r in "${runs[@]}"; do
+        read -r _ tag _ <<< "$r"
+        if [ -f "$OUT/kaizen-t$tag/final/model.safetensors" ]; then
+            run python3 benchmarks/export_checkpoint.py --overwrite "$OUT/kaizen-t$tag/final" \
+                "${WORK_DIR:-/tmp}/kaizen-t$tag-export" \
+                && run tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/kaizen_t${tag}_export.tar" "kaizen-t$tag-export"
+            echo "export of kaizen$tag rc=$?"
+        else
+            echo "kaizen$tag has no final/ weights: nothing to export"
+        fi
+    done
+fi
 left=$(python3 -c "print(max(1.0, round($TOTAL_MINUTES - ($(date +%s) - $start) / 60 - 0.5, 2)))")
 echo "selectors' rows: $left minutes"
 for r in "${runs[@]}"; do
@@ -146,28 +171,6 @@ fi
 existing=(); for p in "${parts[@]}"; do [ -f "$p" ] && existing+=("$p"); done
 python3 -m kvlearn.results merge "$OUT/kaizen_table.json" "${existing[@]}"
 python3 benchmarks/kaizen_table.py --replot "$OUT/kaizen_table.json" --plot "$OUT/kaizen_table.png"
-# EXPORT=1: each trained selector is also exported in bf16 (benchmarks/export_checkpoint.py: backbone and selector,
-# about 15 MB on the testbed teacher, under the 16 MiB a returned file may have) as $OUT/kaizen_t<tag>_export.tar,
-# folder kaizen-t<tag>-export/ (written under WORK_DIR, default /tmp), which PACK leaves out of its tar. Carried to a
-# later call (carry_eval/kaizen-t<tag>-export), it is the --init-student of a refinement that trains on (docs/DESIGN.md
-# section 8, "Refinement: training over several runs"): TRAIN_ARGS='<the recipe> --init-student
-# carry_eval/kaizen-t8_s1-export --tau-start 0.1' with another seed. The 8x recipe of record is TRAIN_ARGS='--recipe
-# 8x' (with TARGETS=8 TRAIN_STEPS=4000), its refinement TRAIN_ARGS='--recipe 8x-refine --init-student
-# carry_eval/kaizen-t8_s<S>-export' (TRAIN_STEPS=3000): this script's --target and --steps / --minutes are given, so
-# they win over the recipe's (docs/DESIGN.md section 8, "Recipes").
-if [ "${EXPORT:-0}" = 1 ]; then
-    for r in "${runs[@]}"; do
-        read -r _ tag _ <<< "$r"
-        if [ -f "$OUT/kaizen-t$tag/final/model.safetensors" ]; then
-            run python3 benchmarks/export_checkpoint.py --overwrite "$OUT/kaizen-t$tag/final" \
-                "${WORK_DIR:-/tmp}/kaizen-t$tag-export" \
-                && run tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/kaizen_t${tag}_export.tar" "kaizen-t$tag-export"
-            echo "export of kaizen$tag rc=$?"
-        else
-            echo "kaizen$tag has no final/ weights: nothing to export"
-        fi
-    done
-fi
 # PACK=1, for a device call (it returns at most 8 files, each at most 16 MiB): the selectors' weights and trainer
 # states are deleted (about 54 MB a selector: the call cannot return them) and everything else, tables, logs, train
 # logs, sensitivity reports and the plot, is packed as $OUT/kaizen_table.tar; EXPORT=1's tars stay beside it.

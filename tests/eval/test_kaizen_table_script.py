@@ -347,7 +347,8 @@ def test_pack_leaves_one_tar_without_the_selectors_weights(tmp_path):
 def test_export_writes_each_trained_selectors_bf16_tar_beside_the_pack(tmp_path):
     """EXPORT=1: every selector whose final/ has weights is exported (benchmarks/export_checkpoint.py into
     WORK_DIR/kaizen-t<tag>-export) and tarred as $OUT/kaizen_t<tag>_export.tar, which PACK=1 leaves out of its own tar;
-    a selector without weights is named and skipped. Dry run: the command lines, in order."""
+    a selector without weights is named and skipped. The exports come before the rows, so that a call cut short during
+    the rows still returns them. Dry run: the command lines, in order."""
     import os
     import subprocess
     import tarfile
@@ -370,6 +371,8 @@ def test_export_writes_each_trained_selectors_bf16_tar_beside_the_pack(tmp_path)
     assert lines[export + 1] == f"dry run: tar -C {work} -cf {out}/kaizen_t8_s1_export.tar kaizen-t8_s1-export"
     assert lines[export + 2] == "export of kaizen8_s1 rc=0"
     assert "kaizen8_s2 has no final/ weights: nothing to export" in lines
+    rows = next(i for i, line in enumerate(lines) if line.startswith("selectors' rows: "))
+    assert export < rows and lines.index("kaizen8_s2 has no final/ weights: nothing to export") < rows
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["kaizen_t8_s1_export.tar", "kaizen_table.tar"]
     with tarfile.open(out / "kaizen_table.tar") as tar:  # PACK leaves the export out of its tar
         assert not [n for n in tar.getnames() if n.endswith("export.tar")]
