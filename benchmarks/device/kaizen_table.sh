@@ -105,11 +105,11 @@ done
 wait "${trainers[@]}"
 tail -n 3 "$OUT"/kaizen_train_t*.log
 # EXPORT=1: each trained selector is exported in bf16 (benchmarks/export_checkpoint.py: backbone and selector, about
-# 15 MB on the testbed teacher, under the 16 MiB a returned file may have) as $OUT/kaizen_t<tag>_export.tar, right
-# after training and before the rows, so that a call cut short during the rows still returns what a later call can
-# carry (session 55: 8.5 minutes of training on a slow H100 left the rows the 1-minute floor, and the call's 600 s ran
-# out before the export, then written after the rows; the weights were lost),
-# folder kaizen-t<tag>-export/ (written under WORK_DIR, default /tmp), which PACK leaves out of its tar. Carried to a
+# 15 MB on the testbed teacher, under the 16 MiB a returned file may have) as $OUT/kaizen_t<tag>_export.tar, folder
+# kaizen-t<tag>-export/ (written under WORK_DIR, default /tmp), which PACK leaves out of its tar. It runs right after
+# training, before the rows, so that a call cut short during the rows still returns it (session 55: 8.5 minutes of
+# training on a slow H100 left the rows the 1-minute floor, the call's 600 s ran out before the export, then written
+# after the rows, and the weights were lost). Carried to a
 # later call (carry_eval/kaizen-t<tag>-export), it is the --init-student of a refinement that trains on (docs/DESIGN.md
 # section 8, "Refinement: training over several runs"): TRAIN_ARGS='<the recipe> --init-student
 # carry_eval/kaizen-t8_s1-export --tau-start 0.1' with another seed. The 8x recipe of record is TRAIN_ARGS='--recipe
