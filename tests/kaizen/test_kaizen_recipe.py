@@ -13,7 +13,7 @@ import pytest
 
 from kvlearn import KVLearnError, cli
 from kvlearn.train import kaizen_train as kaizen_module
-from kvlearn.train.kaizen_recipes import KAIZEN_RECIPES, REFINE_RECIPES, kaizen_recipe, recipe_options
+from kvlearn.train.kaizen_recipes import FIRST_STAGE, KAIZEN_RECIPES, kaizen_recipe, recipe_options
 from kvlearn.train.kaizen_train import KaizenTrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def fields(config: KaizenTrainConfig) -> dict:
 def test_a_recipe_fills_every_option_left_out_and_equals_its_options(refinable, configs, tmp_path):
     teacher, final = refinable
     for name in KAIZEN_RECIPES:
-        extra = ["--init-student", final] if name in REFINE_RECIPES else []
+        extra = ["--init-student", final] if name in FIRST_STAGE else []
         config = train_cli(configs, teacher, tmp_path / name, "--recipe", name, *extra)
         for field, value in kaizen_recipe(name).items():
             assert getattr(config, field) == value, (name, field)
@@ -122,7 +122,7 @@ def test_the_recipes_are_the_flags_of_the_device_runs_they_name(refinable, confi
         args = ["--target", env["TARGETS"], "--steps", env["TRAIN_STEPS"], *shlex.split(env["TRAIN_ARGS"])]
         args = [final if a.startswith("carry_eval/") else a for a in args]
         recorded = train_cli(configs, teacher, tmp_path / f"{name}-recorded", *args)
-        extra = ["--init-student", final] if name in REFINE_RECIPES else []
+        extra = ["--init-student", final] if name in FIRST_STAGE else []
         assert fields(train_cli(configs, teacher, tmp_path / name, "--recipe", name, *extra)) == fields(recorded)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..errors import check
 
-__all__ = ["KAIZEN_RECIPES", "SECOND_STAGE", "REFINE_RECIPES", "kaizen_recipe", "recipe_options"]
+__all__ = ["KAIZEN_RECIPES", "SECOND_STAGE", "FIRST_STAGE", "kaizen_recipe", "recipe_options"]
 
 _EIGHT_X = {"targets": (8.0,), "dense_fraction": 0.25, "underuse_weight": 1.0, "share_layers": "auto",
             "share_threshold": 0.2, "lr": 1e-4, "ema_decay": 0.998, "family_weights": (2.0, 1.0, 1.0, 1.0)}
@@ -28,8 +28,7 @@ KAIZEN_RECIPES: dict[str, dict] = {
     "8x-refine": {**_EIGHT_X, "steps": 3000, "tau_start": 0.1},
 }
 SECOND_STAGE = {"8x": "8x-refine"}  # a first stage -> the recipe that continues its final/ (needs init_student)
-REFINE_RECIPES = tuple(SECOND_STAGE.values())
-FIRST_STAGE = {second: first for first, second in SECOND_STAGE.items()}
+FIRST_STAGE = {second: first for first, second in SECOND_STAGE.items()}  # the second stages: their first stage
 
 
 def kaizen_recipe(name: str) -> dict:
