@@ -16,7 +16,7 @@ forward, :mod:`kvlearn.kaizen.sharing`) under these configurations:
 
 Per configuration and family it reports teacher-forced ``token`` accuracy over the supervised tokens, ``answer``
 (the share of rows with every supervised token right: exact match), and ``kd``: the distillation loss the
-KV-Kaizen trainer minimises (:func:`kvlearn.train.distill.kd_loss`, KL from the ``all16`` logits' top-256 per
+KV-Kaizen trainer minimises (:func:`kvlearn.ops.distill_loss.kd_loss`, KL from the ``all16`` logits' top-256 per
 supervised token; its floor, the ``all16`` row's, is the teacher's probability mass outside its top 256, ~0 for a
 trained model). A configuration whose ``answer`` collapses while ``kd`` barely moves is one the selector's
 training signal cannot tell from a harmless one.
@@ -43,7 +43,7 @@ from kvlearn.kaizen.sharing import KaizenTrainForward, attach
 from kvlearn.results import make_results, write_results
 from kvlearn.testbed.data import IGNORE_INDEX, example_labels
 from kvlearn.testbed.tasks import FAMILIES, example_seed, generate
-from kvlearn.train.distill import kd_loss
+from kvlearn.ops.distill_loss import kd_loss
 
 FORMATS = ("eval", "dense")
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlearn.results import make_results, write_results
-from kvlearn.kvpop.attention import gathered_plan, gathered_tile_fraction, sparse_retention_attention
+from kvlearn.ops.retention_attention import gathered_plan, gathered_tile_fraction, sparse_retention_attention
 from kvlearn.ops.fenwick import running_topk_cutoff
 from kvlearn.ops.future_target import future_attention_target
 from kvlearn.ops.gathered_triton import gathered_attention_forward

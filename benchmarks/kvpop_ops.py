@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from kvlearn.config import KVpopConfig
 from kvlearn.results import make_results, write_results
-from kvlearn.kvpop.attention import block_sparsity, gathered_plan, gathered_tile_fraction, sparse_retention_attention
+from kvlearn.ops.retention_attention import block_sparsity, gathered_plan, gathered_tile_fraction, sparse_retention_attention
 from kvlearn.kvpop.scorers import LinearScorer, MLPScorer, MLSTMScorer
 from kvlearn.ops.fenwick import running_cutoff, running_topk_cutoff, static_ranks
 from kvlearn.ops.future_target import future_attention_target

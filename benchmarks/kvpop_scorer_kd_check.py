@@ -44,11 +44,12 @@ from kvlearn.errors import check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, evaluate  # noqa: E402
 from kvlearn.results import command_line, git_commit, make_results, write_results  # noqa: E402
 from kvlearn.kvpop.train_attention import use_train_attention  # noqa: E402
+from kvlearn.ops.distill_loss import kd_loss  # noqa: E402
 from kvlearn.testbed import example_seed, generate, needed_positions  # noqa: E402
 from kvlearn.testbed.data import training_batch  # noqa: E402
 from kvlearn.kvpop.policy import sample_query_positions  # noqa: E402
 from kvlearn.kvpop.scorer_kd import ScorerKD, scorer_kd_rows  # noqa: E402
-from kvlearn.train.distill import (RetrofitConfig, build_models, distill_losses, kd_loss, retrofit,  # noqa: E402
+from kvlearn.train.distill import (RetrofitConfig, build_models, distill_losses, retrofit,  # noqa: E402
                                    student_forward, training_kvpop)
 
 EVAL_SEED = 7_000_000  # training_batch seeds of the KD evaluation (the retrofit's stream starts at 0)

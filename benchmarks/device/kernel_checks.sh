@@ -35,7 +35,7 @@ mkdir -p "$OUT"
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)') triton $(python3 -c 'import triton; print(triton.__version__)' 2>/dev/null || echo none)"
 if [ "${TESTS:-1}" != 0 ]; then
     # shellcheck disable=SC2086
-    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_FILES:-tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py tests/kvpop/test_attention.py tests/kvpop/test_scorer_kd.py tests/ops/test_future_target_triton.py tests/eval/test_packed_decode_speed_script.py tests/kvpop/test_sparse_chunk_attention.py tests/cache/test_compile_gpu.py tests/train/test_retrofit_step_speed_script.py tests/train/test_cuda_graph_step.py} \
+    timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_FILES:-tests/ops/test_kivi_decode.py tests/ops/test_packed_decode.py tests/cache/test_packed_decode_cache.py tests/train/test_distill.py tests/kvpop/test_scorers.py tests/ops/test_retention_attention.py tests/kvpop/test_scorer_kd.py tests/ops/test_future_target_triton.py tests/eval/test_packed_decode_speed_script.py tests/kvpop/test_sparse_chunk_attention.py tests/cache/test_compile_gpu.py tests/train/test_retrofit_step_speed_script.py tests/train/test_cuda_graph_step.py} \
         > "$OUT/gpu_tests_kernels.log" 2>&1
     echo "gpu tests rc=$?"; tail -n 3 "$OUT/gpu_tests_kernels.log"
 fi

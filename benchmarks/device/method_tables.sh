@@ -81,7 +81,7 @@ if [ "${SPEED:-1}" = none ]; then
     echo "SPEED=none: no timing"
 elif [ "${SPEED:-1}" = 1 ]; then  # the step and the decode kernels' launch sweeps
     timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_distill.py tests/kvpop/test_scorers.py \
-        tests/kvpop/test_attention.py tests/eval/test_packed_decode_speed_script.py > "$RUN_DIR/gpu_tests_speed.log" 2>&1
+        tests/ops/test_retention_attention.py tests/eval/test_packed_decode_speed_script.py > "$RUN_DIR/gpu_tests_speed.log" 2>&1
     tail -n 3 "$RUN_DIR/gpu_tests_speed.log"
     timeout 200 python3 benchmarks/retrofit_step_speed.py --variants foreach_adamw,bf16_mlstm_matmuls --profile "$RUN_DIR/prof" \
         --out "$RUN_DIR/retrofit_step_speed_h200.json" > "$RUN_DIR/retrofit_step_speed.log" 2>&1

@@ -166,9 +166,9 @@ def sparse_chunk_attention(sparse: SparseChunk, query: torch.Tensor, key: torch.
     The held tokens followed by the chunk, in position order, are a sequence of ``T = held + q`` keys under the
     rule the policy ranked them by (sinks, window, running top-k), so the chunk's queries are its last ``q`` queries:
     the first ``held`` rows are zeros whose output is dropped (``held <=`` the budget). On CUDA
-    :func:`kvlearn.kvpop.attention.sparse_retention_attention` runs the fused Triton forward on the gathered layout
+    :func:`kvlearn.ops.retention_attention.sparse_retention_attention` runs the fused Triton forward on the gathered layout
     (FlexAttention where it does not apply); elsewhere eager FlexAttention."""
-    from .kvpop.attention import sparse_retention_attention
+    from .ops.retention_attention import sparse_retention_attention
 
     ret, held = sparse
     b, hkv = key.shape[:2]

@@ -27,7 +27,8 @@ from kvlearn.kvpop.scorer_kd import (ScorerKD, cutoff_priorities, scorer_kd_rows
 from kvlearn.ops.fenwick import running_topk_cutoff
 from kvlearn.ops.masks import retention_mask_dense
 from kvlearn.testbed.data import training_batch
-from kvlearn.train.distill import LOG_FILE, build_models, kd_loss, retrofit, student_forward
+from kvlearn.ops.distill_loss import kd_loss
+from kvlearn.train.distill import LOG_FILE, build_models, retrofit, student_forward
 from tests.train.test_distill import SEQ, make_config  # the trainer tests' tiny setting
 
 SINKS, WINDOW, TOPK = 2, 4, 5

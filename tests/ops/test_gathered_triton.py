@@ -172,7 +172,7 @@ _GPU_CONFIGS = [
 @pytest.mark.parametrize("T,dtype", [(4096, "bf16"), (4000, "bf16"), (4096, "fp16")])
 def test_cuda_matches_dense_float64(T, dtype, config):
     pytest.importorskip("triton")
-    from kvlearn.kvpop.attention import sparse_retention_attention
+    from kvlearn.ops.retention_attention import sparse_retention_attention
 
     sinks, window, topk = 4, 256, 1000
     q, k, v, ranks, cutoffs, layout = make_inputs(T, 1, 8, 4, T, 128, sinks, window, topk, 128, dtype, "cuda")
@@ -209,7 +209,7 @@ def test_cuda_speed_report():
     triton = pytest.importorskip("triton")
     import torch.nn.functional as F
 
-    from kvlearn.kvpop.attention import gathered_plan, sparse_retention_attention
+    from kvlearn.ops.retention_attention import gathered_plan, sparse_retention_attention
 
     T, sinks, window, topk = 16384, 4, 256, 1792
     q, k, v, ranks, cutoffs, layout = make_inputs(0, 1, 8, 4, T, 128, sinks, window, topk, 128, "bf16", "cuda")

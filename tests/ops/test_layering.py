@@ -89,3 +89,35 @@ def test_kvlearn_has_no_import_cycle():
     which only re-exports the public API, is left out."""
     graph = {m: {d for d in deps if d != "kvlearn"} for m, deps in package_graph().items() if m != "kvlearn"}
     assert_no_cycle(graph)
+
+
+def top_level_graph() -> dict[str, set[str]]:
+    """kvlearn's top-level packages and modules (``kvpop``, ``train``, ``hf``, ...) -> those their modules import,
+    function-level imports included; the top-level package itself (it only re-exports) is left out."""
+    def top(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    graph: dict[str, set[str]] = {}
+    for module, deps in package_graph().items():
+        if module != "kvlearn":
+            graph.setdefault(top(module), set()).update(top(d) for d in deps if d != "kvlearn")
+    return {name: deps - {name} for name, deps in graph.items()}
+
+
+def test_top_level_packages_import_each_other_in_no_circle():
+    """The packages stand in layers (ops at the bottom, then cache and testbed, hf, the methods, kaizen and eval,
+    checkpoint, train, cli): a lower one never imports a higher one, not even inside a function, so each layer can
+    be read and tested without the ones above it. Two such imports once ran back up (``hf`` -> ``kvpop`` for the
+    sparse chunk attention, ``kaizen`` -> ``train`` for the KD loss): both functions are pure tensor functions and
+    now live in ``ops`` (``docs/DESIGN.md`` section 2)."""
+    graph = top_level_graph()
+    assert {"ops", "cache", "hf", "kvpop", "kaizen", "train", "cli"} <= set(graph)  # the walk sees the packages
+    assert_no_cycle(graph)
+
+
+def test_a_circle_of_packages_is_found():
+    """The check above fails on a circle two packages apart (the shape the old ``hf`` -> ``kvpop`` import made)."""
+    import pytest
+
+    with pytest.raises(AssertionError, match="import cycle: hf -> kvpop -> hf"):
+        assert_no_cycle({"hf": {"kvpop", "ops"}, "kvpop": {"hf"}, "ops": set()})

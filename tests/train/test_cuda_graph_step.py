@@ -17,6 +17,7 @@ from benchmark_loader import load_benchmark
 
 from kvlearn.config import KVpopConfig, StreamingConfig
 from kvlearn.errors import KVLearnError
+from kvlearn.ops import distill_loss
 from kvlearn.train import cuda_graph, distill
 from kvlearn.train.cuda_graph import EAGER_STEPS, plain_optimizer_groups, prepare_capturable
 from kvlearn.train.distill import (GraphedRetrofitStep, RetrofitConfig, build_models, make_optimizer, train_step,
@@ -144,7 +145,7 @@ def test_step_refuses_a_batch_it_cannot_replay(tmp_path, monkeypatch):
     teacher, student = build_models(config, device)
     kv = training_kvpop(config, student)
     opt = make_optimizer(config, student, device)
-    monkeypatch.setattr(distill, "KD_DENSE_ELEMENTS", 1000)
+    monkeypatch.setattr(distill_loss, "KD_DENSE_ELEMENTS", 1000)
     with pytest.raises(KVLearnError, match=r"batch_size x \(seq_len - 1\) x vocab = 2 x 255 x \d+ = \d+ logits: "
                                            r"expected <= 1000"):
         GraphedRetrofitStep(config, teacher, student, opt, kv, device)

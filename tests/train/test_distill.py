@@ -22,6 +22,7 @@ from kvlearn.kvpop.policy import sample_query_positions
 from kvlearn.kvpop.train_attention import TrainForward
 from kvlearn.testbed.data import training_batch
 from kvlearn.testbed.tokenizer import VOCAB_SIZE
+from kvlearn.ops.distill_loss import kd_loss
 from kvlearn.train.distill import (
     LOG_FILE,
     RetrofitConfig,
@@ -30,7 +31,6 @@ from kvlearn.train.distill import (
     dense_student,
     distill_losses,
     fused_adamw_applies,
-    kd_loss,
     latest_checkpoint,
     make_optimizer,
     retrofit,
@@ -363,7 +363,7 @@ def test_kd_loss_without_the_mask_gather_equals_the_masked_rows(monkeypatch):
     and gradient; the unsupervised positions' logits get no gradient either way."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kvlearn.train import distill
+    from kvlearn.ops import distill_loss
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -378,8 +378,8 @@ def test_kd_loss_without_the_mask_gather_equals_the_masked_rows(monkeypatch):
 
     labels = torch.tensor([[-100, 3, -100, 4, 5, -100], [-100, -100, 9, -100, -100, 7]])
     out = {}
-    for limit in (distill.KD_DENSE_ELEMENTS, 0):
-        monkeypatch.setattr(distill, "KD_DENSE_ELEMENTS", limit)
+    for limit in (distill_loss.KD_DENSE_ELEMENTS, 0):
+        monkeypatch.setattr(distill_loss, "KD_DENSE_ELEMENTS", limit)
         s = torch.randn(2, 6, 13, generator=torch.Generator().manual_seed(2), requires_grad=True)
         t = torch.randn(2, 6, 13, generator=torch.Generator().manual_seed(3))
         with Ops() as ops:

@@ -75,7 +75,7 @@ class ChunkRetention:
     The held tokens followed by the chunk, sorted by position (empty slots and padding last), form a sequence in
     which every query sees the sinks (the first ``sinks`` indices), the ``window`` indices up to itself and the keys
     whose rank is within its running cutoff: sparse retention over that sequence
-    (:func:`kvlearn.kvpop.attention.sparse_retention_attention`) is the forward's attention, without its ``[q,
+    (:func:`kvlearn.ops.retention_attention.sparse_retention_attention`) is the forward's attention, without its ``[q,
     capacity + q]`` mask. Attributes: ``order [batch, P, capacity + q]`` int64 indices of the returned keys in that
     sequence order; ``ranks, cutoffs [batch, P, capacity + q]`` int32 (:mod:`kvlearn.ops.fenwick`); ``held [batch,
     P]`` int64 tokens held before the forward (the chunk's first index in the sequence); ``sinks``, ``window``,

@@ -13,7 +13,7 @@ drawn), the model's training forward (:class:`~kvlearn.kaizen.sharing.KaizenTrai
 exactly the configuration's forward) with every layer at 16 bits and one layer ``l`` sharing its predecessor's
 cache, against the plain forward:
 
-``increase[l] = KD(share at l) - KD(all 16 bits)``, ``KD`` = :func:`kvlearn.train.distill.kd_loss` (KL from the
+``increase[l] = KD(share at l) - KD(all 16 bits)``, ``KD`` = :func:`kvlearn.ops.distill_loss.kd_loss` (KL from the
 plain forward's top-``k`` logits, in nats per supervised token, the trainer's own loss), ``l = 1 .. L-1``;
 
 ``allowed = {l : increase[l] <= threshold}`` (:func:`allowed_share_layers`).
@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import check
+from ..ops.distill_loss import kd_loss
 from .actions import Backbone, LayerAction, action_space
 
 __all__ = ["calibration_rows", "share_increases", "share_sensitivity", "share_row_increases", "increase_stats",
@@ -86,7 +87,6 @@ def share_row_increases(model, input_ids: torch.Tensor, labels: torch.Tensor, kd
     its predecessor's cache minus the same with every layer at 16 bits (row 0: zeros, layer 0 cannot share), and
     each row's supervised tokens; :func:`increase_stats` reduces them. Forwards of ``batch_size`` rows, no
     gradients; ``model`` has the Kaizen attention attached (:func:`kvlearn.kaizen.sharing.attach`)."""
-    from ..train.distill import kd_loss
     from .sharing import KaizenTrainForward
 
     check(input_ids.dim() == 2 and input_ids.shape == labels.shape,

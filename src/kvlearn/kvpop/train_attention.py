@@ -6,7 +6,7 @@ layer, with the forward's :class:`TrainForward` passed as the attention keyword 
 1. raw scores ``r̂ [B, Hkv, T]`` from the layer's scorer on the *detached* keys/values (rule 5);
 2. static priorities ``p̂ = r̂ - t log γ`` (:func:`~kvlearn.kvpop.policy.static_priorities`, float32);
 3. ranks and running cutoffs of ``p̂`` (:func:`~kvlearn.ops.fenwick.running_topk_cutoff`; integers, no gradient);
-4. :func:`~kvlearn.kvpop.attention.sparse_retention_attention` with ``return_lse=True`` (the attention output
+4. :func:`~kvlearn.ops.retention_attention.sparse_retention_attention` with ``return_lse=True`` (the attention output
    carries the backbone's gradient; the CPU path is the dense-mask twin);
 5. the future-attention target from this layer's queries/keys and the *sparse* LSE of step 4 (the approximate
    target of the paper's appendix D.3, Eq. 9/34: the normaliser the sparse pass already computed is reused),
@@ -50,7 +50,7 @@ from ..ops.fenwick import running_topk_cutoff
 from ..ops.flex import autocast_qkv
 from ..ops.future_target import future_attention_target
 from ..ops.quant import fake_quantize
-from .attention import sparse_retention_attention
+from ..ops.retention_attention import sparse_retention_attention
 from .policy import static_priorities
 from .scorer_kd import ScorerKD, straight_through_retention
 

@@ -1,7 +1,7 @@
 """Fused Triton forward of sparse retention attention on the interval-gathered layout (inference / no-grad path).
 
 :func:`gathered_attention_forward` computes what FlexAttention with :func:`kvlearn.ops.gathered.gathered_block_mask`
-computes on the gathered keys (``kvlearn.kvpop.attention.sparse_retention_attention(..., layout="gathered")``),
+computes on the gathered keys (``kvlearn.ops.retention_attention.sparse_retention_attention(..., layout="gathered")``),
 without materialising the gathered keys and values and with one key tile serving every query head of a GQA group:
 
 * Grid ``(num_blocks * split, batch * kv_heads)``. A program owns ``BLOCK_M = G_P2 * QPP`` rows: the ``G`` query

@@ -16,12 +16,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import check
+from ..ops.distill_loss import IGNORE_INDEX  # the label of an unsupervised position
 from .filler import TRAIN_STYLES
 from .tasks import (FAMILIES, MULTIVALUE_PROBE_SHARE, TRAIN_REGIMES, Example, check_multivalue_share, example_seed,
                     generate)
 from .tokenizer import PAD_ID
 
-IGNORE_INDEX = -100
 MAX_BATCH = 4096  # rows of one batch: example index = (batch seed << 12) | row
 
 

@@ -73,8 +73,10 @@ from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import BoundaryDecisions, boundary_decisions, sample_query_positions, stacked_teacher_policy
 from ..kvpop.scorer_kd import ScorerKD, scorer_kd_rows
 from ..kvpop.train_attention import SHARE, TrainForward, use_train_attention
+from ..ops import distill_loss
+from ..ops.distill_loss import kd_loss
 from ..ops.quant import BITS as KV_BITS
-from ..testbed.data import IGNORE_INDEX, TestbedStream, check_mixture, dense_share, shard_rows
+from ..testbed.data import TestbedStream, check_mixture, dense_share, shard_rows
 from ..hf import copy_tokenizer_files, unpadded_causal_masks
 from ..lineage import write_teacher_record
 from . import parallel
@@ -85,7 +87,7 @@ from ..testbed.tasks import FAMILIES, MAX_LENGTH, MIN_LENGTH
 METHODS = ("kvpop", "streaming_plus", "dms")
 NEW_MODULES = {"kvpop": ".kvpop.", "streaming_plus": None, "dms": ".dms."}  # parameter-name marker of the new weights
 
-__all__ = ["RetrofitConfig", "retrofit", "train_step", "dense_student", "dense_distill_step", "kd_loss",
+__all__ = ["RetrofitConfig", "retrofit", "train_step", "dense_student", "dense_distill_step",
            "distill_losses", "student_forward", "latest_checkpoint"]
 
 STATE_FILE = "trainer_state.pt"
@@ -479,45 +481,6 @@ SCORER_KD_OFF = {"scorer_kd": 0.0, "scorer_kd_temperature": 1.0, "scorer_kd_quer
 
 # ----------------------------------------------------------------------------------------------------------------
 # losses
-
-
-# kd_loss computes every position's KL (no host sync) up to this many logits B (T-1) V, 2^28 (1 GiB of float32
-# logits per copy); above it, only the supervised positions' (the testbed vocabulary of 733 at 8 x 4096: 24 M)
-KD_DENSE_ELEMENTS = 1 << 28
-
-
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, topk: int,
-            reduce_sum=None) -> torch.Tensor:
-    """KL(teacher top-``topk`` || student) per supervised token, averaged (scalar float32).
-
-    ``student_logits``/``teacher_logits [B, T, V]`` predict the next token; ``labels [B, T]`` (-100 = not
-    supervised, the Hugging Face convention: position ``i - 1`` predicts label ``i``). The teacher's distribution
-    is renormalised over its ``topk`` most likely tokens (temperature 1); the student's log-probabilities are over
-    the full vocabulary. 0 (still differentiable) when no token is supervised. ``reduce_sum`` (data parallelism,
-    :func:`kvlearn.train.parallel.all_reduce_sum`): divide by the supervised tokens of the global batch, so the
-    processes' values add up to the loss of the whole batch.
-
-    Two evaluations of the same sum: up to :data:`KD_DENSE_ELEMENTS` logits (``B (T-1) V``) every position's KL is
-    computed and the unsupervised ones are zeroed (no host sync: selecting the supervised rows by a boolean mask
-    waits for the GPU to count them, which stalls the step's queue); above it only the supervised rows are
-    gathered (the mask path: less memory at large ``V``). The value and gradient are the same up to float rounding
-    for finite logits (a non-finite logit at an unsupervised position, which the mask path skips, makes the dense
-    path's gradient NaN)."""
-    mask = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]
-    s, t = student_logits[:, :-1], teacher_logits[:, :-1]  # [B, T-1, V]
-    dense = s.numel() <= KD_DENSE_ELEMENTS
-    if not dense:
-        s, t = s[mask], t[mask]  # [N, V]: only the supervised positions
-    s, t = s.float(), t.float()
-    k = min(topk, t.shape[-1])
-    t_top, idx = t.topk(k, dim=-1)  # [..., k]
-    t_logp = torch.log_softmax(t_top, dim=-1)
-    s_logp = torch.gather(torch.log_softmax(s, dim=-1), -1, idx)
-    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)  # [B, T-1] (dense) or [N]
-    if dense:
-        kl = torch.where(mask, kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
-    count = mask.sum() if reduce_sum is None else reduce_sum(mask.sum())
-    return kl.sum() / count.clamp(min=1)
 
 
 def distill_losses(state: TrainForward, query_positions: torch.Tensor, reduce_sum=None) -> dict:
@@ -937,7 +900,7 @@ class GraphedRetrofitStep:
     by :func:`step_draws` exactly as the eager step draws them) and the three learning rates (0-d device tensors read
     by the run's ``optimizer``, made with ``capturable=True``: :func:`~kvlearn.train.cuda_graph.prepare_capturable`).
     One-line errors for a method whose step draws on the host (DMS), a batch whose KD loss would select positions
-    (``B (T-1) V > KD_DENSE_ELEMENTS``: a data-dependent shape) and a batch of a new shape. ``capture``: see
+    (``B (T-1) V >`` :data:`kvlearn.ops.distill_loss.KD_DENSE_ELEMENTS`: a data-dependent shape) and a batch of a new shape. ``capture``: see
     ``CudaGraphStep`` (the CPU tests replay by running the step again)."""
 
     def __init__(self, config, teacher, student, optimizer, kv, device: torch.device,
@@ -945,9 +908,10 @@ class GraphedRetrofitStep:
         check_graphed_method(config.method)
         vocab = student.config.vocab_size
         elements = config.batch_size * (config.seq_len - 1) * vocab
-        check(elements <= KD_DENSE_ELEMENTS,
+        limit = distill_loss.KD_DENSE_ELEMENTS  # read at each call (a test lowers it)
+        check(elements <= limit,
               f"cuda_graph_step=True with batch_size x (seq_len - 1) x vocab = {config.batch_size} x "
-              f"{config.seq_len - 1} x {vocab} = {elements} logits: expected <= {KD_DENSE_ELEMENTS} (above it "
+              f"{config.seq_len - 1} x {vocab} = {elements} logits: expected <= {limit} (above it "
               "the KD loss selects the supervised positions, a shape a CUDA graph cannot replay); lower batch_size")
         self.config, self.teacher, self.student, self.optimizer, self.kv = config, teacher, student, optimizer, kv
         self.device = device

@@ -13,7 +13,7 @@ loop. ``docs/DESIGN.md`` section 8, "Training".
   run) gives hard one-hot weights; the student runs the mixture forward
   (:class:`~kvlearn.kaizen.sharing.KaizenTrainForward`: every layer attends the fake-quantized K/V of its sampled
   bit-width, or its anchor's K/V for ``share``, exactly the sampled configuration's forward).
-* **Loss** = KD (:func:`kvlearn.train.distill.kd_loss`: KL to the teacher's top-``kd_topk`` logits) + the budget
+* **Loss** = KD (:func:`kvlearn.ops.distill_loss.kd_loss`: KL to the teacher's top-``kd_topk`` logits) + the budget
   penalty ``β · mean relu(Ĉ / C* - 1)`` (:class:`~kvlearn.kaizen.budget.BudgetMultiplier`; ``Ĉ`` the selector's
   expected cost in bits per token without metadata, or with ``penalty_cost="sampled"`` the one-hots' cost:
   :func:`penalised_cost`; ``C* = C_ref / ρ*``), plus with ``underuse_weight`` w > 0 the under-use term

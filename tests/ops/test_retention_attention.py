@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlearn.errors import KVLearnError
-from kvlearn.kvpop.attention import (
+from kvlearn.ops.retention_attention import (
     block_sparsity,
     gathered_plan,
     gathered_tile_fraction,
