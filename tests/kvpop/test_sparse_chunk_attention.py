@@ -11,7 +11,7 @@ import torch
 from kvlearn import KVLearnError, KVpopConfig
 from kvlearn.cache import CompactLayer
 from kvlearn.hf import attach
-from kvlearn.kvpop import attention as kvpop_attention
+from kvlearn.ops import retention_attention
 from kvlearn.kvpop.cache import KVpopCache
 from kvlearn.kvpop.scorers import MLPScorer, MLSTMScorer
 
@@ -24,7 +24,7 @@ from tests.kvpop.test_kvpop_cache import chunked_logits, make, reference_logits
 def calls(monkeypatch):
     """Counts the sparse attention calls and the multi-token visibility masks built."""
     counts = {"sparse": 0, "mask": 0}
-    sparse, mask = kvpop_attention.sparse_retention_attention, CompactLayer.visibility_mask
+    sparse, mask = retention_attention.sparse_retention_attention, CompactLayer.visibility_mask
 
     def counting_sparse(*args, **kwargs):
         counts["sparse"] += 1
@@ -35,7 +35,7 @@ def calls(monkeypatch):
             counts["mask"] += 1
         return mask(self, query_positions, has_padding)
 
-    monkeypatch.setattr(kvpop_attention, "sparse_retention_attention", counting_sparse)
+    monkeypatch.setattr(retention_attention, "sparse_retention_attention", counting_sparse)
     monkeypatch.setattr(CompactLayer, "visibility_mask", counting_mask)
     return counts
 
