@@ -794,40 +794,35 @@ def add_trainer_options(sp, existing: str, new: str, existing_schedule: str = "c
     sp.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    from .config import DMS_OVERFLOW_ORDERS
+def add_eval_options(sp, n_default: int, batch_default: int, threads_default: int = 0) -> None:
+    """The evaluation options ``kvlearn demo`` and ``kvlearn eval`` share (model, tasks, examples, context, protocol,
+    batching, device), with each command's defaults."""
     from .eval.accuracy import eval_splits
     from .eval.protocols import DEFAULT_PREFILL_CHUNK
-    from .kaizen.selector import TAU_END, TAU_START
-    from .train.kaizen_recipes import KAIZEN_RECIPES, recipe_options
-    from .methods import PROTOCOLS, method_names
+    from .methods import PROTOCOLS
     from .testbed import tasks
-    from .testbed.filler import TRAIN_STYLES
 
-    p = _Parser(prog="kvlearn", description="Learned KV-cache compression for Hugging Face models.")
-    p.add_argument("--version", action="version", version=f"kvlearn {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sp.add_argument("--model", default=default_model_path(), help="checkpoint folder ($KVLEARN_MODEL overrides the default)")
+    sp.add_argument("--tasks", default="all", help=f"comma list of {','.join(tasks.FAMILIES)} or 'all'")
+    sp.add_argument("--n-per-task", type=int, default=n_default, help="examples per task family")
+    sp.add_argument("--context", type=int, default=4096,
+                    help=f"tokens per example, prompt + answer (at most {tasks.MAX_LENGTH} and the model's max_position_embeddings)")
+    sp.add_argument("--sinks", type=int, default=4, help="first tokens every compressing method keeps")
+    sp.add_argument("--split", default="eval", choices=eval_splits(), help="testbed split the examples are drawn from")
+    sp.add_argument("--protocol", default="bounded", choices=PROTOCOLS,
+                    help="bounded: the whole prompt goes through the bounded cache; context: everything before the "
+                         "final question is prefilled densely and compressed once (kvpress)")
+    sp.add_argument("--chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK, help="prefill chunk of the bounded cache")
+    sp.add_argument("--batch-size", type=int, default=batch_default, help="examples per batch (left-padded)")
+    sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    sp.add_argument("--threads", type=thread_count, default=threads_default, help=THREADS_HELP)
 
-    def common_eval(sp, n_default, batch_default, threads_default=0):
-        sp.add_argument("--model", default=default_model_path(), help="checkpoint folder ($KVLEARN_MODEL overrides the default)")
-        sp.add_argument("--tasks", default="all", help=f"comma list of {','.join(tasks.FAMILIES)} or 'all'")
-        sp.add_argument("--n-per-task", type=int, default=n_default, help="examples per task family")
-        sp.add_argument("--context", type=int, default=4096,
-                        help=f"tokens per example, prompt + answer (at most {tasks.MAX_LENGTH} and the model's max_position_embeddings)")
-        sp.add_argument("--sinks", type=int, default=4, help="first tokens every compressing method keeps")
-        sp.add_argument("--split", default="eval", choices=eval_splits(), help="testbed split the examples are drawn from")
-        sp.add_argument("--protocol", default="bounded", choices=PROTOCOLS,
-                        help="bounded: the whole prompt goes through the bounded cache; context: everything before the "
-                             "final question is prefilled densely and compressed once (kvpress)")
-        sp.add_argument("--chunk-size", type=int, default=DEFAULT_PREFILL_CHUNK, help="prefill chunk of the bounded cache")
-        sp.add_argument("--batch-size", type=int, default=batch_default, help="examples per batch (left-padded)")
-        sp.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-        sp.add_argument("--threads", type=thread_count, default=threads_default, help=THREADS_HELP)
 
+def add_demo_parser(sub) -> None:
+    """``kvlearn demo``'s options."""
     sp = sub.add_parser("demo", help="embedded teacher: full cache vs a sinks+window cache, and its KVpop student, "
                                      "alone and in 4-bit KV-Kaizen stores, on every family")
-    common_eval(sp, DEMO_N_PER_TASK, DEMO_BATCH_SIZE, DEMO_THREADS)
+    add_eval_options(sp, DEMO_N_PER_TASK, DEMO_BATCH_SIZE, DEMO_THREADS)
     sp.add_argument("--budget", type=int, default=1024,
                     help="tokens the streaming and KVpop caches keep (CR = 1 - budget/context)")
     sp.add_argument("--kvpop-model", default=default_kvpop_model_path(),
@@ -838,8 +833,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plot", default="runs/demo/demo.png", help="plot file")
     sp.set_defaults(func=cmd_demo)
 
+
+def add_eval_parser(sub) -> None:
+    """``kvlearn eval``'s options."""
+    from .config import DMS_OVERFLOW_ORDERS
+    from .methods import method_names
+
     sp = sub.add_parser("eval", help="accuracy of one method on the testbed")
-    common_eval(sp, 10, 8)
+    add_eval_options(sp, 10, 8)
     sp.add_argument("--method", required=True, choices=method_names(), help="cache method (see: kvlearn methods)")
     sp.add_argument("--budget", type=int, default=None, help="tokens kept per KV head (every method but dense and the kaizen ones; "
                          "kaizen+snapkv and kaizen+kvpop take both --budget and --target)")
@@ -865,8 +866,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plot", default=None, help=f"plot file ({', '.join(PLOT_SUFFIXES)}); needs --out")
     sp.set_defaults(func=cmd_eval)
 
+
+def add_methods_parser(sub) -> None:
+    """``kvlearn methods``'s options."""
     sp = sub.add_parser("methods", help="list the registered cache methods: name, protocols, summary")
     sp.set_defaults(func=cmd_methods)
+
+
+def add_pretrain_parser(sub) -> None:
+    """``kvlearn pretrain``'s options."""
+    from .testbed import tasks
+    from .testbed.filler import TRAIN_STYLES
 
     sp = sub.add_parser("pretrain", help="train the testbed teacher from scratch (GPU)")
     sp.add_argument("--out", default=None, help="checkpoint folder (default: a new runs/testbed-teacher-<UTC time>)")
@@ -907,6 +917,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "never, the shipped teacher's recipe)")
     sp.set_defaults(func=cmd_pretrain)
 
+
+def add_retrofit_parser(sub) -> None:
+    """``kvlearn retrofit``'s options."""
     sp = sub.add_parser("retrofit", help="distil a trained cache method into a model (teacher: the dense model): KVpop's "
                                          "scorers and decays, StreamingLLM+ or DMS gates")
     sp.add_argument("--model", required=True, help="checkpoint folder of the dense model (a supported family)")
@@ -1022,6 +1035,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_retrofit,  # the method-specific options' defaults, to tell which ones a user set
                     option_defaults={dest: sp.get_default(dest) for dest, _ in METHOD_OPTIONS.values()})
 
+
+def add_reproduce_parser(sub) -> None:
+    """``kvlearn reproduce``'s options."""
     sp = sub.add_parser("reproduce", help="rebuild a paper table on the testbed from the committed teacher (GPU; "
                                           "kvpop: the KVpop paper's Table 1, three budgets of four retrofits and a table each)")
     sp.add_argument("table", choices=("kvpop",), help="which table: kvpop (Table 1 of the KVpop paper)")
@@ -1059,6 +1075,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "default) or model (the reference's, what Table 1's DMS rows of record used; a --resume of a "
                          "folder from before this option needs it)")
     sp.set_defaults(func=cmd_reproduce)
+
+
+def add_kaizen_train_parser(sub) -> None:
+    """``kvlearn kaizen-train``'s options."""
+    from .kaizen.selector import TAU_END, TAU_START
+    from .train.kaizen_recipes import KAIZEN_RECIPES, recipe_options
 
     sp = sub.add_parser("kaizen-train", help="train a KV-Kaizen selector and the backbone jointly (teacher: the dense "
                                              "model); one process, or FSDP2 under torchrun --nproc_per_node N -m "
@@ -1143,6 +1165,9 @@ def build_parser() -> argparse.ArgumentParser:
                         lr_default="KaizenTrainConfig's, 1e-5", dense_fraction_default=None)
     sp.set_defaults(func=cmd_kaizen_train)
 
+
+def add_convert_mla_parser(sub) -> None:
+    """``kvlearn convert-mla``'s options."""
     sp = sub.add_parser("convert-mla", help="convert a GQA model to MLA (KV-Kaizen's rank axis), calibrated on testbed data")
     sp.add_argument("--model", required=True, help="checkpoint folder of the GQA model (Qwen3, Qwen2, Llama, Mistral)")
     sp.add_argument("--out", required=True, help="folder for the converted model (loadable by kvlearn.load)")
@@ -1157,6 +1182,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=thread_count, default=0, help=THREADS_HELP)
     sp.set_defaults(func=cmd_convert_mla)
 
+
+def add_testbed_parser(sub) -> None:
+    """``kvlearn testbed``'s options."""
+    from .testbed import tasks
+
     sp = sub.add_parser("testbed", help="print one generated example")
     sp.add_argument("--family", required=True, choices=tasks.FAMILIES, help="task family")
     variants = "; ".join(f"{f}: {', '.join(v)}" for f, v in tasks.VARIANTS.items())
@@ -1168,6 +1198,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dense", action="store_true",
                     help="the training format: in-context questions whose answers are supervised, shown as [[...]]")
     sp.set_defaults(func=cmd_testbed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvlearn`` command: one ``add_<command>_parser`` per subcommand."""
+    from . import __version__
+
+    p = _Parser(prog="kvlearn", description="Learned KV-cache compression for Hugging Face models.")
+    p.add_argument("--version", action="version", version=f"kvlearn {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_demo_parser(sub)
+    add_eval_parser(sub)
+    add_methods_parser(sub)
+    add_pretrain_parser(sub)
+    add_retrofit_parser(sub)
+    add_reproduce_parser(sub)
+    add_kaizen_train_parser(sub)
+    add_convert_mla_parser(sub)
+    add_testbed_parser(sub)
     return p
 
 
