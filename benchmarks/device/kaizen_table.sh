@@ -46,6 +46,10 @@
 # target, at most one seed), so that a run of record needs no `python -m kvlearn.results relabel` afterwards; letters,
 # digits, '_', '-' and '.'.
 # PACK=1 (the end of the script) packs what a device call can return into $OUT/kaizen_table.tar.
+# RETURN_DIR=DIR (a device call's $OUT, with OUT a work folder outside it, e.g. OUT=/tmp/kz RETURN_DIR=$OUT): each
+# EXPORT=1 tar is copied there as soon as it is written, and every tar of OUT at the end (PACK=1's among them). A call
+# cut at its limit then still returns the export, whatever else OUT holds (a call returns at most 8 files; a trained
+# selector's folder alone holds more); session 56 ran that way by hand.
 # Usage on the device:  KVLEARN_COMMIT=<sent commit> OUT=... PACK=1 bash benchmarks/device/kaizen_table.sh
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -68,6 +72,10 @@ if [ -n "${LABEL:-}" ]; then  # checked before any process starts
     case $LABEL in *[!A-Za-z0-9_.-]*) echo "LABEL=$LABEL is invalid: expected letters, digits, '_', '-' and '.'"; exit 2 ;; esac
 fi
 mkdir -p "$OUT"
+if [ -n "${RETURN_DIR:-}" ]; then  # checked before any process starts
+    [ -d "$RETURN_DIR" ] || { echo "RETURN_DIR=$RETURN_DIR is invalid: expected an existing folder (the device call's \$OUT)"; exit 2; }
+    [ "$(cd "$RETURN_DIR" && pwd -P)" != "$(cd "$OUT" && pwd -P)" ] || { echo "RETURN_DIR=$RETURN_DIR is invalid: expected a folder other than OUT=$OUT"; exit 2; }
+fi
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 start=$(date +%s)
 run() {  # the command, or with DRY_RUN=1 its line
@@ -124,6 +132,9 @@ if [ "${EXPORT:-0}" = 1 ]; then
                 "${WORK_DIR:-/tmp}/kaizen-t$tag-export" \
                 && run tar -C "${WORK_DIR:-/tmp}" -cf "$OUT/kaizen_t${tag}_export.tar" "kaizen-t$tag-export"
             echo "export of kaizen$tag rc=$?"
+            if [ -n "${RETURN_DIR:-}" ] && [ -f "$OUT/kaizen_t${tag}_export.tar" ]; then
+                cp "$OUT/kaizen_t${tag}_export.tar" "$RETURN_DIR/" && echo "copied kaizen_t${tag}_export.tar to $RETURN_DIR"
+            fi
         else
             echo "kaizen$tag has no final/ weights: nothing to export"
         fi
@@ -178,4 +189,8 @@ if [ "${PACK:-0}" = 1 ]; then
     find "$OUT" -path "$OUT/kaizen-t*" -type f \( -name '*.safetensors' -o -name '*.pt' \) -delete
     . "$(dirname "$0")/pack_out.sh"
     pack_out "$OUT" kaizen_table
+fi
+if [ -n "${RETURN_DIR:-}" ]; then
+    for f in "$OUT"/*.tar; do [ -f "$f" ] && cp "$f" "$RETURN_DIR/"; done
+    ls -la "$RETURN_DIR"
 fi

@@ -482,3 +482,40 @@ def test_device_script_refuses_bad_train_steps_before_training(tmp_path, steps):
     assert out.returncode == 2
     assert f"TRAIN_STEPS={steps} is invalid: expected a positive whole number of steps" in out.stdout
     assert not list(tmp_path.glob("kaizen_train_t*.log"))
+
+
+def test_return_dir_gets_the_export_before_the_rows_and_every_tar_at_the_end(tmp_path):
+    """RETURN_DIR (the device call's $OUT, OUT a work folder outside it): the export tar is copied there right after it
+    is written, before the rows, and every tar of OUT (the pack's too) at the end; a folder that does not exist, or OUT
+    itself, is a one-line error before anything runs."""
+    import os
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out, work, ret = tmp_path / "out", tmp_path / "work", tmp_path / "ret"
+    final = out / "kaizen-t8_s3" / "final"
+    final.mkdir(parents=True)
+    (final / "model.safetensors").write_text("w")
+    (out / "kaizen_t8_s3_export.tar").write_bytes(b"x" * 10)  # what the export writes (the dry run writes none)
+    ret.mkdir()
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "WORK_DIR": str(work), "PYTHONPATH": str(repo / "src"),
+           "EXPORT": "1", "PACK": "1", "TARGETS": "8", "SEEDS": "3", "BASELINE_PARTS": "none",
+           "RETURN_DIR": str(ret)}
+    run = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env=env, cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    copied = lines.index(f"copied kaizen_t8_s3_export.tar to {ret}")
+    assert lines[copied - 1] == "export of kaizen8_s3 rc=0"
+    assert copied < next(i for i, line in enumerate(lines) if line.startswith("selectors' rows: "))
+    assert sorted(p.name for p in ret.iterdir()) == ["kaizen_t8_s3_export.tar", "kaizen_table.tar"]
+    assert (ret / "kaizen_t8_s3_export.tar").read_bytes() == b"x" * 10
+    with tarfile.open(ret / "kaizen_table.tar") as tar:
+        assert "./kaizen_table.json" in tar.getnames()
+    for bad, why in ((tmp_path / "missing", "expected an existing folder"), (out, "expected a folder other than OUT")):
+        run = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env={**env, "RETURN_DIR": str(bad)},
+                             cwd=repo, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and f"RETURN_DIR={bad} is invalid: {why}" in run.stdout, run.stdout[-500:]
+        assert "dry run:" not in run.stdout  # nothing ran
