@@ -4,6 +4,8 @@ module imports another module's private (``_name``) function; and kvlearn's modu
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
@@ -117,7 +119,5 @@ def test_top_level_packages_import_each_other_in_no_circle():
 
 def test_a_circle_of_packages_is_found():
     """The check above fails on a circle two packages apart (the shape the old ``hf`` -> ``kvpop`` import made)."""
-    import pytest
-
     with pytest.raises(AssertionError, match="import cycle: hf -> kvpop -> hf"):
         assert_no_cycle({"hf": {"kvpop", "ops"}, "kvpop": {"hf"}, "ops": set()})
