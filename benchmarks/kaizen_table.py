@@ -94,7 +94,7 @@ BASE_OPTIONS = {"posthoc_quant": {"axes": ["precision"]}}
 # The recipes of record in results/kaizen_table.json (README.md's KV-Kaizen table): the plot draws these series bold
 # under these labels and every other labelled run faded (kvlearn.eval.plots.plot_pareto's ``highlight``). A series
 # the plotted rows lack is left out, so a fresh run's table (its own selector labels) plots as before.
-ALONE_8X = "selector 8x alone on the GPU (3,681-4,470 steps, 4 seeds; 3 then refined 3,000-3,088 more steps)"
+ALONE_8X = "selector 8x alone on the GPU (3,681-4,470 steps, 4 seeds, seed 3 twice; each then refined 3,000-3,088 more steps)"
 RECORD_SERIES = {
     "kaizen [kaizen1_2_4_share_auto_alone]": "selector, one for 1x and 2x (--target 1,2,4)",
     "kaizen [kaizen4_share_auto]": "selector 4x (--share-layers auto)",
@@ -108,6 +108,8 @@ RECORD_SERIES = {
     "kaizen [kaizen8_share02_ema_fw_alone4000_s2]": ALONE_8X,
     "kaizen [kaizen8_share02_ema_fw_alone4000_s2_refined]": ALONE_8X,
     "kaizen [kaizen8_share02_ema_fw_alone4000_s3]": ALONE_8X,
+    "kaizen [kaizen8_share02_ema_fw_alone4000_s3_retrained]": ALONE_8X,
+    "kaizen [kaizen8_share02_ema_fw_alone4000_s3_refined]": ALONE_8X,
     "untrained_backbone [kaizen4_share_auto]": "the 4x / 8x selectors' choice on the teacher",
     "untrained_backbone [kaizen8_lr1e-4_s0]": "the 4x / 8x selectors' choice on the teacher",
     "kaizen+kvpop [refined_b4_400]": "4-bit x the KVpop student refined under 4 bits (32x)",

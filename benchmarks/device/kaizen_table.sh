@@ -46,7 +46,8 @@
 # target, at most one seed), so that a run of record needs no `python -m kvlearn.results relabel` afterwards; letters,
 # digits, '_', '-' and '.'.
 # PACK=1 (the end of the script) packs what a device call can return into $OUT/kaizen_table.tar.
-# RETURN_DIR=DIR (a device call's $OUT, with OUT a work folder outside it, e.g. OUT=/tmp/kz RETURN_DIR=$OUT): each
+# RETURN_DIR=DIR (a device call's $OUT, with OUT a work folder outside it, e.g. R=$OUT; OUT=/tmp/kz RETURN_DIR=$R;
+# not OUT=/tmp/kz RETURN_DIR=$OUT, where the shell has already set OUT to /tmp/kz when it expands $OUT): each
 # EXPORT=1 tar is copied there as soon as it is written, and every tar of OUT at the end (PACK=1's among them). A call
 # cut at its limit then still returns the export, whatever else OUT holds (a call returns at most 8 files; a trained
 # selector's folder alone holds more); session 56 ran that way by hand.
@@ -73,7 +74,11 @@ if [ -n "${LABEL:-}" ]; then  # checked before any process starts
 fi
 mkdir -p "$OUT"
 if [ -n "${RETURN_DIR:-}" ]; then  # checked before any process starts
-    [ -d "$RETURN_DIR" ] || { echo "RETURN_DIR=$RETURN_DIR is invalid: expected an existing folder (the device call's \$OUT)"; exit 2; }
+    case $RETURN_DIR in  # OUT=X RETURN_DIR=$OUT/kz expands $OUT to X already (session 57): say so
+        "$OUT"/*) inside=" (it lies inside OUT=$OUT: in 'OUT=$OUT RETURN_DIR=\$OUT/...' the shell expands \$OUT to $OUT; save the call's \$OUT first: R=\$OUT; OUT=$OUT RETURN_DIR=\$R)" ;;
+        *) inside="" ;;
+    esac
+    [ -d "$RETURN_DIR" ] || { echo "RETURN_DIR=$RETURN_DIR is invalid: expected an existing folder (the device call's \$OUT)$inside"; exit 2; }
     [ "$(cd "$RETURN_DIR" && pwd -P)" != "$(cd "$OUT" && pwd -P)" ] || { echo "RETURN_DIR=$RETURN_DIR is invalid: expected a folder other than OUT=$OUT"; exit 2; }
 fi
 echo "commit=${KVLEARN_COMMIT:-?} $(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -519,3 +519,10 @@ def test_return_dir_gets_the_export_before_the_rows_and_every_tar_at_the_end(tmp
                              cwd=repo, capture_output=True, text=True, timeout=60)
         assert run.returncode == 2 and f"RETURN_DIR={bad} is invalid: {why}" in run.stdout, run.stdout[-500:]
         assert "dry run:" not in run.stdout  # nothing ran
+    # OUT=X RETURN_DIR=$OUT/kz sets RETURN_DIR to X/kz (the shell expands $OUT after OUT=X): the error says so
+    inside = out / "kz"
+    run = subprocess.run(["bash", "benchmarks/device/kaizen_table.sh"], env={**env, "RETURN_DIR": str(inside)},
+                         cwd=repo, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"RETURN_DIR={inside} is invalid: expected an existing folder" in run.stdout
+    assert f"it lies inside OUT={out}" in run.stdout and "R=$OUT; OUT=" in run.stdout, run.stdout[-500:]
+    assert "dry run:" not in run.stdout
