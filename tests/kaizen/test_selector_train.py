@@ -502,6 +502,34 @@ def test_static_with_a_given_configuration(make_teacher, tmp_path, capsys):
         assert expect in one_line(e)
 
 
+def test_static_prompt_cache_of_a_configuration_without_a_target(make_teacher):
+    """``kaizen_static``'s ``make_prompt_cache`` (the Python route, as the README builds a composed cache) with only a
+    configuration: the cache records the configuration's own factor (3 layers x 16 bits over 4 + 0 + 2 = 8x by hand),
+    as the harness's ``make_choice_cache`` does, and a prompt plus a decode step through it gives the logits of one
+    made by ``make_choice_cache`` (it raised a TypeError from deep inside before session 57)."""
+    from kvlearn.kaizen.prompt import prompt_capacity
+
+    model = kvlearn.load(make_teacher(3, 1)).eval()
+    method = get_method("kaizen_static")
+    config = method_config("kaizen_static", configuration="b4 share b2", context=256)
+    assert config.target is None
+    method.apply(model, config)
+    ids = torch.randint(3, VOCAB_SIZE, (2, 65), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids[:, :64])
+    by_prompt = method.make_prompt_cache(config, model, ids[:, :64], mask, 4)
+    (choice,) = set(method.prompt_choices(config, model, ids[:, :64], mask))
+    by_choice = method.make_choice_cache(config, model, choice, prompt_capacity(64, 4))
+    assert by_prompt.target == by_choice.target == pytest.approx(8.0)
+    logits = []
+    with torch.no_grad():
+        for cache in (by_prompt, by_choice):
+            model(input_ids=ids[:, :64], attention_mask=mask, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids[:, 64:], attention_mask=torch.ones_like(ids), past_key_values=cache,
+                        use_cache=True)
+            logits.append(out.logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
 def test_cli_run_with_several_targets_then_eval(teacher_path, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["kaizen-train", "--model", teacher_path, "--out", str(out), "--target", "2,8", "--steps", "3",

@@ -76,8 +76,11 @@ def fixed_prompt_choices(config_fn, config: FixedConfig, model, input_ids, atten
 
 
 def fixed_choice_cache(config: FixedConfig, model, choice: KaizenConfig, capacity: int) -> KaizenCache:
-    """Registry ``make_choice_cache``: the :class:`KaizenCache` of ``choice``, recording ``config.target``."""
-    return choice_cache(choice, capacity, config.target)
+    """Registry ``make_choice_cache``: the :class:`KaizenCache` of ``choice``, recording ``config.target``; without
+    one (a static configuration given alone, ``kaizen_static``'s ``configuration``), the configuration's own
+    compression."""
+    target = choice.compression(metadata=False) if config.target is None else config.target
+    return choice_cache(choice, capacity, target)
 
 
 def fixed_prompt_cache(config_fn, config: FixedConfig, model, input_ids, attention_mask, max_new_tokens: int):

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from ..errors import check
 from .actions import Backbone, KaizenConfig
-from .fixed import FixedConfig, fixed_prompt_cache, fixed_prompt_choices, make_cache, static_config
+from .fixed import (FixedConfig, fixed_choice_cache, fixed_prompt_cache, fixed_prompt_choices, make_cache,
+                    static_config)
 from .fixed import apply as fixed_apply
 from .fixed import config_from_budget as fixed_config_from_budget
-from .prompt import choice_cache
 
 SUMMARY = ("KV-Kaizen static baseline: one uniform configuration (b bits, an anchor every g layers) meeting "
            "--target, or the one --configuration gives, the same for every prompt; every token kept")
@@ -67,11 +67,7 @@ def apply(model, config: StaticConfig):
     return sharing.attach(model)
 
 
-def make_choice_cache(config: StaticConfig, model, choice: KaizenConfig, capacity: int):
-    """Registry ``make_choice_cache``: the cache of ``choice``, recording ``config.target`` (without one, the given
-    configuration's own compression)."""
-    target = choice.compression(metadata=False) if config.target is None else config.target
-    return choice_cache(choice, capacity, target)
+make_choice_cache = fixed_choice_cache  # records the configuration's own compression when no target is given
 
 
 def prompt_choices(config: StaticConfig, model, input_ids, attention_mask):
