@@ -204,3 +204,16 @@ def test_bad_input_is_one_line(model):
     with pytest.raises(KVLearnError, match="at least one non-pad token") as err:
         prompt_choices(config.method_config, model, batch.ids, mask)
     assert "\n" not in str(err.value)
+    # a negative number of new tokens would size the cache below the prompt's need: one line, for the learned
+    # selector, a prompt-independent baseline and a composition (whose budget sizes its stores) alike
+    from kvlearn.methods import get_method, make_config
+
+    with pytest.raises(KVLearnError, match=r"max_new_tokens=-1 is invalid: expected an integer >= 0") as err:
+        make_prompt_cache(config.method_config, model, batch.ids, batch.mask, -1)
+    assert "\n" not in str(err.value)
+    for name, options in (("kaizen_static", {"target": 4.0}),
+                          ("kaizen+snapkv", {"budget": 64, "sinks": 4, "target": 16.0, "context": CONTEXT})):
+        method = get_method(name)
+        with pytest.raises(KVLearnError, match=r"max_new_tokens=-1 is invalid") as err:
+            method.make_prompt_cache(make_config(name, **options), model, batch.ids, batch.mask, -1)
+        assert "\n" not in str(err.value)

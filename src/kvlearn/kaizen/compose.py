@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..cache import Policy
-from ..errors import KVLearnError, check
+from ..errors import KVLearnError, check, check_int
 from ..kvpop.apply import KV_CONFIGURATION_KEY
 from .actions import Backbone, KaizenConfig, check_axes, check_budget, feasible_range
 from .apply import recorded_config, select
@@ -180,7 +180,8 @@ def composed_prompt_choices(config: ComposedConfig, model, input_ids, attention_
 def composed_prompt_cache(make_choice_cache, config: ComposedConfig, model, input_ids, attention_mask,
                           max_new_tokens: int) -> KaizenCache:
     """Registry ``make_prompt_cache``: ``make_choice_cache`` of the one choice of ``input_ids [batch, seq]``
-    (the budget, not the prompt, sizes the stores)."""
+    (the budget, not the prompt, sizes the stores; ``max_new_tokens`` is checked all the same)."""
+    check_int("max_new_tokens", max_new_tokens, 0)
     choice = one_choice(composed_prompt_choices(config, model, input_ids, attention_mask))
     return make_choice_cache(config, model, choice, config.budget)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import check
+from ..errors import check, check_int
 from .actions import KaizenConfig
 from .cache import KaizenCache
 
@@ -52,7 +52,9 @@ def one_choice(choices: list[KaizenConfig]) -> KaizenConfig:
 
 def prompt_capacity(width: int, max_new_tokens: int) -> int:
     """Slots a batch of ``width`` prompt columns needs to generate ``max_new_tokens``: every column (padding
-    included: slot = the row's real position, and transformers counts columns seen) plus the new tokens, plus one."""
+    included: slot = the row's real position, and transformers counts columns seen) plus the new tokens, plus one.
+    A negative ``max_new_tokens`` is a one-line error (it would size the cache below the prompt's need)."""
+    check_int("max_new_tokens", max_new_tokens, 0)
     return width + max_new_tokens + 1
 
 
