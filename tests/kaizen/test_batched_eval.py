@@ -186,7 +186,7 @@ def test_context_protocol_equals_dense_attention_on_the_stored_keys_and_values(m
     assert float((plain - ref).abs().max()) > 1e-3  # the configuration changes the model
 
 
-def test_bad_input_is_one_line(model):
+def test_bad_input_is_one_line(model, monkeypatch):
     config = eval_config()
     exs = examples_for(config, "vt")
     choices = choices_of(model, config, exs)
@@ -208,8 +208,12 @@ def test_bad_input_is_one_line(model):
     # selector, a prompt-independent baseline and a composition (whose budget sizes its stores) alike
     from kvlearn.methods import get_method, make_config
 
-    with pytest.raises(KVLearnError, match=r"max_new_tokens=-1 is invalid: expected an integer >= 0") as err:
-        make_prompt_cache(config.method_config, model, batch.ids, batch.mask, -1)
+    import kvlearn.kaizen.apply as kaizen_apply
+
+    with monkeypatch.context() as m:  # refused before the selector reads the prompt
+        m.setattr(kaizen_apply, "prompt_choices", lambda *a: pytest.fail("the selector ran before the check"))
+        with pytest.raises(KVLearnError, match=r"max_new_tokens=-1 is invalid: expected an integer >= 0") as err:
+            make_prompt_cache(config.method_config, model, batch.ids, batch.mask, -1)
     assert "\n" not in str(err.value)
     for name, options in (("kaizen_static", {"target": 4.0}),
                           ("kaizen+snapkv", {"budget": 64, "sinks": 4, "target": 16.0, "context": CONTEXT})):

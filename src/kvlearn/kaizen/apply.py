@@ -245,8 +245,9 @@ def make_prompt_cache(config: KaizenMethodConfig, model, input_ids: torch.Tensor
     """The :class:`KaizenCache` of the selector's choice for the prompts ``input_ids [batch, seq]`` (capacity: the
     prompt width + ``max_new_tokens`` + 1). Every row must choose the same configuration (a single prompt always
     does); a one-line error otherwise."""
+    capacity = prompt_capacity(input_ids.shape[1], max_new_tokens)  # checked before the choice is computed
     choice = one_choice(prompt_choices(config, model, input_ids, attention_mask))
-    return make_choice_cache(config, model, choice, prompt_capacity(input_ids.shape[1], max_new_tokens))
+    return make_choice_cache(config, model, choice, capacity)
 
 
 def config_from_budget(budget=None, sinks: int = 4, context: int | None = None, target: float | None = None,

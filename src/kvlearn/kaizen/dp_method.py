@@ -106,8 +106,9 @@ def make_choice_cache(config: DPConfig, model, choice: KaizenConfig, capacity: i
 def make_prompt_cache(config: DPConfig, model, input_ids, attention_mask, max_new_tokens: int) -> KaizenCache:
     """The :class:`KaizenCache` of the recorded configuration for one batch ``input_ids [batch, seq]`` (capacity:
     the prompt width + ``max_new_tokens``)."""
+    capacity = prompt_capacity(input_ids.shape[1], max_new_tokens)  # checked before the choice is computed
     choice = one_choice(prompt_choices(config, model, input_ids, attention_mask))
-    return make_choice_cache(config, model, choice, prompt_capacity(input_ids.shape[1], max_new_tokens))
+    return make_choice_cache(config, model, choice, capacity)
 
 
 def config_from_budget(budget=None, sinks: int = 4, context: int | None = None, target: float | None = None,

@@ -86,8 +86,9 @@ def fixed_choice_cache(config: FixedConfig, model, choice: KaizenConfig, capacit
 def fixed_prompt_cache(config_fn, config: FixedConfig, model, input_ids, attention_mask, max_new_tokens: int):
     """Registry ``make_prompt_cache``: the cache of ``config_fn``'s configuration sized to the prompts
     ``input_ids [batch, seq]`` plus ``max_new_tokens``."""
+    capacity = prompt_capacity(input_ids.shape[1], max_new_tokens)  # checked before the choice is computed
     choice = one_choice(fixed_prompt_choices(config_fn, config, model, input_ids, attention_mask))
-    return fixed_choice_cache(config, model, choice, prompt_capacity(input_ids.shape[1], max_new_tokens))
+    return fixed_choice_cache(config, model, choice, capacity)
 
 
 def apply(model, config: FixedConfig):
