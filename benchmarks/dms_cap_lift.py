@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 import kvlearn
-from kvlearn.cli import THREADS_HELP, set_threads, thread_count
+from kvlearn.threads import THREADS_HELP, set_threads, thread_count
 from kvlearn.dms.apply import recorded_config
 from kvlearn.dms.cache import DMSLayer
 from kvlearn.errors import KVLearnError, check

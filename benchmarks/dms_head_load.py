@@ -44,7 +44,7 @@ import textwrap
 import torch
 
 import kvlearn
-from kvlearn.cli import THREADS_HELP, set_threads, thread_count
+from kvlearn.threads import THREADS_HELP, set_threads, thread_count
 from kvlearn.dms.apply import recorded_config
 from kvlearn.dms.attention import DMSTrainForward, shift_left, use_train_attention
 from kvlearn.results import make_results, write_results

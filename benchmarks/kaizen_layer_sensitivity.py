@@ -36,7 +36,7 @@ import time
 import torch
 
 from kvlearn import load_model
-from kvlearn.cli import THREADS_HELP, set_threads, thread_count
+from kvlearn.threads import THREADS_HELP, set_threads, thread_count
 from kvlearn.errors import KVLearnError, check
 from kvlearn.kaizen.actions import Backbone, KaizenConfig, LayerAction, action_space
 from kvlearn.kaizen.sharing import KaizenTrainForward, attach

@@ -38,7 +38,7 @@ import sys
 import torch
 
 import kvlearn
-from kvlearn.cli import THREADS_HELP, set_threads, thread_count
+from kvlearn.threads import THREADS_HELP, set_threads, thread_count
 from kvlearn import KVpopConfig
 from kvlearn.kvpop.apply import kvpop_modules, model_budget_config, recorded_config
 from kvlearn.kvpop.policy import LearnedDecay, sample_query_positions, teacher_policy

@@ -44,7 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import kvlearn
-from kvlearn.cli import THREADS_HELP, set_threads, thread_count
+from kvlearn.threads import THREADS_HELP, set_threads, thread_count
 from kvlearn import KVpopConfig
 from kvlearn.errors import KVLearnError, check
 from kvlearn.kvpop.loss import boundary_loss

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import kvlearn  # noqa: E402
-from kvlearn.cli import THREADS_HELP, set_threads, thread_count  # noqa: E402
+from kvlearn.threads import THREADS_HELP, set_threads, thread_count  # noqa: E402
 from kvlearn import KVpopConfig  # noqa: E402
 from kvlearn.errors import check  # noqa: E402
 from kvlearn.eval.accuracy import EvalConfig, evaluate  # noqa: E402

@@ -36,7 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import kvlearn
-from kvlearn.cli import THREADS_HELP, set_threads, thread_count
+from kvlearn.threads import THREADS_HELP, set_threads, thread_count
 from kvlearn.ops.masks import retention_mask_dense
 from kvlearn.kvpop.policy import static_priorities
 from kvlearn.ops.fenwick import running_topk_cutoff

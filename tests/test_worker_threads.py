@@ -1,7 +1,7 @@
 """The suite's own hygiene (``tests/conftest.py``): under pytest-xdist every test starts on one torch thread, even after
 a test whose code changed the count (a benchmark's ``main`` called in-process with ``--threads N``), so that the two
 workers on CI's two cores never run two threads each; and the ``--threads`` option the CLI and the benchmark scripts
-share (``kvlearn.cli.thread_count`` / ``set_threads``): 0 leaves torch's default, a bad count is one line."""
+share (``kvlearn.threads.thread_count`` / ``set_threads``): 0 leaves torch's default, a bad count is one line."""
 
 from pathlib import Path
 
@@ -35,7 +35,7 @@ def test_set_threads_leaves_the_default_at_zero_and_sets_a_count():
     import torch
 
     from kvlearn import KVLearnError
-    from kvlearn.cli import set_threads, thread_count
+    from kvlearn.threads import set_threads, thread_count
 
     before = torch.get_num_threads()
     try:
@@ -68,3 +68,21 @@ def test_every_benchmark_threads_option_refuses_a_bad_count_in_one_line(capsys):
             assert exit_.value.code == 2, name
             assert f"argument --threads: '{bad}' is invalid: expected 0 (torch's default) or a positive number" in err
     assert torch.get_num_threads() == before
+
+
+def test_the_thread_option_lives_outside_the_cli():
+    """The benchmark scripts take ``--threads`` from ``kvlearn.threads``, which loads neither the CLI nor torch until a
+    count is set (before session 58 they imported it from ``kvlearn.cli``, the command line's module)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvlearn.threads; "
+            "print(sorted(m for m in ('kvlearn.cli', 'torch') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    for name in SCRIPTS_WITH_THREADS:
+        text = (benchmarks / f"{name}.py").read_text()
+        assert "from kvlearn.threads import" in text and "from kvlearn.cli import" not in text, name

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .errors import KVLearnError, check, check_int
 from .lineage import teacher_mismatch
+from .threads import THREADS_HELP, set_threads, thread_count
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "checkpoints" / "testbed-teacher"
@@ -68,32 +69,6 @@ def _tasks(text: str) -> tuple[str, ...]:
     check(not repeated, f"--tasks {text!r}: task(s) {', '.join(repeated)} given more than once; expected each of "
                         f"{', '.join(FAMILIES)} at most once, or 'all'")
     return names
-
-
-THREADS_HELP = "CPU threads for torch (0: torch's default, one per core or OMP_NUM_THREADS)"
-
-
-def thread_count(text: str) -> int:
-    """``--threads`` as an argparse ``type``: a whole number >= 0 (0 leaves torch's default), else argparse's one-line
-    error. The benchmark scripts use it too, so that a bad value never reaches ``torch.set_num_threads``."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected 0 (torch's default) or a positive number of "
-                                         "threads")
-    return n
-
-
-def set_threads(n: int) -> None:
-    """Set torch's CPU threads to ``n``; 0 leaves its default (one per core, or ``OMP_NUM_THREADS``, which the test
-    suite sets to 1 for the processes a test starts). A one-line error below 0."""
-    import torch
-
-    check_int("--threads", n, 0)
-    if n:
-        torch.set_num_threads(n)
 
 
 def _load(path: str, device: str):
