@@ -22,10 +22,6 @@ _EIGHT_X = {"targets": (8.0,), "dense_fraction": 0.25, "underuse_weight": 1.0, "
             "share_threshold": 0.2, "lr": 1e-4, "ema_decay": 0.998, "family_weights": (2.0, 1.0, 1.0, 1.0)}
 
 KAIZEN_RECIPES: dict[str, dict] = {
-    # the 4x selector of record's settings (session 16: 1,009 steps side by side in 4.2 minutes), at a fixed 1,000
-    # steps; its sharing threshold and learning rate spelled out, so that a change of the defaults leaves it as run
-    "4x": {"targets": (4.0,), "steps": 1000, "dense_fraction": 0.25, "underuse_weight": 1.0, "share_layers": "auto",
-           "share_threshold": 0.05, "lr": 1e-5},
     # the first stage of the 8x recipe of record: a fixed 4,000 steps alone on the GPU
     "8x": {**_EIGHT_X, "steps": 4000},
     # its second stage: 3,000 more steps from the first stage's final/ (or export), at the end temperature
