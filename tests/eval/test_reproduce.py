@@ -256,7 +256,8 @@ def test_cli_bad_input_is_one_line_before_any_chain_runs(tmp_path, capsys, monke
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     out = tmp_path / "r"
-    for argv, needle in ((["--budgets", "512,-1", "--device", "cpu"], "budget=-1 is invalid: expected an integer >= 6"),
+    for argv, needle in ((["--budgets", "512,-1", "--device", "cpu"], "budget=-1 is invalid: expected an integer in [9, 4095]"),
+                         (["--budgets", "512,8", "--device", "cpu"], "budget=8 is invalid: expected an integer in [9, 4095]"),
                          (["--budgets", "512,x", "--device", "cpu"], "--budgets '512,x' is invalid: expected a comma list of integers"),
                          (["--students", "dms,h2o", "--device", "cpu"], "students='dms,h2o' is invalid: expected one or more of"),
                          (["--minutes", "5", "--device", "cpu"], "minutes=5.0 and steps=1: give one of them"),
@@ -266,6 +267,39 @@ def test_cli_bad_input_is_one_line_before_any_chain_runs(tmp_path, capsys, monke
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err, err
     assert not out.exists()
+
+
+def test_a_budget_every_student_can_train_at_is_checked_before_any_chain_runs(tmp_path):
+    """The bound is the retrofit's own (``kvlearn retrofit``: sinks + window + 1 <= budget < seq_len), found by brute
+    force over every budget with the window the chain passes (and with ``--window`` / ``--sinks`` / ``--seq-len`` in
+    ``retrofit_args``, which the chain passes after its own ``--window``, so theirs win). Before, budgets 6-8 passed
+    and started four retrofits, three of which failed at once while StreamingLLM+ trained on."""
+    from kvlearn.cli import build_parser
+    from kvlearn.config import retrofit_window
+    from kvlearn.eval.reproduce import RETROFIT_SEQ_LEN, RETROFIT_SINKS
+
+    defaults = build_parser().parse_args(["retrofit", "--model", "m", "--out", "o", "--method", "kvpop"])
+    assert (defaults.sinks, defaults.seq_len) == (RETROFIT_SINKS, RETROFIT_SEQ_LEN)  # what the students get
+
+    def trainable(budget, sinks=4, window=None, seq_len=4096):
+        window = retrofit_window(budget) if window is None else window
+        return sinks + window + 1 <= budget < seq_len
+
+    for args, kw in (("", {}), ("--window 16", dict(window=16)), ("--sinks 6 --window=40", dict(sinks=6, window=40)),
+                     ("--seq-len 256 --batch-size 2", dict(seq_len=256)), ("--window 16 --window 8", dict(window=8))):
+        accepted = []
+        for budget in range(1, 4200):
+            try:
+                ReproduceConfig(out=str(tmp_path / "x"), budgets=(budget,), retrofit_args=args)
+                accepted.append(budget)
+            except KVLearnError as error:
+                assert str(error).startswith(f"budget={budget} is invalid: expected an integer in [") \
+                    and "\n" not in str(error), (args, str(error))
+        assert accepted == [b for b in range(1, 4200) if trainable(b, **kw)], args
+    calls = []
+    with pytest.raises(KVLearnError, match="budget=7 is invalid"):
+        reproduce_kvpop(ReproduceConfig(out=str(tmp_path / "r"), budgets=(512, 7)), run=lambda *a, **k: calls.append(a))
+    assert calls == [] and not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow

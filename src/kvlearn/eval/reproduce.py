@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import retrofit_window
-from ..errors import check, check_int
+from ..errors import KVLearnError, check, check_int
 from ..results import (FULL_CACHE_LABELS, device_name, merge_results, portable_path, read_results, repo_root,
                        row_run_key, split_not_run, write_results)
 
@@ -51,7 +51,45 @@ COMMITTED_TABLE = Path("results") / "kvpop_table.json"  # the table of record a 
 SETTINGS = "reproduce_settings.json"  # in out: the settings a --resume must match
 EVAL_MINUTES = 4.0  # the table's share of a budget's run after the retrofits (n = 100, both splits, 6 parts)
 LEGACY_DMS_SCOPE = "model"  # the DMS scope of a table without `dms_scope`: every run before session 48 (DESIGN section 9)
+RETROFIT_SINKS, RETROFIT_SEQ_LEN = 4, 4096  # kvlearn retrofit's defaults of --sinks and --seq-len (tested equal)
 STEPS_OF_RECORD = 1300  # every student of results/kvpop_table.json trained this many steps (docs/DESIGN.md section 5)
+
+
+def retrofit_option(retrofit_args: str, option: str, default: int | None) -> int | None:
+    """The integer value of ``option`` (``--window``, ``--sinks``, ``--seq-len``) in ``retrofit_args`` as the students'
+    ``kvlearn retrofit`` will read it (the last one given wins, ``--opt N`` or ``--opt=N``), else ``default``; a value
+    that is not an integer is left to the retrofit's own one-line error (``default`` is returned)."""
+    try:
+        words = shlex.split(retrofit_args)
+    except ValueError as error:
+        raise KVLearnError(f"retrofit_args {retrofit_args!r} is invalid: {error} (expected kvlearn retrofit options)") \
+            from None
+    value = default
+    for i, word in enumerate(words):
+        text = word.split("=", 1)[1] if word.startswith(option + "=") else (
+            words[i + 1] if word == option and i + 1 < len(words) else None)
+        if text is not None:
+            value = int(text) if re.fullmatch(r"[+-]?\d+", text.strip()) else default
+    return value
+
+
+def check_student_budget(budget: int, retrofit_args: str = "") -> None:
+    """One-line errors, before any student starts, for a budget that one of Table 1's students cannot train at:
+    KVpop and DMS keep ``sinks + window`` protected tokens and at least one long-range slot (``window``: the one
+    :func:`kvlearn.config.retrofit_window` gives at this budget, or ``--window`` in ``retrofit_args``), and every
+    student needs a budget below the training sequence (``--seq-len``, default 4096), else nothing is evicted. Before
+    session 58 only ``budget >= 6`` was checked, so ``--budgets 7`` started four retrofits whose three windowed ones
+    failed at once while StreamingLLM+ trained on."""
+    sinks = retrofit_option(retrofit_args, "--sinks", RETROFIT_SINKS)
+    given = retrofit_option(retrofit_args, "--window", None)
+    seq_len = retrofit_option(retrofit_args, "--seq-len", RETROFIT_SEQ_LEN)
+    # budget - window never decreases as the budget grows, so the smallest budget that fits is the bound
+    smallest = (sinks + given + 1 if given is not None
+                else next(b for b in range(1, 4 * sinks + 8) if b >= sinks + retrofit_window(b) + 1))
+    window = (f"--window {given}" if given is not None else "a window of 256 from budget 512 up, half the budget below")
+    check_int("budget", budget, smallest, seq_len - 1,
+              hint=f" (the KVpop and DMS students keep sinks={sinks} + {window} + at least one long-range slot; a "
+                   f"budget of the retrofit's seq_len={seq_len} or more evicts nothing)")
 
 
 @dataclass
@@ -94,7 +132,7 @@ class ReproduceConfig:
     def __post_init__(self) -> None:
         check(len(self.budgets) > 0, "budgets is empty: expected one or more budgets, e.g. 1024,512,256")
         for b in self.budgets:
-            check_int("budget", b, 6)
+            check_student_budget(b, self.retrofit_args)
         check(self.minutes is None or self.steps is None, f"minutes={self.minutes!r} and steps={self.steps!r}: "
               "give one of them (steps: the same for every student; minutes: the same wall clock)")
         if self.minutes is None and self.steps is None:
