@@ -97,6 +97,15 @@ def check_output_path(path: str | os.PathLike, option: str, suffixes: tuple[str,
     check(ancestor.is_dir(), f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} is not a directory")
     writable = os.access(p, os.W_OK) if p.exists() else os.access(ancestor, os.W_OK | os.X_OK)
     check(writable, f"{option} {str(path)!r} cannot be written: permission denied")
+    if not p.exists():  # os.access cannot tell a pseudo-filesystem (/proc, /sys) that refuses new files, even to root
+        import tempfile
+
+        try:
+            with tempfile.NamedTemporaryFile(dir=ancestor, prefix=".kvlearn-write-probe-"):
+                pass
+        except OSError as error:
+            raise KVLearnError(f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} refuses new files "
+                               f"({error.strerror or error})") from None
     return p
 
 
