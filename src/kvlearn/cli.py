@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .errors import KVLearnError, check, check_int
 from .lineage import teacher_mismatch
+from .output_paths import check_writable_location
 from .threads import THREADS_HELP, set_threads, thread_count
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -90,23 +91,7 @@ def check_output_path(path: str | os.PathLike, option: str, suffixes: tuple[str,
     p = Path(path)
     check(not p.is_dir(), f"{option} {str(path)!r} is a directory: expected a file path ending in {' or '.join(suffixes)}")
     check(p.suffix.lower() in suffixes, f"{option} {str(path)!r}: expected a file path ending in {' or '.join(suffixes)}")
-    parent = p.parent if str(p.parent) else Path(".")
-    ancestor = parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    check(ancestor.is_dir(), f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} is not a directory")
-    writable = os.access(p, os.W_OK) if p.exists() else os.access(ancestor, os.W_OK | os.X_OK)
-    check(writable, f"{option} {str(path)!r} cannot be written: permission denied")
-    if not p.exists():  # os.access cannot tell a pseudo-filesystem (/proc, /sys) that refuses new files, even to root
-        import tempfile
-
-        try:
-            with tempfile.NamedTemporaryFile(dir=ancestor, prefix=".kvlearn-write-probe-"):
-                pass
-        except OSError as error:
-            raise KVLearnError(f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} refuses new files "
-                               f"({error.strerror or error})") from None
-    return p
+    return check_writable_location(p, option)
 
 
 def check_model_context(path: str, context: int) -> None:
@@ -687,6 +672,7 @@ def cmd_convert_mla(args) -> int:
     check_int("--calibration-length", args.calibration_length, MIN_LENGTH, limit)
     out = Path(args.out)
     check(not out.exists() or out.is_dir(), f"--out {args.out!r} is a file: expected a folder")
+    check_writable_location(out, "--out")
     check(args.overwrite or not out.exists() or not any(out.iterdir()),
           f"--out {args.out!r} already holds files: pass --overwrite to replace them, or choose a new folder")
     set_threads(args.threads)

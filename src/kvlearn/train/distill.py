@@ -68,6 +68,7 @@ import torch
 
 from ..config import DMSConfig, KVpopConfig, StreamingConfig
 from ..errors import check, check_int, check_non_negative, check_positive
+from ..output_paths import check_writable_location
 from ..kvpop.apply import apply_kvpop, model_budget_config
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import BoundaryDecisions, boundary_decisions, sample_query_positions, stacked_teacher_policy
@@ -276,6 +277,7 @@ def check_out_folder(config) -> None:
     ``step-<N>`` checkpoint; otherwise it must be new or empty unless ``overwrite``. One-line errors."""
     out = Path(config.out)
     check(not out.exists() or out.is_dir(), f"out={config.out!r} is a file: expected a folder for the checkpoints")
+    check_writable_location(out, "out")
     if config.resume:
         check(latest_checkpoint(out) is not None,
               f"resume: out={config.out!r} holds no step-<N> checkpoint: expected the folder of an earlier run")
