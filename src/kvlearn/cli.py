@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .errors import KVLearnError, check, check_int
 from .lineage import teacher_mismatch
-from .output_paths import check_writable_location
+from .output_paths import check_output_folder, check_writable_location
 from .threads import THREADS_HELP, set_threads, thread_count
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -671,8 +671,7 @@ def cmd_convert_mla(args) -> int:
     limit = min(MAX_LENGTH, getattr(config, "max_position_embeddings", MAX_LENGTH) or MAX_LENGTH)
     check_int("--calibration-length", args.calibration_length, MIN_LENGTH, limit)
     out = Path(args.out)
-    check(not out.exists() or out.is_dir(), f"--out {args.out!r} is a file: expected a folder")
-    check_writable_location(out, "--out")
+    check_output_folder(out, "--out")
     check(args.overwrite or not out.exists() or not any(out.iterdir()),
           f"--out {args.out!r} already holds files: pass --overwrite to replace them, or choose a new folder")
     set_threads(args.threads)

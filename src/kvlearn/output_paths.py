@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import KVLearnError, check
 
-__all__ = ["check_writable_location"]
+__all__ = ["check_writable_location", "check_output_folder"]
 
 
 def nearest_existing(path: Path) -> Path:
@@ -42,3 +42,11 @@ def check_writable_location(path: str | os.PathLike, name: str) -> Path:
         raise KVLearnError(f"{name} {str(path)!r} cannot be written: {str(folder)!r} refuses new files "
                            f"({error.strerror or error})") from None
     return p
+
+
+def check_output_folder(path: str | os.PathLike, name: str) -> Path:
+    """One-line errors unless ``path`` is a folder, existing or not, that can be created and written (a trainer's or a
+    converter's ``out``): an existing file is refused, then :func:`check_writable_location`. Returns ``Path(path)``."""
+    p = Path(path)
+    check(not p.exists() or p.is_dir(), f"{name}={str(path)!r} is a file: expected a folder")
+    return check_writable_location(p, name)

@@ -40,7 +40,7 @@ from typing import Callable
 
 from ..config import retrofit_window
 from ..errors import KVLearnError, check, check_int
-from ..output_paths import check_writable_location
+from ..output_paths import check_output_folder
 from ..results import (FULL_CACHE_LABELS, device_name, merge_results, portable_path, read_results, repo_root,
                        row_run_key, split_not_run, write_results)
 
@@ -157,8 +157,7 @@ class ReproduceConfig:
 
             read_model_config(self.model)
         out = Path(self.out)
-        check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder")
-        check_writable_location(out, "out")
+        check_output_folder(out, "out")
         check(not (self.overwrite and self.resume),
               "--overwrite and --resume exclude each other: --resume keeps the finished budgets, --overwrite reruns "
               "them")

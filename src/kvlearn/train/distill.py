@@ -68,7 +68,7 @@ import torch
 
 from ..config import DMSConfig, KVpopConfig, StreamingConfig
 from ..errors import check, check_int, check_non_negative, check_positive
-from ..output_paths import check_writable_location
+from ..output_paths import check_output_folder
 from ..kvpop.apply import apply_kvpop, model_budget_config
 from ..kvpop.loss import boundary_loss
 from ..kvpop.policy import BoundaryDecisions, boundary_decisions, sample_query_positions, stacked_teacher_policy
@@ -276,8 +276,7 @@ def check_out_folder(config) -> None:
     """A trainer's ``out`` folder (retrofit, kaizen-train): a folder, not a file; with ``resume`` it must hold a
     ``step-<N>`` checkpoint; otherwise it must be new or empty unless ``overwrite``. One-line errors."""
     out = Path(config.out)
-    check(not out.exists() or out.is_dir(), f"out={config.out!r} is a file: expected a folder for the checkpoints")
-    check_writable_location(out, "out")
+    check_output_folder(out, "out")
     if config.resume:
         check(latest_checkpoint(out) is not None,
               f"resume: out={config.out!r} holds no step-<N> checkpoint: expected the folder of an earlier run")

@@ -27,7 +27,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ..errors import check, check_int, check_positive
 from ..hf import unpadded_causal_masks
-from ..output_paths import check_writable_location
+from ..output_paths import check_output_folder
 from ..testbed import tasks as testbed_tasks
 from ..testbed.data import TestbedStream, check_haystack_subset, dense_share
 from ..testbed.filler import TRAIN_STYLES
@@ -141,8 +141,7 @@ class PretrainConfig:
               f"resume={self.resume!r} is not a model folder (no config.json): expected the checkpoint folder of an "
               "earlier kvlearn pretrain run")
         out = Path(self.out)
-        check(not out.exists() or out.is_dir(), f"out={self.out!r} is a file: expected a folder for the checkpoint")
-        check_writable_location(out, "out")
+        check_output_folder(out, "out")
         check(self.overwrite or not out.exists() or not any(out.iterdir()) or out == Path(self.resume or "\0"),
               f"out={self.out!r} already holds files: pass --overwrite to replace them, or choose a new folder")
 
