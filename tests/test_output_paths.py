@@ -41,9 +41,9 @@ def test_every_command_refuses_an_output_it_cannot_create_before_any_work(comman
     monkeypatch.setattr(distill, "retrofit", lambda *a, **k: ran.append("retrofit"))
     monkeypatch.setattr(kaizen, "kaizen_train", lambda *a, **k: ran.append("kaizen"))
     monkeypatch.setattr(pretrain, "pretrain", lambda *a, **k: ran.append("pretrain"))
-    teacher = make_teacher(2, 0)
     if where == "pseudo-filesystem" and not (PSEUDO / "self").is_dir():
         pytest.skip("no /proc on this system")
+    teacher = make_teacher(2, 0)
     out = str(PSEUDO / "kvlearn-out")
     if where == "existing file":  # a folder's place taken by a file (eval writes a file: its place taken by a folder)
         out = str(tmp_path / "taken")

@@ -2,13 +2,12 @@
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, Qwen3Config, Qwen3ForCausalLM
 
-from kvlearn.cli import DEFAULT_MODEL, check_output_path, main
+from kvlearn.cli import DEFAULT_MODEL, main
 from kvlearn.eval.accuracy import EvalConfig, evaluate
 from kvlearn.eval.plots import plot_accuracy
 from kvlearn.results import SCHEMA, make_results, write_results
@@ -88,18 +87,12 @@ def test_output_paths_and_model_limits_are_checked_before_evaluating(capsys, tmp
         (["--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "sub")], "is a directory"),
         (["--context", "1024", "--model", str(tmp_path / "tiny")], "exceeds the model's max_position_embeddings=512"),
     ]
-    if Path("/proc/self").is_dir():  # a pseudo-filesystem that os.access calls writable for root (refuses new files)
-        cases.append((["--out", "/proc/kvlearn-results.json"], "'/proc/kvlearn-results.json' cannot be written"))
     Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=8, max_position_embeddings=512).save_pretrained(tmp_path / "tiny")
     for extra, needle in cases:
         code, err = run_cli(capsys, "eval", "--method", "dense", "--device", "cpu", "--model", str(tmp_path), *extra)
         assert code == 2 and needle in err and len(err.splitlines()) == 1, (extra, err)
     assert not (tmp_path / "r.json").exists()
-    # a writable path passes, and the write probe leaves nothing behind (in the nearest existing folder)
-    before = sorted(tmp_path.iterdir())
-    assert check_output_path(tmp_path / "new" / "r.json", "--out", (".json",)) == tmp_path / "new" / "r.json"
-    assert sorted(tmp_path.iterdir()) == before
 
 
 def test_version_help_defaults_and_methods_listing(capsys):
